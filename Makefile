@@ -1,0 +1,41 @@
+# Set-up, data, training and tests. Every target creates the virtual environment first.
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+# Pinned so that a CPU-only machine with the wheel on disk installs it in seconds;
+# override on a GPU machine, e.g. make TORCH_SPEC='torch>=2.4' train
+TORCH_SPEC  ?= torch==2.13.0
+CONFIG      ?= configs/multi30k.yaml
+# A local mirror of the corpora (plain text). Used when present; otherwise `make data`
+# downloads Multi30k from the Hugging Face hub through `datasets`.
+DATA_MIRROR ?= ../shared/data
+ARGS        ?=
+
+.PHONY: install data train test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,plot]"
+	touch $@
+
+data: install data/multi30k/train.de
+
+data/multi30k/train.de:
+	mkdir -p data
+	if [ -f "$(DATA_MIRROR)/multi30k/train.de" ]; then \
+		ln -sfn "$(abspath $(DATA_MIRROR))/multi30k" data/multi30k; \
+	else \
+		$(PY) scripts/fetch_multi30k.py data/multi30k; \
+	fi
+
+train: install data
+	$(PY) -m transformer train $(CONFIG) $(ARGS)
+
+test: install
+	TRANSFORMER_DATA="$(abspath $(DATA_MIRROR))" $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) data build *.egg-info .pytest_cache

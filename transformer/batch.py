@@ -1,0 +1,79 @@
+"""The Batch: padded source/target tensors, the teacher-forcing shift, and the only mask builders.
+
+Mask convention everywhere: boolean, True = this query may attend to this key, shaped
+(B|1, 1, T_query|1, T_key) so it broadcasts over attention heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
+
+
+def padding_mask(tokens: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
+    """(B, T) ids -> (B, 1, 1, T): True on real tokens, False on padding."""
+    return (tokens != pad_id)[:, None, None, :]
+
+
+def causal_mask(length: int, device=None) -> torch.Tensor:
+    """(1, 1, T, T): position i may attend to positions <= i."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def pad_sequences(seqs: Sequence[Sequence[int]], pad_to_multiple: int = 1, pad_id: int = PAD_ID) -> torch.Tensor:
+    """Right-pad lists of ids into a (B, T) LongTensor, T rounded up to a multiple."""
+    longest = max(len(s) for s in seqs)
+    longest = -(-longest // pad_to_multiple) * pad_to_multiple
+    out = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    return out
+
+
+@dataclass
+class Batch:
+    """src (B, S) = ids + EOS; tgt_in (B, T) = BOS + ids; tgt_out (B, T) = ids + EOS."""
+
+    src: torch.Tensor
+    tgt_in: torch.Tensor
+    tgt_out: torch.Tensor
+    n_src_tokens: int  # real (non-pad) tokens, counted on the host so no device sync is needed
+    n_tgt_tokens: int
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_to_multiple: int = 1) -> "Batch":
+        src = pad_sequences([list(s) + [EOS_ID] for s, _ in pairs], pad_to_multiple)
+        tgt = pad_sequences([[BOS_ID] + list(t) + [EOS_ID] for _, t in pairs], 1)
+        # Shift by one: the decoder reads BOS y1 .. yn and must predict y1 .. yn EOS.
+        tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+        if pad_to_multiple > 1:
+            extra = -tgt_in.size(1) % pad_to_multiple
+            tgt_in = torch.nn.functional.pad(tgt_in, (0, extra), value=PAD_ID)
+            tgt_out = torch.nn.functional.pad(tgt_out, (0, extra), value=PAD_ID)
+        n_src = sum(len(s) + 1 for s, _ in pairs)
+        n_tgt = sum(len(t) + 1 for _, t in pairs)
+        return cls(src, tgt_in.contiguous(), tgt_out.contiguous(), n_src, n_tgt)
+
+    @property
+    def src_mask(self) -> torch.Tensor:
+        return padding_mask(self.src)
+
+    @property
+    def tgt_mask(self) -> torch.Tensor:
+        """Causal and key padding together: (B, 1, T, T)."""
+        return padding_mask(self.tgt_in) & causal_mask(self.tgt_in.size(1), self.tgt_in.device)
+
+    def __len__(self) -> int:
+        return self.src.size(0)
+
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        src, tgt_in, tgt_out = (t.to(device, non_blocking=non_blocking) for t in (self.src, self.tgt_in, self.tgt_out))
+        return Batch(src, tgt_in, tgt_out, self.n_src_tokens, self.n_tgt_tokens)
+
+    def pin_memory(self) -> "Batch":
+        pinned = (t.pin_memory() for t in (self.src, self.tgt_in, self.tgt_out))
+        return Batch(*pinned, self.n_src_tokens, self.n_tgt_tokens)

@@ -1,0 +1,91 @@
+"""Checkpoints: atomic writes, checked reads, and rebuilding a model (with its vocabulary) from one."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from transformer.config import Config, from_dict
+from transformer.errors import UserError
+from transformer.model import Transformer
+from transformer.vocab import Vocab
+
+FORMAT = "transformer-checkpoint-v1"
+
+
+def save_checkpoint(state: dict, path: str | Path) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over `path`:
+    a crash at any moment leaves either the old file or the new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"format": FORMAT, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
+    path = Path(path)
+    if path.is_dir():
+        path = resolve_checkpoint(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint: no such file: {path}")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint: {path} is truncated or not a checkpoint ({first[:200]})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"checkpoint: {path} is not a checkpoint written by this package")
+    return state
+
+
+def resolve_checkpoint(run_dir_or_file: str | Path) -> Path:
+    """A run directory means its best.pt (else last.pt); a file means itself."""
+    p = Path(run_dir_or_file)
+    if p.is_dir():
+        for name in ("best.pt", "last.pt"):
+            if (p / name).is_file():
+                return p / name
+        raise UserError(f"checkpoint: {p} holds no best.pt or last.pt")
+    if not p.exists():
+        raise UserError(f"checkpoint: no such file or run directory: {p}")
+    return p
+
+
+def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer, Vocab, Config]:
+    """Rebuild the model exactly as trained, from the config and vocabulary the checkpoint carries."""
+    cfg = from_dict(state["config"])
+    vocab = Vocab(state["vocab"])
+    model = Transformer(cfg.model, len(vocab))
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        raise UserError(f"checkpoint: weights do not match its own config ({first[:200]})") from None
+    return model.to(device).eval(), vocab, cfg
+
+
+def load_model(run_dir_or_file: str | Path, device: Any = "cpu") -> tuple[Transformer, Vocab, Config]:
+    return model_from_checkpoint(load_checkpoint(resolve_checkpoint(run_dir_or_file)), device)

@@ -1,0 +1,257 @@
+"""YAML config -> frozen, type-checked dataclasses; unknown keys and bad values are errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Tuple
+
+import yaml
+
+from transformer.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 512                 # width of every residual stream
+    n_heads: int = 8
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    d_ff: int = 2048                   # inner width of the position-wise feed-forward
+    dropout: float = 0.1               # on embeddings+positions and on each sub-layer output
+    attention_dropout: float = 0.0     # on the attention probabilities
+    activation_dropout: float = 0.0    # after the ReLU inside the feed-forward
+    max_positions: int = 1024          # sinusoid table length; longest sequence the model accepts
+    norm: Literal["post", "pre"] = "post"  # post: the paper's Add&Norm; pre: LayerNorm before each sub-layer
+    share_embeddings: bool = True      # one embedding matrix for source and target (joint vocabulary)
+    tie_output: bool = True            # output projection reuses the target embedding matrix
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["local", "hub"] = "local"
+    dir: str = "data/multi30k"         # local: files {dir}/{split}.{lang}
+    hub_name: str = "bentrevett/multi30k"  # hub: datasets.load_dataset(hub_name, hub_config)
+    hub_config: Optional[str] = None
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    train_split: str = "train"
+    valid_split: str = "valid"         # for the hub's bentrevett/multi30k use "validation"
+    test_split: str = "test"
+    vocab_size: int = 8000             # joint SentencePiece vocabulary, special tokens included
+    spm_model_type: Literal["bpe", "unigram"] = "bpe"
+    spm_character_coverage: float = 1.0
+    spm_max_sentences: int = 2_000_000  # sentences sampled to train SentencePiece
+    max_len: int = 128                 # training pairs with a side longer than this (subwords) are dropped
+    max_tokens: int = 4096             # per batch: batch size x longest padded sequence (src or tgt)
+    pad_to_multiple: int = 1           # pad lengths up to a multiple (8 helps tensor cores)
+    max_train_pairs: int = 0           # use only the first N training pairs (0 = all)
+    max_valid_pairs: int = 0           # use only the first N validation pairs (0 = all)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run_dir: str = "runs/default"      # config, tokenizer, checkpoints and logs go here
+    seed: int = 1
+    max_steps: int = 100_000           # optimizer updates
+    max_epochs: int = 0                # 0 = no limit
+    update_freq: int = 1               # micro-batches accumulated per update
+    lr_schedule: Literal["noam", "inverse_sqrt", "constant"] = "noam"
+    lr: float = 1.0                    # noam: the factor; inverse_sqrt and constant: the peak rate
+    warmup_steps: int = 4000
+    label_smoothing: float = 0.1
+    adam_betas: Tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    clip_norm: float = 0.0             # max gradient norm; 0 = no clipping
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    compile: bool = False              # torch.compile the model
+    log_every: int = 100               # steps between training-metric lines in metrics.jsonl
+    valid_every: int = 1000            # steps between validations and checkpoints
+    keep_last: int = 0                 # also keep this many step checkpoints (for averaging)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    beam: int = 4
+    lenpen: float = 0.6                # GNMT length penalty alpha
+    max_len_offset: int = 50           # output may be source length + this many tokens
+    max_tokens: int = 8192             # source tokens per translation batch
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _check_value(section: str, key: str, hint: Any, value: Any) -> Any:
+    """Return value converted to the field's type, or raise a UserError naming section.key."""
+    where = f"{section}.{key}"
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            choices = ", ".join(repr(c) for c in typing.get_args(hint))
+            raise UserError(f"config: {where} must be one of {choices}, got {value!r}")
+        return value
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _check_value(section, key, inner, value)
+    if origin in (tuple, Tuple):
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise UserError(f"config: {where} must be a list of {len(args)} numbers, got {value!r}")
+        return tuple(_check_value(section, key, a, v) for a, v in zip(args, value))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"config: {where} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"config: {where} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"config: {where} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise UserError(f"config: {where} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {hint!r} for {where}")
+
+
+def _build_section(section: str, cls: type, values: Any):
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise UserError(f"config: section '{section}' must be a mapping of keys to values")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            raise UserError(
+                f"config: unknown key '{key}' in section '{section}' "
+                f"(known keys: {', '.join(sorted(known))})"
+            )
+    kwargs = {k: _check_value(section, k, hints[k], v) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def validate(cfg: Config) -> None:
+    """Reject combinations that would fail later or train nonsense."""
+    m, d, t, dec = cfg.model, cfg.data, cfg.train, cfg.decode
+    checks = [
+        (m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads == 0,
+         f"model.d_model ({m.d_model}) must be a positive multiple of model.n_heads ({m.n_heads})"),
+        (m.d_model % 2 == 0, f"model.d_model ({m.d_model}) must be even for the sinusoidal positions"),
+        (m.n_encoder_layers >= 1 and m.n_decoder_layers >= 1, "model needs at least one encoder and one decoder layer"),
+        (m.d_ff >= 1, "model.d_ff must be positive"),
+        (m.max_positions >= 2, "model.max_positions must be at least 2"),
+        (d.vocab_size >= 8, "data.vocab_size must be at least 8"),
+        (d.max_len >= 1, "data.max_len must be positive"),
+        (d.max_len + 2 <= m.max_positions,
+         f"data.max_len ({d.max_len}) + 2 special tokens exceeds model.max_positions ({m.max_positions})"),
+        (d.max_tokens >= d.max_len + 2,
+         f"data.max_tokens ({d.max_tokens}) must hold at least one pair of max_len ({d.max_len}) + 2"),
+        (d.pad_to_multiple >= 1, "data.pad_to_multiple must be at least 1"),
+        (0 < d.spm_character_coverage <= 1, "data.spm_character_coverage must be in (0, 1]"),
+        (d.max_train_pairs >= 0 and d.max_valid_pairs >= 0, "data.max_*_pairs must not be negative"),
+        (d.src_lang != d.tgt_lang, "data.src_lang and data.tgt_lang must differ"),
+        (t.max_steps >= 1, "train.max_steps must be at least 1"),
+        (t.max_epochs >= 0, "train.max_epochs must not be negative"),
+        (t.update_freq >= 1, "train.update_freq must be at least 1"),
+        (t.lr > 0, "train.lr must be positive"),
+        (t.warmup_steps >= 0, "train.warmup_steps must not be negative"),
+        (t.lr_schedule == "constant" or t.warmup_steps > 0,
+         f"train.warmup_steps must be positive with lr_schedule '{t.lr_schedule}'"),
+        (0 <= t.label_smoothing < 1, "train.label_smoothing must be in [0, 1)"),
+        (all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas must be in [0, 1)"),
+        (t.adam_eps > 0, "train.adam_eps must be positive"),
+        (t.weight_decay >= 0, "train.weight_decay must not be negative"),
+        (t.clip_norm >= 0, "train.clip_norm must not be negative"),
+        (t.log_every >= 1 and t.valid_every >= 1, "train.log_every and train.valid_every must be at least 1"),
+        (t.keep_last >= 0, "train.keep_last must not be negative"),
+        (dec.beam >= 1, "decode.beam must be at least 1"),
+        (dec.lenpen >= 0, "decode.lenpen must not be negative"),
+        (dec.max_len_offset >= 1, "decode.max_len_offset must be at least 1"),
+        (dec.max_tokens >= 1, "decode.max_tokens must be positive"),
+    ]
+    for p in ("dropout", "attention_dropout", "activation_dropout"):
+        value = getattr(m, p)
+        checks.append((0 <= value < 1, f"model.{p} must be in [0, 1), got {value}"))
+    for ok, message in checks:
+        if not ok:
+            raise UserError(f"config: {message}")
+
+
+def from_dict(raw: Any) -> Config:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError("config: the top level must be a mapping with sections " + ", ".join(SECTIONS))
+    for name in raw:
+        if name not in SECTIONS:
+            raise UserError(f"config: unknown section '{name}' (known sections: {', '.join(SECTIONS)})")
+    sections = {name: _build_section(name, cls, raw.get(name)) for name, cls in
+                ((f.name, typing.get_type_hints(Config)[f.name]) for f in dataclasses.fields(Config))}
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    out = dataclasses.asdict(cfg)
+    out["train"]["adam_betas"] = list(cfg.train.adam_betas)  # YAML-friendly
+    return out
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `section.key=value` strings; values are parsed as YAML (so 0.1, true, [1, 2] work)."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise UserError(f"--set expects section.key=value, got {item!r}")
+        path, text = item.split("=", 1)
+        section, key = path.split(".", 1)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        if not isinstance(raw.get(section), dict):
+            raw[section] = {}
+        raw[section][key] = value
+    return raw
+
+
+def read_yaml(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config: no such file: {path}")
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"config: invalid YAML in {path}{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config: {path} is not UTF-8 text") from None
+
+
+def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:
+    return from_dict(apply_overrides(read_yaml(path), overrides or []))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")

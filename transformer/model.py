@@ -1,0 +1,270 @@
+"""The encoder-decoder Transformer of Vaswani et al. (2017): one module per box of the paper's figure.
+
+Tensors are batch-first: (B, T, C). Masks are boolean with True = "may attend" and have
+shape (B or 1, 1, T_query or 1, T_key) so they broadcast over heads; they are built in
+transformer/batch.py (`padding_mask`, `causal_mask`) and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer.config import ModelConfig
+
+
+class PositionalEncoding(nn.Module):
+    """Sinusoids: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), precomputed."""
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        position = torch.arange(max_positions, dtype=torch.float32).unsqueeze(1)  # (P, 1)
+        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+        table = torch.zeros(max_positions, d_model)
+        table[:, 0::2] = torch.sin(position * inv_freq)
+        table[:, 1::2] = torch.cos(position * inv_freq)
+        # Not a parameter and not saved: it is a pure function of (d_model, max_positions).
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, length: int, offset: int = 0) -> torch.Tensor:
+        if offset + length > self.table.size(0):
+            raise ValueError(
+                f"sequence of {offset + length} positions exceeds model.max_positions ({self.table.size(0)})"
+            )
+        return self.table[offset: offset + length]  # (T, C)
+
+
+@dataclass
+class KVCache:
+    """Keys/values of one attention layer, (B, H, T, Dh) each, for incremental decoding."""
+
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+
+
+@dataclass
+class DecoderCache:
+    """Everything the decoder remembers between steps: per-layer self- and cross-attention K/V."""
+
+    self_attn: list[KVCache] = field(default_factory=list)
+    cross_attn: list[KVCache] = field(default_factory=list)
+    length: int = 0  # target positions already consumed
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (beam search reordering / dropping finished sentences)."""
+        for kv in self.self_attn + self.cross_attn:
+            if kv.k is not None:
+                kv.k = kv.k.index_select(0, index)
+                kv.v = kv.v.index_select(0, index)
+
+
+class MultiHeadAttention(nn.Module):
+    """Scaled dot-product attention over n_heads subspaces, with Q, K, V and output projections."""
+
+    def __init__(self, d_model: int, n_heads: int, attention_dropout: float):
+        super().__init__()
+        self.n_heads = n_heads
+        self.d_head = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.attention_dropout = attention_dropout
+        # When set to a list, forward() appends its attention probabilities (B, H, Tq, Tk)
+        # computed by the explicit (slower) path; None keeps the fused SDPA kernel.
+        self.record: Optional[list] = None
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, T, C) -> (B, H, T, Dh)
+
+    def forward(
+        self,
+        query: torch.Tensor,                 # (B, Tq, C)
+        key_value: torch.Tensor,             # (B, Tk, C)
+        mask: Optional[torch.Tensor],        # (B|1, 1, Tq|1, Tk_total) bool, True = may attend
+        cache: Optional[KVCache] = None,
+        static_kv: bool = False,             # cross-attention: K/V depend only on the encoder output
+    ) -> torch.Tensor:
+        q = self._split(self.q_proj(query))
+        if cache is not None and static_kv and cache.k is not None:
+            k, v = cache.k, cache.v  # encoder K/V computed once, at the first step
+        else:
+            k = self._split(self.k_proj(key_value))
+            v = self._split(self.v_proj(key_value))
+            if cache is not None:
+                if not static_kv and cache.k is not None:
+                    k = torch.cat([cache.k, k], dim=2)
+                    v = torch.cat([cache.v, v], dim=2)
+                cache.k, cache.v = k, v
+        dropout = self.attention_dropout if self.training else 0.0
+        if self.record is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        else:
+            out, probs = attention_reference(q, k, v, mask, dropout, self.training)
+            self.record.append(probs.detach())
+        b, _, tq, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, tq, self.n_heads * self.d_head)  # (B, H, Tq, Dh) -> (B, Tq, C)
+        return self.out_proj(out)
+
+
+def attention_reference(q, k, v, mask, dropout: float = 0.0, training: bool = False):
+    """softmax(QK^T / sqrt(d)) V written out, returning the probabilities too."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    dropped = F.dropout(probs, dropout, training) if dropout > 0 else probs
+    return dropped @ v, probs
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(activation_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.dropout(F.relu(self.fc1(x))))
+
+
+class SublayerConnection(nn.Module):
+    """Residual around a sub-layer with dropout; LayerNorm after the add (post) or before the sub-layer (pre)."""
+
+    def __init__(self, d_model: int, dropout: float, norm: str):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.pre_norm = norm == "pre"
+
+    def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+        if self.pre_norm:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each wrapped in a SublayerConnection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.sub_attn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
+        self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        x = self.sub_attn(x, lambda h: self.self_attn(h, h, src_mask))
+        return self.sub_ffn(x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention, feed-forward."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.sub_self = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
+        self.sub_cross = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
+        self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
+
+    def forward(self, x, memory, tgt_mask, memory_mask, self_cache=None, cross_cache=None):
+        x = self.sub_self(x, lambda h: self.self_attn(h, h, tgt_mask, self_cache))
+        x = self.sub_cross(x, lambda h: self.cross_attn(h, memory, memory_mask, cross_cache, static_kv=True))
+        return self.sub_ffn(x, self.ffn)
+
+
+class Transformer(nn.Module):
+    """Embeddings, N encoder layers, N decoder layers and the output projection to the vocabulary."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.pad_id = pad_id
+        self.src_embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
+        self.tgt_embed = self.src_embed if cfg.share_embeddings else nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
+        self.positions = PositionalEncoding(cfg.d_model, cfg.max_positions)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
+        # Pre-norm leaves the residual stream un-normalised, so it needs one last LayerNorm.
+        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+        self.output = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tie_output:
+            self.output.weight = self.tgt_embed.weight
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        # N(0, d^-1/2) so that embeddings scaled by sqrt(d) have unit variance and tied logits stay O(1).
+        for emb in {id(self.src_embed): self.src_embed, id(self.tgt_embed): self.tgt_embed}.values():
+            nn.init.normal_(emb.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
+            with torch.no_grad():
+                emb.weight[self.pad_id].zero_()
+
+    def _embed(self, embedding: nn.Embedding, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        x = embedding(tokens) * math.sqrt(self.cfg.d_model)  # (B, T, C)
+        return self.embed_dropout(x + self.positions(tokens.size(1), offset))
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        """src (B, S) token ids, src_mask (B, 1, 1, S) -> memory (B, S, C)."""
+        x = self._embed(self.src_embed, src)
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        return self.encoder_norm(x)
+
+    def decode(
+        self,
+        tgt: torch.Tensor,                    # (B, T) ids; with a cache, only the new positions
+        memory: torch.Tensor,                 # (B, S, C)
+        memory_mask: torch.Tensor,            # (B, 1, 1, S)
+        tgt_mask: Optional[torch.Tensor] = None,  # (B|1, 1, T, cache.length + T); None: no masking
+        cache: Optional[DecoderCache] = None,
+    ) -> torch.Tensor:
+        """-> logits (B, T, V). With a cache, earlier positions' keys/values are reused and extended."""
+        offset = cache.length if cache is not None else 0
+        x = self._embed(self.tgt_embed, tgt, offset)
+        for i, layer in enumerate(self.decoder_layers):
+            self_cache = cache.self_attn[i] if cache is not None else None
+            cross_cache = cache.cross_attn[i] if cache is not None else None
+            x = layer(x, memory, tgt_mask, memory_mask, self_cache, cross_cache)
+        if cache is not None:
+            cache.length += tgt.size(1)
+        return self.output(self.decoder_norm(x))
+
+    def new_cache(self) -> DecoderCache:
+        n = len(self.decoder_layers)
+        return DecoderCache([KVCache() for _ in range(n)], [KVCache() for _ in range(n)])
+
+    def forward(self, src, tgt_in, src_mask, tgt_mask) -> torch.Tensor:
+        """Teacher-forced training pass: logits (B, T, V) for every target position."""
+        return self.decode(tgt_in, self.encode(src, src_mask), src_mask, tgt_mask)
+
+    def attention_modules(self) -> dict[str, list[MultiHeadAttention]]:
+        """The attention blocks by kind, layer order: for inspecting attention weights."""
+        return {
+            "encoder": [layer.self_attn for layer in self.encoder_layers],
+            "decoder": [layer.self_attn for layer in self.decoder_layers],
+            "cross": [layer.cross_attn for layer in self.decoder_layers],
+        }
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a shared matrix counts once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,91 @@
+"""The joint SentencePiece vocabulary: special-token ids, training, loading, encoding and decoding."""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import sentencepiece as spm
+
+from transformer.errors import UserError
+
+# The special ids, fixed for every model this package trains.
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+_NOT_TEXT = frozenset((PAD_ID, BOS_ID, EOS_ID))
+
+log = logging.getLogger(__name__)
+
+
+class Vocab:
+    """A SentencePiece model whose special ids are the ones above."""
+
+    def __init__(self, model_proto: bytes):
+        self.proto = model_proto
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.LoadFromSerializedProto(model_proto)
+        except Exception as e:  # sentencepiece raises bare RuntimeError/OSError
+            raise UserError(f"not a valid SentencePiece model ({e})") from None
+        specials = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
+        if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise UserError(
+                f"SentencePiece model has special ids pad/unk/bos/eos = {specials}, "
+                f"expected {(PAD_ID, UNK_ID, BOS_ID, EOS_ID)}"
+            )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Vocab":
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"no SentencePiece model at {path}")
+        return cls(path.read_bytes())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_bytes(self.proto)
+
+    def __len__(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts), out_type=int)
+
+    def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        return [self.sp.decode([int(i) for i in seq if i not in _NOT_TEXT]) for seq in ids]
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.sp.id_to_piece(int(i)) for i in ids]
+
+
+def train_vocab(
+    sentences: Iterable[str],
+    vocab_size: int,
+    model_type: str = "bpe",
+    character_coverage: float = 1.0,
+    max_sentences: int = 2_000_000,
+    seed: int = 1,
+) -> Vocab:
+    """Train a joint SentencePiece model on `sentences` (both languages mixed)."""
+    model = io.BytesIO()
+    sentences = (s for s in sentences if s.strip())
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences,
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            # Words of any length, and a vocabulary that fits small corpora.
+            max_sentence_length=1 << 16,
+            hard_vocab_limit=False,
+            minloglevel=2,
+            num_threads=2,
+        )
+    except RuntimeError as e:
+        raise UserError(f"SentencePiece training failed: {e}") from None
+    return Vocab(model.getvalue())
