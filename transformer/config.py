@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,9 @@ class Config:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
+# Decimal numbers in exponent notation without a dot, which YAML 1.1 does not count as floats.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
 
 def _check_value(section: str, key: str, hint: Any, value: Any) -> Any:
     """Return value converted to the field's type, or raise a UserError naming section.key."""
@@ -121,6 +125,8 @@ def _check_value(section: str, key: str, hint: Any, value: Any) -> Any:
             raise UserError(f"config: {where} must be an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 (PyYAML) reads 1e-9 and 5e-4 as strings
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"config: {where} must be a number, got {value!r}")
         return float(value)
