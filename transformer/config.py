@@ -224,6 +224,8 @@ def to_dict(cfg: Config) -> dict:
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Apply `section.key=value` strings; values are parsed as YAML (so 0.1, true, [1, 2] work)."""
+    if raw is not None and not isinstance(raw, dict):
+        raise UserError("config: the top level must be a mapping with sections " + ", ".join(SECTIONS))
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in (raw or {}).items()}
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
