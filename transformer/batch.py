@@ -47,9 +47,10 @@ class Batch:
     @classmethod
     def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_to_multiple: int = 1) -> "Batch":
         src = pad_sequences([list(s) + [EOS_ID] for s, _ in pairs], pad_to_multiple)
-        tgt = pad_sequences([[BOS_ID] + list(t) + [EOS_ID] for _, t in pairs], 1)
-        # Shift by one: the decoder reads BOS y1 .. yn and must predict y1 .. yn EOS.
-        tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+        # Shift by one: the decoder reads BOS y1 .. yn and must predict y1 .. yn EOS. (Built
+        # separately, not as slices of one BOS..EOS row, which would leave EOS in shorter tgt_in rows.)
+        tgt_in = pad_sequences([[BOS_ID] + list(t) for _, t in pairs], 1)
+        tgt_out = pad_sequences([list(t) + [EOS_ID] for _, t in pairs], 1)
         if pad_to_multiple > 1:
             extra = -tgt_in.size(1) % pad_to_multiple
             tgt_in = torch.nn.functional.pad(tgt_in, (0, extra), value=PAD_ID)
