@@ -18,6 +18,15 @@ VOCAB = 50
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: a thread pool only adds synchronisation, which is very slow on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def small_cfg(**kw) -> ModelConfig:
     base = dict(d_model=32, n_heads=2, n_encoder_layers=2, n_decoder_layers=2, d_ff=64,
                 dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, max_positions=64)
