@@ -73,6 +73,10 @@ class TrainConfig:
     log_every: int = 100               # steps between training-metric lines in metrics.jsonl
     valid_every: int = 1000            # steps between validations and checkpoints
     keep_last: int = 0                 # also keep this many step checkpoints (for averaging)
+    valid_bleu: bool = False           # also translate the validation set and score BLEU at each validation
+    valid_bleu_beam: int = 1           # 1 = greedy (fast); the paper's 4 for the real score
+    valid_bleu_pairs: int = 0          # translate only the first N validation pairs (0 = all)
+    patience: int = 0                  # stop after this many validations without improvement (0 = never)
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,8 @@ def validate(cfg: Config) -> None:
         (t.clip_norm >= 0, "train.clip_norm must not be negative"),
         (t.log_every >= 1 and t.valid_every >= 1, "train.log_every and train.valid_every must be at least 1"),
         (t.keep_last >= 0, "train.keep_last must not be negative"),
+        (t.valid_bleu_beam >= 1, "train.valid_bleu_beam must be at least 1"),
+        (t.valid_bleu_pairs >= 0 and t.patience >= 0, "train.valid_bleu_pairs and train.patience must not be negative"),
         (dec.beam >= 1, "decode.beam must be at least 1"),
         (dec.lenpen >= 0, "decode.lenpen must not be negative"),
         (dec.max_len_offset >= 1, "decode.max_len_offset must be at least 1"),

@@ -93,6 +93,7 @@ def load_split(cfg: DataConfig, split: str) -> tuple[list[str], list[str]]:
 @dataclass
 class EncodedCorpus:
     pairs: list[Pair]
+    kept: list[bool]        # per input line: whether its pair is in `pairs`
     dropped_long: int = 0
     dropped_blank: int = 0
 
@@ -100,7 +101,7 @@ class EncodedCorpus:
 def encode_corpus(vocab: Vocab, src: Sequence[str], tgt: Sequence[str], max_len: int) -> EncodedCorpus:
     """Encode both sides; drop pairs with a blank side or a side longer than max_len subwords."""
     src_ids, tgt_ids = vocab.encode(src), vocab.encode(tgt)
-    out = EncodedCorpus([])
+    out = EncodedCorpus([], [])
     for s, t in zip(src_ids, tgt_ids):
         if not s or not t:
             out.dropped_blank += 1
@@ -108,6 +109,7 @@ def encode_corpus(vocab: Vocab, src: Sequence[str], tgt: Sequence[str], max_len:
             out.dropped_long += 1
         else:
             out.pairs.append((s, t))
+        out.kept.append(bool(s and t and len(s) <= max_len and len(t) <= max_len))
     return out
 
 
@@ -143,42 +145,74 @@ def make_batches(
 
 
 class BatchStream:
-    """Endless stream of training Batches, epoch after epoch, resumable at (epoch, position)."""
+    """Endless stream of training Batches, epoch after epoch, resumable at (epoch, position).
 
-    def __init__(self, pairs: Sequence[Pair], cfg: DataConfig, seed: int,
-                 epoch: int = 0, position: int = 0, rank: int = 0, world_size: int = 1):
+    An update consumes a group of world_size x update_freq consecutive batches of the epoch's
+    order; rank r takes group[r::world_size]. So 1 process with update_freq 8 and 8 processes
+    with update_freq 1 see the same batches per update, and every rank knows the token count
+    of the whole group without communicating. `position` counts this rank's batches, which is
+    the same number on every rank.
+    """
+
+    def __init__(self, pairs: Sequence[Pair], cfg: DataConfig, seed: int, epoch: int = 0, position: int = 0,
+                 rank: int = 0, world_size: int = 1, update_freq: int = 1):
         self.pairs, self.cfg, self.seed = pairs, cfg, seed
-        self.epoch, self.position = epoch, position  # the next batch to hand out
-        self.rank, self.world_size = rank, world_size
+        self.epoch, self.position = epoch, position  # the next local batch to hand out
+        self.rank, self.world_size, self.update_freq = rank, world_size, update_freq
         self._batches = self._epoch_batches(epoch)
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         batches = make_batches(self.pairs, self.cfg.max_tokens, self.seed, epoch,
                                pad_to_multiple=self.cfg.pad_to_multiple)
-        # Each rank takes its own slice; all ranks see the same count so none waits at a collective.
-        usable = len(batches) - len(batches) % self.world_size
-        if usable == 0:
-            raise UserError(f"data: {len(batches)} batches per epoch is fewer than {self.world_size} ranks")
-        return batches[self.rank: usable: self.world_size]
+        group = self.world_size * self.update_freq
+        if len(batches) < group:
+            raise UserError(f"data: {len(batches)} batches per epoch cannot fill one update of "
+                            f"{self.world_size} ranks x {self.cfg.max_tokens} tokens x update_freq {self.update_freq}")
+        # An update never straddles two epochs; the few batches that do not fill a group are left out.
+        return batches[: len(batches) - len(batches) % group]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches this rank sees per epoch."""
+        return len(self._batches) // self.world_size
+
+    @property
+    def epochs_done(self) -> int:
+        return self.epoch + (self.position >= self.batches_per_epoch)
+
+    def _global_index(self, position: int) -> int:
+        group, j = divmod(position, self.update_freq)
+        return group * self.world_size * self.update_freq + j * self.world_size + self.rank
+
+    def _roll_epoch(self) -> None:
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+            self._batches = self._epoch_batches(self.epoch)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
 
     def __next__(self) -> Batch:
-        if self.position >= len(self._batches):
-            self.epoch += 1
-            self.position = 0
-            self._batches = self._epoch_batches(self.epoch)
-        indices = self._batches[self.position]
+        self._roll_epoch()
+        indices = self._batches[self._global_index(self.position)]
         self.position += 1
         return Batch.from_pairs([self.pairs[i] for i in indices], self.cfg.pad_to_multiple)
 
+    def next_update(self) -> tuple[list[Batch], int, int]:
+        """This rank's update_freq batches, and the target and source token counts of the whole
+        update across all ranks (for normalising the loss per target token)."""
+        if self.position % self.update_freq != 0:
+            raise RuntimeError("next_update() called in the middle of an update")
+        self._roll_epoch()
+        group_start = self._global_index(self.position) - self.rank
+        group = self._batches[group_start: group_start + self.world_size * self.update_freq]
+        n_tgt = sum(len(self.pairs[i][1]) + 1 for b in group for i in b)
+        n_src = sum(len(self.pairs[i][0]) + 1 for b in group for i in b)
+        return [next(self) for _ in range(self.update_freq)], n_tgt, n_src
+
     def state(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self._batches)
 
 
 def eval_batches(pairs: Sequence[Pair], max_tokens: int, pad_to_multiple: int = 1) -> list[Batch]:

@@ -6,20 +6,22 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from transformer.checkpoint import load_checkpoint, save_checkpoint
-from transformer.config import Config, save_config, to_dict, from_dict
+from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data import BatchStream, encode_corpus, eval_batches, load_split
+from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
+                                     shutdown_distributed)
 from transformer.errors import UserError
 from transformer.model import Transformer, count_parameters
 from transformer.optim import build_optimizer, label_smoothed_loss
@@ -29,14 +31,7 @@ log = logging.getLogger("transformer")
 
 # Model and vocabulary cannot change under a resumed run; anything else in the config may.
 FROZEN_ON_RESUME = ("model", "data.vocab_size", "data.spm_model_type", "data.src_lang", "data.tgt_lang")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device is 'cuda' but no CUDA device is available")
-    return torch.device(name)
+MAX_SKIPPED_IN_A_ROW = 20
 
 
 def autocast_context(device: torch.device, precision: str):
@@ -46,15 +41,16 @@ def autocast_context(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
 def rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, keys.tolist(), pos, has_gauss, cached)  # plain types: loadable weights_only
+    except ImportError:
+        pass
     return state
 
 
@@ -63,19 +59,25 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def setup_logging(run_dir: Path) -> None:
-    log.setLevel(logging.INFO)
+def setup_logging(run_dir: Optional[Path], info: DistInfo) -> None:
+    log.setLevel(logging.INFO if info.is_main else logging.WARNING)
     for handler in list(log.handlers):
         log.removeHandler(handler)
         handler.close()
-    file_handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
-    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    prefix = f"[rank {info.rank}] " if info.enabled else ""
     console = logging.StreamHandler()
-    console.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(file_handler)
+    console.setFormatter(logging.Formatter(prefix + "%(message)s"))
     log.addHandler(console)
+    if run_dir is not None and info.is_main:
+        file_handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(file_handler)
     log.propagate = False
 
 
@@ -89,12 +91,13 @@ def prepare_vocab(cfg: Config, run_dir: Path, src: list[str], tgt: list[str]) ->
     log.info("vocab: training a joint %s SentencePiece model of %d pieces on %d sentences",
              d.spm_model_type, d.vocab_size, len(src) + len(tgt))
     vocab = train_vocab((s for pair in zip(src, tgt) for s in pair), d.vocab_size, d.spm_model_type,
-                        d.spm_character_coverage, d.spm_max_sentences, cfg.train.seed)
+                        d.spm_character_coverage, d.spm_max_sentences)
     vocab.save(path)
     return vocab
 
 
-def load_pairs(cfg: Config, vocab: Vocab, split: str, limit: int):
+def load_pairs(cfg: Config, vocab: Vocab, split: str, limit: int = 0):
+    """Encoded, length-filtered pairs of a split, and its raw target sentences (BLEU references)."""
     src, tgt = load_split(cfg.data, split)
     if limit:
         src, tgt = src[:limit], tgt[:limit]
@@ -102,28 +105,28 @@ def load_pairs(cfg: Config, vocab: Vocab, split: str, limit: int):
     log.info("data: %s: %d pairs kept, %d dropped as longer than data.max_len=%d, %d dropped with a blank side",
              split, len(corpus.pairs), corpus.dropped_long, cfg.data.max_len, corpus.dropped_blank)
     if not corpus.pairs:
-        raise UserError(f"data: no usable pairs left in split {split!r}")
-    return corpus.pairs
+        raise UserError(f"data: no usable pairs left in split {split!r} after filtering")
+    return corpus.pairs, [t for t, i in zip(tgt, corpus.kept) if i]
 
 
 @torch.no_grad()
-def evaluate_loss(model: Transformer, batches, device, precision: str, smoothing: float) -> dict:
-    """Label-smoothed loss and NLL per target token; perplexity = exp(NLL)."""
+def evaluate_loss(model, batches, device, precision: str, smoothing: float, info: DistInfo = DistInfo()) -> dict:
+    """Label-smoothed loss and NLL per target token, summed over all ranks' shares; ppl = exp(NLL)."""
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, device=device, dtype=torch.float64)
-    tokens = 0
-    for batch in batches:
+    total = torch.zeros(3, device=device, dtype=torch.float64)  # loss, nll, tokens
+    for batch in batches[info.rank::info.world_size]:
         batch = batch.to(device)
         with autocast_context(device, precision):
             logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
         logits = logits.float()
         total[0] += label_smoothed_loss(logits, batch.tgt_out, smoothing)
         total[1] += label_smoothed_loss(logits, batch.tgt_out, 0.0)
-        tokens += batch.n_tgt_tokens
+        total[2] += batch.n_tgt_tokens
     model.train(was_training)
-    loss, nll = (total / max(tokens, 1)).tolist()
-    return {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50.0))}
+    loss, nll, tokens = all_reduce_sum(total, info).tolist()
+    nll = nll / max(tokens, 1)
+    return {"loss": loss / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50.0))}
 
 
 @dataclass
@@ -131,7 +134,8 @@ class RunState:
     """Counters that must survive a restart."""
 
     step: int = 0
-    best_valid_loss: float = float("inf")
+    best: Optional[float] = None          # best validation loss, or BLEU when train.valid_bleu is on
+    bad_validations: int = 0              # validations in a row without improvement (early stopping)
     data: dict = field(default_factory=lambda: {"epoch": 0, "position": 0})
 
 
@@ -151,7 +155,7 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
-        if self.signal_name is not None:  # second Ctrl-C: stop now
+        if self.signal_name is not None:  # a second Ctrl-C: stop now, without saving
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
 
@@ -178,7 +182,16 @@ def check_resume_config(saved: Config, new: Config) -> list[str]:
 
 
 def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, quiet: bool = False) -> Path:
-    """Train according to cfg; returns the run directory."""
+    """Train according to cfg (data-parallel when launched by torchrun); returns the run directory."""
+    info, device = init_distributed(cfg.train.device)
+    try:
+        return _train(cfg, info, device, resume, config_path, quiet)
+    finally:
+        shutdown_distributed()
+
+
+def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
+           config_path: Optional[str], quiet: bool) -> Path:
     t = cfg.train
     run_dir = Path(t.run_dir)
     last_path = run_dir / "last.pt"
@@ -187,33 +200,45 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
                         "or set train.run_dir to a new directory")
     if resume and not last_path.exists():
         raise UserError(f"--resume: no checkpoint at {last_path}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir)
-    device = pick_device(t.device)
     if t.precision == "fp16" and device.type != "cuda":
         raise UserError("train.precision 'fp16' needs CUDA; use 'bf16' or 'fp32' on CPU")
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in run_dir.glob(".*.pt.*.tmp"):  # left by a kill during a checkpoint write
+            stale.unlink()
+    barrier(info)
+    setup_logging(run_dir, info)
 
     saved = load_checkpoint(last_path) if resume else None
     if saved is not None:
         for change in check_resume_config(from_dict(saved["config"]), cfg):
             log.info("resume: config change applies: %s", change)
-    save_config(cfg, run_dir / "config.yaml")
-    seed_everything(t.seed)
+    if info.is_main:
+        save_config(cfg, run_dir / "config.yaml")
+    # Each rank gets its own dropout stream; a resumed run restores them below.
+    random.seed(t.seed + info.rank)
+    torch.manual_seed(t.seed + info.rank)
 
-    # Data and vocabulary.
+    # Data and vocabulary: rank 0 trains the SentencePiece model, the others wait and read it.
     train_src, train_tgt = load_split(cfg.data, cfg.data.train_split)
     if cfg.data.max_train_pairs:
         train_src, train_tgt = train_src[: cfg.data.max_train_pairs], train_tgt[: cfg.data.max_train_pairs]
-    vocab = Vocab(saved["vocab"]) if saved is not None else prepare_vocab(cfg, run_dir, train_src, train_tgt)
+    if saved is not None:
+        vocab = Vocab(saved["vocab"])
+    else:
+        if info.is_main:
+            prepare_vocab(cfg, run_dir, train_src, train_tgt)
+        barrier(info)
+        vocab = Vocab.load(run_dir / "spm.model")
     corpus = encode_corpus(vocab, train_src, train_tgt, cfg.data.max_len)
     log.info("data: %s: %d pairs kept, %d dropped as longer than data.max_len=%d, %d dropped with a blank side",
              cfg.data.train_split, len(corpus.pairs), corpus.dropped_long, cfg.data.max_len, corpus.dropped_blank)
     if not corpus.pairs:
         raise UserError("data: no usable training pairs left after filtering")
-    valid = eval_batches(load_pairs(cfg, vocab, cfg.data.valid_split, cfg.data.max_valid_pairs),
-                         cfg.data.max_tokens, cfg.data.pad_to_multiple)
+    valid_pairs, valid_refs = load_pairs(cfg, vocab, cfg.data.valid_split, cfg.data.max_valid_pairs)
+    valid = eval_batches(valid_pairs, cfg.data.max_tokens, cfg.data.pad_to_multiple)
 
-    # Model, optimizer, schedule.
+    # Model, optimizer, schedule, and the state of an interrupted run.
     model = Transformer(cfg.model, len(vocab)).to(device)
     optimizer, scheduler = build_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
@@ -230,107 +255,166 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
         for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
             group["initial_lr"] = t.lr
             group["lr"] = t.lr * lr_lambda(scheduler.last_epoch)  # exactly as LambdaLR computes it
-        set_rng_state(saved["rng"])
+        rngs = saved["rng"]
+        if len(rngs) == info.world_size:
+            set_rng_state(rngs[info.rank])
+        else:
+            log.warning("resume: the checkpoint holds RNG states of %d ranks, this run has %d; "
+                        "dropout streams restart from the seed", len(rngs), info.world_size)
         log.info("resume: continuing %s at step %d", last_path, state.step)
-    stream = BatchStream(corpus.pairs, cfg.data, t.seed, **state.data)
-    step_fn = torch.compile(model) if t.compile else model
-    log.info("model: %s parameters, device %s, precision %s", f"{count_parameters(model):,}", device, t.precision)
+    stream = BatchStream(corpus.pairs, cfg.data, t.seed, **state.data, rank=info.rank,
+                         world_size=info.world_size, update_freq=t.update_freq)
+    forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
+        if info.enabled else model
+    if t.compile:
+        forward = torch.compile(forward, dynamic=True)
+    log.info("model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
+             f"{count_parameters(model):,}", device, info.world_size, t.precision,
+             stream.batches_per_epoch // t.update_freq)
 
-    def checkpoint(path: Path) -> None:
+    def checkpoint(path: Path, rngs: list) -> None:
         save_checkpoint({
             "config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "rng": rng_state(),
-            "run": {"step": state.step, "best_valid_loss": state.best_valid_loss, "data": stream.state()},
+            "scaler": scaler.state_dict(), "rng": rngs, "run": {**asdict(state), "data": stream.state()},
         }, path)
 
-    metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+    def save_last() -> None:
+        rngs = gather_objects(rng_state(), info)  # every rank takes part in the gather
+        if info.is_main:
+            checkpoint(last_path, rngs)
+
+    metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if info.is_main else None
 
     def record(entry: dict) -> None:
-        metrics.write(json.dumps(entry) + "\n")
-        metrics.flush()
+        if metrics is not None:
+            metrics.write(json.dumps(entry) + "\n")
+            metrics.flush()
 
-    def validate() -> dict:
-        result = evaluate_loss(model, valid, device, t.precision, t.label_smoothing)
-        improved = result["loss"] < state.best_valid_loss
+    if saved is not None:
+        record({"step": state.step, "event": "resume"})
+
+    def validate() -> bool:
+        """Validate, log, checkpoint; returns True when early stopping says stop."""
+        result = evaluate_loss(model, valid, device, t.precision, t.label_smoothing, info)
+        score, higher_is_better = result["loss"], False
+        if t.valid_bleu:
+            score = torch.zeros(1, dtype=torch.float64, device=device)
+            if info.is_main:
+                result["bleu"] = validation_bleu(model, vocab, valid_pairs, valid_refs, cfg, device)
+                score += result["bleu"]
+            score, higher_is_better = all_reduce_sum(score, info).item(), True
+        improved = state.best is None or (score > state.best if higher_is_better else score < state.best)
         if improved:
-            state.best_valid_loss = result["loss"]
+            state.best, state.bad_validations = score, 0
+        else:
+            state.bad_validations += 1
         record({"step": state.step, "split": "valid", **result})
-        checkpoint(last_path)
-        if improved:
-            checkpoint(run_dir / "best.pt")
-        if t.keep_last:
-            checkpoint(run_dir / f"step_{state.step:08d}.pt")
-            for old in sorted(run_dir.glob("step_*.pt"))[: -t.keep_last]:
-                old.unlink()
-        log.info("step %d: valid loss %.4f nll %.4f ppl %.2f%s", state.step, result["loss"], result["nll"],
-                 result["ppl"], " (best)" if improved else "")
-        return result
+        rngs = gather_objects(rng_state(), info)
+        if info.is_main:
+            checkpoint(last_path, rngs)
+            if improved:
+                checkpoint(run_dir / "best.pt", rngs)
+            if t.keep_last:
+                checkpoint(run_dir / f"step_{state.step:08d}.pt", rngs)
+                for old in sorted(run_dir.glob("step_*.pt"))[: -t.keep_last]:
+                    old.unlink()
+        bleu = f" bleu {result['bleu']:.2f}" if "bleu" in result else ""
+        log.info("step %d: valid loss %.4f nll %.4f ppl %.2f%s%s", state.step, result["loss"], result["nll"],
+                 result["ppl"], bleu, " (best)" if improved else "")
+        if t.patience and state.bad_validations >= t.patience:
+            log.info("early stopping: %d validations without improvement", state.bad_validations)
+            return True
+        return False
 
     model.train()
     bar = tqdm(total=t.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
-               disable=quiet or None)
-    window = {"loss": torch.zeros((), device=device, dtype=torch.float64), "tokens": 0, "src_tokens": 0,
-              "time": time.perf_counter()}
+               disable=True if (quiet or not info.is_main) else None)
+    window = {"loss": 0.0, "tokens": 0, "src_tokens": 0, "time": time.perf_counter()}
     skipped_in_a_row = 0
+    stopped_early = False
     with StopRequested() as stop:
-        while state.step < t.max_steps and (not t.max_epochs or stream.epoch < t.max_epochs):
-            micro = [next(stream) for _ in range(t.update_freq)]
-            n_tokens = sum(b.n_tgt_tokens for b in micro)
+        while state.step < t.max_steps and (not t.max_epochs or stream.epochs_done < t.max_epochs):
+            micro, n_tokens, n_src_tokens = stream.next_update()
             loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-            for batch in micro:
+            for i, batch in enumerate(micro):
                 batch = batch.to(device, non_blocking=True)
-                with autocast_context(device, t.precision):
-                    logits = step_fn(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-                    loss = label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing)
-                scaler.scale(loss / n_tokens).backward()
+                # DDP averages gradients over ranks; scaling by world_size / (tokens of the whole update)
+                # makes the result the per-token mean of one big batch. Sync gradients once per update.
+                sync = i == len(micro) - 1 or not info.enabled
+                with (contextlib.nullcontext() if sync else forward.no_sync()):
+                    with autocast_context(device, t.precision):
+                        logits = forward(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+                        loss = label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing)
+                    scaler.scale(loss * (info.world_size / n_tokens)).backward()
                 loss_sum += loss.detach()
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm or float("inf"))
-            finite = bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))  # the one sync per update
-            if finite:
+            # One small reduction and one host sync per update: the update's loss, whether any rank saw
+            # a non-finite value, and whether any rank was asked to stop (so all ranks stop together).
+            flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).double(),
+                                 torch.tensor(float(stop.signal_name is not None), device=device,
+                                              dtype=torch.float64)])
+            update_loss, nonfinite, stop_requested = all_reduce_sum(flags, info).tolist()
+            if not nonfinite:
                 scaler.step(optimizer)
                 scheduler.step()
                 state.step += 1
                 skipped_in_a_row = 0
-                window["loss"] += loss_sum
+                window["loss"] += update_loss
                 window["tokens"] += n_tokens
-                window["src_tokens"] += sum(b.n_src_tokens for b in micro)
+                window["src_tokens"] += n_src_tokens
                 bar.update(1)
             else:
                 skipped_in_a_row += 1
-                log.warning("step %d: non-finite loss or gradient, update skipped", state.step + 1)
-                if skipped_in_a_row >= 20:
+                log.warning("update %d: non-finite loss or gradient; skipped, the weights are unchanged",
+                            state.step + 1)
+                if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
                     raise UserError(f"training diverged: {skipped_in_a_row} updates in a row had a non-finite "
-                                    f"loss or gradient; last.pt keeps the last good weights (step {state.step})")
+                                    f"loss or gradient; stopping without saving them (last.pt holds step "
+                                    f"{state.step if last_path.exists() else 'none'})")
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
 
-            if finite and (state.step % t.log_every == 0 or state.step == t.max_steps):
+            if not nonfinite and (state.step % t.log_every == 0 or state.step == t.max_steps):
                 elapsed = time.perf_counter() - window["time"]
-                train_loss = window["loss"].item() / max(window["tokens"], 1)
-                entry = {"step": state.step, "split": "train", "loss": train_loss,
+                entry = {"step": state.step, "split": "train", "loss": window["loss"] / max(window["tokens"], 1),
                          "lr": scheduler.get_last_lr()[0], "tgt_tokens_per_s": window["tokens"] / elapsed,
                          "tokens_per_s": (window["tokens"] + window["src_tokens"]) / elapsed,
                          "epoch": stream.epoch, "grad_norm": float(grad_norm)}
                 record(entry)
-                bar.set_postfix(loss=f"{train_loss:.3f}", lr=f"{entry['lr']:.2e}",
+                bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}",
                                 tok_s=f"{entry['tokens_per_s']:.0f}", epoch=stream.epoch)
-                window = {"loss": torch.zeros_like(window["loss"]), "tokens": 0, "src_tokens": 0,
-                          "time": time.perf_counter()}
-            if finite and state.step % t.valid_every == 0:
-                validate()
-            if stop.signal_name:
+                window = {"loss": 0.0, "tokens": 0, "src_tokens": 0, "time": time.perf_counter()}
+            if not nonfinite and state.step % t.valid_every == 0:
+                if validate():
+                    stopped_early = True
+                    break
+            if stop_requested:
                 bar.close()
-                checkpoint(last_path)
+                save_last()
                 command = f"transformer train {config_path or 'CONFIG'} --resume"
-                log.info("%s: saved %s at step %d; continue with: %s", stop.signal_name, last_path, state.step, command)
-                metrics.close()
+                name = stop.signal_name or "stop requested on another rank"
+                log.info("%s: saved %s at step %d; continue with: %s", name, last_path, state.step, command)
                 raise SystemExit(130 if stop.signal_name == "SIGINT" else 143)
     bar.close()
-    if state.step % t.valid_every != 0 or state.step == 0:
+    if not stopped_early and (state.step % t.valid_every != 0 or state.step == 0):
         validate()
-    metrics.close()
+    if metrics is not None:
+        metrics.close()
     log.info("done: %d steps; checkpoints in %s", state.step, run_dir)
     return run_dir
 
+
+def validation_bleu(model: Transformer, vocab: Vocab, pairs, refs: list[str], cfg: Config, device) -> float:
+    """sacreBLEU of the model's translations of (a slice of) the validation set."""
+    from transformer.translate import bleu_chrf, translate_ids
+
+    t, d = cfg.train, cfg.decode
+    n = t.valid_bleu_pairs or len(pairs)
+    was_training = model.training
+    model.eval()
+    ids = translate_ids(model, [s for s, _ in pairs[:n]], beam=t.valid_bleu_beam, lenpen=d.lenpen,
+                        max_len_offset=d.max_len_offset, max_tokens=d.max_tokens, device=device)
+    model.train(was_training)
+    return bleu_chrf(vocab.decode(ids), refs[:n])["bleu"]

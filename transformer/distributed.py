@@ -1,0 +1,74 @@
+"""Data-parallel plumbing over torch.distributed: process-group set-up under torchrun, rank queries, reductions."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from transformer.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
+    """Join the process group torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK,
+    MASTER_ADDR/PORT); without torchrun, a single process. NCCL on CUDA, gloo on CPU."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    if device_name == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device is 'cuda' but no CUDA device is available")
+    if world_size == 1:
+        return DistInfo(), torch.device("cuda" if use_cuda else "cpu")
+    info = DistInfo(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world_size)
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank)
+        device = torch.device("cuda", info.local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        # A finite timeout turns a rank stuck on a dead peer into an error instead of a hang.
+        timeout = datetime.timedelta(seconds=int(os.environ.get("TRANSFORMER_DIST_TIMEOUT", "600")))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    return info, device
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.enabled:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def gather_objects(obj, info: DistInfo) -> list:
+    """Every rank's `obj`, in rank order (on every rank)."""
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
