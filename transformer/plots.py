@@ -31,6 +31,8 @@ def _matplotlib():
 def new_figure(width: float, height: float, layout: Optional[str] = "constrained"):
     """A Figure on its own Agg canvas: no pyplot, so no global backend switch and no figure leak."""
     Figure, FigureCanvasAgg = _matplotlib()
+    # Whole pixels, so the saved image is exactly figsize * DPI (Agg would truncate a fraction).
+    width, height = round(width * DPI) / DPI, round(height * DPI) / DPI
     fig = Figure(figsize=(width, height), dpi=DPI, layout=layout)
     FigureCanvasAgg(fig)
     return fig
@@ -101,10 +103,8 @@ def _label_axes(ax, query: Sequence[str], key: Sequence[str], cell_pt: float, sh
 def _cmap():
     from matplotlib import colormaps
 
-    cmap = colormaps["viridis"].copy()
     # Forbidden (masked) cells are 0 too; grey keeps them apart from "allowed but ignored".
-    cmap.set_bad("0.85")
-    return cmap
+    return colormaps["viridis"].with_extremes(bad="0.85")
 
 
 def _masked(weights: np.ndarray, masked: Optional[np.ndarray]):
@@ -181,9 +181,10 @@ def attention_map(
     """One (layer, head) large, every piece labelled, and the weight printed in cells when they fit."""
     tq, tk = weights.shape
     longest = max(tq, tk)
-    cell_in = min(0.45, max(0.12, 10.0 / longest))
+    cell_in = min(0.6, max(0.12, 10.0 / longest))
     label_room = 0.4 + 0.08 * max(len(p) for p in list(query) + list(key))
-    fig = new_figure(tk * cell_in + label_room + 1.6, tq * cell_in + label_room + 1.0)
+    # Never smaller than a page-width figure, or the titles and colorbar crowd a short sentence.
+    fig = new_figure(max(7.0, tk * cell_in + label_room + 1.6), max(6.0, tq * cell_in + label_room + 1.6))
     ax = fig.subplots()
     image = ax.imshow(_masked(weights, masked), vmin=0.0, vmax=1.0, cmap=_cmap(), aspect="equal",
                       interpolation="nearest")
@@ -191,7 +192,7 @@ def attention_map(
     if cell_in >= 0.35:  # numbers only where they are legible
         for (r, c), w in np.ndenumerate(weights):
             if w >= 0.005:
-                ax.text(c, r, f"{w:.2f}"[1:] if w < 1 else "1", ha="center", va="center", fontsize=6,
+                ax.text(c, r, f"{w:.2f}"[1:] if w < 0.995 else "1", ha="center", va="center", fontsize=7,
                         color="black" if w > 0.6 else "white")
     bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
     bar.set_label("attention weight (each row sums to 1)")
@@ -212,7 +213,7 @@ def positional_encoding(d_model: int, length: int):
     from transformer.model import PositionalEncoding
 
     table = PositionalEncoding(d_model, length).table.numpy()
-    fig = new_figure(min(14.0, 4.0 + d_model / 64), min(10.0, 3.0 + length / 25))
+    fig = new_figure(min(14.0, max(8.0, 4.0 + d_model / 64)), min(9.0, max(5.0, 3.0 + length / 25)))
     ax = fig.subplots()
     image = ax.imshow(table, cmap="RdBu_r", vmin=-1.0, vmax=1.0, aspect="auto", interpolation="nearest")
     ax.set_xlabel("encoding dimension i (even: sin, odd: cos; frequency falls from left to right)")
@@ -328,12 +329,13 @@ def write_attention_figures(
         heads = [head] if head is not None else list(range(1, n_heads + 1))
         selected = weights[[i - 1 for i in layers]][:, [h - 1 for h in heads]]
         masked = maps.forbidden(kind)
-        title = TITLES[kind] + (" (grey: future positions, masked)" if masked is not None else "")
+        note = "\ngrey: future positions, masked" if masked is not None else ""
         if layer is not None and head is not None:
-            fig = attention_map(selected[0, 0], query, key, f"{title}, layer {layer}, head {head}\n{subtitle}",
+            fig = attention_map(selected[0, 0], query, key,
+                                f"{TITLES[kind]}, layer {layer}, head {head}\n{subtitle}{note}",
                                 QUERY_AXIS[kind], KEY_AXIS[kind], masked)
         else:
-            fig = attention_grid(selected, query, key, f"{title}\n{subtitle}",
+            fig = attention_grid(selected, query, key, f"{TITLES[kind]}\n{subtitle}{note}",
                                  QUERY_AXIS[kind], KEY_AXIS[kind], layers, heads, masked)
         path = out if len(kinds) == 1 else out.with_name(f"{out.stem}_{kind}{out.suffix}")
         written.append(save(fig, path))
