@@ -144,6 +144,9 @@ def attention_grid(
     title = _fit(title, width - 0.4, title_font)
     bottom, top = 0.35 + label_x, 0.2 + 1.4 * title_font / 72 * (title.count("\n") + 1)
     height = bottom + n_layers * ph + n_layers * gap_h + top
+    if height < 3.6:  # one row of short panels: leave room for the colorbar and the axis name
+        bottom += 3.6 - height
+        height = 3.6
     fig = new_figure(width, height, layout=None)
     image = None
     for i in range(n_layers):
@@ -156,15 +159,19 @@ def attention_grid(
             ax.set_title(f"layer {layers[i]}, head {heads[j]}", fontsize=panel_font, pad=2)
             _label_axes(ax, query, key, cell * 72, show_x=(i == n_layers - 1), show_y=(j == 0))
     grid_h = n_layers * (ph + gap_h) - gap_h
-    bar_h = min(grid_h, max(1.5, 0.6 * grid_h))
-    cax = fig.add_axes(((width - right + 0.2) / width, (bottom + (grid_h - bar_h) / 2) / height,
-                        0.15 / width, bar_h / height))
+    bar_h = min(height - top - 0.3, max(2.2, 0.6 * grid_h))
+    bar_y = min(max(0.3, bottom + (grid_h - bar_h) / 2), height - top - bar_h)
+    cax = fig.add_axes(((width - right + 0.2) / width, bar_y / height, 0.15 / width, bar_h / height))
     bar = fig.colorbar(image, cax=cax)
     bar.set_label("attention weight (each row sums to 1)", fontsize=8)
     bar.ax.tick_params(labelsize=7)
     fig.suptitle(title, fontsize=title_font, y=1 - 0.1 / height, va="top")
-    fig.text(0.5 * (left + width - right) / width, 0.08 / height, key_axis, ha="center", va="bottom", fontsize=9)
-    fig.text(0.08 / width, (bottom + grid_h / 2) / height, query_axis, rotation=90,
+    # Axis names right next to the piece labels, also when extra height left space below them.
+    fig.text(0.5 * (left + width - right) / width, (bottom - label_x - 0.05) / height, key_axis,
+             ha="center", va="top", fontsize=9)
+    half = 0.6 * 9 / 72 * len(query_axis) / 2  # half the length of the rotated name, inches
+    fig.text(0.08 / width, min(max(half + 0.1, bottom + grid_h / 2), height - top - half) / height, query_axis,
+             rotation=90,
              ha="left", va="center", fontsize=9)
     return fig
 
