@@ -46,6 +46,41 @@ def cmd_plot(args: argparse.Namespace) -> None:
     print(save(training_curves(read_metrics(args.run), title=f"Training: {args.run}"), args.out))
 
 
+def cmd_translate(args: argparse.Namespace) -> None:
+    from transformer.translate import run_translate
+
+    run_translate(args.checkpoint, args.sentences, args.input, args.output, args.beam, args.lenpen, args.nbest,
+                  args.max_tokens, args.device)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    from transformer.translate import run_evaluate
+
+    run_evaluate(args.run, args.split, args.src, args.ref, args.beam, args.lenpen, args.max_tokens, args.device)
+
+
+def cmd_average(args: argparse.Namespace) -> None:
+    from transformer.average import average
+
+    target, paths = average(args.inputs, args.last, args.output)
+    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) into {target}")
+
+
+class _IntermixedParser(argparse.ArgumentParser):
+    """Lets sentences follow options (`translate RUN --beam 5 "ein Satz"`), which plain argparse rejects."""
+
+    _inside = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._inside:  # parse_known_intermixed_args calls back here for its two passes
+            return super().parse_known_args(args, namespace)
+        self._inside = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="transformer",
@@ -112,6 +147,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN_DIR", help="a run directory (or its metrics.jsonl)")
     p.add_argument("--out", required=True, metavar="FILE", help="image file: .png (default), .svg or .pdf")
     p.set_defaults(func=cmd_plot)
+
+    decode = argparse.ArgumentParser(add_help=False)  # search options shared by translate and evaluate
+    decode.add_argument("--beam", type=int, metavar="N", help="beam size; 1 = greedy (default: decode.beam of the checkpoint's config)")
+    decode.add_argument("--lenpen", type=float, metavar="A",
+                        help="GNMT length penalty alpha: score = log p / ((5 + len) / 6)^A (default: decode.lenpen)")
+    decode.add_argument("--max-tokens", type=int, metavar="N", help="source tokens per batch (default: decode.max_tokens)")
+    decode.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where to run (default auto: CUDA when available)")
+
+    p = sub.add_parser(
+        "translate", parents=[decode], help="translate sentences with a trained model",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Translate sentences given as arguments, read from --input FILE, or read from stdin\n"
+                    "line by line (each line is translated as soon as it arrives, so interactive use works).\n"
+                    "Prints one translation per input line, in input order; an empty input line gives an\n"
+                    "empty output line; a source longer than model.max_positions - 2 subwords is truncated\n"
+                    "with a warning on stderr.\n\n"
+                    "n-best format: with --nbest N > 1, prints N lines per input line, best first, each\n"
+                    "  SCORE<TAB>TRANSLATION\n"
+                    "where SCORE is the sum of the token log-probabilities (EOS included) divided by the\n"
+                    "length penalty ((5 + length) / 6)^lenpen; an empty input gives N lines '0.0000<TAB>'.",
+    )
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
+    p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to translate (default: --input or stdin)")
+    p.add_argument("--input", metavar="FILE", help="UTF-8 file, one sentence per line")
+    p.add_argument("--output", metavar="FILE", help="write translations here instead of stdout")
+    p.add_argument("--nbest", type=int, default=1, metavar="N", help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)")
+    p.set_defaults(func=cmd_translate)
+    p.__class__ = _IntermixedParser  # same parser, intermixed positionals
+
+    p = sub.add_parser(
+        "evaluate", parents=[decode], help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
+        description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
+                    "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
+                    "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.hyp and "
+                    "RUN_DIR/eval/SPLIT.json (for a checkpoint file: eval/ next to it, named after it).",
+    )
+    p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
+    p.add_argument("--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)")
+    p.add_argument("--src", metavar="FILE", help="source sentences to translate instead of a split (with --ref)")
+    p.add_argument("--ref", metavar="FILE", help="reference translations of --src, line by line")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser(
+        "average", help="average the weights of several checkpoints into one",
+        description="Average model weights (float mean) into a new checkpoint that translate and evaluate accept; "
+                    "config and vocabulary are kept, optimizer state is dropped. Either a run directory and "
+                    "--last N (its N latest step_*.pt, written by the trainer when train.keep_last > 0; output "
+                    "RUN_DIR/averaged.pt by default), or checkpoint files and --output FILE. All inputs must share "
+                    "the model config and the vocabulary.",
+    )
+    p.add_argument("inputs", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT", help="one run directory (with --last) or checkpoint files")
+    p.add_argument("--last", type=int, metavar="N", help="average the N latest step checkpoints of RUN_DIR")
+    p.add_argument("--output", metavar="FILE", help="where to write the averaged checkpoint")
+    p.set_defaults(func=cmd_average)
     return parser
 
 
