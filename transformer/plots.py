@@ -169,8 +169,8 @@ def attention_grid(
     # Axis names right next to the piece labels, also when extra height left space below them.
     fig.text(0.5 * (left + width - right) / width, (bottom - label_x - 0.05) / height, key_axis,
              ha="center", va="top", fontsize=9)
-    half = 0.6 * 9 / 72 * len(query_axis) / 2  # half the length of the rotated name, inches
-    fig.text(0.08 / width, min(max(half + 0.1, bottom + grid_h / 2), height - top - half) / height, query_axis,
+    half = 0.65 * 9 / 72 * len(query_axis) / 2  # half the length of the rotated name, inches
+    fig.text(0.08 / width, min(max(half + 0.05, bottom + grid_h / 2), height - half - 0.05) / height, query_axis,
              rotation=90,
              ha="left", va="center", fontsize=9)
     return fig
