@@ -1,0 +1,198 @@
+"""The training loop: it learns, checkpoints round-trip, resume continues exactly, bad states are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.trainutil import cli, read_metrics, shared_data_dir, tiny_config, write_config, write_corpus
+from transformer import train as train_module
+from transformer.batch import Batch
+from transformer.checkpoint import load_checkpoint, load_model, save_checkpoint
+from transformer.config import from_dict, to_dict
+from transformer.data import encode_corpus, read_parallel
+from transformer.errors import UserError
+from transformer.model import Transformer
+from transformer.train import evaluate_loss, train
+from transformer.vocab import Vocab, train_vocab
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_tiny_model_overfits_a_handful_of_pairs(tmp_path):
+    corpus = write_corpus(tmp_path / "c", n_train=8, n_valid=8)
+    (corpus / "valid.de").write_text((corpus / "train.de").read_text())
+    (corpus / "valid.en").write_text((corpus / "train.en").read_text())
+    raw = tiny_config(tmp_path, data_dir=corpus,
+                      model={"d_model": 64, "d_ff": 128, "n_heads": 4, "n_encoder_layers": 2,
+                             "n_decoder_layers": 2, "dropout": 0.0},
+                      train={"max_steps": 200, "lr_schedule": "constant", "lr": 3e-3, "label_smoothing": 0.0,
+                             "valid_every": 200, "log_every": 50})
+    run_dir = train(from_dict(raw), quiet=True)
+    valid = [m for m in read_metrics(run_dir) if m.get("split") == "valid"]
+    assert valid[-1]["nll"] < 0.05, valid  # memorised: next-token probability ~1 everywhere
+    train_losses = [m["loss"] for m in read_metrics(run_dir) if m.get("split") == "train"]
+    assert train_losses[-1] < train_losses[0] / 20
+
+
+def test_checkpoint_round_trip_gives_identical_logits(tmp_path):
+    vocab = train_vocab((f"wort{i} word{i % 7}" for i in range(200)), vocab_size=60)
+    cfg = from_dict(tiny_config(tmp_path))
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, len(vocab)).eval()
+    save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, tmp_path / "x.pt")
+    loaded, loaded_vocab, loaded_cfg = load_model(tmp_path / "x.pt")
+    batch = Batch.from_pairs([([5, 6, 7], [8, 9]), ([10, 11], [12, 13, 14, 15])])
+    with torch.no_grad():
+        a = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+        b = loaded(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+    assert torch.equal(a, b)
+    assert loaded_cfg == cfg and loaded_vocab.proto == vocab.proto
+    assert loaded.output.weight is loaded.tgt_embed.weight  # weight tying survives loading
+
+
+def _state(path):
+    return load_checkpoint(path)
+
+
+def _assert_same_training_state(a_path, b_path):
+    a, b = _state(a_path), _state(b_path)
+    assert a["run"]["step"] == b["run"]["step"]
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        for key in pa:
+            assert torch.equal(torch.as_tensor(pa[key]), torch.as_tensor(pb[key])), key
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
+
+
+def test_resume_continues_at_saved_step_and_matches_uninterrupted_run(tmp_path):
+    corpus = write_corpus(tmp_path / "c")
+    straight = tiny_config(tmp_path, "straight", corpus)
+    train(from_dict(straight), quiet=True)
+
+    split = tiny_config(tmp_path, "split", corpus, train={"max_steps": 6})  # stops between validations
+    train(from_dict(split), quiet=True)
+    assert _state(tmp_path / "split" / "last.pt")["run"]["step"] == 6
+    split["train"]["max_steps"] = 12  # max_steps may change under resume
+    train(from_dict(split), resume=True, quiet=True)
+
+    metrics = read_metrics(tmp_path / "split")
+    steps = [m["step"] for m in metrics if m.get("split") == "train"]
+    assert steps == list(range(1, 13))  # 7..12 follow 1..6, nothing redone or skipped
+    assert {"step": 6, "event": "resume"} in metrics
+    _assert_same_training_state(tmp_path / "straight" / "last.pt", tmp_path / "split" / "last.pt")
+
+
+def test_resume_refuses_model_change_and_applies_lr_change(tmp_path, caplog):
+    raw = tiny_config(tmp_path, train={"max_steps": 4})
+    train(from_dict(raw), quiet=True)
+    changed = tiny_config(tmp_path, data_dir=tmp_path / "corpus", model={"d_model": 48},
+                          train={"max_steps": 8})
+    with pytest.raises(UserError, match=r"model\.d_model was 32 in the checkpoint and is 48 now"):
+        train(from_dict(changed), resume=True, quiet=True)
+    more = tiny_config(tmp_path, data_dir=tmp_path / "corpus", train={"max_steps": 8, "lr": 1.0})
+    train(from_dict(more), resume=True, quiet=True)
+    log_text = (tmp_path / "run" / "train.log").read_text()
+    assert "config change applies: train.lr: 2.0 -> 1.0" in log_text
+    lr_step5 = [m["lr"] for m in read_metrics(tmp_path / "run") if m.get("step") == 5 and "lr" in m][0]
+    assert lr_step5 == pytest.approx(1.0 * 32 ** -0.5 * min(6 ** -0.5, 6 * 10 ** -1.5))
+
+
+def test_existing_run_needs_resume_and_resume_needs_a_run(tmp_path):
+    raw = tiny_config(tmp_path, train={"max_steps": 2})
+    train(from_dict(raw), quiet=True)
+    with pytest.raises(UserError, match="already holds a run"):
+        train(from_dict(raw), quiet=True)
+    other = tiny_config(tmp_path, "other", tmp_path / "corpus")
+    with pytest.raises(UserError, match="no checkpoint at"):
+        train(from_dict(other), resume=True, quiet=True)
+
+
+def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
+    real_loss = train_module.label_smoothed_loss
+    calls = {"n": 0}
+
+    def sometimes_nan(logits, target, smoothing):
+        calls["n"] += 1
+        loss = real_loss(logits, target, smoothing)
+        return loss * float("nan") if calls["n"] == 3 else loss  # the third training micro-batch
+
+    monkeypatch.setattr(train_module, "label_smoothed_loss", sometimes_nan)
+    raw = tiny_config(tmp_path, train={"max_steps": 5, "valid_every": 100})
+    run_dir = train(from_dict(raw), quiet=True)
+    state = _state(run_dir / "last.pt")
+    assert state["run"]["step"] == 5  # five good updates; the NaN one did not count
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert "non-finite loss or gradient; skipped" in (run_dir / "train.log").read_text()
+
+
+def test_all_non_finite_stops_with_a_message_and_saves_no_nan(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_module, "label_smoothed_loss",
+                        lambda logits, target, smoothing: logits.sum() * float("nan"))
+    raw = tiny_config(tmp_path, train={"max_steps": 50})
+    with pytest.raises(UserError, match="training diverged: 20 updates in a row"):
+        train(from_dict(raw), quiet=True)
+    assert not (tmp_path / "run" / "last.pt").exists()
+
+
+def test_cli_train_writes_the_run_directory(tmp_path):
+    config = write_config(tmp_path / "tiny.yaml", tiny_config(tmp_path, train={"max_steps": 4}))
+    result = cli("train", str(config), "--set", "train.valid_every=2")
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "run"
+    for name in ("config.yaml", "spm.model", "metrics.jsonl", "train.log", "last.pt", "best.pt"):
+        assert (run_dir / name).is_file(), name
+    saved = load_checkpoint(run_dir / "last.pt")
+    assert saved["run"]["step"] == 4 and saved["config"]["train"]["valid_every"] == 2
+    assert Vocab((run_dir / "spm.model").read_bytes()).proto == saved["vocab"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "no/such.yaml"], "error: config: no such file: no/such.yaml"),
+    (["train", "configs/tiny.yaml", "--set", "model.d_modle=3"], "unknown key 'd_modle' in section 'model'"),
+    (["train", "configs/tiny.yaml", "--set", "model.d_model=big"], "model.d_model must be an integer"),
+])
+def test_cli_errors_are_one_line(args, message):
+    result = cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_every_subcommand_has_help():
+    top = cli("--help")
+    assert top.returncode == 0
+    commands = [c for c in ("train", "translate", "evaluate", "average", "attention", "plot", "plot-positions")
+                if c in top.stdout]
+    assert "train" in commands
+    for command in commands:
+        result = cli(command, "--help")
+        assert result.returncode == 0 and "usage:" in result.stdout, command
+
+
+def test_short_run_on_real_multi30k_lowers_validation_loss(tmp_path):
+    data = shared_data_dir() / "multi30k"
+    if not (data / "train.de").is_file():
+        pytest.skip(f"real corpus not found at {data} (set TRANSFORMER_DATA)")
+    raw = tiny_config(tmp_path, data_dir=data,
+                      model={"d_model": 64, "d_ff": 256, "n_heads": 4, "n_encoder_layers": 2,
+                             "n_decoder_layers": 2, "max_positions": 128},
+                      data={"vocab_size": 1000, "max_len": 60, "max_tokens": 1500, "max_train_pairs": 3000,
+                            "max_valid_pairs": 200},
+                      train={"max_steps": 150, "lr_schedule": "inverse_sqrt", "warmup_steps": 50, "lr": 3e-3, "valid_every": 50,
+                             "log_every": 25})
+    run_dir = train(from_dict(raw), quiet=True)
+    valid = [m for m in read_metrics(run_dir) if m.get("split") == "valid"]
+    assert [m["step"] for m in valid] == [50, 100, 150]
+    assert valid[-1]["loss"] < valid[0]["loss"] - 0.3, valid
+    assert math.isfinite(valid[-1]["ppl"]) and valid[-1]["ppl"] < 1000 / 2  # well below a uniform guess
