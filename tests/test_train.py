@@ -196,3 +196,25 @@ def test_short_run_on_real_multi30k_lowers_validation_loss(tmp_path):
     assert [m["step"] for m in valid] == [50, 100, 150]
     assert valid[-1]["loss"] < valid[0]["loss"] - 0.3, valid
     assert math.isfinite(valid[-1]["ppl"]) and valid[-1]["ppl"] < 1000 / 2  # well below a uniform guess
+
+
+def test_validation_bleu_picks_best_and_early_stopping_follows_patience(tmp_path):
+    raw = tiny_config(tmp_path, train={"max_steps": 40, "valid_every": 2, "valid_bleu": True, "patience": 2,
+                                       "log_every": 2})
+    run_dir = train(from_dict(raw), quiet=True)
+    valid = [m for m in read_metrics(run_dir) if m.get("split") == "valid"]
+    assert all("bleu" in m for m in valid)
+    # Replay the rule on the logged scores: where should the run have stopped, and which step is best?
+    best, best_step, bad, expected_last = None, None, 0, None
+    for m in valid:
+        if best is None or m["bleu"] > best:
+            best, best_step, bad = m["bleu"], m["step"], 0
+        else:
+            bad += 1
+        expected_last = m["step"]
+        if bad >= 2:
+            break
+    assert valid[-1]["step"] == expected_last
+    assert load_checkpoint(run_dir / "best.pt")["run"]["step"] == best_step
+    if expected_last < 40:
+        assert "early stopping: 2 validations without improvement" in (run_dir / "train.log").read_text()
