@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per setting; the median is reported")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face Marian comparison")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
+    ap.add_argument("--int8", action="store_true", help="on CPU, also time our int8 (dynamic quantization) path")
     args = ap.parse_args()
 
     if args.device == "all":
@@ -161,6 +162,12 @@ def main() -> None:
             row = {"device": device_name, "beam": beam, "sentences": len(src_ids), "batches": len(batches),
                    "target_tokens": n_tokens, "decoder_steps": sum(steps)}
             impls = {"ours": lambda: run_ours(model, tensors, beam, cfg.decode.lenpen, cfg.decode.max_len_offset)}
+            if args.int8 and device_name == "cpu":
+                from transformer.quantize import quantize_int8
+
+                qmodel = quantize_int8(model)
+                impls["ours_int8"] = lambda: run_ours(qmodel, tensors, beam, cfg.decode.lenpen,
+                                                      cfg.decode.max_len_offset)
             if marian is not None:
                 impls["hf_marian"] = lambda: run_marian(marian, tensors, steps, beam)
             for name, fn in impls.items():
@@ -170,6 +177,8 @@ def main() -> None:
                              "tokens_per_s": n_tokens / median}
             if "hf_marian" in row:
                 row["speedup_ours_over_hf"] = row["hf_marian"]["median_s"] / row["ours"]["median_s"]
+                if "ours_int8" in row:
+                    row["speedup_int8_over_hf"] = row["hf_marian"]["median_s"] / row["ours_int8"]["median_s"]
             results.append(row)
             print_row(row)
 
@@ -190,10 +199,11 @@ def print_row(row: dict) -> None:
     if not _printed_header:
         print(f"{'device':6} {'beam':>4} {'impl':10} {'sent/s':>9} {'tok/s':>10} {'median s':>9}  ours/hf")
         _printed_header = True
-    for name in ("ours", "hf_marian"):
+    ratios = {"ours": "speedup_ours_over_hf", "ours_int8": "speedup_int8_over_hf"}
+    for name in ("ours", "ours_int8", "hf_marian"):
         if name in row:
             r = row[name]
-            ratio = f"{row['speedup_ours_over_hf']:.2f}x" if name == "ours" and "speedup_ours_over_hf" in row else ""
+            ratio = f"{row[ratios[name]]:.2f}x" if ratios.get(name) in row else ""
             print(f"{row['device']:6} {row['beam']:>4} {name:10} {r['sentences_per_s']:9.1f} {r['tokens_per_s']:10.1f} "
                   f"{r['median_s']:9.3f}  {ratio}", flush=True)
 

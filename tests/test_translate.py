@@ -241,3 +241,15 @@ def test_error_messages(run, tmp_path, capsys):
         assert status == 2, argv
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, (argv, err)
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_int8_translation_runs_and_mostly_agrees(run, capsys):
+    fp32 = Translator(run / "best.pt", device="cpu", beam=1)
+    int8 = Translator(run / "best.pt", device="cpu", beam=1, int8=True)
+    lines = synthetic(random.Random(5), 20) + [""]
+    a, b = fp32.translate(lines), int8.translate(lines)
+    assert len(b) == len(lines) and b[-1] == ""
+    assert isinstance(int8.model.output, torch.ao.nn.quantized.dynamic.Linear)  # really the int8 path
+    assert type(fp32.model.output) is torch.nn.Linear                            # and the float model untouched
+    assert sum(x == y for x, y in zip(a, b)) >= len(lines) // 2  # quantization noise flips few argmaxes
+    assert call("translate", str(run), "ein hund", "--int8", "--device", "cpu", capsys=capsys)[0] == 0

@@ -82,9 +82,13 @@ class Translator:
 
     def __init__(self, checkpoint: str | Path, device: str = "auto", beam: Optional[int] = None,
                  lenpen: Optional[float] = None, max_tokens: Optional[int] = None,
-                 max_len_offset: Optional[int] = None):
+                 max_len_offset: Optional[int] = None, int8: bool = False):
         self.device = pick_device(device)
         self.model, self.vocab, self.cfg = load_model(checkpoint, self.device)
+        if int8:
+            from transformer.quantize import quantize_int8
+
+            self.model = quantize_int8(self.model)
         dec = self.cfg.decode
         self.beam = dec.beam if beam is None else beam
         self.lenpen = dec.lenpen if lenpen is None else lenpen
@@ -190,7 +194,7 @@ def _write_nbest(out: TextIO, results: list[list[tuple[float, str]]], nbest: int
 
 def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str], output: Optional[str],
                   beam: Optional[int], lenpen: Optional[float], nbest: int, max_tokens: Optional[int],
-                  device: str) -> None:
+                  device: str, int8: bool = False) -> None:
     """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line."""
     from transformer.data import read_lines
 
@@ -198,7 +202,7 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
         raise UserError("translate: give sentences as arguments or --input FILE, not both")
     if nbest < 1:
         raise UserError("--nbest must be at least 1")
-    translator = Translator(checkpoint, device, beam, lenpen, max_tokens)
+    translator = Translator(checkpoint, device, beam, lenpen, max_tokens, int8=int8)
     if nbest > translator.beam:
         raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({translator.beam}); raise --beam")
     if output is None and hasattr(sys.stdout, "reconfigure"):
@@ -220,7 +224,7 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
 
 
 def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], beam: Optional[int],
-                 lenpen: Optional[float], max_tokens: Optional[int], device: str) -> dict:
+                 lenpen: Optional[float], max_tokens: Optional[int], device: str, int8: bool = False) -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files), score, write .hyp and .json."""
     import json
     import time
@@ -231,7 +235,7 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         raise UserError("evaluate: --src and --ref go together")
     if src is not None and split is not None:
         raise UserError("evaluate: give --split or --src/--ref, not both")
-    translator = Translator(run_dir, device, beam, lenpen, max_tokens)
+    translator = Translator(run_dir, device, beam, lenpen, max_tokens, int8=int8)
     if src is not None:
         sources, references = read_parallel(src, ref)
         name = Path(src).name
@@ -260,7 +264,7 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     eval_dir.mkdir(parents=True, exist_ok=True)
     hyp_path, json_path = eval_dir / f"{name}.hyp", eval_dir / f"{name}.json"
     hyp_path.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
-    record = {"checkpoint": str(run_dir), "split": split, "src": src, "ref": ref, "beam": translator.beam,
+    record = {"checkpoint": str(run_dir), "split": split, "src": src, "ref": ref, "beam": translator.beam, "int8": int8,
               "lenpen": translator.lenpen, "seconds": round(seconds, 3), "hypotheses": str(hyp_path), **scores}
     json_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     print(f"{scores['bleu_detail']}\n  signature: {scores['bleu_signature']}")
