@@ -338,6 +338,8 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
             micro, n_tokens, n_src_tokens = stream.next_update()
             loss_sum = torch.zeros((), device=device, dtype=torch.float64)
             for i, batch in enumerate(micro):
+                if device.type == "cuda":  # pinned host memory lets the copy overlap the previous kernels
+                    batch = batch.pin_memory()
                 batch = batch.to(device, non_blocking=True)
                 # DDP averages gradients over ranks; scaling by world_size / (tokens of the whole update)
                 # makes the result the per-token mean of one big batch. Sync gradients once per update.
