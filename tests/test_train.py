@@ -159,7 +159,8 @@ def test_cli_train_writes_the_run_directory(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["train", "no/such.yaml"], "error: config: no such file: no/such.yaml"),
-    (["train", "configs/tiny.yaml", "--set", "model.d_modle=3"], "unknown key 'd_modle' in section 'model'"),
+    (["train", "configs/tiny.yaml", "--set", "model.d_modle=3"],
+     "unknown key 'd_modle' in section 'model' (did you mean 'd_model'?"),
     (["train", "configs/tiny.yaml", "--set", "model.d_model=big"], "model.d_model must be an integer"),
 ])
 def test_cli_errors_are_one_line(args, message):

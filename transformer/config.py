@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import typing
 from dataclasses import dataclass, field
@@ -150,9 +151,11 @@ def _build_section(section: str, cls: type, values: Any):
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
         if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
             raise UserError(
                 f"config: unknown key '{key}' in section '{section}' "
-                f"(known keys: {', '.join(sorted(known))})"
+                f"({hint}known keys: {', '.join(sorted(known))})"
             )
     kwargs = {k: _check_value(section, k, hints[k], v) for k, v in values.items()}
     return cls(**kwargs)
