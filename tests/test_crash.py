@@ -121,3 +121,29 @@ for i in itertools.count():
     # Stale temporary files may remain from the kills; the trainer removes them at start.
     leftovers = list(tmp_path.glob(".last.pt.*.tmp"))
     assert all(p.name.endswith(".tmp") for p in leftovers)
+
+
+def test_bad_checkpoints_are_one_line_errors(tmp_path):
+    from transformer.checkpoint import save_checkpoint
+    from transformer.errors import UserError
+    import pytest
+
+    good = tmp_path / "good.pt"
+    save_checkpoint({"run": {"step": 1}, "model": {"w": torch.zeros(100_000)}}, good)
+    data = good.read_bytes()
+    cases = {
+        "truncated.pt": data[: len(data) // 2],
+        "text.pt": b"hello\n",
+        "empty.pt": b"",
+        "zeros.pt": bytes(4096),
+    }
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(UserError, match=f"{name} is not a checkpoint, or is truncated or corrupt"):
+            load_checkpoint(tmp_path / name)
+    torch.save({"model": {}}, tmp_path / "foreign.pt")  # a valid torch file, not ours
+    with pytest.raises(UserError, match="not a checkpoint written by this package"):
+        load_checkpoint(tmp_path / "foreign.pt")
+    with pytest.raises(UserError, match="no such file"):
+        load_checkpoint(tmp_path / "missing.pt")
+    assert load_checkpoint(good)["run"]["step"] == 1
