@@ -186,6 +186,13 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
     info, device = init_distributed(cfg.train.device)
     try:
         return _train(cfg, info, device, resume, config_path, quiet)
+    except RuntimeError as e:
+        if not info.enabled:
+            raise
+        # Under torchrun the usual cause is a peer that died: say so in one line; torchrun stops the rest.
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise UserError(f"rank {info.rank}: distributed training stopped, most likely because another rank "
+                        f"crashed or was killed ({first}); continue from last.pt with --resume") from None
     finally:
         shutdown_distributed()
 
