@@ -113,6 +113,21 @@ def encode_corpus(vocab: Vocab, src: Sequence[str], tgt: Sequence[str], max_len:
     return out
 
 
+def pack_by_size(order: Sequence[int], sizes: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Cut `order` into consecutive batches whose count x largest size stays within max_tokens
+    (a single item larger than that still gets a batch of its own)."""
+    batches, current, longest = [], [], 0
+    for i in order:
+        if current and max(longest, sizes[i]) * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, sizes[i])
+    if current:
+        batches.append(current)
+    return batches
+
+
 def make_batches(
     pairs: Sequence[Pair], max_tokens: int, seed: int, epoch: int, shuffle: bool = True, pad_to_multiple: int = 1
 ) -> list[list[int]]:
@@ -128,17 +143,8 @@ def make_batches(
     def padded(n: int) -> int:
         return -(-n // pad_to_multiple) * pad_to_multiple
 
-    batches, current, longest = [], [], 0
-    for i in order:
-        s, t = pairs[i]
-        size = padded(max(len(s), len(t)) + 1)  # + EOS (source) / + BOS or EOS (target)
-        if current and max(longest, size) * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, size)
-    if current:
-        batches.append(current)
+    # + 1: EOS on the source side, BOS or EOS on the target side.
+    batches = pack_by_size(order, [padded(max(len(s), len(t)) + 1) for s, t in pairs], max_tokens)
     if shuffle:
         rng.shuffle(batches)
     return batches

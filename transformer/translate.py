@@ -12,6 +12,7 @@ import torch
 
 from transformer.batch import pad_sequences
 from transformer.checkpoint import load_model
+from transformer.data import pack_by_size
 from transformer.errors import UserError
 from transformer.search import Hypothesis, beam_search, greedy_search
 from transformer.vocab import EOS_ID
@@ -33,17 +34,7 @@ def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Indices grouped so that batch size x longest (length + EOS) <= max_tokens; longest first, so
     an out-of-memory error shows on the first batch rather than the last."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, current, longest = [], [], 0
-    for i in order:
-        size = lengths[i] + 1
-        if current and max(longest, size) * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, size)
-    if current:
-        batches.append(current)
-    return batches
+    return pack_by_size(order, [n + 1 for n in lengths], max_tokens)
 
 
 def search_ids(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
