@@ -1,0 +1,85 @@
+"""Which scaled_dot_product_attention kernels can run our attention calls, and how fast each is.
+
+    python scripts/check_sdpa.py [--device cuda] [--json sdpa.json]
+
+For the three masks the model passes (encoder: key padding (B,1,1,S); decoder self-attention:
+causal & padding (B,1,T,T); incremental decoding: none), each SDPA backend is forced alone with
+torch.nn.attention.sdpa_kernel; a backend that cannot serve the call raises, which is reported as
+"unsupported". The default (no forcing) is timed too, so its time shows which kernel it picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from transformer.batch import causal_mask  # noqa: E402
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+
+
+def timed(fn, device, reps: int) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--length", type=int, default=48)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    b, h, t, d = args.batch, args.heads, args.length, args.head_dim
+    q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    lengths = torch.randint(t // 2, t + 1, (b,), device=device)
+    key_padding = (torch.arange(t, device=device)[None, :] < lengths[:, None])[:, None, None, :]  # (B,1,1,T)
+    masks = {"encoder (padding)": key_padding, "decoder (causal & padding)": key_padding & causal_mask(t, device),
+             "no mask": None}
+    print(f"device {device}, {dtype}, q/k/v {tuple(q.shape)}, torch {torch.__version__}")
+    print(f"{'mask':28} {'backend':10} {'fwd+bwd ms':>11}")
+    rows = []
+    for mask_name, mask in masks.items():
+        for name, backend in [("default", None)] + list(BACKENDS.items()):
+            def step():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                out.sum().backward()
+            try:
+                if backend is None:
+                    ms = timed(step, device, args.reps) * 1e3
+                else:
+                    with sdpa_kernel([backend]):
+                        ms = timed(step, device, args.reps) * 1e3
+                shown = f"{ms:11.3f}"
+            except RuntimeError:
+                ms, shown = None, f"{'unsupported':>11}"
+            rows.append({"mask": mask_name, "backend": name, "ms": ms})
+            print(f"{mask_name:28} {name:10} {shown}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": str(device), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
