@@ -55,9 +55,13 @@ class DecoderCache:
     cross_attn: list[KVCache] = field(default_factory=list)
     length: int = 0  # target positions already consumed
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows `index` (beam search reordering / dropping finished sentences)."""
-        for kv in self.self_attn + self.cross_attn:
+    def reorder(self, index: torch.Tensor, cross: bool = True) -> None:
+        """Keep batch rows `index` (beam search reordering / dropping finished sentences).
+
+        cross=False leaves the encoder-decoder K/V alone: reordering beams *within* a sentence
+        does not change them, since every beam of a sentence attends to the same source.
+        """
+        for kv in self.self_attn + (self.cross_attn if cross else []):
             if kv.k is not None:
                 kv.k = kv.k.index_select(0, index)
                 kv.v = kv.v.index_select(0, index)

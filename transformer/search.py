@@ -74,9 +74,10 @@ class _Stepper:
         return lprobs
 
     def keep_rows(self, index: torch.Tensor, memory_changed: bool = True) -> None:
-        """Keep rows `index` of the cache (and of the memory when the set of sentences changed)."""
+        """Keep rows `index` of the cache (and of the memory and cross-attention K/V when the set
+        of sentences, or the rows per sentence, changed)."""
         if self.cache is not None:
-            self.cache.reorder(index)
+            self.cache.reorder(index, cross=memory_changed)
         if memory_changed:
             self.memory = self.memory.index_select(0, index)
             self.memory_mask = self.memory_mask.index_select(0, index)
@@ -84,6 +85,8 @@ class _Stepper:
 
 def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
     """Rows at their length limit may only emit EOS."""
+    if not bool(at_limit.any()):  # the common case: skip a full (rows, vocab) rewrite
+        return lprobs
     not_eos = torch.ones(lprobs.size(1), dtype=torch.bool, device=lprobs.device)
     not_eos[EOS_ID] = False
     return lprobs.masked_fill(at_limit[:, None] & not_eos[None, :], float("-inf"))
