@@ -65,13 +65,23 @@ def set_rng_state(state: dict) -> None:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+class _TqdmHandler(logging.StreamHandler):
+    """Console logging that prints above the progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 def setup_logging(run_dir: Optional[Path], info: DistInfo) -> None:
     log.setLevel(logging.INFO if info.is_main else logging.WARNING)
     for handler in list(log.handlers):
         log.removeHandler(handler)
         handler.close()
     prefix = f"[rank {info.rank}] " if info.enabled else ""
-    console = logging.StreamHandler()
+    console = _TqdmHandler()
     console.setFormatter(logging.Formatter(prefix + "%(message)s"))
     log.addHandler(console)
     if run_dir is not None and info.is_main:
