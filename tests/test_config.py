@@ -221,3 +221,12 @@ def test_loaded_config_is_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.train = TrainConfig()
     assert hash(cfg) == hash(load_config(ROOT / "configs" / "tiny.yaml"))
+
+
+def test_padding_multiple_must_fit_max_positions():
+    from transformer.config import from_dict
+    from transformer.errors import UserError
+
+    with pytest.raises(UserError, match="padded to a multiple of data.pad_to_multiple"):
+        from_dict({"model": {"max_positions": 130}, "data": {"max_len": 128, "pad_to_multiple": 8}})
+    from_dict({"model": {"max_positions": 136}, "data": {"max_len": 128, "pad_to_multiple": 8}})

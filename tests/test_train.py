@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import stat
 
 import pytest
 import torch
@@ -105,7 +107,7 @@ def test_resume_refuses_model_change_and_applies_lr_change(tmp_path, caplog):
     log_text = (tmp_path / "run" / "train.log").read_text()
     assert "config change applies: train.lr: 2.0 -> 1.0" in log_text
     lr_step5 = [m["lr"] for m in read_metrics(tmp_path / "run") if m.get("step") == 5 and "lr" in m][0]
-    assert lr_step5 == pytest.approx(1.0 * 32 ** -0.5 * min(6 ** -0.5, 6 * 10 ** -1.5))
+    assert lr_step5 == pytest.approx(1.0 * 32 ** -0.5 * min(5 ** -0.5, 5 * 10 ** -1.5))  # the rate update 5 used
 
 
 def test_existing_run_needs_resume_and_resume_needs_a_run(tmp_path):
@@ -219,3 +221,33 @@ def test_validation_bleu_picks_best_and_early_stopping_follows_patience(tmp_path
     assert load_checkpoint(run_dir / "best.pt")["run"]["step"] == best_step
     if expected_last < 40:
         assert "early stopping: 2 validations without improvement" in (run_dir / "train.log").read_text()
+
+
+def test_resume_with_other_update_freq_and_adam_settings(tmp_path):
+    raw = tiny_config(tmp_path, train={"max_steps": 5, "valid_every": 5})
+    train(from_dict(raw), quiet=True)
+    assert _state(tmp_path / "run" / "last.pt")["run"]["data"]["batches_done"] % 1 == 0
+    more = tiny_config(tmp_path, data_dir=tmp_path / "corpus",
+                       train={"max_steps": 8, "valid_every": 4, "update_freq": 2, "adam_eps": 1e-6,
+                              "adam_betas": [0.9, 0.99]})
+    train(from_dict(more), resume=True, quiet=True)  # 5 batches done do not split into updates of 2
+    state = _state(tmp_path / "run" / "last.pt")
+    assert state["run"]["step"] == 8
+    group = state["optimizer"]["param_groups"][0]
+    assert group["eps"] == 1e-6 and tuple(group["betas"]) == (0.9, 0.99)
+    assert "epoch 0 restarts from its first batch" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_checkpoints_are_readable_like_other_files(tmp_path):
+    path = tmp_path / "c.pt"
+    save_checkpoint({"run": {"step": 0}}, path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+
+
+def test_unwritable_output_is_a_one_line_error(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    result = cli("plot-positions", "--d-model", "16", "--length", "8", "--out", str(tmp_path / "a_file" / "x.png"))
+    assert result.returncode == 2 and result.stderr.startswith("error: ")
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -60,9 +60,8 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict:
     averaged = {k: (sums[k] / len(paths)).to(v.dtype) for k, v in first["model"].items()}
     out = {"config": first["config"], "vocab": first["vocab"], "model": averaged,
            "averaged_from": [str(p) for p in paths]}
-    for key in ("step", "epoch"):  # progress of the newest input, for the record
-        if key in state:
-            out[key] = state[key]
+    if "run" in state:  # progress of the newest input, for the record
+        out["averaged_at_step"] = state["run"]["step"]
     return out
 
 

@@ -216,6 +216,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # an unwritable output path, a full disk, a directory where a file should be
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)

@@ -175,6 +175,9 @@ def validate(cfg: Config) -> None:
         (d.max_len >= 1, "data.max_len must be positive"),
         (d.max_len + 2 <= m.max_positions,
          f"data.max_len ({d.max_len}) + 2 special tokens exceeds model.max_positions ({m.max_positions})"),
+        (d.pad_to_multiple < 1 or -(-(d.max_len + 1) // d.pad_to_multiple) * d.pad_to_multiple <= m.max_positions,
+         f"data.max_len ({d.max_len}) + 1, padded to a multiple of data.pad_to_multiple ({d.pad_to_multiple}), "
+         f"exceeds model.max_positions ({m.max_positions})"),
         (d.max_tokens >= d.max_len + 2,
          f"data.max_tokens ({d.max_tokens}) must hold at least one pair of max_len ({d.max_len}) + 2"),
         (d.pad_to_multiple >= 1, "data.pad_to_multiple must be at least 1"),

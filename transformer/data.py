@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +11,6 @@ from transformer.batch import Batch
 from transformer.config import DataConfig
 from transformer.errors import UserError
 from transformer.vocab import Vocab
-
-log = logging.getLogger(__name__)
 
 Pair = tuple[list[int], list[int]]
 
@@ -64,6 +61,10 @@ def _hub_split(cfg: DataConfig, split: str) -> tuple[list[str], list[str]]:
     columns = ds.column_names
     if "translation" in columns:
         rows = ds["translation"]
+        missing = {cfg.src_lang, cfg.tgt_lang} - set(rows[0] if rows else {})
+        if missing:
+            raise UserError(f"data: {cfg.hub_name!r} translations have languages {sorted(rows[0])}, "
+                            f"not {sorted(missing)}; check data.src_lang, data.tgt_lang and data.hub_config")
         src = [r[cfg.src_lang] for r in rows]
         tgt = [r[cfg.tgt_lang] for r in rows]
     elif cfg.src_lang in columns and cfg.tgt_lang in columns:
@@ -160,11 +161,16 @@ class BatchStream:
     the same number on every rank.
     """
 
-    def __init__(self, pairs: Sequence[Pair], cfg: DataConfig, seed: int, epoch: int = 0, position: int = 0,
+    def __init__(self, pairs: Sequence[Pair], cfg: DataConfig, seed: int, epoch: int = 0, batches_done: int = 0,
                  rank: int = 0, world_size: int = 1, update_freq: int = 1):
+        """batches_done: batches of the epoch already consumed by all ranks together (what state() saves),
+        so that a run may resume with another number of ranks or another update_freq."""
+        if batches_done % (world_size * update_freq):
+            raise UserError(f"data: cannot resume after {batches_done} batches of an epoch with updates of "
+                            f"{world_size} ranks x update_freq {update_freq}")
         self.pairs, self.cfg, self.seed = pairs, cfg, seed
-        self.epoch, self.position = epoch, position  # the next local batch to hand out
         self.rank, self.world_size, self.update_freq = rank, world_size, update_freq
+        self.epoch, self.position = epoch, batches_done // world_size  # position: this rank's next batch
         self._batches = self._epoch_batches(epoch)
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
@@ -218,7 +224,7 @@ class BatchStream:
         return [next(self) for _ in range(self.update_freq)], n_tgt, n_src
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "batches_done": self.position * self.world_size}
 
 
 def eval_batches(pairs: Sequence[Pair], max_tokens: int, pad_to_multiple: int = 1) -> list[Batch]:

@@ -44,7 +44,8 @@ def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
         device = torch.device("cpu")
     if not dist.is_initialized():
         # A finite timeout turns a rank stuck on a dead peer into an error instead of a hang.
-        timeout = datetime.timedelta(seconds=int(os.environ.get("TRANSFORMER_DIST_TIMEOUT", "600")))
+        # Long enough for rank 0's solo work (SentencePiece training, validation BLEU) while the others wait.
+        timeout = datetime.timedelta(seconds=int(os.environ.get("TRANSFORMER_DIST_TIMEOUT", "1800")))
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     return info, device
 

@@ -118,11 +118,8 @@ class AttentionMaps:
 
 
 def _translate(model: Transformer, src: torch.Tensor, beam: int, lenpen: float, max_len_offset: int) -> list[int]:
-    try:
-        from transformer import search
-    except ImportError:
-        raise UserError("translation is not available yet (transformer/search.py is missing); "
-                        "pass --target to force-decode a given translation") from None
+    from transformer import search
+
     if beam <= 1:
         hyps = search.greedy_search(model, src, max_len_offset=max_len_offset)
     else:

@@ -31,6 +31,9 @@ log = logging.getLogger("transformer")
 
 # Model and vocabulary cannot change under a resumed run; anything else in the config may.
 FROZEN_ON_RESUME = ("model", "data.vocab_size", "data.spm_model_type", "data.src_lang", "data.tgt_lang")
+# Changing these reshuffles the epoch's batches: a resumed run then restarts its current epoch.
+DATA_ORDER = ("train.seed", "data.source", "data.dir", "data.hub_name", "data.hub_config", "data.train_split",
+              "data.max_len", "data.max_tokens", "data.pad_to_multiple", "data.max_train_pairs")
 MAX_SKIPPED_IN_A_ROW = 20
 
 
@@ -101,7 +104,7 @@ def prepare_vocab(cfg: Config, run_dir: Path, src: list[str], tgt: list[str]) ->
     log.info("vocab: training a joint %s SentencePiece model of %d pieces on %d sentences",
              d.spm_model_type, d.vocab_size, len(src) + len(tgt))
     vocab = train_vocab((s for pair in zip(src, tgt) for s in pair), d.vocab_size, d.spm_model_type,
-                        d.spm_character_coverage, d.spm_max_sentences)
+                        d.spm_character_coverage, d.spm_max_sentences, cfg.train.seed)
     vocab.save(path)
     return vocab
 
@@ -144,9 +147,10 @@ class RunState:
     """Counters that must survive a restart."""
 
     step: int = 0
-    best: Optional[float] = None          # best validation loss, or BLEU when train.valid_bleu is on
+    best: Optional[float] = None          # best validation score so far ...
+    best_metric: str = "loss"             # ... of this metric: "loss" (lower is better) or "bleu"
     bad_validations: int = 0              # validations in a row without improvement (early stopping)
-    data: dict = field(default_factory=lambda: {"epoch": 0, "position": 0})
+    data: dict = field(default_factory=lambda: {"epoch": 0, "batches_done": 0})
 
 
 class StopRequested:
@@ -187,6 +191,9 @@ def check_resume_config(saved: Config, new: Config) -> list[str]:
             if section in FROZEN_ON_RESUME or f"{section}.{key}" in FROZEN_ON_RESUME:
                 raise UserError(f"resume: {section}.{key} was {before!r} in the checkpoint and is {value!r} now; "
                                 "the model and vocabulary cannot change under a resumed run")
+            if f"{section}.{key}" == "train.weight_decay" and (before > 0) != (value > 0):
+                raise UserError("resume: train.weight_decay cannot switch between 0 (Adam) and > 0 (AdamW) "
+                                "under a resumed run")
             changes.append(f"{section}.{key}: {before!r} -> {value!r}")
     return changes
 
@@ -197,7 +204,9 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
     try:
         return _train(cfg, info, device, resume, config_path, quiet)
     except RuntimeError as e:
-        if not info.enabled:
+        text = str(e).lower()
+        if not info.enabled or not (isinstance(e, torch.distributed.DistError) or "peer" in text or "nccl" in text
+                                    or "gloo" in text):
             raise
         # Under torchrun the usual cause is a peer that died: say so in one line; torchrun stops the rest.
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
@@ -227,9 +236,9 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     setup_logging(run_dir, info)
 
     saved = load_checkpoint(last_path) if resume else None
-    if saved is not None:
-        for change in check_resume_config(from_dict(saved["config"]), cfg):
-            log.info("resume: config change applies: %s", change)
+    changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
+    for change in changes:
+        log.info("resume: config change applies: %s", change)
     if info.is_main:
         save_config(cfg, run_dir / "config.yaml")
     # Each rank gets its own dropout stream; a resumed run restores them below.
@@ -263,9 +272,24 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     if saved is not None:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
+        for group in optimizer.param_groups:  # load_state_dict brought back the old values; the config rules
+            group.update(betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
         scheduler.load_state_dict(saved["scheduler"])
-        scaler.load_state_dict(saved["scaler"])
+        if saved["scaler"]:  # empty when the run was saved without fp16
+            scaler.load_state_dict(saved["scaler"])
         state = RunState(**saved["run"])
+        metric = "bleu" if t.valid_bleu else "loss"
+        if state.best_metric != metric:
+            log.info("resume: best checkpoint now chosen by %s instead of %s", metric, state.best_metric)
+            state.best, state.best_metric, state.bad_validations = None, metric, 0
+        group_size = info.world_size * t.update_freq
+        order_changed = [c for c in changes if c.split(":")[0] in DATA_ORDER]
+        if state.data["batches_done"] and (order_changed or state.data["batches_done"] % group_size):
+            log.warning("resume: %s; epoch %d restarts from its first batch",
+                        "the data order changed" if order_changed else
+                        f"{state.data['batches_done']} batches done do not split into updates of {group_size}",
+                        state.data["epoch"])
+            state.data = {"epoch": state.data["epoch"], "batches_done": 0}
         # The schedule is a pure function of the step under the *new* config, so a changed
         # train.lr / warmup applies from the next update on; unchanged, this recomputes the same value.
         scheduler.base_lrs = [t.lr for _ in optimizer.param_groups]
@@ -281,8 +305,9 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
         log.info("resume: continuing %s at step %d", last_path, state.step)
     stream = BatchStream(corpus.pairs, cfg.data, t.seed, **state.data, rank=info.rank,
                          world_size=info.world_size, update_freq=t.update_freq)
-    forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
-        if info.enabled else model
+    # broadcast_buffers=False: the only buffer is the constant sinusoid table.
+    forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      broadcast_buffers=False) if info.enabled else model
     if t.compile:
         forward = torch.compile(forward, dynamic=True)
     log.info("model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
@@ -313,6 +338,7 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
 
     def validate() -> bool:
         """Validate, log, checkpoint; returns True when early stopping says stop."""
+        nonlocal saved_step
         result = evaluate_loss(model, valid, device, t.precision, t.label_smoothing, info)
         score, higher_is_better = result["loss"], False
         if t.valid_bleu:
@@ -330,6 +356,7 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
         rngs = gather_objects(rng_state(), info)
         if info.is_main:
             checkpoint(last_path, rngs)
+            saved_step = state.step
             if improved:
                 checkpoint(run_dir / "best.pt", rngs)
             if t.keep_last:
@@ -350,6 +377,7 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     window = {"loss": 0.0, "tokens": 0, "src_tokens": 0, "time": time.perf_counter()}
     skipped_in_a_row = 0
     stopped_early = False
+    saved_step = state.step if saved is not None else None  # what last.pt holds
     with StopRequested() as stop:
         while state.step < t.max_steps and (not t.max_epochs or stream.epochs_done < t.max_epochs):
             micro, n_tokens, n_src_tokens = stream.next_update()
@@ -375,6 +403,7 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
                                  torch.tensor(float(stop.signal_name is not None), device=device,
                                               dtype=torch.float64)])
             update_loss, nonfinite, stop_requested = all_reduce_sum(flags, info).tolist()
+            lr = optimizer.param_groups[0]["lr"]  # the rate this update uses
             if not nonfinite:
                 scaler.step(optimizer)
                 scheduler.step()
@@ -389,16 +418,16 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
                 log.warning("update %d: non-finite loss or gradient; skipped, the weights are unchanged",
                             state.step + 1)
                 if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                    held = f"last.pt holds step {saved_step}" if saved_step is not None else "no last.pt was written"
                     raise UserError(f"training diverged: {skipped_in_a_row} updates in a row had a non-finite "
-                                    f"loss or gradient; stopping without saving them (last.pt holds step "
-                                    f"{state.step if last_path.exists() else 'none'})")
+                                    f"loss or gradient; stopping without saving them ({held})")
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
 
             if not nonfinite and (state.step % t.log_every == 0 or state.step == t.max_steps):
                 elapsed = time.perf_counter() - window["time"]
                 entry = {"step": state.step, "split": "train", "loss": window["loss"] / max(window["tokens"], 1),
-                         "lr": scheduler.get_last_lr()[0], "tgt_tokens_per_s": window["tokens"] / elapsed,
+                         "lr": lr, "tgt_tokens_per_s": window["tokens"] / elapsed,
                          "tokens_per_s": (window["tokens"] + window["src_tokens"]) / elapsed,
                          "epoch": stream.epoch, "grad_norm": float(grad_norm)}
                 record(entry)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
-from typing import BinaryIO, Iterator, Optional, Sequence, TextIO
+from typing import Iterator, Optional, Sequence, TextIO
 
 import torch
 
@@ -17,7 +16,6 @@ from transformer.errors import UserError
 from transformer.search import Hypothesis, beam_search, greedy_search
 from transformer.vocab import EOS_ID
 
-log = logging.getLogger(__name__)
 
 
 def pick_device(name: str) -> torch.device:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-import logging
+import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -15,8 +15,6 @@ from transformer.errors import UserError
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 _NOT_TEXT = frozenset((PAD_ID, BOS_ID, EOS_ID))
-
-log = logging.getLogger(__name__)
 
 
 class Vocab:
@@ -70,6 +68,7 @@ def train_vocab(
     """Train a joint SentencePiece model on `sentences` (both languages mixed)."""
     model = io.BytesIO()
     sentences = (s for s in sentences if s.strip())
+    spm.set_random_generator_seed(seed)  # the sentence sample is reproducible when the corpus is larger
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=sentences,
@@ -84,7 +83,7 @@ def train_vocab(
             max_sentence_length=1 << 16,
             hard_vocab_limit=False,
             minloglevel=2,
-            num_threads=2,
+            num_threads=os.cpu_count() or 1,
         )
     except RuntimeError as e:
         raise UserError(f"SentencePiece training failed: {e}") from None
