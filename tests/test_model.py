@@ -11,7 +11,7 @@ import torch
 from transformer.batch import Batch, causal_mask, padding_mask
 from transformer.config import ModelConfig, load_config
 from transformer.model import MultiHeadAttention, PositionalEncoding, Transformer, count_parameters
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.vocab import PAD_ID
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 50

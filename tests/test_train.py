@@ -14,10 +14,9 @@ from transformer import train as train_module
 from transformer.batch import Batch
 from transformer.checkpoint import load_checkpoint, load_model, save_checkpoint
 from transformer.config import from_dict, to_dict
-from transformer.data import encode_corpus, read_parallel
 from transformer.errors import UserError
 from transformer.model import Transformer
-from transformer.train import evaluate_loss, train
+from transformer.train import train
 from transformer.vocab import Vocab, train_vocab
 
 
