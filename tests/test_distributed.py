@@ -68,3 +68,28 @@ def test_resume_under_ddp_continues_at_saved_step(tmp_path):
     a, b = weights(tmp_path / "straight" / "last.pt"), weights(tmp_path / "split" / "last.pt")
     for key in a:  # dropout is on: equal only if every rank's RNG stream was restored
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+def test_a_killed_rank_ends_the_run_with_a_message_not_a_hang(tmp_path):
+    import signal
+    import time
+
+    raw = tiny_config(tmp_path, train={"max_steps": 100000, "valid_every": 100000, "log_every": 1})
+    config = write_config(tmp_path / "c.yaml", raw)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 "-m", "transformer", "train", str(config)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.time() < deadline and launcher.poll() is None, "training did not start"
+        time.sleep(0.1)
+    ranks = subprocess.run(["pgrep", "-f", f"transformer train {config}"], capture_output=True, text=True)
+    workers = [int(p) for p in ranks.stdout.split() if int(p) != launcher.pid]
+    assert len(workers) == 2
+    os.kill(max(workers), signal.SIGKILL)  # the later-started worker: rank 1
+    _, stderr = launcher.communicate(timeout=120)  # no hang
+    assert launcher.returncode != 0
+    assert "error: rank 0: distributed training stopped, most likely because another rank crashed" in stderr
+    assert "exitcode  : -9" in stderr
