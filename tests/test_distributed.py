@@ -93,3 +93,27 @@ def test_a_killed_rank_ends_the_run_with_a_message_not_a_hang(tmp_path):
     assert launcher.returncode != 0
     assert "error: rank 0: distributed training stopped, most likely because another rank crashed" in stderr
     assert "exitcode  : -9" in stderr
+
+
+def test_sigterm_to_torchrun_saves_once_and_stops_every_rank(tmp_path):
+    import signal
+    import time
+
+    raw = tiny_config(tmp_path, train={"max_steps": 100000, "valid_every": 100000, "log_every": 1})
+    config = write_config(tmp_path / "c.yaml", raw)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 "-m", "transformer", "train", str(config)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.time() < deadline and launcher.poll() is None, "training did not start"
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)  # what a scheduler's pre-emption sends
+    _, stderr = launcher.communicate(timeout=120)
+    assert "saved" in stderr and "--resume" in stderr, stderr[-2000:]
+    state = load_checkpoint(tmp_path / "run" / "last.pt")
+    logged = max(m["step"] for m in read_metrics(tmp_path / "run") if m.get("split") == "train")
+    assert state["run"]["step"] == logged >= 3
+    assert len(state["rng"]) == 2
