@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -70,10 +72,8 @@ def test_resume_under_ddp_continues_at_saved_step(tmp_path):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
 
 
-def test_a_killed_rank_ends_the_run_with_a_message_not_a_hang(tmp_path):
-    import signal
-    import time
-
+def start_long_ddp_run(tmp_path):
+    """A 2-rank torchrun training that would run for ever; returns (launcher, config) once 3 updates are logged."""
     raw = tiny_config(tmp_path, train={"max_steps": 100000, "valid_every": 100000, "log_every": 1})
     config = write_config(tmp_path / "c.yaml", raw)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -85,6 +85,11 @@ def test_a_killed_rank_ends_the_run_with_a_message_not_a_hang(tmp_path):
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert time.time() < deadline and launcher.poll() is None, "training did not start"
         time.sleep(0.1)
+    return launcher, config
+
+
+def test_a_killed_rank_ends_the_run_with_a_message_not_a_hang(tmp_path):
+    launcher, config = start_long_ddp_run(tmp_path)
     ranks = subprocess.run(["pgrep", "-f", f"transformer train {config}"], capture_output=True, text=True)
     workers = [int(p) for p in ranks.stdout.split() if int(p) != launcher.pid]
     assert len(workers) == 2
@@ -96,20 +101,7 @@ def test_a_killed_rank_ends_the_run_with_a_message_not_a_hang(tmp_path):
 
 
 def test_sigterm_to_torchrun_saves_once_and_stops_every_rank(tmp_path):
-    import signal
-    import time
-
-    raw = tiny_config(tmp_path, train={"max_steps": 100000, "valid_every": 100000, "log_every": 1})
-    config = write_config(tmp_path / "c.yaml", raw)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                 "-m", "transformer", "train", str(config)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.time() < deadline and launcher.poll() is None, "training did not start"
-        time.sleep(0.1)
+    launcher, _ = start_long_ddp_run(tmp_path)
     launcher.send_signal(signal.SIGTERM)  # what a scheduler's pre-emption sends
     _, stderr = launcher.communicate(timeout=120)
     assert "saved" in stderr and "--resume" in stderr, stderr[-2000:]
