@@ -81,11 +81,14 @@ def prepare_vocab(cfg: Config, run_dir: Path, src: list[str], tgt: list[str]) ->
     return vocab
 
 
-def load_pairs(cfg: Config, vocab: Vocab, split: str, limit: int = 0):
-    """Encoded, length-filtered pairs of a split, and its raw target sentences (BLEU references)."""
+def read_split(cfg: Config, split: str, limit: int = 0) -> tuple[list[str], list[str]]:
+    """Raw source and target sentences of a split, the first `limit` pairs when limit > 0."""
     src, tgt = load_split(cfg.data, split)
-    if limit:
-        src, tgt = src[:limit], tgt[:limit]
+    return (src[:limit], tgt[:limit]) if limit else (src, tgt)
+
+
+def encode_split(cfg: Config, vocab: Vocab, split: str, src: list[str], tgt: list[str]):
+    """Encoded, length-filtered pairs of a split, and its kept raw target sentences (BLEU references)."""
     corpus = encode_corpus(vocab, src, tgt, cfg.data.max_len)
     log.info("data: %s: %d pairs kept, %d dropped as longer than data.max_len=%d, %d dropped with a blank side",
              split, len(corpus.pairs), corpus.dropped_long, cfg.data.max_len, corpus.dropped_blank)
@@ -162,9 +165,7 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     torch.manual_seed(t.seed + info.rank)
 
     # Data and vocabulary: rank 0 trains the SentencePiece model, the others wait and read it.
-    train_src, train_tgt = load_split(cfg.data, cfg.data.train_split)
-    if cfg.data.max_train_pairs:
-        train_src, train_tgt = train_src[: cfg.data.max_train_pairs], train_tgt[: cfg.data.max_train_pairs]
+    train_src, train_tgt = read_split(cfg, cfg.data.train_split, cfg.data.max_train_pairs)
     if saved is not None:
         vocab = Vocab(saved["vocab"])
     else:
@@ -172,12 +173,9 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
             prepare_vocab(cfg, run_dir, train_src, train_tgt)
         barrier(info)
         vocab = Vocab.load(run_dir / "spm.model")
-    corpus = encode_corpus(vocab, train_src, train_tgt, cfg.data.max_len)
-    log.info("data: %s: %d pairs kept, %d dropped as longer than data.max_len=%d, %d dropped with a blank side",
-             cfg.data.train_split, len(corpus.pairs), corpus.dropped_long, cfg.data.max_len, corpus.dropped_blank)
-    if not corpus.pairs:
-        raise UserError("data: no usable training pairs left after filtering")
-    valid_pairs, valid_refs = load_pairs(cfg, vocab, cfg.data.valid_split, cfg.data.max_valid_pairs)
+    train_pairs, _ = encode_split(cfg, vocab, cfg.data.train_split, train_src, train_tgt)
+    valid_pairs, valid_refs = encode_split(cfg, vocab, cfg.data.valid_split,
+                                           *read_split(cfg, cfg.data.valid_split, cfg.data.max_valid_pairs))
     valid = eval_batches(valid_pairs, cfg.data.max_tokens, cfg.data.pad_to_multiple)
 
     # Model, optimizer, schedule, and the state of an interrupted run.
@@ -219,7 +217,7 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
             log.warning("resume: the checkpoint holds RNG states of %d ranks, this run has %d; "
                         "dropout streams restart from the seed", len(rngs), info.world_size)
         log.info("resume: continuing %s at step %d", last_path, state.step)
-    stream = BatchStream(corpus.pairs, cfg.data, t.seed, **state.data, rank=info.rank,
+    stream = BatchStream(train_pairs, cfg.data, t.seed, **state.data, rank=info.rank,
                          world_size=info.world_size, update_freq=t.update_freq)
     # broadcast_buffers=False: the only buffer is the constant sinusoid table.
     forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
