@@ -79,7 +79,8 @@ class _Stepper:
         if self.cache is not None:
             self.cache.reorder(index, cross=memory_changed)
         if memory_changed:
-            self.memory = self.memory.index_select(0, index)
+            if self.cache is None or self.cache.length == 0:  # once cached, cross K/V replace the memory
+                self.memory = self.memory.index_select(0, index)
             self.memory_mask = self.memory_mask.index_select(0, index)
 
 
