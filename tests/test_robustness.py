@@ -31,7 +31,8 @@ odd_lines = st.sampled_from(["", " ", "\t \u00a0", "\u2028", "\x00\x07\x1b[31m",
                              "مرحبا بالعالم", "a" * 500, " ".join(["Hund"] * 200)])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(lines=st.lists(st.one_of(line_text, odd_lines), min_size=1, max_size=6))
 def test_translate_returns_one_line_per_input_line(translator, lines):
     out = translator.translate(lines)
@@ -42,7 +43,8 @@ def test_translate_returns_one_line_per_input_line(translator, lines):
             assert target == ""  # blank in, blank out
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(lines=st.lists(line_text, min_size=1, max_size=4), nbest=st.integers(1, 2))
 def test_nbest_gives_exactly_n_candidates_per_line(translator, lines, nbest):
     out = translator.translate_nbest(lines, nbest)
