@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import stat
 
 import pytest
@@ -109,14 +110,24 @@ def test_resume_refuses_model_change_and_applies_lr_change(tmp_path, caplog):
     assert lr_step5 == pytest.approx(1.0 * 32 ** -0.5 * min(5 ** -0.5, 5 * 10 ** -1.5))  # the rate update 5 used
 
 
-def test_existing_run_needs_resume_and_resume_needs_a_run(tmp_path):
-    raw = tiny_config(tmp_path, train={"max_steps": 2})
+def test_existing_run_needs_resume_and_resume_without_a_checkpoint_starts_over(tmp_path):
+    raw = tiny_config(tmp_path, train={"max_steps": 3})
     train(from_dict(raw), quiet=True)
     with pytest.raises(UserError, match="already holds a run"):
         train(from_dict(raw), quiet=True)
-    other = tiny_config(tmp_path, "other", tmp_path / "corpus")
-    with pytest.raises(UserError, match="no checkpoint at"):
-        train(from_dict(other), resume=True, quiet=True)
+    # What a kill before the first save leaves: the vocabulary, logs, a torn temporary file, no checkpoint.
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "run", other)
+    for name in ("last.pt", "best.pt"):
+        (other / name).unlink()
+    (other / ".spm.model.x1y2.tmp").write_bytes(b"torn")
+    train(from_dict(tiny_config(tmp_path, "other", tmp_path / "corpus", train={"max_steps": 3})),
+          resume=True, quiet=True)
+    assert "yet (the run stopped before its first save); starting from step 0" in (other / "train.log").read_text()
+    assert not list(other.glob(".*.tmp"))
+    a, b = _state(tmp_path / "run" / "last.pt"), _state(other / "last.pt")
+    assert a["run"]["step"] == b["run"]["step"] == 3
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
 def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):

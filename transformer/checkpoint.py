@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from transformer.atomic import atomic_write
 from transformer.config import Config, from_dict
 from transformer.errors import UserError
 from transformer.model import Transformer
@@ -18,32 +17,8 @@ FORMAT = "transformer-checkpoint-v1"
 
 
 def save_checkpoint(state: dict, path: str | Path) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over `path`:
-    a crash at any moment leaves either the old file or the new one, never a torn one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a checkpoint is as readable as any file
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
+    """Write atomically: a crash at any moment leaves either the old checkpoint or the new one."""
+    atomic_write(path, lambda f: torch.save({"format": FORMAT, **state}, f))
 
 
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:

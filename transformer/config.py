@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Tuple
 
 import yaml
 
+from transformer.atomic import atomic_write
 from transformer.errors import UserError
 
 
@@ -274,4 +275,5 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Conf
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))

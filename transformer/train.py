@@ -16,6 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from transformer.atomic import remove_stale_temporaries
 from transformer.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data import BatchStream, encode_corpus, eval_batches, load_split
@@ -143,16 +144,20 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     if last_path.exists() and not resume:
         raise UserError(f"{run_dir} already holds a run (last.pt); add --resume to continue it, "
                         "or set train.run_dir to a new directory")
-    if resume and not last_path.exists():
-        raise UserError(f"--resume: no checkpoint at {last_path}")
+    # A kill before the first save leaves nothing to continue from; a job script that always passes
+    # --resume (as preemptible jobs do) must then simply start the run.
+    resume_from_scratch = resume and not last_path.exists()
+    resume = resume and not resume_from_scratch
     if t.precision == "fp16" and device.type != "cuda":
         raise UserError("train.precision 'fp16' needs CUDA; use 'bf16' or 'fp32' on CPU")
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in run_dir.glob(".*.pt.*.tmp"):  # left by a kill during a checkpoint write
-            stale.unlink()
+        remove_stale_temporaries(run_dir)
     barrier(info)
     setup_logging(run_dir, info)
+    if resume_from_scratch:
+        log.warning("resume: no checkpoint at %s yet (the run stopped before its first save); "
+                    "starting from step 0", last_path)
 
     saved = load_checkpoint(last_path) if resume else None
     changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []

@@ -9,6 +9,7 @@ from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
+from transformer.atomic import atomic_write
 from transformer.errors import UserError
 
 # The special ids, fixed for every model this package trains.
@@ -42,7 +43,7 @@ class Vocab:
         return cls(path.read_bytes())
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_bytes(self.proto)
+        atomic_write(path, lambda f: f.write(self.proto))
 
     def __len__(self) -> int:
         return self.sp.get_piece_size()
