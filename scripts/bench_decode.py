@@ -1,23 +1,32 @@
 #!/usr/bin/env python
 """Decoding speed: sentences/s and target tokens/s of our greedy and beam search against Hugging Face
-MarianMTModel.generate with the same dimensions (random weights, forced to run the same number of steps).
+MarianMTModel.generate with the same dimensions (random weights, forced to run the same number of steps),
+and, with --ctranslate2, against CTranslate2 running our own trained weights.
 
     .venv/bin/python scripts/bench_decode.py --checkpoint runs/multi30k [data/multi30k/test.de] \
-        [--device auto|cpu|cuda|all] [--beam 1 4] [--limit 200] [--repeats 3] [--json bench.json]
+        [--device auto|cpu|cuda|all] [--beam 1 4] [--limit 200] [--repeats 3] [--int8] [--ctranslate2] \
+        [--json bench.json]
 
 `transformers` is optional (pip install -e '.[bench]'); without it only our numbers are printed.
 Per batch, Marian generates exactly as many decoder steps as our search took on that batch
 (min_new_tokens = max_new_tokens), so both do the same number of steps; ours also drops finished
 sentences from the batch, Marian keeps every row to the end. Tokens/s counts our outputs' tokens + EOS
 for both, so the two ratios agree.
+
+CTranslate2 (pip install ctranslate2) gets our checkpoint through scripts/export_ctranslate2.py and the
+same batches, with the same beam, length-penalty alpha and length limit; it stops at EOS like ours, so it
+does its own number of steps. Its length penalty is length**alpha where ours is ((5 + length) / 6)**alpha,
+so beam outputs may differ slightly: the JSON records how many outputs equal ours ("same_as_ours").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +72,17 @@ class StepCounter:
         del self.model.decode  # back to the class method
 
 
+def ours_outputs(model, tensors, beam: int, lenpen: float, offset: int) -> list[list[int]]:
+    """Our best output ids per sentence, in batch order (untimed; to compare other engines' outputs)."""
+    out = []
+    for src in tensors:
+        if beam == 1:
+            out.extend(h.tokens for h in greedy_search(model, src, offset))
+        else:
+            out.extend(h[0].tokens for h in beam_search(model, src, beam, lenpen, offset))
+    return out
+
+
 def run_ours(model, tensors, beam: int, lenpen: float, offset: int) -> tuple[list[int], list[int]]:
     """-> (decoder steps per batch, output tokens + EOS per batch)."""
     steps, tokens = [], []
@@ -102,6 +122,26 @@ def run_marian(marian, tensors, steps: list[int], beam: int) -> None:
                             num_return_sequences=1)
 
 
+def load_ctranslate2(model_dir: Path, device: torch.device, compute_type: str):
+    import ctranslate2
+
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    return ctranslate2.Translator(str(model_dir), device=device.type, compute_type=compute_type,
+                                  inter_threads=1, intra_threads=threads)
+
+
+def run_ctranslate2(translator, pieces: list[list[list[str]]], beam: int, lenpen: float,
+                    offset: int) -> list[list[str]]:
+    """Translate each batch of source pieces in one call, as our search does; -> output pieces per sentence."""
+    out = []
+    for batch in pieces:
+        results = translator.translate_batch(
+            batch, beam_size=beam, length_penalty=lenpen if beam > 1 else 0.0, max_batch_size=0,
+            max_decoding_length=max(len(p) for p in batch) + 1 + offset)  # + 1: the EOS CTranslate2 appends
+        out.extend(r.hypotheses[0] for r in results)
+    return out
+
+
 def timed(fn, device: torch.device, repeats: int) -> list[float]:
     fn()  # warm-up: allocator, kernels, lazy initialisation
     times = []
@@ -128,6 +168,9 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face Marian comparison")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     ap.add_argument("--int8", action="store_true", help="on CPU, also time our int8 (dynamic quantization) path")
+    ap.add_argument("--ctranslate2", action="store_true",
+                    help="also time CTranslate2 on our weights (float32, and int8 with --int8 on CPU; "
+                         "float16 on CUDA)")
     args = ap.parse_args()
 
     if args.device == "all":
@@ -147,6 +190,16 @@ def main() -> None:
         except ImportError:
             print("transformers is not installed: only our numbers (pip install -e '.[bench]')", file=sys.stderr)
 
+    ct2_dir = None
+    if args.ctranslate2:
+        try:
+            import ctranslate2
+            from export_ctranslate2 import export
+        except ImportError:
+            sys.exit("error: --ctranslate2 needs `pip install ctranslate2`")
+        ct2_dir = Path(tempfile.mkdtemp(prefix="bench_ct2_"))
+        export(args.checkpoint, ct2_dir)
+
     results = []
     for device_name in devices:
         device = torch.device(device_name)
@@ -156,6 +209,12 @@ def main() -> None:
         batches = make_batches(src_ids, args.max_tokens or cfg.decode.max_tokens, args.batch_size)
         tensors = [pad_sequences([src_ids[i] + [EOS_ID] for i in b]).to(device) for b in batches]  # (B, S) each
         marian = build_marian(model, len(vocab), device) if have_hf else None
+        ct2 = {}
+        if ct2_dir is not None:
+            types = ["float32"] + (["int8"] if args.int8 and device_name == "cpu" else []) + \
+                    (["float16"] if device_name == "cuda" else [])
+            ct2 = {f"ct2_{t}": load_ctranslate2(ct2_dir, device, t) for t in types}
+            pieces = [[vocab.pieces(src_ids[i]) for i in b] for b in batches]
         for beam in args.beam:
             steps, tokens = run_ours(model, tensors, beam, cfg.decode.lenpen, cfg.decode.max_len_offset)
             n_tokens = sum(tokens)
@@ -170,22 +229,35 @@ def main() -> None:
                                                       cfg.decode.max_len_offset)
             if marian is not None:
                 impls["hf_marian"] = lambda: run_marian(marian, tensors, steps, beam)
+            for name, translator in ct2.items():
+                impls[name] = (lambda tr=translator: run_ctranslate2(tr, pieces, beam, cfg.decode.lenpen,
+                                                                     cfg.decode.max_len_offset))
+            if ct2:
+                ours_out = ours_outputs(model, tensors, beam, cfg.decode.lenpen, cfg.decode.max_len_offset)
+                ours_out = [vocab.pieces(ours_out[k]) for k in range(len(ours_out))]
             for name, fn in impls.items():
                 times = timed(fn, device, args.repeats)
                 median = statistics.median(times)
                 row[name] = {"median_s": median, "times_s": times, "sentences_per_s": len(src_ids) / median,
                              "tokens_per_s": n_tokens / median}
+                if name.startswith("ct2_"):
+                    out = fn()
+                    row[name]["same_as_ours"] = sum(a == b for a, b in zip(out, ours_out)) / len(out)
+                    row[name]["own_tokens"] = sum(len(o) + 1 for o in out)
             if "hf_marian" in row:
-                row["speedup_ours_over_hf"] = row["hf_marian"]["median_s"] / row["ours"]["median_s"]
-                if "ours_int8" in row:
-                    row["speedup_int8_over_hf"] = row["hf_marian"]["median_s"] / row["ours_int8"]["median_s"]
+                for name in impls:
+                    if name != "hf_marian":
+                        row[name]["speedup_over_hf"] = row["hf_marian"]["median_s"] / row[name]["median_s"]
             results.append(row)
             print_row(row)
 
     report = {"checkpoint": args.checkpoint, "test_set": args.test_set, "torch": torch.__version__,
               "transformers": transformers.__version__ if have_hf else None,
+              "ctranslate2": ctranslate2.__version__ if ct2_dir is not None else None,
               "device_names": {d: (torch.cuda.get_device_name(0) if d == "cuda" else "cpu") for d in devices},
               "cpu_threads": torch.get_num_threads(), "results": results}
+    if ct2_dir is not None:
+        shutil.rmtree(ct2_dir, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
@@ -197,15 +269,14 @@ _printed_header = False
 def print_row(row: dict) -> None:
     global _printed_header
     if not _printed_header:
-        print(f"{'device':6} {'beam':>4} {'impl':10} {'sent/s':>9} {'tok/s':>10} {'median s':>9}  ours/hf")
+        print(f"{'device':6} {'beam':>4} {'impl':12} {'sent/s':>9} {'tok/s':>10} {'median s':>9}  {'× hf':>6}  same")
         _printed_header = True
-    ratios = {"ours": "speedup_ours_over_hf", "ours_int8": "speedup_int8_over_hf"}
-    for name in ("ours", "ours_int8", "hf_marian"):
-        if name in row:
-            r = row[name]
-            ratio = f"{row[ratios[name]]:.2f}x" if ratios.get(name) in row else ""
-            print(f"{row['device']:6} {row['beam']:>4} {name:10} {r['sentences_per_s']:9.1f} {r['tokens_per_s']:10.1f} "
-                  f"{r['median_s']:9.3f}  {ratio}", flush=True)
+    for name, r in row.items():
+        if isinstance(r, dict):
+            ratio = f"{r['speedup_over_hf']:.2f}x" if "speedup_over_hf" in r else ""
+            same = f"{r['same_as_ours']:.1%}" if "same_as_ours" in r else ""
+            print(f"{row['device']:6} {row['beam']:>4} {name:12} {r['sentences_per_s']:9.1f} {r['tokens_per_s']:10.1f} "
+                  f"{r['median_s']:9.3f}  {ratio:>6}  {same}", flush=True)
 
 
 if __name__ == "__main__":
