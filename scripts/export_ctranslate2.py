@@ -2,7 +2,8 @@
 """Export a trained checkpoint to a CTranslate2 model directory (for deployment, and to time CTranslate2
 beside our own search in scripts/bench_decode.py).
 
-    .venv/bin/python scripts/export_ctranslate2.py runs/multi30k exported/multi30k_ct2 [--quantization int8]
+    .venv/bin/python scripts/export_ctranslate2.py runs/multi30k exported/multi30k_ct2 [--quantization int8] \
+        [--evaluate data/multi30k/test.de data/multi30k/test.en [--beam 4] [--compute-type int8]]
 
 Needs `pip install ctranslate2` (not a dependency of the package). The directory holds model.bin, the
 vocabularies and our spm.model; CTranslate2 takes SentencePiece pieces and appends </s> to the source
@@ -109,6 +110,29 @@ def export(checkpoint: str | Path, out_dir: str | Path, quantization: str | None
     return out_dir
 
 
+def evaluate(model_dir: Path, src_path: str, ref_path: str, beam: int, lenpen: float,
+             compute_type: str) -> str:
+    """Translate src_path with the exported model on CPU and score it against ref_path with sacreBLEU."""
+    import ctranslate2
+    import sacrebleu
+    import sentencepiece as spm
+
+    from transformer.data import read_lines
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_dir / "spm.model"))
+    lines, refs = read_lines(src_path), read_lines(ref_path)
+    translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type,
+                                        intra_threads=torch.get_num_threads())
+    results = translator.translate_batch([sp.encode(line, out_type=str) for line in lines], beam_size=beam,
+                                         length_penalty=lenpen if beam > 1 else 0.0, max_batch_size=4096,
+                                         batch_type="tokens")
+    hyps = [sp.decode(r.hypotheses[0]) for r in results]
+    bleu_metric = sacrebleu.BLEU()
+    bleu, chrf = bleu_metric.corpus_score(hyps, [refs]), sacrebleu.CHRF().corpus_score(hyps, [refs])
+    return (f"CTranslate2 {compute_type}, beam {beam}: BLEU {bleu.score:.2f}, chrF2 {chrf.score:.2f} "
+            f"({bleu_metric.get_signature()})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="run directory (its best.pt) or checkpoint file")
@@ -117,6 +141,12 @@ def main() -> None:
                     help="store the weights quantized (default: float32; CTranslate2 can also quantize at load time "
                          "with compute_type)")
     ap.add_argument("--force", action="store_true", help="replace out_dir if it exists")
+    ap.add_argument("--evaluate", nargs=2, metavar=("SRC", "REF"),
+                    help="then translate SRC on the CPU with the exported model and print BLEU/chrF against REF")
+    ap.add_argument("--beam", type=int, default=4, help="beam size for --evaluate (default 4)")
+    ap.add_argument("--lenpen", type=float, default=0.6,
+                    help="CTranslate2's length penalty alpha for --evaluate (score / length**alpha; default 0.6)")
+    ap.add_argument("--compute-type", default="float32", help="CTranslate2 compute type for --evaluate")
     args = ap.parse_args()
     try:
         import ctranslate2  # noqa: F401
@@ -132,6 +162,8 @@ def main() -> None:
     except UserError as e:
         sys.exit(f"error: {e}")
     print(f"wrote {out}")
+    if args.evaluate:
+        print(evaluate(out, *args.evaluate, args.beam, args.lenpen, args.compute_type))
 
 
 if __name__ == "__main__":
