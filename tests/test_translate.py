@@ -174,19 +174,23 @@ def test_translate_ids_keeps_order_and_matches_translator(run):
 def test_evaluate_writes_hypotheses_and_scores(run, capsys):
     status, out, _ = call("evaluate", run, "--split", "test", "--beam", "2", capsys=capsys)
     assert status == 0
-    hyp = (run / "eval" / "test.hyp").read_text(encoding="utf-8").split("\n")[:-1]
+    hyp = (run / "eval" / "test.beam2.lp0.6.hyp").read_text(encoding="utf-8").split("\n")[:-1]
     assert len(hyp) == len((run.parent / "data" / "test.de").read_text(encoding="utf-8").splitlines())
-    scores = json.loads((run / "eval" / "test.json").read_text())
+    scores = json.loads((run / "eval" / "test.beam2.lp0.6.json").read_text())
     assert 0 <= scores["bleu"] <= 100 and 0 <= scores["chrf"] <= 100 and scores["beam"] == 2
     assert "tok:13a" in scores["bleu_signature"] and "case:mixed" in scores["chrf_signature"]
     assert "BLEU" in out and "chrF" in out and scores["bleu_signature"] in out
+    # Another beam writes beside it instead of over it.
+    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "1", "--lenpen", "0", capsys=capsys)
+    assert status == 0 and json.loads((run / "eval" / "test.beam1.lp0.json").read_text())["beam"] == 1
+    assert json.loads((run / "eval" / "test.beam2.lp0.6.json").read_text())["beam"] == 2
 
 
 def test_evaluate_src_ref_files(run, tmp_path, capsys):
     (tmp_path / "a.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     (tmp_path / "a.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
     status, _, _ = call("evaluate", run, "--src", tmp_path / "a.de", "--ref", tmp_path / "a.en", capsys=capsys)
-    assert status == 0 and (run / "eval" / "a.de.json").is_file()
+    assert status == 0 and len(list((run / "eval").glob("a.de.beam*.lp*.json"))) == 1
 
 
 def test_evaluate_unknown_split(run, capsys):

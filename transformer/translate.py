@@ -246,6 +246,8 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     eval_dir = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval"
     if not checkpoint.is_dir():
         name = f"{checkpoint.stem}.{name}"
+    # Settings in the name, so that evaluating with another beam does not overwrite the last result.
+    name += f".beam{translator.beam}.lp{translator.lenpen:g}" + (".int8" if int8 else "")
     start = time.perf_counter()
     hypotheses = translator.translate(sources)
     seconds = time.perf_counter() - start
