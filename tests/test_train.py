@@ -167,6 +167,22 @@ def test_cli_train_writes_the_run_directory(tmp_path):
     saved = load_checkpoint(run_dir / "last.pt")
     assert saved["run"]["step"] == 4 and saved["config"]["train"]["valid_every"] == 2
     assert Vocab((run_dir / "spm.model").read_bytes()).proto == saved["vocab"]
+    # Progress is visible without a terminal: stderr here is a pipe, so the bar is off and lines are printed.
+    assert "step 3: loss" in result.stderr and "tokens/s" in result.stderr
+    assert "step 3: loss" in (run_dir / "train.log").read_text()
+
+
+def test_lines_the_progress_bar_shows_stay_off_the_console(tmp_path, capsys):
+    from transformer.train import log, setup_logging
+    from transformer.distributed import DistInfo
+
+    setup_logging(tmp_path, DistInfo())
+    log.info("step 7: loss 1.0", extra={"console": False})
+    log.info("step 8: valid loss 2.0")
+    err = capsys.readouterr().err
+    assert "step 7" not in err and "step 8: valid loss" in err
+    text = (tmp_path / "train.log").read_text()
+    assert "step 7: loss 1.0" in text and "step 8: valid loss" in text
 
 
 @pytest.mark.parametrize("args, message", [

@@ -42,9 +42,12 @@ def autocast_context(device: torch.device, precision: str):
 
 
 class _TqdmHandler(logging.StreamHandler):
-    """Console logging that prints above the progress bar instead of through it."""
+    """Console logging that prints above the progress bar instead of through it; records logged with
+    extra={"console": False} (what the bar already shows) go to train.log only."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if not getattr(record, "console", True):
+            return
         try:
             tqdm.write(self.format(record), file=self.stream)
         except Exception:
@@ -350,6 +353,11 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
                          "tokens_per_s": (window["tokens"] + window["src_tokens"]) / elapsed,
                          "epoch": stream.epoch, "grad_norm": float(grad_norm)}
                 record(entry)
+                # The bar shows this on a terminal; a redirected console (nohup, a cluster job) and
+                # train.log get a line, so progress between validations is never invisible.
+                log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s, grad norm %.3g, epoch %d", state.step,
+                         entry["loss"], entry["lr"], entry["tokens_per_s"], entry["grad_norm"], stream.epoch,
+                         extra={"console": bool(bar.disable)})
                 bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}",
                                 tok_s=f"{entry['tokens_per_s']:.0f}", epoch=stream.epoch)
                 window = {"loss": 0.0, "tokens": 0, "src_tokens": 0, "time": time.perf_counter()}
