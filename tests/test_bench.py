@@ -42,3 +42,24 @@ def test_bench_decode_runs_and_writes_json(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["beam"] for r in rows] == [1, 3]
     assert all(r["ours"]["sentences_per_s"] > 0 and r["ours_int8"]["sentences_per_s"] > 0 for r in rows)
+
+
+def test_bench_decode_times_ctranslate2_on_our_weights(tmp_path):
+    import pytest
+
+    pytest.importorskip("ctranslate2")
+    vocab = train_vocab(synthetic(random.Random(0), 300), vocab_size=80)
+    write_checkpoint(tmp_path / "model.pt", raw_config(tmp_path, tmp_path), vocab, seed=1)
+    (tmp_path / "test.de").write_text("\n".join(synthetic(random.Random(1), 12)) + "\n", encoding="utf-8")
+    out = tmp_path / "decode.json"
+    result = subprocess.run([sys.executable, "scripts/bench_decode.py", str(tmp_path / "test.de"), "--checkpoint",
+                             str(tmp_path / "model.pt"), "--device", "cpu", "--beam", "1", "2", "--repeats", "1",
+                             "--no-hf", "--int8", "--ctranslate2", "--json", str(out)],
+                            capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["ctranslate2"]
+    for row in report["results"]:
+        for name in ("ct2_float32", "ct2_int8"):
+            assert row[name]["sentences_per_s"] > 0 and 0.0 <= row[name]["same_as_ours"] <= 1.0
+    assert "ct2_float32" in result.stdout
