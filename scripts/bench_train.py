@@ -67,13 +67,15 @@ def measure_peak(device, dtype) -> float:
     return 2 * n ** 3 * reps / (time.perf_counter() - start)
 
 
-def build(impl: str, m, vocab: int, device):
-    """Model and a function (src, tgt_in, tgt_out) -> loss for one implementation."""
+def build(impl: str, m, vocab: int, device, compile: bool = False):
+    """Model and a function (src, tgt_in, tgt_out) -> loss for one implementation; with compile, the
+    function runs the model through torch.compile (static shapes: the benchmark batch never changes)."""
     if impl == "ours":
         model = Transformer(m, vocab).to(device)
+        fwd = torch.compile(model) if compile else model
 
         def loss_fn(src, tgt_in, tgt_out):
-            logits = model(src, tgt_in, padding_mask(src), padding_mask(tgt_in) & causal_mask(tgt_in.size(1), device))
+            logits = fwd(src, tgt_in, padding_mask(src), padding_mask(tgt_in) & causal_mask(tgt_in.size(1), device))
             return F.cross_entropy(logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1, ignore_index=0)
         return model, loss_fn
     if impl == "marian":
@@ -87,9 +89,10 @@ def build(impl: str, m, vocab: int, device):
                               pad_token_id=0, eos_token_id=3, decoder_start_token_id=2, scale_embedding=True,
                               share_encoder_decoder_embeddings=True, tie_word_embeddings=True)
         model = MarianMTModel(config).to(device)
+        fwd = torch.compile(model) if compile else model
 
         def loss_fn(src, tgt_in, tgt_out):
-            out = model(input_ids=src, attention_mask=src.ne(0), decoder_input_ids=tgt_in,
+            out = fwd(input_ids=src, attention_mask=src.ne(0), decoder_input_ids=tgt_in,
                         decoder_attention_mask=tgt_in.ne(0))
             return F.cross_entropy(out.logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1,
                                    ignore_index=0)
@@ -113,9 +116,10 @@ def build(impl: str, m, vocab: int, device):
             return self.out(h)
 
     model = TorchSeq2Seq().to(device)
+    fwd = torch.compile(model) if compile else model
 
     def loss_fn(src, tgt_in, tgt_out):
-        logits = model(src, tgt_in)
+        logits = fwd(src, tgt_in)
         return F.cross_entropy(logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1, ignore_index=0)
     return model, loss_fn
 
@@ -125,7 +129,8 @@ def run_one(args) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(0)
     m = load_config(args.config).model
-    model, loss_fn = build(args.impl, m, args.vocab, device)
+    compiled = args.compile == "all" or (args.compile == "ours" and args.impl == "ours")
+    model, loss_fn = build(args.impl, m, args.vocab, device, compiled)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                            fused=True if device.type == "cuda" else None)
@@ -162,7 +167,7 @@ def run_one(args) -> dict:
     else:
         import resource
         peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB, whole process
-    return {"impl": args.impl, "step_s_median": median, "step_s_all": times, "tgt_tokens_per_s": tokens / median,
+    return {"impl": args.impl, "compiled": compiled, "step_s_median": median, "step_s_all": times, "tgt_tokens_per_s": tokens / median,
             "tokens_per_s": 2 * tokens / median, "tflops_per_s": flops / median / 1e12, "peak_mem_gib": peak_mem,
             "params": sum(p.numel() for p in model.parameters()), "sentences": n_seq}
 
@@ -180,6 +185,9 @@ def main() -> None:
                         help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak; default: measured matmul")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ", ".join(IMPLS))
+    parser.add_argument("--compile", choices=("none", "ours", "all"), default="none",
+                        help="run the forward pass of ours, or of every implementation, through torch.compile "
+                             "(compilation happens in the warm-up updates)")
     parser.add_argument("--json", default="bench_train.json")
     parser.add_argument("--impl", help=argparse.SUPPRESS)  # internal: run one implementation and print JSON
     args = parser.parse_args()
@@ -207,15 +215,16 @@ def main() -> None:
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu'}), "
           f"torch {torch.__version__}, {args.precision}, {args.tokens} target tokens/update, "
           f"peak {peak / 1e12:.1f} TFLOP/s ({'given' if args.peak_tflops else 'measured'})")
-    print(f"{'impl':8} {'step s':>8} {'tgt tok/s':>10} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'ours x':>7}")
+    print(f"{'impl':14} {'step s':>8} {'tgt tok/s':>10} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'ours x':>7}")
     for r in results:
         ratio = ours["tgt_tokens_per_s"] / r["tgt_tokens_per_s"] if ours else float("nan")
         r["ours_speedup"] = ratio
-        print(f"{r['impl']:8} {r['step_s_median']:8.3f} {r['tgt_tokens_per_s']:10.0f} {r['tokens_per_s']:10.0f} "
+        name = r["impl"] + ("+compile" if r["compiled"] else "")
+        print(f"{name:14} {r['step_s_median']:8.3f} {r['tgt_tokens_per_s']:10.0f} {r['tokens_per_s']:10.0f} "
               f"{r['tflops_per_s']:8.2f} {r['mfu']:6.1%} {r['peak_mem_gib']:8.2f} {ratio:7.2f}")
     Path(args.json).write_text(json.dumps({
         "device": str(device), "torch": torch.__version__, "precision": args.precision, "peak_flops": peak,
-        "config": args.config, "vocab": args.vocab, "tokens": args.tokens, "length": args.length,
+        "config": args.config, "compile": args.compile, "vocab": args.vocab, "tokens": args.tokens, "length": args.length,
         "results": results}, indent=2))
     print(f"wrote {args.json}")
 
