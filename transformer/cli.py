@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         "evaluate", parents=[decode], help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
         description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
                     "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
-                    "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.hyp and "
-                    "RUN_DIR/eval/SPLIT.json (for a checkpoint file: eval/ next to it, named after it).",
+                    "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
+                    "and .json (.int8 added with --int8; for a checkpoint file: eval/ next to it, named after it).",
     )
     p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
     p.add_argument("--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)")
