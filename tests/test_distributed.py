@@ -88,12 +88,18 @@ def start_long_ddp_run(tmp_path):
     return launcher, config
 
 
+def _environ(pid: int) -> dict:
+    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
 def test_a_killed_rank_ends_the_run_with_a_message_not_a_hang(tmp_path):
     launcher, config = start_long_ddp_run(tmp_path)
     ranks = subprocess.run(["pgrep", "-f", f"transformer train {config}"], capture_output=True, text=True)
     workers = [int(p) for p in ranks.stdout.split() if int(p) != launcher.pid]
     assert len(workers) == 2
-    os.kill(max(workers), signal.SIGKILL)  # the later-started worker: rank 1
+    rank_of = {pid: _environ(pid).get("RANK") for pid in workers}  # set by torchrun for each worker
+    os.kill(next(pid for pid, rank in rank_of.items() if rank == "1"), signal.SIGKILL)
     _, stderr = launcher.communicate(timeout=120)  # no hang
     assert launcher.returncode != 0
     assert "error: rank 0: distributed training stopped, most likely because another rank crashed" in stderr
