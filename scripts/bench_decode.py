@@ -72,20 +72,9 @@ class StepCounter:
         del self.model.decode  # back to the class method
 
 
-def ours_outputs(model, tensors, beam: int, lenpen: float, offset: int) -> list[list[int]]:
-    """Our best output ids per sentence, in batch order (untimed; to compare other engines' outputs)."""
-    out = []
-    for src in tensors:
-        if beam == 1:
-            out.extend(h.tokens for h in greedy_search(model, src, offset))
-        else:
-            out.extend(h[0].tokens for h in beam_search(model, src, beam, lenpen, offset))
-    return out
-
-
-def run_ours(model, tensors, beam: int, lenpen: float, offset: int) -> tuple[list[int], list[int]]:
-    """-> (decoder steps per batch, output tokens + EOS per batch)."""
-    steps, tokens = [], []
+def run_ours(model, tensors, beam: int, lenpen: float, offset: int):
+    """-> (decoder steps per batch, output tokens + EOS per batch, best output ids per sentence)."""
+    steps, tokens, outputs = [], [], []
     for src in tensors:
         with StepCounter(model) as counter:
             if beam == 1:
@@ -94,7 +83,8 @@ def run_ours(model, tensors, beam: int, lenpen: float, offset: int) -> tuple[lis
                 hyps = [h[0] for h in beam_search(model, src, beam, lenpen, offset)]
         steps.append(counter.calls)
         tokens.append(sum(len(h.tokens) + 1 for h in hyps))
-    return steps, tokens
+        outputs.extend(h.tokens for h in hyps)
+    return steps, tokens, outputs
 
 
 def build_marian(model, vocab_size: int, device: torch.device):
@@ -142,8 +132,9 @@ def run_ctranslate2(translator, pieces: list[list[list[str]]], beam: int, lenpen
     return out
 
 
-def timed(fn, device: torch.device, repeats: int) -> list[float]:
-    fn()  # warm-up: allocator, kernels, lazy initialisation
+def timed(fn, device: torch.device, repeats: int):
+    """-> (seconds of each timed pass, what the untimed warm-up pass returned)."""
+    result = fn()  # warm-up: allocator, kernels, lazy initialisation
     times = []
     for _ in range(repeats):
         sync(device)
@@ -151,7 +142,7 @@ def timed(fn, device: torch.device, repeats: int) -> list[float]:
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return times
+    return times, result
 
 
 def main() -> None:
@@ -216,7 +207,7 @@ def main() -> None:
             ct2 = {f"ct2_{t}": load_ctranslate2(ct2_dir, device, t) for t in types}
             pieces = [[vocab.pieces(src_ids[i]) for i in b] for b in batches]
         for beam in args.beam:
-            steps, tokens = run_ours(model, tensors, beam, cfg.decode.lenpen, cfg.decode.max_len_offset)
+            steps, tokens, ours_out = run_ours(model, tensors, beam, cfg.decode.lenpen, cfg.decode.max_len_offset)
             n_tokens = sum(tokens)
             row = {"device": device_name, "beam": beam, "sentences": len(src_ids), "batches": len(batches),
                    "target_tokens": n_tokens, "decoder_steps": sum(steps)}
@@ -232,17 +223,14 @@ def main() -> None:
             for name, translator in ct2.items():
                 impls[name] = (lambda tr=translator: run_ctranslate2(tr, pieces, beam, cfg.decode.lenpen,
                                                                      cfg.decode.max_len_offset))
-            if ct2:
-                ours_out = ours_outputs(model, tensors, beam, cfg.decode.lenpen, cfg.decode.max_len_offset)
-                ours_out = [vocab.pieces(ours_out[k]) for k in range(len(ours_out))]
             for name, fn in impls.items():
-                times = timed(fn, device, args.repeats)
+                times, out = timed(fn, device, args.repeats)
                 median = statistics.median(times)
                 row[name] = {"median_s": median, "times_s": times, "sentences_per_s": len(src_ids) / median,
                              "tokens_per_s": n_tokens / median}
-                if name.startswith("ct2_"):
-                    out = fn()
-                    row[name]["same_as_ours"] = sum(a == b for a, b in zip(out, ours_out)) / len(out)
+                if name.startswith("ct2_"):  # out: output pieces per sentence, in batch order like ours
+                    same = sum(a == vocab.pieces(b) for a, b in zip(out, ours_out))
+                    row[name]["same_as_ours"] = same / len(out)
                     row[name]["own_tokens"] = sum(len(o) + 1 for o in out)
             if "hf_marian" in row:
                 for name in impls:
