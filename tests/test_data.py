@@ -6,13 +6,15 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from transformer.batch import Batch, causal_mask, pad_sequences, padding_mask
 from transformer.config import DataConfig
-from transformer.data import (BatchStream, encode_corpus, eval_batches, load_split, make_batches, read_lines,
-                              read_parallel, split_paths)
+from transformer.data import (BatchStream, Prefetcher, count_lines, eval_batches, iter_lines, load_split,
+                              make_batches, pack_by_size, read_lines, read_parallel, resolve_split, split_paths)
+from transformer.store import Corpus
 from transformer.errors import UserError
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab
 
@@ -149,23 +151,6 @@ def test_vocab_errors(tmp_path):
         Vocab(b"definitely not a model")
 
 
-def test_encode_corpus_filters_and_counts(vocab):
-    src = ["der mann spielt", "", "die frau " * 30, "ein hund", "   ", "the cat", "das kind"]
-    tgt = ["the man plays", "a dog", "the woman", "", "a house", "die katze " * 30, "the child"]
-    src_ids, tgt_ids = vocab.encode(src), vocab.encode(tgt)
-    max_len = 20
-    assert max(len(s) for s in src_ids[:2] + src_ids[3:5]) <= max_len < len(src_ids[2])
-    assert len(tgt_ids[5]) > max_len
-    corpus = encode_corpus(vocab, src, tgt, max_len)
-    assert corpus.dropped_blank == 3  # empty src, empty tgt, whitespace-only src
-    assert corpus.dropped_long == 2
-    assert corpus.pairs == [(src_ids[0], tgt_ids[0]), (src_ids[6], tgt_ids[6])]
-    assert len(corpus.pairs) + corpus.dropped_blank + corpus.dropped_long == len(src)
-    # The limit is inclusive.
-    exact = encode_corpus(vocab, src[2:3], tgt[2:3], len(src_ids[2]))
-    assert exact.pairs == [(src_ids[2], tgt_ids[2])] and exact.dropped_long == 0
-
-
 # --------------------------------------------------------------------------- batching
 
 
@@ -174,10 +159,18 @@ def batch_width(pairs, indices, pad_to_multiple=1) -> int:
     return len(b) * max(b.src.size(1), b.tgt_in.size(1))
 
 
+def lengths(pairs):
+    return np.array([len(s) for s, _ in pairs]), np.array([len(t) for _, t in pairs])
+
+
+def as_lists(batches) -> list[list[int]]:
+    return [batches[i].tolist() for i in range(len(batches))]
+
+
 @pytest.mark.parametrize("max_tokens, pad_to_multiple", [(64, 1), (200, 1), (200, 8), (1000, 3)])
 def test_make_batches_covers_every_index_within_budget(max_tokens, pad_to_multiple):
     pairs = random_pairs(300, max_len=40 if max_tokens > 64 else 20)
-    batches = make_batches(pairs, max_tokens, seed=1, epoch=0, pad_to_multiple=pad_to_multiple)
+    batches = as_lists(make_batches(*lengths(pairs), max_tokens, seed=1, epoch=0, pad_to_multiple=pad_to_multiple))
     flat = [i for b in batches for i in b]
     assert sorted(flat) == list(range(len(pairs)))
     for b in batches:
@@ -186,35 +179,54 @@ def test_make_batches_covers_every_index_within_budget(max_tokens, pad_to_multip
         batch = Batch.from_pairs([pairs[i] for i in b], pad_to_multiple)
         assert batch.src.size(1) % pad_to_multiple == 0
         assert batch.tgt_in.size(1) % pad_to_multiple == 0 and batch.tgt_out.shape == batch.tgt_in.shape
-    # Batches are filled: merging any batch with another one's first pair would be too big
-    # (the packer is greedy over a length-sorted order), so there are not many more than needed.
-    total = sum(batch_width(pairs, b, pad_to_multiple) for b in batches)
-    assert len(batches) <= 2 * total / max_tokens + 2
+    # Greedy packing over the size-sorted order: each batch is cut exactly where pack_by_size would cut it.
+    unshuffled = make_batches(*lengths(pairs), max_tokens, seed=1, epoch=0, shuffle=False,
+                              pad_to_multiple=pad_to_multiple)
+    sizes = [-(-(max(len(s), len(t)) + 1) // pad_to_multiple) * pad_to_multiple for s, t in pairs]
+    assert as_lists(unshuffled) == pack_by_size(unshuffled.order.tolist(), sizes, max_tokens)
 
 
 def test_make_batches_deterministic_and_epoch_dependent():
-    pairs = random_pairs(200)
-    a = make_batches(pairs, 256, seed=3, epoch=2)
-    assert a == make_batches(pairs, 256, seed=3, epoch=2)
-    assert a != make_batches(pairs, 256, seed=3, epoch=3)
-    assert a != make_batches(pairs, 256, seed=4, epoch=2)
+    src_len, tgt_len = lengths(random_pairs(200))
+    a = as_lists(make_batches(src_len, tgt_len, 256, seed=3, epoch=2))
+    assert a == as_lists(make_batches(src_len, tgt_len, 256, seed=3, epoch=2))
+    assert a != as_lists(make_batches(src_len, tgt_len, 256, seed=3, epoch=3))
+    assert a != as_lists(make_batches(src_len, tgt_len, 256, seed=4, epoch=2))
     # Unshuffled batches do not depend on seed or epoch.
-    assert make_batches(pairs, 256, 1, 0, shuffle=False) == make_batches(pairs, 256, 9, 5, shuffle=False)
+    assert as_lists(make_batches(src_len, tgt_len, 256, 1, 0, shuffle=False)) == \
+        as_lists(make_batches(src_len, tgt_len, 256, 9, 5, shuffle=False))
 
 
 def test_make_batches_buckets_similar_lengths():
-    pairs = random_pairs(400, max_len=60)
-    batches = make_batches(pairs, 600, seed=0, epoch=0)
-    real = sum(len(s) + 1 for s, _ in pairs)
-    padded_src = sum(len(b) * (max(len(pairs[i][0]) for i in b) + 1) for b in batches)
-    assert padded_src < 1.3 * real  # sorted by length: little padding
+    rng = random.Random(0)
+    pairs = []
+    for _ in range(400):  # a translation's length follows its source's
+        n = rng.randint(1, 60)
+        pairs.append(([4] * n, [5] * max(1, n + rng.randint(-3, 3))))
+    batches = as_lists(make_batches(*lengths(pairs), 600, seed=0, epoch=0))
+    real = sum(len(s) + len(t) + 2 for s, t in pairs)
+    padded = sum(len(b) * (max(len(pairs[i][0]) for i in b) + max(len(pairs[i][1]) for i in b) + 2) for b in batches)
+    assert padded < 1.15 * real  # sorted by length: little padding on either side
+
+
+def test_make_batches_scales_to_millions_of_pairs():
+    rng = np.random.default_rng(0)
+    src_len, tgt_len = rng.integers(1, 120, 2_000_000), rng.integers(1, 120, 2_000_000)
+    batches = make_batches(src_len, tgt_len, 4096, seed=1, epoch=0)
+    assert np.array_equal(np.sort(batches.order), np.arange(2_000_000))  # a permutation: every pair once
+    sizes = np.maximum(src_len, tgt_len) + 1
+    counts = batches.ends - batches.starts
+    biggest = np.maximum.reduceat(sizes[batches.order], np.sort(batches.starts))
+    assert (counts[np.argsort(batches.starts)] * biggest <= 4096).all()
 
 
 def test_eval_batches_cover_all_in_order_of_length():
     pairs = random_pairs(50)
-    batches = eval_batches(pairs, 128)
+    batches = eval_batches(Corpus.from_pairs(pairs), 128)
     assert sum(len(b) for b in batches) == 50
     assert sum(b.n_tgt_tokens for b in batches) == sum(len(t) + 1 for _, t in pairs)
+    widths = [max(b.src.size(1), b.tgt_in.size(1)) for b in batches]
+    assert widths == sorted(widths)  # shortest first
 
 
 def stream_cfg(**kw) -> DataConfig:
@@ -225,12 +237,23 @@ def batches_equal(a: Batch, b: Batch) -> bool:
     return torch.equal(a.src, b.src) and torch.equal(a.tgt_in, b.tgt_in) and torch.equal(a.tgt_out, b.tgt_out)
 
 
+def test_batch_from_corpus_equals_batch_from_pairs():
+    pairs = random_pairs(40, max_len=25)
+    for dtype in (np.uint16, np.int32):
+        corpus = Corpus.from_pairs(pairs, dtype=dtype)
+        for indices, multiple in (([3, 1, 4, 1, 5], 1), ([0], 8), (list(range(40)), 3)):
+            a = Batch.from_corpus(corpus, np.array(indices), multiple)
+            b = Batch.from_pairs([pairs[i] for i in indices], multiple)
+            assert batches_equal(a, b) and a.src.dtype == b.src.dtype == torch.long
+            assert (a.n_src_tokens, a.n_tgt_tokens) == (b.n_src_tokens, b.n_tgt_tokens)
+
+
 def test_batch_stream_covers_epoch_then_reshuffles():
     pairs = random_pairs(120, max_len=20)
     cfg = stream_cfg()
-    stream = BatchStream(pairs, cfg, seed=5)
+    stream = BatchStream(Corpus.from_pairs(pairs), cfg, seed=5)
     n = stream.batches_per_epoch
-    assert n == len(make_batches(pairs, cfg.max_tokens, 5, 0))
+    assert n == len(make_batches(*lengths(pairs), cfg.max_tokens, 5, 0))
     epoch0 = [next(stream) for _ in range(n)]
     assert sum(len(b) for b in epoch0) == len(pairs)
     epoch1 = [next(stream) for _ in range(n)]
@@ -241,60 +264,77 @@ def test_batch_stream_covers_epoch_then_reshuffles():
 
 @pytest.mark.parametrize("where", ["start", "inside epoch 0", "epoch boundary", "inside epoch 1"])
 def test_batch_stream_resumes(where):
-    pairs = random_pairs(90, max_len=20)
+    corpus = Corpus.from_pairs(random_pairs(90, max_len=20))
     cfg = stream_cfg(pad_to_multiple=4)
-    reference = BatchStream(pairs, cfg, seed=2)
+    reference = BatchStream(corpus, cfg, seed=2)
     n = reference.batches_per_epoch
     assert n >= 4
     total = 2 * n + 3  # across two epoch boundaries
     stop = {"start": 0, "inside epoch 0": 2, "epoch boundary": n, "inside epoch 1": n + 3}[where]
     expected = [next(reference) for _ in range(total)]
 
-    first = BatchStream(pairs, cfg, seed=2)
+    first = BatchStream(corpus, cfg, seed=2)
     for _ in range(stop):
         next(first)
     state = dict(first.state())
-    resumed = BatchStream(pairs, cfg, seed=2, **state)
+    resumed = BatchStream(corpus, cfg, seed=2, **state)
     rest = [next(resumed) for _ in range(total - stop)]
     assert all(batches_equal(a, b) for a, b in zip(expected[stop:], rest))
     assert all(b.src.size(1) % 4 == 0 for b in rest)
 
 
-def test_batch_stream_rank_sharding_partitions_epoch():
-    pairs = random_pairs(150, max_len=20)
+def test_prefetcher_yields_the_stream_updates_in_order_with_their_positions():
+    corpus = Corpus.from_pairs(random_pairs(90, max_len=20))
     cfg = stream_cfg()
-    all_batches = make_batches(pairs, cfg.max_tokens, 7, 0)
-    shards = []
+    direct = BatchStream(corpus, cfg, seed=4, update_freq=2)
+    expected = [direct.next_update() for _ in range(3 * direct.batches_per_epoch // 2)]
+    prefetch = Prefetcher(BatchStream(corpus, cfg, seed=4, update_freq=2))
+    try:
+        for want in expected:
+            got = prefetch.next()
+            assert all(batches_equal(a, b) for a, b in zip(got.batches, want.batches))
+            assert (got.n_tgt_tokens, got.data_state, got.epochs_done) == \
+                (want.n_tgt_tokens, want.data_state, want.epochs_done)
+            assert prefetch.epochs_done == want.epochs_done
+    finally:
+        prefetch.close()
+    assert prefetch.wait_seconds >= 0.0
+
+
+def test_prefetcher_raises_the_stream_error_in_the_caller():
+    # update_freq 1 cannot resume mid-update of 3: the stream's error surfaces from next(), not in the thread.
+    stream = BatchStream(Corpus.from_pairs(random_pairs(30, max_len=5)), stream_cfg(), seed=1)
+    stream.position = 1
+    stream.update_freq = 2
+    prefetch = Prefetcher(stream)
+    with pytest.raises(RuntimeError, match="middle of an update"):
+        prefetch.next()
+    prefetch.close()
+
+
+def test_batch_stream_rank_sharding_partitions_epoch():
+    # Each source starts with two tokens that spell its index, so a batch row names its pair.
+    pairs = [([10 + i // 90, 10 + i % 90] + s, t) for i, (s, t) in enumerate(random_pairs(150, max_len=18))]
+    cfg = stream_cfg()
+    all_batches = as_lists(make_batches(*lengths(pairs), cfg.max_tokens, 7, 0))
+    seen = []
     for rank in (0, 1):
-        stream = BatchStream(pairs, cfg, seed=7, rank=rank, world_size=2)
+        stream = BatchStream(Corpus.from_pairs(pairs), cfg, seed=7, rank=rank, world_size=2)
         assert stream.batches_per_epoch == len(all_batches) // 2
-        shards.append([next(stream) for _ in range(stream.batches_per_epoch)])
-    assert len(shards[0]) == len(shards[1])
-
-    def rows(batches):
-        return [tuple(row.tolist()) for b in batches for row in b.src]
-
-    r0, r1 = rows(shards[0]), rows(shards[1])
-    src_rows = {}
-    for i, (s, _) in enumerate(pairs):
-        src_rows.setdefault(tuple(s + [EOS_ID]), []).append(i)
-
-    def strip(row):
-        return tuple(x for x in row if x != PAD_ID)
-
-    seen0 = sorted(i for r in r0 for i in src_rows[strip(r)])
-    seen1 = sorted(i for r in r1 for i in src_rows[strip(r)])
-    assert not set(seen0) & set(seen1)  # disjoint
-    covered = set(seen0) | set(seen1)
+        batches = [next(stream) for _ in range(stream.batches_per_epoch)]
+        seen.append([(int(row[0]) - 10) * 90 + int(row[1]) - 10 for b in batches for row in b.src])
+        # rank r takes batches r, r + 2, r + 4, ... of the epoch's order
+        assert seen[-1] == [i for b in all_batches[rank: 2 * len(batches): 2] for i in b]
+    assert not set(seen[0]) & set(seen[1])  # disjoint
+    covered = set(seen[0]) | set(seen[1])
     left_out = [b for b in all_batches if not set(b) <= covered]
     assert len(left_out) == len(all_batches) % 2  # at most the batch that cannot be split evenly
     assert len(covered) + sum(len(b) for b in left_out) == len(pairs)
 
 
 def test_batch_stream_too_few_batches_for_ranks():
-    pairs = random_pairs(1, max_len=5)
     with pytest.raises(UserError):
-        BatchStream(pairs, stream_cfg(), seed=1, rank=0, world_size=2)
+        BatchStream(Corpus.from_pairs(random_pairs(1, max_len=5)), stream_cfg(), seed=1, rank=0, world_size=2)
 
 
 # --------------------------------------------------------------------------- Batch

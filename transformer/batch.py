@@ -7,11 +7,20 @@ Mask convention everywhere: boolean, True = this query may attend to this key, s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
+
+if TYPE_CHECKING:
+    from transformer.store import Corpus
+
+
+def round_up(n, multiple: int):
+    """n rounded up to a multiple (ints or numpy arrays)."""
+    return -(-n // multiple) * multiple
 
 
 def padding_mask(tokens: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
@@ -26,8 +35,7 @@ def causal_mask(length: int, device=None) -> torch.Tensor:
 
 def pad_sequences(seqs: Sequence[Sequence[int]], pad_to_multiple: int = 1, pad_id: int = PAD_ID) -> torch.Tensor:
     """Right-pad lists of ids into a (B, T) LongTensor, T rounded up to a multiple."""
-    longest = max(len(s) for s in seqs)
-    longest = -(-longest // pad_to_multiple) * pad_to_multiple
+    longest = round_up(max(len(s) for s in seqs), pad_to_multiple)
     out = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
@@ -59,6 +67,25 @@ class Batch:
         n_tgt = sum(len(t) + 1 for _, t in pairs)
         return cls(src, tgt_in.contiguous(), tgt_out.contiguous(), n_src, n_tgt)
 
+    @classmethod
+    def from_corpus(cls, corpus: "Corpus", indices: np.ndarray, pad_to_multiple: int = 1) -> "Batch":
+        """The same Batch as from_pairs, gathered straight from a corpus's flat token arrays (which may be
+        memory-mapped): no Python list per sentence."""
+        indices = np.asarray(indices, dtype=np.int64)
+        src_start, src_len = corpus.src_offsets[indices], corpus.src_lengths[indices]
+        tgt_start, tgt_len = corpus.tgt_offsets[indices], corpus.tgt_lengths[indices]
+        src_width = round_up(int(src_len.max()) + 1, pad_to_multiple)
+        tgt_width = round_up(int(tgt_len.max()) + 1, pad_to_multiple)
+        src = _gather(corpus.src_tokens, src_start, src_len, src_width, first=0)
+        tgt_in = _gather(corpus.tgt_tokens, tgt_start, tgt_len, tgt_width, first=1)
+        tgt_out = _gather(corpus.tgt_tokens, tgt_start, tgt_len, tgt_width, first=0)
+        rows = np.arange(len(indices))
+        src[rows, src_len] = EOS_ID
+        tgt_in[:, 0] = BOS_ID
+        tgt_out[rows, tgt_len] = EOS_ID
+        return cls(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
+                   int(src_len.sum()) + len(indices), int(tgt_len.sum()) + len(indices))
+
     @property
     def src_mask(self) -> torch.Tensor:
         return padding_mask(self.src)
@@ -78,3 +105,12 @@ class Batch:
     def pin_memory(self) -> "Batch":
         pinned = (t.pin_memory() for t in (self.src, self.tgt_in, self.tgt_out))
         return Batch(*pinned, self.n_src_tokens, self.n_tgt_tokens)
+
+
+def _gather(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int, first: int) -> np.ndarray:
+    """(B, width) int64 filled with PAD, row b holding tokens[starts[b]:starts[b] + lengths[b]] from column `first`."""
+    out = np.full((len(starts), width), PAD_ID, dtype=np.int64)
+    column = np.arange(width)[None, :] - first                    # (1, W): offset into each sentence
+    inside = (column >= 0) & (column < lengths[:, None])          # (B, W)
+    out[inside] = tokens[(starts[:, None] + column)[inside]]      # one gather; reads only these tokens
+    return out

@@ -17,6 +17,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     train(cfg, resume=args.resume, config_path=args.config)
 
 
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from transformer.config import load_config
+    from transformer.train import prepare_only
+
+    cfg = load_config(args.config, args.set)
+    print(prepare_only(cfg))
+
+
 def cmd_attention(args: argparse.Namespace) -> None:
     from transformer.checkpoint import load_model
     from transformer.inspect import KINDS, inspect_attention
@@ -102,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in train.run_dir from its last.pt at the saved step")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "prepare", help="build the vocabulary and the memory-mapped token store, without training",
+        description="Train (or reuse) the run's SentencePiece model and encode the training and validation splits "
+                    "once into train.run_dir/store: flat numpy token files that training memory-maps, so every "
+                    "start, resume and rank begins in seconds. `train` does this itself when the store is missing "
+                    "or its inputs changed; run `prepare` on one machine before training on many (under torchrun "
+                    "every rank maps the same files). Prints the store directory.",
+    )
+    p.add_argument("config", help="YAML config file, e.g. configs/base.yaml")
+    p.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                   help="override one config value (repeatable), e.g. --set data.dir=data/wmt14")
+    p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(
         "attention", help="plot the attention weights of every layer and head for one sentence",

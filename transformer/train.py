@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import random
+import resource
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -19,7 +20,7 @@ from tqdm import tqdm
 from transformer.atomic import remove_stale_temporaries
 from transformer.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
-from transformer.data import BatchStream, encode_corpus, eval_batches, load_split
+from transformer.data import BatchStream, Prefetcher, eval_batches
 from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
                                      shutdown_distributed)
 from transformer.errors import UserError
@@ -27,7 +28,8 @@ from transformer.model import Transformer, count_parameters
 from transformer.optim import build_optimizer, label_smoothed_loss
 from transformer.resume import (DATA_ORDER, RunState, StopRequested, check_resume_config, rng_state,
                                 set_rng_state)
-from transformer.vocab import Vocab, train_vocab
+from transformer.store import open_prepared, prepare
+from transformer.vocab import Vocab
 
 log = logging.getLogger("transformer")
 
@@ -70,37 +72,6 @@ def setup_logging(run_dir: Optional[Path], info: DistInfo) -> None:
     log.propagate = False
 
 
-def prepare_vocab(cfg: Config, run_dir: Path, src: list[str], tgt: list[str]) -> Vocab:
-    """Reuse run_dir/spm.model, or train one on the training data and store it there."""
-    path = run_dir / "spm.model"
-    if path.is_file():
-        log.info("vocab: reusing %s", path)
-        return Vocab.load(path)
-    d = cfg.data
-    log.info("vocab: training a joint %s SentencePiece model of %d pieces on %d sentences",
-             d.spm_model_type, d.vocab_size, len(src) + len(tgt))
-    vocab = train_vocab((s for pair in zip(src, tgt) for s in pair), d.vocab_size, d.spm_model_type,
-                        d.spm_character_coverage, d.spm_max_sentences, cfg.train.seed)
-    vocab.save(path)
-    return vocab
-
-
-def read_split(cfg: Config, split: str, limit: int = 0) -> tuple[list[str], list[str]]:
-    """Raw source and target sentences of a split, the first `limit` pairs when limit > 0."""
-    src, tgt = load_split(cfg.data, split)
-    return (src[:limit], tgt[:limit]) if limit else (src, tgt)
-
-
-def encode_split(cfg: Config, vocab: Vocab, split: str, src: list[str], tgt: list[str]):
-    """Encoded, length-filtered pairs of a split, and its kept raw target sentences (BLEU references)."""
-    corpus = encode_corpus(vocab, src, tgt, cfg.data.max_len)
-    log.info("data: %s: %d pairs kept, %d dropped as longer than data.max_len=%d, %d dropped with a blank side",
-             split, len(corpus.pairs), corpus.dropped_long, cfg.data.max_len, corpus.dropped_blank)
-    if not corpus.pairs:
-        raise UserError(f"data: no usable pairs left in split {split!r} after filtering")
-    return corpus.pairs, [t for t, i in zip(tgt, corpus.kept) if i]
-
-
 @torch.no_grad()
 def evaluate_loss(model, batches, device, precision: str, smoothing: float, info: DistInfo = DistInfo()) -> dict:
     """Label-smoothed loss and NLL per target token, summed over all ranks' shares; ppl = exp(NLL)."""
@@ -119,6 +90,17 @@ def evaluate_loss(model, batches, device, precision: str, smoothing: float, info
     loss, nll, tokens = all_reduce_sum(total, info).tolist()
     nll = nll / max(tokens, 1)
     return {"loss": loss / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50.0))}
+
+
+def prepare_only(cfg: Config) -> Path:
+    """The `prepare` command: the run directory's vocabulary and store, built or checked, without training."""
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir, DistInfo())
+    saved = run_dir / "last.pt"
+    # A run in progress keeps the vocabulary its checkpoint carries.
+    vocab = Vocab(load_checkpoint(saved)["vocab"]) if saved.is_file() else None
+    return prepare(cfg, run_dir, vocab).directory
 
 
 def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, quiet: bool = False) -> Path:
@@ -141,6 +123,7 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
 
 def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
            config_path: Optional[str], quiet: bool) -> Path:
+    started = time.perf_counter()
     t = cfg.train
     run_dir = Path(t.run_dir)
     last_path = run_dir / "last.pt"
@@ -172,19 +155,17 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     random.seed(t.seed + info.rank)
     torch.manual_seed(t.seed + info.rank)
 
-    # Data and vocabulary: rank 0 trains the SentencePiece model, the others wait and read it.
-    train_src, train_tgt = read_split(cfg, cfg.data.train_split, cfg.data.max_train_pairs)
-    if saved is not None:
-        vocab = Vocab(saved["vocab"])
-    else:
-        if info.is_main:
-            prepare_vocab(cfg, run_dir, train_src, train_tgt)
-        barrier(info)
-        vocab = Vocab.load(run_dir / "spm.model")
-    train_pairs, _ = encode_split(cfg, vocab, cfg.data.train_split, train_src, train_tgt)
-    valid_pairs, valid_refs = encode_split(cfg, vocab, cfg.data.valid_split,
-                                           *read_split(cfg, cfg.data.valid_split, cfg.data.max_valid_pairs))
-    valid = eval_batches(valid_pairs, cfg.data.max_tokens, cfg.data.pad_to_multiple)
+    # Vocabulary and prepared store: rank 0 trains or reuses the SentencePiece model and builds or reuses the
+    # memory-mapped store; the other ranks wait, then map the same files.
+    saved_vocab = Vocab(saved["vocab"]) if saved is not None else None
+    if info.is_main:
+        store = prepare(cfg, run_dir, saved_vocab, quiet)
+    barrier(info)
+    vocab = saved_vocab or Vocab.load(run_dir / "spm.model")
+    if not info.is_main:
+        store = open_prepared(cfg, run_dir, vocab)
+    train_corpus, valid_corpus = store.corpus("train"), store.corpus("valid")
+    valid = eval_batches(valid_corpus, cfg.data.max_tokens, cfg.data.pad_to_multiple)
 
     # Model, optimizer, schedule, and the state of an interrupted run.
     model = Transformer(cfg.model, len(vocab)).to(device)
@@ -225,8 +206,9 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
             log.warning("resume: the checkpoint holds RNG states of %d ranks, this run has %d; "
                         "dropout streams restart from the seed", len(rngs), info.world_size)
         log.info("resume: continuing %s at step %d", last_path, state.step)
-    stream = BatchStream(train_pairs, cfg.data, t.seed, **state.data, rank=info.rank,
+    stream = BatchStream(train_corpus, cfg.data, t.seed, **state.data, rank=info.rank,
                          world_size=info.world_size, update_freq=t.update_freq)
+    data_position = stream.state()  # what a checkpoint saves: the stream after the last update taken
     # broadcast_buffers=False: the only buffer is the constant sinusoid table.
     forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                       broadcast_buffers=False) if info.enabled else model
@@ -240,7 +222,7 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
         save_checkpoint({
             "config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "rng": rngs, "run": {**asdict(state), "data": stream.state()},
+            "scaler": scaler.state_dict(), "rng": rngs, "run": {**asdict(state), "data": data_position},
         }, path)
 
     def save_last() -> None:
@@ -266,7 +248,8 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
         if t.valid_bleu:
             score = torch.zeros(1, dtype=torch.float64, device=device)
             if info.is_main:
-                result["bleu"] = validation_bleu(model, vocab, valid_pairs, valid_refs, cfg, device)
+                result["bleu"] = validation_bleu(model, vocab, valid_corpus, store.references("valid"), cfg,
+                                                 device)
                 score += result["bleu"]
             score, higher_is_better = all_reduce_sum(score, info).item(), True
         improved = state.best is None or (score > state.best if higher_is_better else score < state.best)
@@ -296,17 +279,19 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     model.train()
     bar = tqdm(total=t.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
                disable=True if (quiet or not info.is_main) else None)
-    window = {"loss": 0.0, "tokens": 0, "src_tokens": 0, "time": time.perf_counter()}
+    prefetch = Prefetcher(stream, pin_memory=device.type == "cuda")
+    window = {"loss": 0.0, "tokens": 0, "src_tokens": 0, "time": time.perf_counter(), "wait": 0.0}
     skipped_in_a_row = 0
     stopped_early = False
+    first_update = True
     saved_step = state.step if saved is not None else None  # what last.pt holds
-    with StopRequested() as stop:
-        while state.step < t.max_steps and (not t.max_epochs or stream.epochs_done < t.max_epochs):
-            micro, n_tokens, n_src_tokens = stream.next_update()
+    with StopRequested() as stop, contextlib.closing(prefetch):
+        while state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs):
+            update = prefetch.next()
+            micro, n_tokens, n_src_tokens = update.batches, update.n_tgt_tokens, update.n_src_tokens
+            data_position = update.data_state
             loss_sum = torch.zeros((), device=device, dtype=torch.float64)
             for i, batch in enumerate(micro):
-                if device.type == "cuda":  # pinned host memory lets the copy overlap the previous kernels
-                    batch = batch.pin_memory()
                 batch = batch.to(device, non_blocking=True)
                 # DDP averages gradients over ranks; scaling by world_size / (tokens of the whole update)
                 # makes the result the per-token mean of one big batch. Sync gradients once per update.
@@ -335,6 +320,12 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
                 window["tokens"] += n_tokens
                 window["src_tokens"] += n_src_tokens
                 bar.update(1)
+                if first_update:  # how long a start or resume takes before training proper
+                    first_update = False
+                    seconds = time.perf_counter() - started
+                    record({"step": state.step, "event": "first_update", "seconds": round(seconds, 3),
+                            "time": time.time()})
+                    log.info("first update %.1f s after start", seconds, extra={"console": bool(bar.disable)})
             else:
                 skipped_in_a_row += 1
                 log.warning("update %d: non-finite loss or gradient; skipped, the weights are unchanged",
@@ -348,19 +339,22 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
 
             if not nonfinite and (state.step % t.log_every == 0 or state.step == t.max_steps):
                 elapsed = time.perf_counter() - window["time"]
+                epoch = data_position["epoch"]
                 entry = {"step": state.step, "split": "train", "loss": window["loss"] / max(window["tokens"], 1),
                          "lr": lr, "tgt_tokens_per_s": window["tokens"] / elapsed,
                          "tokens_per_s": (window["tokens"] + window["src_tokens"]) / elapsed,
-                         "epoch": stream.epoch, "grad_norm": float(grad_norm)}
+                         "epoch": epoch, "grad_norm": float(grad_norm),
+                         "data_wait": (prefetch.wait_seconds - window["wait"]) / elapsed}
                 record(entry)
                 # The bar shows this on a terminal; a redirected console (nohup, a cluster job) and
                 # train.log get a line, so progress between validations is never invisible.
-                log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s, grad norm %.3g, epoch %d", state.step,
-                         entry["loss"], entry["lr"], entry["tokens_per_s"], entry["grad_norm"], stream.epoch,
-                         extra={"console": bool(bar.disable)})
+                log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s, grad norm %.3g, epoch %d, waiting for data "
+                         "%.1f%%", state.step, entry["loss"], entry["lr"], entry["tokens_per_s"], entry["grad_norm"],
+                         epoch, 100 * entry["data_wait"], extra={"console": bool(bar.disable)})
                 bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}",
-                                tok_s=f"{entry['tokens_per_s']:.0f}", epoch=stream.epoch)
-                window = {"loss": 0.0, "tokens": 0, "src_tokens": 0, "time": time.perf_counter()}
+                                tok_s=f"{entry['tokens_per_s']:.0f}", epoch=epoch)
+                window = {"loss": 0.0, "tokens": 0, "src_tokens": 0, "time": time.perf_counter(),
+                          "wait": prefetch.wait_seconds}
             if not nonfinite and state.step % t.valid_every == 0:
                 if validate():
                     stopped_early = True
@@ -375,21 +369,25 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     bar.close()
     if not stopped_early and (state.step % t.valid_every != 0 or state.step == 0):
         validate()
+    # ru_maxrss is in KiB on Linux; memory-mapped store pages count in it (they are shared between ranks).
+    peak = [round(kib / 1024, 1) for kib in gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, info)]
+    record({"step": state.step, "event": "done", "peak_rss_mib": peak, "time": time.time()})
+    log.info("done: %d steps; checkpoints in %s; peak memory %s MiB", state.step, run_dir,
+             " / ".join(f"{p:.0f}" for p in peak))
     if metrics is not None:
         metrics.close()
-    log.info("done: %d steps; checkpoints in %s", state.step, run_dir)
     return run_dir
 
 
-def validation_bleu(model: Transformer, vocab: Vocab, pairs, refs: list[str], cfg: Config, device) -> float:
+def validation_bleu(model: Transformer, vocab: Vocab, corpus, refs: list[str], cfg: Config, device) -> float:
     """sacreBLEU of the model's translations of (a slice of) the validation set."""
     from transformer.translate import bleu_chrf, translate_ids
 
     t, d = cfg.train, cfg.decode
-    n = t.valid_bleu_pairs or len(pairs)
+    n = min(t.valid_bleu_pairs or len(corpus), len(corpus))
     was_training = model.training
     model.eval()
-    ids = translate_ids(model, [s for s, _ in pairs[:n]], beam=t.valid_bleu_beam, lenpen=d.lenpen,
+    ids = translate_ids(model, [corpus.source(i) for i in range(n)], beam=t.valid_bleu_beam, lenpen=d.lenpen,
                         max_len_offset=d.max_len_offset, max_tokens=d.max_tokens, device=device)
     model.train(was_training)
     return bleu_chrf(vocab.decode(ids), refs[:n])["bleu"]

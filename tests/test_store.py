@@ -1,0 +1,225 @@
+"""The prepared store: round trip, reuse and rebuild by fingerprint, corruption detected, streaming reads, hub source."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.trainutil import cli, tiny_config, write_corpus
+from transformer import store as store_module
+from transformer.config import from_dict
+from transformer.data import count_lines, iter_lines, open_split, read_lines
+from transformer.errors import UserError
+from transformer.store import Store, prepare, problem
+from transformer.vocab import Vocab
+
+
+def config(tmp_path: Path, corpus: Path, **data):
+    return from_dict(tiny_config(tmp_path, data_dir=corpus, data={"max_len": 6, **data}))
+
+
+def encoded_pairs(vocab: Vocab, corpus: Path, split: str, max_len: int) -> tuple[list, dict, list]:
+    """What the store should hold: the encoded pairs that pass the filter, the counts, the kept raw targets."""
+    src, tgt = read_lines(corpus / f"{split}.de"), read_lines(corpus / f"{split}.en")
+    kept, refs, counts = [], [], {"dropped_long": 0, "dropped_blank": 0}
+    for s_text, t_text, s, t in zip(src, tgt, vocab.encode(src), vocab.encode(tgt)):
+        if not s or not t:
+            counts["dropped_blank"] += 1
+        elif len(s) > max_len or len(t) > max_len:
+            counts["dropped_long"] += 1
+        else:
+            kept.append((s, t))
+            refs.append(t_text)
+    return kept, counts, refs
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    directory = write_corpus(tmp_path / "corpus", n_train=300, n_valid=30, seed=4)
+    # Blank sides and whitespace-only lines are dropped and counted.
+    for split in ("train", "valid"):
+        with (directory / f"{split}.de").open("a", encoding="utf-8") as f:
+            f.write("\n   \nder hund\n")
+        with (directory / f"{split}.en").open("a", encoding="utf-8") as f:
+            f.write("the dog\nthe cat\n\n")
+    return directory
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int32"])
+def test_round_trip_equals_the_encoded_and_filtered_pairs(tmp_path, corpus, monkeypatch, dtype):
+    monkeypatch.setattr(store_module, "token_dtype", lambda vocab_size: np.dtype(dtype))
+    cfg = config(tmp_path, corpus)
+    store = prepare(cfg, Path(cfg.train.run_dir), quiet=True)
+    vocab = Vocab.load(Path(cfg.train.run_dir) / "spm.model")
+    assert store.dtype == np.dtype(dtype)
+    for split in ("train", "valid"):
+        pairs, counts, refs = encoded_pairs(vocab, corpus, split, max_len=6)
+        assert counts["dropped_blank"] == 3 and counts["dropped_long"] > 0  # the filter had work to do
+        corpus_arrays = store.corpus(split)
+        assert corpus_arrays.src_tokens.dtype == np.dtype(dtype)
+        assert [corpus_arrays.pair(i) for i in range(len(corpus_arrays))] == pairs
+        stats = store.stats(split)
+        assert (stats["pairs"], stats["dropped_long"], stats["dropped_blank"]) == \
+            (len(pairs), counts["dropped_long"], counts["dropped_blank"])
+        assert stats["read"] == len(read_lines(corpus / f"{split}.de"))
+    assert store.references("valid") == encoded_pairs(vocab, corpus, "valid", 6)[2]
+
+
+def test_reused_when_unchanged_and_rebuilt_with_the_reason_when_an_input_changes(tmp_path, corpus, caplog):
+    cfg = config(tmp_path, corpus)
+    run_dir = Path(cfg.train.run_dir)
+    caplog.set_level(logging.INFO, logger="transformer")
+    prepare(cfg, run_dir, quiet=True)
+    manifest = (run_dir / "store" / "manifest.json").stat().st_mtime_ns
+
+    caplog.clear()
+    prepare(cfg, run_dir, quiet=True)
+    assert "store: reusing" in caplog.text
+    assert (run_dir / "store" / "manifest.json").stat().st_mtime_ns == manifest
+
+    def rebuilt(cfg, vocab=None) -> str:
+        caplog.clear()
+        prepare(cfg, run_dir, vocab, quiet=True)
+        return next(r.getMessage() for r in caplog.records if r.getMessage().startswith("store: rebuilding"))
+
+    with (corpus / "train.en").open("a", encoding="utf-8") as f:  # one more pair
+        f.write("a new dog\n")
+    with (corpus / "train.de").open("a", encoding="utf-8") as f:
+        f.write("ein neuer hund\n")
+    assert "train.de changed" in rebuilt(cfg)
+    assert Store(run_dir / "store").stats("train")["read"] == count_lines(corpus / "train.de")
+
+    assert "data.max_len changed (6 -> 8)" in rebuilt(config(tmp_path, corpus, max_len=8))
+
+    other = from_dict(tiny_config(tmp_path, "other", data_dir=corpus, data={"vocab_size": 48}))
+    prepare(other, Path(other.train.run_dir), quiet=True)
+    other_vocab = Vocab.load(Path(other.train.run_dir) / "spm.model")
+    assert "the vocabulary changed" in rebuilt(config(tmp_path, corpus, max_len=8), other_vocab)
+
+    assert "data.max_train_pairs changed (0 -> 100)" in rebuilt(config(tmp_path, corpus, max_len=8,
+                                                                        max_train_pairs=100))
+    assert Store(run_dir / "store").stats("train")["read"] == 100
+
+
+def test_a_truncated_or_torn_store_is_detected_and_rebuilt(tmp_path, corpus, caplog):
+    cfg = config(tmp_path, corpus)
+    run_dir = Path(cfg.train.run_dir)
+    prepare(cfg, run_dir, quiet=True)
+    expected = [Store(run_dir / "store").corpus("train").pair(i) for i in range(5)]
+    victim = run_dir / "store" / "train.tgt.bin"
+    victim.write_bytes(victim.read_bytes()[:-2])
+    assert "truncated or corrupt" in problem(run_dir / "store")
+    with pytest.raises(UserError, match="train.tgt.bin is .* bytes, the manifest says .* truncated or corrupt"):
+        Store(run_dir / "store")
+    caplog.set_level(logging.INFO, logger="transformer")
+    prepare(cfg, run_dir, quiet=True)
+    assert "store: rebuilding" in caplog.text and "truncated or corrupt" in caplog.text
+    assert [Store(run_dir / "store").corpus("train").pair(i) for i in range(5)] == expected
+
+    # A kill mid-build leaves files without a manifest (it is written last): never used.
+    (run_dir / "store" / "manifest.json").unlink()
+    assert "incomplete" in problem(run_dir / "store")
+
+
+def test_prepare_command_then_train_reuses_the_store(tmp_path, corpus):
+    raw = tiny_config(tmp_path, data_dir=corpus, train={"max_steps": 2, "valid_every": 2})
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(raw), encoding="utf-8")
+    prepared = cli("prepare", str(path))
+    assert prepared.returncode == 0, prepared.stderr
+    assert prepared.stdout.strip() == str(tmp_path / "run" / "store")
+    assert "store: preparing" in prepared.stderr
+    trained = cli("train", str(path))
+    assert trained.returncode == 0, trained.stderr
+    assert "vocab: reusing" in trained.stderr and "store: reusing" in trained.stderr
+
+
+@pytest.mark.parametrize("block", [1, 3, 7, 1 << 20])
+def test_streamed_lines_match_whole_file_semantics(tmp_path, block):
+    path = tmp_path / "f.txt"
+    lines = ["\ufeffeins", "zwei\r", "", "drei\u2028vier", "fünf\x0c", "sechs"]
+    path.write_bytes(("\n".join(lines)).encode("utf-8"))  # no final newline
+    got = list(iter_lines(path, block_bytes=block))
+    assert got == ["eins", "zwei", "", "drei\u2028vier", "fünf\x0c", "sechs"]
+    assert count_lines(path) == len(got)
+    path.write_bytes(("\n".join(lines) + "\n").encode("utf-8"))
+    assert list(iter_lines(path, block_bytes=block)) == got and count_lines(path) == len(got)
+    path.write_bytes(b"ok\nok\nbad \xff here\n")
+    with pytest.raises(UserError, match=r"f.txt line 3 is not valid UTF-8 \(byte 0xff\)"):
+        list(iter_lines(path, block_bytes=block))
+
+
+def test_mismatched_sides_fail_before_any_encoding(tmp_path, corpus):
+    with (corpus / "train.de").open("a", encoding="utf-8") as f:
+        f.write("eine zeile mehr\n")
+    cfg = config(tmp_path, corpus)
+    with pytest.raises(UserError, match="train.de has 304 lines but .*train.en has 303"):
+        prepare(cfg, Path(cfg.train.run_dir), quiet=True)
+    assert not (Path(cfg.train.run_dir) / "spm.model").exists()
+
+
+# --------------------------------------------------------------------------- the hub source, offline
+
+@pytest.fixture
+def offline_hub(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    return tmp_path
+
+
+def write_hub_folder(directory: Path, layout: str, pairs: dict[str, list[tuple[str, str]]]) -> Path:
+    directory.mkdir()
+    for name, rows in pairs.items():
+        if layout == "columns":
+            lines = [{"de": de, "en": en} for de, en in rows]
+        else:
+            lines = [{"translation": {"de": de, "en": en}} for de, en in rows]
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines),
+                                                 encoding="utf-8")
+    return directory
+
+
+@pytest.mark.parametrize("layout", ["columns", "translation"])
+def test_hub_source_goes_through_the_same_store_with_default_split_names(offline_hub, tmp_path, corpus, layout,
+                                                                         caplog):
+    # The same sentences as the local corpus, as `datasets` sees a folder of jsonl files: train, validation, test.
+    splits = {"train": "train", "validation": "valid", "test": "valid"}
+    folder = write_hub_folder(tmp_path / f"hub-{layout}", layout, {
+        name: list(zip(read_lines(corpus / f"{local}.de"), read_lines(corpus / f"{local}.en")))
+        for name, local in splits.items()})
+    local_cfg = config(tmp_path, corpus)
+    local = prepare(local_cfg, Path(local_cfg.train.run_dir), quiet=True)
+    vocab = Vocab.load(Path(local_cfg.train.run_dir) / "spm.model")
+
+    hub_cfg = from_dict(tiny_config(tmp_path, f"hub-run-{layout}", data={
+        "source": "hub", "hub_name": str(folder), "max_len": 6}))  # valid_split keeps its default, "valid"
+    assert hub_cfg.data.valid_split == "valid"
+    caplog.set_level(logging.INFO, logger="transformer")
+    hub = prepare(hub_cfg, Path(hub_cfg.train.run_dir), vocab, quiet=True)
+    assert "split 'valid' not found; using 'validation'" in caplog.text
+    for split in ("train", "valid"):
+        a, b = local.corpus(split), hub.corpus(split)
+        assert [a.pair(i) for i in range(len(a))] == [b.pair(i) for i in range(len(b))]
+    assert hub.references("valid") == local.references("valid")
+
+    caplog.clear()
+    prepare(hub_cfg, Path(hub_cfg.train.run_dir), vocab, quiet=True)
+    assert "store: reusing" in caplog.text
+
+
+def test_hub_wrong_split_name_fails_before_any_expensive_work(offline_hub, tmp_path):
+    folder = write_hub_folder(tmp_path / "hub", "columns", {"train": [("Ein Hund.", "A dog.")] * 5,
+                                                            "validation": [("Eine Katze.", "A cat.")]})
+    cfg = from_dict(tiny_config(tmp_path, data={"source": "hub", "hub_name": str(folder), "valid_split": "dev2"}))
+    with pytest.raises(UserError, match=r"has no split 'dev2' \(its splits: train, validation\)"):
+        prepare(cfg, Path(cfg.train.run_dir), quiet=True)
+    assert not (Path(cfg.train.run_dir) / "spm.model").exists()  # failed before training the vocabulary
+    assert open_split(cfg.data, "valid").name == "validation"

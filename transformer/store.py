@@ -1,0 +1,337 @@
+"""The prepared corpus: SentencePiece-encoded splits in flat numpy files, built once (streaming), checked against a
+manifest, and memory-mapped by every run start, resume and rank.
+
+Layout of RUN_DIR/store/ (all little-endian; `fairseq`'s .bin/.idx idea):
+  {split}.{side}.bin   every sentence's token ids back to back, no EOS (uint16 when the vocabulary fits, else int32)
+  {split}.{side}.idx   int64 offsets, one more than the sentences: sentence i is bin[idx[i]:idx[i+1]]
+  valid.refs.json      the raw target lines of the kept validation pairs (BLEU references)
+  manifest.json        format, dtype, counts, file sizes and the fingerprint of the inputs; written last, so a store
+                       without it (a kill mid-build) is rebuilt
+split is train or valid, side src or tgt. Training reads only offsets up front; tokens are paged in as batches need
+them, and ranks on one machine share those pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import chain
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from transformer.atomic import atomic_write
+from transformer.config import Config
+from transformer.data import RawSplit, chain_lines, keep_mask, open_split
+from transformer.errors import UserError
+from transformer.vocab import Vocab, train_vocab
+
+log = logging.getLogger("transformer")
+
+FORMAT = "transformer-store-v1"
+SPLITS = ("train", "valid")
+SIDES = ("src", "tgt")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Encoded pairs as flat token arrays and offsets (memory-mapped when they come from a store)."""
+
+    src_tokens: np.ndarray   # (total source tokens,)
+    src_offsets: np.ndarray  # (pairs + 1,) int64: pair i's source is src_tokens[src_offsets[i]:src_offsets[i + 1]]
+    tgt_tokens: np.ndarray
+    tgt_offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.src_offsets) - 1
+
+    @cached_property
+    def src_lengths(self) -> np.ndarray:
+        return np.diff(self.src_offsets)
+
+    @cached_property
+    def tgt_lengths(self) -> np.ndarray:
+        return np.diff(self.tgt_offsets)
+
+    def source(self, i: int) -> list[int]:
+        return self.src_tokens[self.src_offsets[i]:self.src_offsets[i + 1]].tolist()
+
+    def pair(self, i: int) -> tuple[list[int], list[int]]:
+        return self.source(i), self.tgt_tokens[self.tgt_offsets[i]:self.tgt_offsets[i + 1]].tolist()
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], dtype=np.int32) -> "Corpus":
+        """An in-memory corpus (tests, small data)."""
+        def flat(side: int) -> tuple[np.ndarray, np.ndarray]:
+            lengths = np.fromiter((len(p[side]) for p in pairs), dtype=np.int64, count=len(pairs))
+            tokens = np.fromiter(chain.from_iterable(p[side] for p in pairs), dtype=dtype, count=int(lengths.sum()))
+            return tokens, np.r_[0, np.cumsum(lengths)].astype(np.int64)
+
+        return cls(*flat(0), *flat(1))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
+
+
+# --------------------------------------------------------------------------- fingerprint and checks
+
+def fingerprint(cfg: Config, vocab: Vocab, raw: dict[str, RawSplit]) -> dict:
+    """Everything that changes the store's contents: the inputs, the vocabulary and the filtering keys."""
+    d = cfg.data
+    return {
+        "inputs": {split: raw[split].fingerprint for split in SPLITS},
+        "vocab_sha256": hashlib.sha256(vocab.proto).hexdigest(),
+        "src_lang": d.src_lang, "tgt_lang": d.tgt_lang, "max_len": d.max_len,
+    }
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    """Why a store built for `old` does not fit `new`, in words."""
+    reasons = []
+    for split in SPLITS:
+        a, b = old["inputs"].get(split, {}), new["inputs"][split]
+        if a == b:
+            continue
+        if a.get("limit") != b.get("limit"):
+            reasons.append(f"data.max_{split}_pairs changed ({a.get('limit')} -> {b.get('limit')})")
+        elif a.get("source") != b.get("source") or len(a.get("files", [])) != len(b["files"]):
+            reasons.append(f"the {split} corpus is another one")
+        else:
+            for fa, fb in zip(a["files"], b["files"]):
+                if fa["path"] != fb["path"]:
+                    reasons.append(f"{split}: {fb['path']} instead of {fa['path']}")
+                elif fa != fb:
+                    reasons.append(f"{fb['path']} changed (size or modification time)")
+            if not reasons:
+                reasons.append(f"the {split} corpus changed")
+    if old["vocab_sha256"] != new["vocab_sha256"]:
+        reasons.append("the vocabulary changed")
+    for key in ("src_lang", "tgt_lang", "max_len"):
+        if old.get(key) != new[key]:
+            reasons.append(f"data.{key} changed ({old.get(key)} -> {new[key]})")
+    return reasons
+
+
+def _files(manifest: dict) -> dict[str, int]:
+    """Expected size in bytes of every data file of a store."""
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    sizes = {}
+    for split in SPLITS:
+        counts = manifest["splits"][split]
+        for side in SIDES:
+            sizes[f"{split}.{side}.bin"] = counts[f"{side}_tokens"] * itemsize
+            sizes[f"{split}.{side}.idx"] = (counts["pairs"] + 1) * 8
+    return sizes
+
+
+def problem(directory: Path, expected: Optional[dict] = None) -> Optional[str]:
+    """Why the store in `directory` cannot be used (for `expected` inputs), or None when it can."""
+    path = directory / "manifest.json"
+    if not path.is_file():
+        return "no prepared store yet" if not directory.exists() else "the store is incomplete (no manifest)"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if manifest.get("format") != FORMAT:
+            return f"the store has format {manifest.get('format')!r}, this version reads {FORMAT!r}"
+        sizes = _files(manifest)
+    except (ValueError, KeyError, TypeError):
+        return f"{path} is not a store manifest"
+    for name, size in sizes.items():
+        file = directory / name
+        actual = file.stat().st_size if file.is_file() else None
+        if actual != size:
+            found = "missing" if actual is None else f"{actual} bytes"
+            return f"{file} is {found}, the manifest says {size} bytes: truncated or corrupt"
+    if expected is not None and manifest["fingerprint"] != expected:
+        return "; ".join(_differences(manifest["fingerprint"], expected))
+    return None
+
+
+# --------------------------------------------------------------------------- reading
+
+class Store:
+    """A prepared store, opened read-only: memory-mapped corpora per split, and the validation references."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        reason = problem(self.directory)
+        if reason is not None:
+            raise UserError(f"store: {reason}; run `transformer prepare CONFIG` (or train) to rebuild it")
+        self.manifest = json.loads((self.directory / "manifest.json").read_text(encoding="utf-8"))
+        self.dtype = np.dtype(self.manifest["dtype"])
+
+    def corpus(self, split: str) -> Corpus:
+        arrays = []
+        for side in SIDES:
+            tokens = self._map(f"{split}.{side}.bin", self.dtype)
+            offsets = self._map(f"{split}.{side}.idx", np.dtype(np.int64))
+            if len(offsets) == 0 or offsets[-1] != len(tokens) or offsets[0] != 0:
+                raise UserError(f"store: {self.directory}/{split}.{side}.idx does not match its tokens: "
+                                "corrupt; delete the store directory to rebuild it")
+            arrays += [tokens, offsets]
+        return Corpus(*arrays)
+
+    def _map(self, name: str, dtype: np.dtype) -> np.ndarray:
+        path = self.directory / name
+        if path.stat().st_size == 0:  # np.memmap cannot map an empty file
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(path, dtype=dtype, mode="r")
+
+    def references(self, split: str) -> list[str]:
+        return json.loads((self.directory / f"{split}.refs.json").read_text(encoding="utf-8"))
+
+    def stats(self, split: str) -> dict:
+        return self.manifest["splits"][split]
+
+
+# --------------------------------------------------------------------------- building
+
+class _Appender:
+    """Appends numpy chunks to a raw binary file."""
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        self.file, self.dtype = path.open("wb"), dtype
+
+    def write(self, values: np.ndarray) -> None:
+        np.asarray(values, dtype=self.dtype).tofile(self.file)
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+def _encode_split(vocab: Vocab, raw: RawSplit, split: str, max_len: int, directory: Path, dtype: np.dtype,
+                  keep_references: bool, quiet: bool) -> dict:
+    """Stream one split through SentencePiece into directory/{split}.{side}.bin/.idx; return its counts."""
+    writers = {f"{side}.{kind}": _Appender(directory / f"{split}.{side}.{kind}", t)
+               for side in SIDES for kind, t in (("bin", dtype), ("idx", np.dtype(np.int64)))}
+    totals = {"src": 0, "tgt": 0}
+    for side in SIDES:
+        writers[f"{side}.idx"].write(np.zeros(1, dtype=np.int64))
+    counts = {"read": 0, "pairs": 0, "dropped_long": 0, "dropped_blank": 0}
+    references: list[str] = []
+    start = time.perf_counter()
+    with tqdm(total=raw.n_pairs, desc=f"prepare {split}", unit=" pairs", unit_scale=True, dynamic_ncols=True,
+              disable=True if quiet else None) as bar:
+        for src_lines, tgt_lines in raw.chunks():
+            ids = {"src": vocab.encode(src_lines), "tgt": vocab.encode(tgt_lines)}
+            lengths = {side: np.fromiter(map(len, ids[side]), dtype=np.int64, count=len(ids[side])) for side in SIDES}
+            kept, blank, long = keep_mask(lengths["src"], lengths["tgt"], max_len)
+            rows = np.flatnonzero(kept)
+            for side in SIDES:
+                kept_lengths = lengths[side][rows]
+                n_tokens = int(kept_lengths.sum())
+                tokens = np.fromiter(chain.from_iterable(ids[side][i] for i in rows), dtype=dtype, count=n_tokens)
+                writers[f"{side}.bin"].write(tokens)
+                writers[f"{side}.idx"].write(totals[side] + np.cumsum(kept_lengths))
+                totals[side] += n_tokens
+            if keep_references:
+                references += [tgt_lines[i] for i in rows]
+            counts["read"] += len(src_lines)
+            counts["pairs"] += len(rows)
+            counts["dropped_blank"] += int(blank.sum())
+            counts["dropped_long"] += int(long.sum())
+            bar.update(len(src_lines))
+    for writer in writers.values():
+        writer.close()
+    if keep_references:
+        text = json.dumps(references, ensure_ascii=False)
+        atomic_write(directory / f"{split}.refs.json", lambda f: f.write(text.encode("utf-8")))
+    seconds = time.perf_counter() - start
+    log.info("store: %s: encoded %d pairs in %.1f s (%.0f pairs/s)", split, counts["read"], seconds,
+             counts["read"] / max(seconds, 1e-9))
+    return {**counts, "src_tokens": totals["src"], "tgt_tokens": totals["tgt"], "seconds": round(seconds, 3)}
+
+
+def build(directory: Path, cfg: Config, vocab: Vocab, raw: dict[str, RawSplit], expected: dict,
+          quiet: bool = False) -> None:
+    """Write a new store into `directory`, replacing what is there; the manifest goes last."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    dtype = token_dtype(len(vocab))
+    splits = {split: _encode_split(vocab, raw[split], split, cfg.data.max_len, directory, dtype,
+                                   keep_references=split == "valid", quiet=quiet)
+              for split in SPLITS}
+    manifest = {"format": FORMAT, "dtype": dtype.name, "vocab_size": len(vocab), "splits": splits,
+                "fingerprint": expected}
+    text = json.dumps(manifest, indent=2) + "\n"
+    atomic_write(directory / "manifest.json", lambda f: f.write(text.encode("utf-8")))
+
+
+def log_counts(store: Store, max_len: int) -> None:
+    for split in SPLITS:
+        s = store.stats(split)
+        log.info("data: %s: %d pairs kept, %d dropped as longer than data.max_len=%d, %d dropped with a blank side",
+                 split, s["pairs"], s["dropped_long"], max_len, s["dropped_blank"])
+        if not s["pairs"]:
+            raise UserError(f"data: no usable pairs left in split {split!r} after filtering")
+
+
+# --------------------------------------------------------------------------- the whole preparation
+
+def open_raw_splits(cfg: Config) -> dict[str, RawSplit]:
+    """Both splits training reads, checked to exist before anything expensive happens."""
+    d = cfg.data
+    return {"train": open_split(d, d.train_split, d.max_train_pairs, log.info),
+            "valid": open_split(d, d.valid_split, d.max_valid_pairs, log.info)}
+
+
+def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
+    """Reuse run_dir/spm.model, or train one on (a sample of) the training split and store it there."""
+    path = run_dir / "spm.model"
+    if path.is_file():
+        log.info("vocab: reusing %s", path)
+        return Vocab.load(path)
+    d = cfg.data
+    sentences = 2 * train.n_pairs
+    sample = f"a sample of {d.spm_max_sentences} of the" if sentences > d.spm_max_sentences else "the"
+    log.info("vocab: training a joint %s SentencePiece model of %d pieces on %s %d training sentences",
+             d.spm_model_type, d.vocab_size, sample, sentences)
+    start = time.perf_counter()
+    vocab = train_vocab(chain_lines(train.chunks()), d.vocab_size, d.spm_model_type, d.spm_character_coverage,
+                        d.spm_max_sentences, cfg.train.seed)
+    vocab.save(path)
+    log.info("vocab: trained in %.1f s", time.perf_counter() - start)
+    return vocab
+
+
+def prepare(cfg: Config, run_dir: Path, vocab: Optional[Vocab] = None, quiet: bool = False) -> Store:
+    """The vocabulary (given, reused from run_dir or trained) and the store in run_dir/store (reused when its
+    inputs are unchanged, else rebuilt with a log line saying why). One process only: under torchrun rank 0."""
+    raw = open_raw_splits(cfg)
+    if vocab is None:
+        vocab = prepare_vocab(cfg, run_dir, raw["train"])
+    directory = run_dir / "store"
+    expected = fingerprint(cfg, vocab, raw)
+    reason = problem(directory, expected)
+    if reason is None:
+        log.info("store: reusing %s", directory)
+    else:
+        if directory.exists():
+            log.info("store: rebuilding %s: %s", directory, reason)
+        else:
+            log.info("store: preparing %s", directory)
+        build(directory, cfg, vocab, raw, expected, quiet)
+    store = Store(directory)
+    log_counts(store, cfg.data.max_len)
+    return store
+
+
+def open_prepared(cfg: Config, run_dir: Path, vocab: Vocab) -> Store:
+    """The store rank 0 prepared, checked against this rank's view of the inputs (other ranks)."""
+    directory = run_dir / "store"
+    reason = problem(directory, fingerprint(cfg, vocab, open_raw_splits(cfg)))
+    if reason is not None:
+        raise UserError(f"store: {directory} does not match this rank's data: {reason}")
+    return Store(directory)
