@@ -12,13 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from transformer.config import DataConfig  # noqa: E402
-from transformer.data import load_split  # noqa: E402
-from transformer.errors import UserError  # noqa: E402
-
-SPLITS = {"train": "train", "valid": "validation", "test": "test"}  # our name -> the hub's
+from transformer.config import DataConfig
+from transformer.data import load_split
+from transformer.errors import UserError
 
 
 def main() -> None:
@@ -29,8 +25,8 @@ def main() -> None:
     cfg = DataConfig(source="hub", hub_name=args.name, src_lang="de", tgt_lang="en")
     try:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        for ours, theirs in SPLITS.items():
-            src, tgt = load_split(cfg, theirs)
+        for ours in ("train", "valid", "test"):  # the hub calls "valid" "validation": load_split finds it
+            src, tgt = load_split(cfg, ours)
             for lang, lines in (("de", src), ("en", tgt)):
                 # A newline inside a sentence would shift every later line against its translation.
                 text = "".join(" ".join(line.split("\n")).strip() + "\n" for line in lines)
