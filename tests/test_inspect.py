@@ -249,6 +249,19 @@ def test_plot_training_curves(tmp_path, capsys):
     assert "no metrics file" in capsys.readouterr().err
 
 
+def test_training_curves_against_wall_time():
+    from transformer.plots import _series, training_curves
+
+    rows = [{"step": 100, "split": "valid", "loss": 3.0, "elapsed": 60.0},
+            {"step": 200, "split": "valid", "loss": 2.5, "elapsed": 150.0},
+            {"step": 200, "split": "valid", "loss": 2.4, "elapsed": 180.0},  # redone after a resume: the later wins
+            {"step": 300, "split": "valid", "loss": 2.2}]                    # an older run's line: no time
+    assert _series(rows, "valid", "loss", "elapsed") == ([1.0, 3.0], [3.0, 2.4])
+    assert _series(rows, "valid", "loss") == ([100, 200, 300], [3.0, 2.4, 2.2])
+    with pytest.raises(UserError, match="against time"):
+        training_curves([{"step": 1, "split": "train", "loss": 1.0}], x="elapsed")
+
+
 def test_missing_matplotlib_is_a_user_error(monkeypatch, tmp_path, capsys):
     from transformer import plots
 

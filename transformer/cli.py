@@ -51,7 +51,8 @@ def cmd_plot_positions(args: argparse.Namespace) -> None:
 def cmd_plot(args: argparse.Namespace) -> None:
     from transformer.plots import read_metrics, save, training_curves
 
-    print(save(training_curves(read_metrics(args.run), title=f"Training: {args.run}"), args.out))
+    x = "elapsed" if args.x == "time" else "step"
+    print(save(training_curves(read_metrics(args.run), title=f"Training: {args.run}", x=x), args.out))
 
 
 def cmd_translate(args: argparse.Namespace) -> None:
@@ -163,11 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plot", help="plot training curves from a run's metrics.jsonl",
         description="Plot a run's training curves from its metrics.jsonl: train and valid loss, valid "
-                    "perplexity, valid BLEU (when logged) and the learning rate against steps. Works on a "
-                    "run that is still training.",
+                    "perplexity, valid BLEU (when logged) and the learning rate against steps, or against training "
+                    "wall time with --x time. Works on a run that is still training.",
     )
     p.add_argument("run", metavar="RUN_DIR", help="a run directory (or its metrics.jsonl)")
     p.add_argument("--out", required=True, metavar="FILE", help="image file: .png (default), .svg or .pdf")
+    p.add_argument("--x", choices=("step", "time"), default="step",
+                   help="against optimizer updates (default) or training wall time in minutes (time to quality)")
     p.set_defaults(func=cmd_plot)
 
     decode = argparse.ArgumentParser(add_help=False)  # search options shared by translate and evaluate

@@ -256,46 +256,52 @@ def read_metrics(path: str | Path) -> list[dict]:
     return rows
 
 
-def _series(rows: list[dict], split: str, key: str) -> tuple[list[float], list[float]]:
-    points = [(r["step"], r[key]) for r in rows
+def _series(rows: list[dict], split: str, key: str, x: str = "step") -> tuple[list[float], list[float]]:
+    """(x values, key values) of one split's rows; x is "step" or "elapsed" (training seconds since the start)."""
+    points = [(r["step"], r.get("elapsed"), r[key]) for r in rows
               if r.get("split") == split and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     # A resumed run logs some steps twice; the later line wins.
-    latest = dict(points)
+    latest = {step: (elapsed, value) for step, elapsed, value in points}
     steps = sorted(latest)
-    return steps, [latest[s] for s in steps]
+    if x == "elapsed":
+        steps = [s for s in steps if isinstance(latest[s][0], (int, float))]
+        return [latest[s][0] / 60 for s in steps], [latest[s][1] for s in steps]
+    return steps, [latest[s][1] for s in steps]
 
 
-def training_curves(rows: list[dict], title: str = "Training"):
-    """Loss (train and valid), valid perplexity, BLEU and learning rate against steps; absent ones skipped."""
-    panels = []  # (y label, [(label, steps, values, style)], log scale)
-    loss = [("train loss", *_series(rows, "train", "loss"), "-"),
-            ("valid loss", *_series(rows, "valid", "loss"), "o-")]
+def training_curves(rows: list[dict], title: str = "Training", x: str = "step"):
+    """Loss (train and valid), valid perplexity, BLEU and learning rate against steps, or against training wall
+    time with x="elapsed" (runs that log it); absent ones skipped."""
+    panels = []  # (y label, [(label, xs, values, style)], log scale)
+    loss = [("train loss", *_series(rows, "train", "loss", x), "-"),
+            ("valid loss", *_series(rows, "valid", "loss", x), "o-")]
     if any(s for _, s, _, _ in loss):
         panels.append(("loss (per token, label-smoothed)", loss, False))
-    ppl = [("valid perplexity", *_series(rows, "valid", "ppl"), "o-")]
+    ppl = [("valid perplexity", *_series(rows, "valid", "ppl", x), "o-")]
     if ppl[0][1]:
         panels.append(("valid perplexity", ppl, True))
-    bleu = [("valid BLEU", *_series(rows, "valid", "bleu"), "o-")]
+    bleu = [("valid BLEU", *_series(rows, "valid", "bleu", x), "o-")]
     if bleu[0][1]:
         panels.append(("valid BLEU", bleu, False))
-    lr = [("learning rate", *_series(rows, "train", "lr"), "-")]
+    lr = [("learning rate", *_series(rows, "train", "lr", x), "-")]
     if lr[0][1]:
         panels.append(("learning rate", lr, False))
     if not panels:
-        raise UserError("the metrics hold no loss, perplexity, BLEU or learning rate to plot")
+        raise UserError("the metrics hold no loss, perplexity, BLEU or learning rate to plot"
+                        + (" against time (runs of older versions do not log it)" if x == "elapsed" else ""))
     fig = new_figure(8.0, 2.4 * len(panels) + 0.8)
     axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True)[:, 0]
     for ax, (ylabel, lines, log_scale) in zip(axes, panels):
-        for label, steps, values, style in lines:
-            if steps:
-                ax.plot(steps, values, style, label=label, markersize=3, linewidth=1.2)
+        for label, xs, values, style in lines:
+            if xs:
+                ax.plot(xs, values, style, label=label, markersize=3, linewidth=1.2)
         ax.set_ylabel(ylabel)
         if log_scale:
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         if sum(1 for _, s, _, _ in lines if s) > 1:
             ax.legend(fontsize=8)
-    axes[-1].set_xlabel("step (optimizer updates)")
+    axes[-1].set_xlabel("training time (minutes)" if x == "elapsed" else "step (optimizer updates)")
     axes[0].set_title(title)
     return fig
 

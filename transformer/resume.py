@@ -50,6 +50,7 @@ class RunState:
     best: Optional[float] = None          # best validation score so far ...
     best_metric: str = "loss"             # ... of this metric: "loss" (lower is better) or "bleu"
     bad_validations: int = 0              # validations in a row without improvement (early stopping)
+    elapsed: float = 0.0                  # wall-clock seconds of training so far, across restarts
     data: dict = field(default_factory=lambda: {"epoch": 0, "batches_done": 0})
 
 

@@ -219,6 +219,7 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
              stream.batches_per_epoch // t.update_freq)
 
     def checkpoint(path: Path, rngs: list) -> None:
+        state.elapsed = elapsed_before + time.perf_counter() - started
         save_checkpoint({
             "config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -233,10 +234,12 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if info.is_main else None
 
     def record(entry: dict) -> None:
+        state.elapsed = elapsed_before + time.perf_counter() - started  # time to quality survives resumes
         if metrics is not None:
-            metrics.write(json.dumps(entry) + "\n")
+            metrics.write(json.dumps({**entry, "elapsed": round(state.elapsed, 3)}) + "\n")
             metrics.flush()
 
+    elapsed_before = state.elapsed  # what earlier runs of this training took, from the checkpoint
     if saved is not None:
         record({"step": state.step, "event": "resume"})
 
