@@ -51,6 +51,7 @@ class RunState:
     best_metric: str = "loss"             # ... of this metric: "loss" (lower is better) or "bleu"
     bad_validations: int = 0              # validations in a row without improvement (early stopping)
     elapsed: float = 0.0                  # wall-clock seconds of training so far, across restarts
+    tokens: int = 0                       # source + target tokens trained on so far
     data: dict = field(default_factory=lambda: {"epoch": 0, "batches_done": 0})
 
 

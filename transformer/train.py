@@ -322,6 +322,7 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
                 window["loss"] += update_loss
                 window["tokens"] += n_tokens
                 window["src_tokens"] += n_src_tokens
+                state.tokens += n_tokens + n_src_tokens
                 bar.update(1)
                 if first_update:  # how long a start or resume takes before training proper
                     first_update = False
