@@ -189,7 +189,8 @@ def test_sigkill_between_the_checkpoint_writes_of_a_validation_step(tmp_path):
     """Killed after best.pt of the last validation (before last.pt), and after step_8 (before best.pt and
     last.pt): --resume redoes the step, and every file ends as in a run that was never killed."""
     corpus = write_corpus(tmp_path / "c")
-    common = {"train": {"max_steps": 10, "valid_every": 4, "keep_last": 2}, "data": {"max_tokens": 120}}
+    common = {"train": {"max_steps": 10, "valid_every": 4, "keep_last": 2, "device": "cpu"},  # bit-identical
+              "data": {"max_tokens": 120}}
     straight = tiny_config(tmp_path, "straight", corpus, **common)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the killed child (OMP_NUM_THREADS=1): bit-identical sums
