@@ -202,8 +202,8 @@ def test_missing_file(tmp_path):
     with pytest.raises(UserError, match="no such file") as e:
         load_config(path)
     assert str(path) in str(e.value)
-    with pytest.raises(UserError, match="no such file"):
-        load_config(tmp_path)  # a directory is not a config file
+    with pytest.raises(UserError, match="is a directory, not a YAML file"):
+        load_config(tmp_path)  # a directory is not a config file, and the message says so
 
 
 @pytest.mark.parametrize("cls", [Config, ModelConfig, DataConfig, TrainConfig, DecodeConfig])

@@ -12,6 +12,7 @@ import torch
 
 from tests.trainutil import cli, read_metrics, shared_data_dir, tiny_config, write_config, write_corpus
 from transformer import train as train_module
+from transformer.atomic import TEMP_SUFFIX
 from transformer.batch import Batch
 from transformer.checkpoint import load_checkpoint, load_model, save_checkpoint
 from transformer.config import from_dict, to_dict
@@ -120,11 +121,11 @@ def test_existing_run_needs_resume_and_resume_without_a_checkpoint_starts_over(t
     shutil.copytree(tmp_path / "run", other)
     for name in ("last.pt", "best.pt"):
         (other / name).unlink()
-    (other / ".spm.model.x1y2.tmp").write_bytes(b"torn")
+    (other / f".spm.model.a1b2c3d4{TEMP_SUFFIX}").write_bytes(b"torn")  # named as atomic_write names them
     train(from_dict(tiny_config(tmp_path, "other", tmp_path / "corpus", train={"max_steps": 3})),
           resume=True, quiet=True)
     assert "yet (the run stopped before its first save); starting from step 0" in (other / "train.log").read_text()
-    assert not list(other.glob(".*.tmp"))
+    assert not list(other.glob(".*" + TEMP_SUFFIX))
     a, b = _state(tmp_path / "run" / "last.pt"), _state(other / "last.pt")
     assert a["run"]["step"] == b["run"]["step"] == 3
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

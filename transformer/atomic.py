@@ -1,18 +1,32 @@
-"""Atomic file writes: a crash at any moment leaves the old file or the new one, never a torn one."""
+"""File writes: atomic (a crash at any moment leaves the old file or the new one), and never over what must survive."""
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import zipfile
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterable, Optional
+
+from transformer.errors import UserError
+
+# Temporary files are named .NAME.XXXXXXXX.transformer-tmp (XXXXXXXX from mkstemp), so that cleaning up
+# after a kill removes only files that atomic_write made, never a user's own *.tmp.
+TEMP_SUFFIX = ".transformer-tmp"
+_TEMP_NAME = re.compile(r"\..+\.[A-Za-z0-9_]{8}" + re.escape(TEMP_SUFFIX))
+
+# What a training run writes in its directory (besides step_XXXXXXXX.pt and eval/): no other command
+# may write over these, and a new run refuses a directory that holds anything else.
+RUN_FILES = ("config.yaml", "spm.model", "metrics.jsonl", "train.log", "train.lock", "last.pt", "best.pt", "store")
+STEP_FILE = re.compile(r"step_\d+\.pt")
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
     """Call write(f) on a temporary file in path's directory, fsync it, then rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -22,9 +36,11 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # e.g. a full disk: say which file
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     try:  # make the rename itself durable
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -37,6 +53,57 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
 
 
 def remove_stale_temporaries(directory: str | Path) -> None:
-    """Delete the temporary files that a kill during atomic_write left behind."""
-    for stale in Path(directory).glob(".*.tmp"):
-        stale.unlink(missing_ok=True)
+    """Delete the temporary files that a kill during atomic_write left behind (and nothing else)."""
+    for stale in Path(directory).glob(".*" + TEMP_SUFFIX):
+        if _TEMP_NAME.fullmatch(stale.name) and stale.is_file() and not stale.is_symlink():
+            stale.unlink(missing_ok=True)
+
+
+def is_run_file(name: str) -> bool:
+    return name in RUN_FILES or bool(STEP_FILE.fullmatch(name))
+
+
+def _checkpoint_keys(path: Path) -> Optional[frozenset]:
+    """The top-level keys of a PyTorch file (an empty set when it cannot be read); None if it is no PyTorch file."""
+    if not path.is_file():  # a device (/dev/full reads zeros for ever), a pipe: no checkpoint
+        return None
+    try:
+        with zipfile.ZipFile(path) as z:  # torch.save writes a zip archive holding .../data.pkl
+            if not any(name.endswith("/data.pkl") or name == "data.pkl" for name in z.namelist()):
+                return None
+    except (zipfile.BadZipFile, OSError):
+        return None
+    import torch
+
+    try:  # mmap: only the pickle is read, not the tensors
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return frozenset()
+    return frozenset(state) if isinstance(state, dict) else frozenset()
+
+
+def check_output_path(output: str | Path, inputs: Iterable[Optional[str | Path]] = (), *, command: str,
+                      may_replace_weights: bool = False) -> Path:
+    """Refuse, in one line, an output path whose writing would destroy something: one of the command's
+    inputs, a file of a training run (its config, vocabulary, logs, lock or checkpoints), or a checkpoint
+    holding training state. A weights-only checkpoint (an earlier `average`) may be replaced when
+    may_replace_weights; otherwise no checkpoint is written over."""
+    out = Path(output)
+    if out.is_dir():
+        raise UserError(f"{command}: the output {out} is a directory; give a file name")
+    if not out.exists():
+        return out
+    for given in inputs:
+        if given is not None and Path(given).exists() and os.path.samefile(out, given):
+            raise UserError(f"{command}: the output {out} is also an input ({given}); write to another file")
+    parent = out.resolve().parent
+    if is_run_file(out.name) and any((parent / name).exists() for name in ("last.pt", "spm.model", "train.lock")):
+        raise UserError(f"{command}: refusing to overwrite {out}: it belongs to the training run in {parent}; "
+                        "write to another file")
+    keys = _checkpoint_keys(out)
+    if keys is not None:
+        training = "optimizer" in keys
+        if training or not keys or not may_replace_weights:
+            what = "a training checkpoint (what --resume needs)" if training else "a checkpoint"
+            raise UserError(f"{command}: refusing to overwrite {out}: it is {what}; write to another file")
+    return out

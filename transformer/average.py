@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from transformer.atomic import check_output_path
 from transformer.checkpoint import load_checkpoint, save_checkpoint
 from transformer.errors import UserError
 
@@ -78,7 +79,7 @@ def average(inputs: Sequence[str | Path], last: Optional[int], output: Optional[
         if output is None:
             raise UserError("average: give --output FILE when averaging checkpoint files")
         paths, target = [Path(p) for p in inputs], Path(output)
-    if any(target.resolve() == p.resolve() for p in paths if p.exists()):
-        raise UserError(f"average: the output {target} is one of the inputs")
+    # Never over an input or a training checkpoint (an earlier average's output may be replaced).
+    check_output_path(target, paths, command="average", may_replace_weights=True)
     save_checkpoint(average_checkpoints(paths), target)
     return target, paths

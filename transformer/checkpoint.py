@@ -36,6 +36,21 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
     return state
 
 
+# What `transformer train` writes and --resume needs; `average` writes only config, vocab and model.
+RESUMABLE_KEYS = ("config", "vocab", "model", "optimizer", "scheduler", "scaler", "rng", "run")
+
+
+def load_resumable(path: str | Path) -> dict:
+    """A checkpoint that a run can continue from, or a UserError saying why this one cannot be."""
+    state = load_checkpoint(path)
+    missing = [key for key in RESUMABLE_KEYS if key not in state]
+    if missing:
+        what = "weights only, as `transformer average` writes" if "optimizer" in missing else "an incomplete state"
+        raise UserError(f"resume: {path} cannot be resumed: it holds {what} (no {', '.join(missing)}); put the "
+                        "run's own last.pt back, or start a new run in another train.run_dir")
+    return state
+
+
 def resolve_checkpoint(run_dir_or_file: str | Path) -> Path:
     """A run directory means its best.pt (else last.pt); a file means itself."""
     p = Path(run_dir_or_file)

@@ -3,18 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
-from transformer.errors import UserError
+from transformer.errors import UserError, out_of_memory_names
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     from transformer.config import load_config
+    from transformer.resume import run_config
     from transformer.train import train
 
-    cfg = load_config(args.config, args.set)
-    train(cfg, resume=args.resume, config_path=args.config)
+    config, resume = args.config, args.resume
+    if isinstance(resume, str) and config is None and Path(resume).is_file():
+        config, resume = resume, True  # `train --resume CONFIG` is `train CONFIG --resume`
+    if isinstance(resume, str):  # --resume RUN_DIR: the run's own config.yaml, --set on top
+        if config is not None:
+            raise UserError("train: give CONFIG --resume (the run in the config's train.run_dir) or --resume "
+                            "RUN_DIR (the run's own config.yaml), not both")
+        train(run_config(resume, args.set), resume=True, overrides=args.set)
+        return
+    if config is None:
+        raise UserError("train: give a config file, or --resume RUN_DIR to continue a run")
+    train(load_config(config, args.set), resume=resume, config_path=config, overrides=args.set)
+
+
+def _check_beam(beam: Optional[int]) -> None:
+    if beam is not None and beam < 1:
+        raise UserError(f"--beam must be at least 1 (1 = greedy), got {beam}")
+
+
+def _check_search_args(args: argparse.Namespace) -> None:
+    """Ranges argparse's types do not check, reported in one line like every other error."""
+    _check_beam(args.beam)
+    if args.lenpen is not None and not (math.isfinite(args.lenpen) and args.lenpen >= 0):
+        raise UserError(f"--lenpen must be a finite number >= 0, got {args.lenpen}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -31,10 +59,12 @@ def cmd_attention(args: argparse.Namespace) -> None:
     from transformer.plots import output_path, write_attention_figures
 
     output_path(args.out)  # a bad suffix fails before the model is loaded
+    _check_beam(args.beam)
     model, vocab, cfg = load_model(args.checkpoint)
     beam = cfg.decode.beam if args.beam is None else args.beam
-    maps = inspect_attention(model, vocab, args.source, args.target, beam=beam, lenpen=cfg.decode.lenpen,
-                             max_len_offset=cfg.decode.max_len_offset)
+    with out_of_memory_names(f"the attention maps with beam {beam} (lower --beam)"):
+        maps = inspect_attention(model, vocab, args.source, args.target, beam=beam, lenpen=cfg.decode.lenpen,
+                                 max_len_offset=cfg.decode.max_len_offset)
     if args.target is None:
         print(f"translation: {maps.target}", file=sys.stderr)
     kinds = KINDS if args.kind == "all" else (args.kind,)
@@ -58,15 +88,19 @@ def cmd_plot(args: argparse.Namespace) -> None:
 def cmd_translate(args: argparse.Namespace) -> None:
     from transformer.translate import run_translate
 
-    run_translate(args.checkpoint, args.sentences, args.input, args.output, args.beam, args.lenpen, args.nbest,
-                  args.max_tokens, args.device, args.int8)
+    _check_search_args(args)
+    with out_of_memory_names("the search (lower --beam or --max-tokens)"):
+        run_translate(args.checkpoint, args.sentences, args.input, args.output, args.beam, args.lenpen, args.nbest,
+                      args.max_tokens, args.device, args.int8)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from transformer.translate import run_evaluate
 
-    run_evaluate(args.run, args.split, args.src, args.ref, args.beam, args.lenpen, args.max_tokens, args.device,
-                 args.int8)
+    _check_search_args(args)
+    with out_of_memory_names("the search (lower --beam or --max-tokens)"):
+        run_evaluate(args.run, args.split, args.src, args.ref, args.beam, args.lenpen, args.max_tokens, args.device,
+                     args.int8)
 
 
 def cmd_average(args: argparse.Namespace) -> None:
@@ -103,13 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="train a model from a YAML config",
         description="Train a model from a YAML config. The run directory (train.run_dir) receives the "
-                    "effective config, the SentencePiece model, metrics.jsonl, train.log, last.pt and best.pt.",
+                    "effective config, the SentencePiece model, metrics.jsonl, train.log, last.pt and best.pt; "
+                    "it is locked (train.lock) while a training process owns it.",
+        epilog="To continue a stopped run: `transformer train CONFIG --resume` (the config file again, with the "
+               "same --set overrides) or `transformer train --resume RUN_DIR` (the run's own config.yaml, which "
+               "holds the overrides it was started with; --set on top applies like a changed config).",
     )
-    p.add_argument("config", help="YAML config file, e.g. configs/multi30k.yaml")
+    p.add_argument("config", nargs="?", help="YAML config file, e.g. configs/multi30k.yaml")
     p.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
                    help="override one config value (repeatable), e.g. --set train.max_steps=500")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in train.run_dir from its last.pt at the saved step")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
+                   help="continue the run in train.run_dir (or in RUN_DIR, with its own config.yaml) from its "
+                        "last.pt at the saved step")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -233,16 +272,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fill_closed_outputs() -> None:
+    """Put /dev/null on a closed stdout/stderr (`>&-`), so that no file we open later (a checkpoint) takes
+    descriptor 1 or 2 and receives what a library prints there. Python has set sys.stdout to None already.
+    A closed stdin stays closed: reading it is refused (sys.stdin is None), and /dev/stdin stays absent."""
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != fd:  # 0 was free as well
+                os.dup2(null, fd)
+                os.close(null)
+
+
+def _error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under torchrun: its failure summary shows this line
+        from transformer.distributed import report_to_launcher
+
+        report_to_launcher(f"error: {message}")
+    sys.exit(2)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    _fill_closed_outputs()
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # a reader that went away shows here, not at exit
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _error(str(e))
+    except BrokenPipeError:
+        # The reader of our output went away (`| head -1`): stop quietly, as Unix tools do (128 + SIGPIPE).
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        except (AttributeError, OSError, ValueError):
+            pass
+        sys.exit(141)
     except OSError as e:  # an unwritable output path, a full disk, a directory where a file should be
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _error(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)

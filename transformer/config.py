@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -99,6 +100,12 @@ class Config:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
+INT64 = 2 ** 63
+SEED_LIMIT = 2 ** 32          # SentencePiece and NumPy take 32-bit unsigned seeds (torch takes 64-bit)
+SPM_INT32 = 2 ** 31           # SentencePiece's vocab_size is a signed 32-bit integer
+MAX_YAML_NODES = 10_000       # values a config may expand to through YAML aliases; a real one has < 200
+MAX_CONFIG_BYTES = 1 << 20
+
 # Decimal numbers in exponent notation without a dot, which YAML 1.1 does not count as floats.
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
@@ -129,13 +136,21 @@ def _check_value(section: str, key: str, hint: Any, value: Any) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"config: {where} must be an integer, got {value!r}")
+        if not -INT64 <= value < INT64:  # what torch and numpy can hold
+            raise UserError(f"config: {where} is out of range: {value} (at most 2^63 - 1 in size)")
         return value
     if hint is float:
         if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
             value = float(value)  # YAML 1.1 (PyYAML) reads 1e-9 and 5e-4 as strings
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"config: {where} must be a number, got {value!r}")
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            raise UserError(f"config: {where} must be a finite number, got {value}")
+        return value
     if hint is str:
         if not isinstance(value, str):
             raise UserError(f"config: {where} must be a string, got {value!r}")
@@ -172,7 +187,8 @@ def validate(cfg: Config) -> None:
         (m.n_encoder_layers >= 1 and m.n_decoder_layers >= 1, "model needs at least one encoder and one decoder layer"),
         (m.d_ff >= 1, "model.d_ff must be positive"),
         (m.max_positions >= 2, "model.max_positions must be at least 2"),
-        (d.vocab_size >= 8, "data.vocab_size must be at least 8"),
+        (8 <= d.vocab_size < SPM_INT32, f"data.vocab_size must be in [8, {SPM_INT32 - 1}] (SentencePiece's range)"),
+        (d.spm_max_sentences >= 0, "data.spm_max_sentences must not be negative (0 = every sentence)"),
         (d.max_len >= 1, "data.max_len must be positive"),
         (d.max_len + 2 <= m.max_positions,
          f"data.max_len ({d.max_len}) + 2 special tokens exceeds model.max_positions ({m.max_positions})"),
@@ -185,6 +201,9 @@ def validate(cfg: Config) -> None:
         (0 < d.spm_character_coverage <= 1, "data.spm_character_coverage must be in (0, 1]"),
         (d.max_train_pairs >= 0 and d.max_valid_pairs >= 0, "data.max_*_pairs must not be negative"),
         (d.src_lang != d.tgt_lang, "data.src_lang and data.tgt_lang must differ"),
+        (t.run_dir.strip() != "", "train.run_dir must name a directory for the run (it is empty)"),
+        (0 <= t.seed < SEED_LIMIT, f"train.seed must be in [0, {SEED_LIMIT - 1}] (SentencePiece and NumPy take "
+                                   f"32-bit seeds), got {t.seed}"),
         (t.max_steps >= 1, "train.max_steps must be at least 1"),
         (t.max_epochs >= 0, "train.max_epochs must not be negative"),
         (t.update_freq >= 1, "train.update_freq must be at least 1"),
@@ -246,7 +265,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         path, text = item.split("=", 1)
         section, key = path.split(".", 1)
         try:
-            value = yaml.safe_load(text)
+            value = parse_yaml(text, f"--set {path}")
         except yaml.YAMLError:
             value = text
         if not isinstance(raw.get(section), dict):
@@ -255,12 +274,61 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+def _expanded_size(node: yaml.Node, where: str, memo: dict, active: set) -> int:
+    """How many values `node` stands for once every alias is expanded (counted without expanding them)."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in active:
+        raise UserError(f"config: {where}: a YAML alias refers to the value that contains it")
+    active.add(key)
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    else:
+        children = []
+    size = 1 + sum(_expanded_size(child, where, memo, active) for child in children)
+    active.discard(key)
+    memo[key] = size
+    return size
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """yaml.safe_load, except that a document whose aliases (&a ... *a) expand past MAX_YAML_NODES values is
+    refused: a few hundred bytes of nested aliases stand for billions of values."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, where, {}, set())
+        if size > MAX_YAML_NODES:
+            raise UserError(f"config: {where}: YAML aliases expand it to {size:,} values (at most "
+                            f"{MAX_YAML_NODES:,}); write the values out instead of nesting aliases")
+        return loader.construct_document(node)
+    except RecursionError:
+        raise UserError(f"config: {where} is nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str | Path) -> Any:
+    """A YAML file, or anything readable at a path (a pipe, /dev/stdin), up to MAX_CONFIG_BYTES."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise UserError(f"config: {path} is a directory, not a YAML file")
+    if not path.exists():
         raise UserError(f"config: no such file: {path}")
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise UserError(f"config: cannot read {path}: {e.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise UserError(f"config: {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; that is not a config")
+    try:
+        return parse_yaml(data.decode("utf-8"), str(path))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -274,6 +342,21 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Conf
     return from_dict(apply_overrides(read_yaml(path), overrides or []))
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
-    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+# The first line of every config.yaml that `transformer train` writes; a run directory's config.yaml
+# without it is the user's own file, which a new run must not overwrite.
+SAVED_HEADER = "# The effective config of the run in this directory (file + --set), written by transformer train."
+
+
+def save_config(cfg: Config, path: str | Path, note: str = "") -> None:
+    comments = [SAVED_HEADER] + [f"# {line}" for line in note.splitlines()]
+    text = "\n".join(comments) + "\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False)
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def written_by_train(path: str | Path) -> bool:
+    """True when `path` is a config.yaml that save_config wrote."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline().rstrip("\n") == SAVED_HEADER
+    except OSError:
+        return False

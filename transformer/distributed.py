@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -73,3 +75,17 @@ def gather_objects(obj, info: DistInfo) -> list:
     out = [None] * info.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def report_to_launcher(message: str) -> None:
+    """Under torchrun, write a worker's one-line error where the launcher looks for it (the error file of
+    torch.distributed.elastic), so that its failure summary shows this line instead of a pointer to the docs.
+    torchrun still ends with its own ChildFailedError traceback: torch gives a worker no way to avoid it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass

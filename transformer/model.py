@@ -8,6 +8,7 @@ transformer/batch.py (`padding_mask`, `causal_mask`) and nowhere else.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer.config import ModelConfig
+from transformer.errors import UserError, out_of_memory_names
 
 
 class PositionalEncoding(nn.Module):
@@ -272,3 +274,30 @@ class Transformer(nn.Module):
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (a shared matrix counts once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def _physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def build_model(cfg: ModelConfig, vocab_size: int) -> Transformer:
+    """A new Transformer, or a UserError naming the settings whose tensors cannot be allocated."""
+    d, f = cfg.d_model, cfg.d_ff
+    embeddings = (1 if cfg.share_embeddings else 2) + (0 if cfg.tie_output else 1)
+    parts = {  # elements, by the settings that size them
+        f"the positions table (model.max_positions {cfg.max_positions} x model.d_model {d})": cfg.max_positions * d,
+        f"the embeddings (vocabulary {vocab_size} x model.d_model {d})": embeddings * vocab_size * d,
+        f"the layers (model.n_encoder_layers {cfg.n_encoder_layers}, model.n_decoder_layers "
+        f"{cfg.n_decoder_layers}, model.d_model {d}, model.d_ff {f})":
+            cfg.n_encoder_layers * (4 * d * d + 2 * d * f) + cfg.n_decoder_layers * (8 * d * d + 2 * d * f),
+    }
+    largest = max(parts, key=parts.get)
+    total_bytes, memory = 4 * sum(parts.values()), _physical_memory()
+    if memory and total_bytes > memory:  # refuse before the allocator commits memory the machine lacks
+        raise UserError(f"model: {total_bytes / 2**30:,.1f} GiB of weights do not fit in this machine's "
+                        f"{memory / 2**30:,.1f} GiB of memory; the largest part is {largest}")
+    with out_of_memory_names(largest):
+        return Transformer(cfg, vocab_size)

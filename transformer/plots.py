@@ -10,10 +10,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from transformer.errors import UserError
+from transformer.atomic import check_output_path
+from transformer.errors import UserError, out_of_memory_names
 
 DPI = 100
 FORMATS = ("png", "svg", "pdf")
+MAX_TABLE_VALUES = 50_000_000  # plot-positions: 200 MB of float32, far past what a figure can show
 
 
 def _matplotlib():
@@ -50,7 +52,7 @@ def output_path(path: str | Path) -> Path:
 
 
 def save(fig, path: str | Path) -> Path:
-    path = output_path(path)
+    path = check_output_path(output_path(path), command="plot")
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
     # A fixed canvas (no bbox_inches="tight"): the pixel size is figsize * DPI, predictable for docs.
@@ -217,9 +219,13 @@ def positional_encoding(d_model: int, length: int):
         raise UserError(f"--d-model must be a positive even number, got {d_model}")
     if length < 1:
         raise UserError(f"--length must be at least 1, got {length}")
+    if d_model * length > MAX_TABLE_VALUES:  # drawn as one image, and held in memory as one table
+        raise UserError(f"--length x --d-model is {length:,} x {d_model:,}; the plotted table may hold at most "
+                        f"{MAX_TABLE_VALUES:,} values")
     from transformer.model import PositionalEncoding
 
-    table = PositionalEncoding(d_model, length).table.numpy()
+    with out_of_memory_names(f"the table of --length {length} x --d-model {d_model}"):
+        table = PositionalEncoding(d_model, length).table.numpy()
     fig = new_figure(min(14.0, max(8.0, 4.0 + d_model / 64)), min(9.0, max(5.0, 3.0 + length / 25)))
     ax = fig.subplots()
     image = ax.imshow(table, cmap="RdBu_r", vmin=-1.0, vmax=1.0, aspect="auto", interpolation="nearest")

@@ -1,16 +1,33 @@
-"""What a run carries across a restart: counters, RNG states, resume rules, and the Ctrl-C/SIGTERM flag."""
+"""What a run carries across a restart: counters, RNG states, resume rules, the Ctrl-C/SIGTERM flag, the run-directory lock."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
+import logging
+import os
 import random
+import shlex
 import signal
+import socket
 from dataclasses import dataclass, field
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from transformer.config import Config, to_dict
+from transformer.atomic import TEMP_SUFFIX, is_run_file
+from transformer.config import Config, apply_overrides, from_dict, read_yaml, to_dict, written_by_train
 from transformer.errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: the lock file's pid and host alone decide
+    fcntl = None
+
+log = logging.getLogger("transformer")
+LOCK_NAME = "train.lock"
 
 # Model and vocabulary cannot change under a resumed run; anything else in the config may.
 FROZEN_ON_RESUME = ("model", "data.vocab_size", "data.spm_model_type", "data.src_lang", "data.tgt_lang")
@@ -50,9 +67,31 @@ class RunState:
     best: Optional[float] = None          # best validation score so far ...
     best_metric: str = "loss"             # ... of this metric: "loss" (lower is better) or "bleu"
     bad_validations: int = 0              # validations in a row without improvement (early stopping)
+    last_validation: Optional[int] = None  # the step validated last: a finished run is not validated again
     elapsed: float = 0.0                  # wall-clock seconds of training so far, across restarts
     tokens: int = 0                       # source + target tokens trained on so far
     data: dict = field(default_factory=lambda: {"epoch": 0, "batches_done": 0})
+
+
+@contextlib.contextmanager
+def stop_at_once(message: Callable[[str], str]) -> Iterator[None]:
+    """Outside the update loop (set-up, the end), SIGINT/SIGTERM stop at once with a message: no update
+    has happened since the last checkpoint, so there is nothing to save."""
+    def handle(signum, frame):
+        log.warning(message(signal.Signals(signum).name))
+        raise SystemExit(130 if signum == signal.SIGINT else 143)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, handle)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class StopRequested:
@@ -98,3 +137,143 @@ def check_resume_config(saved: Config, new: Config) -> list[str]:
                                 "under a resumed run")
             changes.append(f"{section}.{key}: {before!r} -> {value!r}")
     return changes
+
+
+def resume_command(config_path: Optional[str], overrides: Sequence[str], run_dir: str) -> str:
+    """The command that continues this run, --set overrides included, quoted for a POSIX shell."""
+    sets = [word for item in overrides for word in ("--set", item)]
+    if config_path is None:
+        return shlex.join(["transformer", "train", "--resume", run_dir, *sets])
+    return shlex.join(["transformer", "train", config_path, *sets, "--resume"])
+
+
+def run_config(run_dir: str, overrides: Sequence[str]) -> Config:
+    """`train --resume RUN_DIR`: the run's own config.yaml plus --set overrides; train.run_dir is RUN_DIR
+    itself (so a moved run directory still resumes)."""
+    path = Path(run_dir) / "config.yaml"
+    if not Path(run_dir).is_dir():
+        raise UserError(f"train --resume: no such run directory: {run_dir}")
+    if not path.is_file():
+        raise UserError(f"train --resume: {run_dir} holds no config.yaml, so it is not a run directory "
+                        f"(start a run there with: transformer train CONFIG --set train.run_dir={run_dir})")
+    if any(item.split("=", 1)[0].strip() == "train.run_dir" for item in overrides):
+        raise UserError(f"train: --resume {run_dir} continues the run in {run_dir}; --set train.run_dir cannot "
+                        "move it")
+    raw = apply_overrides(read_yaml(path), list(overrides))
+    if not isinstance(raw.get("train"), dict):
+        raw["train"] = {}
+    raw["train"]["run_dir"] = str(run_dir)
+    return from_dict(raw)
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """A run directory is a directory; a new run (no last.pt) must not write into one holding other files."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"train.run_dir {run_dir} is a file, not a directory")
+    if not run_dir.is_dir() or (run_dir / "last.pt").exists():
+        return
+    foreign = sorted(p.name for p in run_dir.iterdir()
+                     if not (is_run_file(p.name) or p.name == "eval" or p.name.endswith(TEMP_SUFFIX))
+                     or (p.name == "config.yaml" and not written_by_train(p)))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UserError(f"train.run_dir {run_dir} holds files that are not a run's ({shown}); a new run needs a "
+                        "new or empty directory: set train.run_dir")
+
+
+def make_run_dir(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"train.run_dir {run_dir}: cannot create it ({e.strerror})") from None
+
+
+class RunLock:
+    """run_dir/train.lock, held by the process that trains there (rank 0), holding its pid and host.
+
+    On one machine an flock on the file is the exclusion (the kernel drops it when the process dies), and
+    the pid tells whether the process is gone: a lock left by a killed run is stale and taken over, with a
+    log line. A lock written on another host is refused, since that process cannot be checked from here.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.path = run_dir, run_dir / LOCK_NAME
+        self.fd: Optional[int] = None
+        self.took_over: Optional[str] = None  # a log line for the caller, once logging is set up
+
+    def _refuse(self, holder: dict, why: str) -> None:
+        raise UserError(f"train: {self.run_dir} is in use by pid {holder.get('pid', '?')} on host "
+                        f"{holder.get('host', '?')} (lock file {self.path}); {why}")
+
+    def __enter__(self) -> "RunLock":
+        host, pid = socket.gethostname(), os.getpid()
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                holder = _read_lock(fd)
+                if fcntl is not None:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError as e:
+                        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                            raise  # e.g. ENOLCK: a filesystem without locks
+                        self._refuse(holder, "wait for that run to end, or stop it")
+                    if not _same_file(fd, self.path):  # the holder removed it as we opened it: try again
+                        os.close(fd)
+                        continue
+                    holder = _read_lock(fd)  # what it says now that we hold it
+            except BaseException:
+                os.close(fd)
+                raise
+            break
+        try:
+            if holder and holder.get("host") != host:
+                self._refuse(holder, "if no run is going on there any more, delete the lock file")
+            if holder and holder.get("pid") != pid:
+                if _alive(holder.get("pid")):
+                    self._refuse(holder, "wait for that run to end, or stop it")
+                self.took_over = (f"lock: {self.path} was left by pid {holder.get('pid')} on {host}, which is "
+                                  "gone; taking it over")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": pid, "host": host}).encode() + b"\n", 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)  # while still holding it, so nobody takes a lock that is going away
+            os.close(self.fd)
+            self.fd = None
+        return False
+
+
+def _read_lock(fd: int) -> dict:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8", errors="replace") or "{}")
+    except ValueError:
+        return {"pid": "?", "host": "?"}  # torn or foreign content: someone else's lock all the same
+    return holder if isinstance(holder, dict) else {"pid": "?", "host": "?"}
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # unreadable: assume the worst
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True

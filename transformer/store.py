@@ -292,7 +292,7 @@ def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
     path = run_dir / "spm.model"
     if path.is_file():
         log.info("vocab: reusing %s", path)
-        return Vocab.load(path)
+        return Vocab.load(path).check_reuse(path, cfg.data.vocab_size)
     d = cfg.data
     sentences = 2 * train.n_pairs
     sample = f"a sample of {d.spm_max_sentences} of the" if sentences > d.spm_max_sentences else "the"

@@ -8,26 +8,27 @@ import logging
 import math
 import random
 import resource
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from transformer.atomic import remove_stale_temporaries
-from transformer.checkpoint import load_checkpoint, save_checkpoint
+from transformer.checkpoint import load_checkpoint, load_resumable, save_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data import BatchStream, Prefetcher, eval_batches
 from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
                                      shutdown_distributed)
-from transformer.errors import UserError
-from transformer.model import Transformer, count_parameters
+from transformer.errors import UserError, first_line, is_out_of_memory
+from transformer.model import Transformer, build_model, count_parameters
 from transformer.optim import build_optimizer, label_smoothed_loss
-from transformer.resume import (DATA_ORDER, RunState, StopRequested, check_resume_config, rng_state,
-                                set_rng_state)
+from transformer.resume import (DATA_ORDER, RunLock, RunState, StopRequested, check_resume_config, check_run_dir,
+                                make_run_dir, resume_command, rng_state, set_rng_state, stop_at_once)
 from transformer.store import open_prepared, prepare
 from transformer.vocab import Vocab
 
@@ -56,6 +57,16 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+class _LogFile(logging.FileHandler):
+    """train.log; a write that fails (a full disk) stops the run with the file named, not a traceback per line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            raise OSError(error.errno, error.strerror, self.baseFilename) from None
+        super().handleError(record)
+
+
 def setup_logging(run_dir: Optional[Path], info: DistInfo) -> None:
     log.setLevel(logging.INFO if info.is_main else logging.WARNING)
     for handler in list(log.handlers):
@@ -66,7 +77,7 @@ def setup_logging(run_dir: Optional[Path], info: DistInfo) -> None:
     console.setFormatter(logging.Formatter(prefix + "%(message)s"))
     log.addHandler(console)
     if run_dir is not None and info.is_main:
-        file_handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+        file_handler = _LogFile(run_dir / "train.log", encoding="utf-8")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(file_handler)
     log.propagate = False
@@ -95,20 +106,32 @@ def evaluate_loss(model, batches, device, precision: str, smoothing: float, info
 def prepare_only(cfg: Config) -> Path:
     """The `prepare` command: the run directory's vocabulary and store, built or checked, without training."""
     run_dir = Path(cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir, DistInfo())
-    saved = run_dir / "last.pt"
-    # A run in progress keeps the vocabulary its checkpoint carries.
-    vocab = Vocab(load_checkpoint(saved)["vocab"]) if saved.is_file() else None
-    return prepare(cfg, run_dir, vocab).directory
+    check_run_dir(run_dir)
+    make_run_dir(run_dir)
+    with RunLock(run_dir):  # never rebuild a store under a training process
+        setup_logging(run_dir, DistInfo())
+        saved = run_dir / "last.pt"
+        # A run in progress keeps the vocabulary its checkpoint carries.
+        vocab = Vocab(load_checkpoint(saved)["vocab"]) if saved.is_file() else None
+        return prepare(cfg, run_dir, vocab).directory
 
 
-def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, quiet: bool = False) -> Path:
-    """Train according to cfg (data-parallel when launched by torchrun); returns the run directory."""
+def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, quiet: bool = False,
+          overrides: Sequence[str] = ()) -> Path:
+    """Train according to cfg (data-parallel when launched by torchrun); returns the run directory.
+    config_path and overrides (the --set items) make the printed resume command; without a config_path
+    it is `transformer train --resume RUN_DIR`."""
     info, device = init_distributed(cfg.train.device)
+    command = resume_command(config_path, overrides, cfg.train.run_dir)
     try:
-        return _train(cfg, info, device, resume, config_path, quiet)
-    except RuntimeError as e:
+        with contextlib.ExitStack() as scope:  # the run-directory lock and signal handlers, until the end
+            return _train(cfg, info, device, resume, command, quiet, scope)
+    except (RuntimeError, MemoryError) as e:
+        if is_out_of_memory(e):
+            raise UserError(f"out of memory while training ({first_line(e)}); lower data.max_tokens (raise "
+                            f"train.update_freq to keep the batch) or the model's sizes, then: {command}") from None
+        if isinstance(e, MemoryError):
+            raise
         text = str(e).lower()
         if not info.enabled or not (isinstance(e, torch.distributed.DistError) or "peer" in text or "nccl" in text
                                     or "gloo" in text):
@@ -121,12 +144,13 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
         shutdown_distributed()
 
 
-def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
-           config_path: Optional[str], quiet: bool) -> Path:
+def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, command: str, quiet: bool,
+           scope: contextlib.ExitStack) -> Path:
     started = time.perf_counter()
     t = cfg.train
     run_dir = Path(t.run_dir)
     last_path = run_dir / "last.pt"
+    check_run_dir(run_dir)
     if last_path.exists() and not resume:
         raise UserError(f"{run_dir} already holds a run (last.pt); add --resume to continue it, "
                         "or set train.run_dir to a new directory")
@@ -136,16 +160,30 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     resume = resume and not resume_from_scratch
     if t.precision == "fp16" and device.type != "cuda":
         raise UserError("train.precision 'fp16' needs CUDA; use 'bf16' or 'fp32' on CPU")
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    saved_step = None  # the step last.pt holds
+
+    def stop_message(name: str) -> str:
+        where = f"{last_path} holds step {saved_step}" if saved_step is not None else "no checkpoint yet"
+        return f"{name}: stopped ({where}); continue with: {command}"
+
+    scope.enter_context(stop_at_once(stop_message))  # until the update loop, which saves before it stops
+    lock, new_dir = None, not run_dir.exists()
+    if info.is_main:  # only the main process writes, so only it locks
+        make_run_dir(run_dir)
+        lock = scope.enter_context(RunLock(run_dir))
         remove_stale_temporaries(run_dir)
     barrier(info)
     setup_logging(run_dir, info)
-    if resume_from_scratch:
+    if lock is not None and lock.took_over:
+        log.warning(lock.took_over)
+    if resume_from_scratch and new_dir:
+        log.warning("resume: %s did not exist; starting a new run there from step 0", run_dir)
+    elif resume_from_scratch:
         log.warning("resume: no checkpoint at %s yet (the run stopped before its first save); "
                     "starting from step 0", last_path)
 
-    saved = load_checkpoint(last_path) if resume else None
+    saved = load_resumable(last_path) if resume else None
+    saved_step = saved["run"]["step"] if saved is not None else None
     changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
     for change in changes:
         log.info("resume: config change applies: %s", change)
@@ -165,10 +203,13 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     if not info.is_main:
         store = open_prepared(cfg, run_dir, vocab)
     train_corpus, valid_corpus = store.corpus("train"), store.corpus("valid")
+    if info.is_main and len(vocab) != cfg.data.vocab_size:  # so that config.yaml does not misstate it
+        save_config(cfg, run_dir / "config.yaml", note=f"The vocabulary has {len(vocab)} pieces (data.vocab_size "
+                    f"{cfg.data.vocab_size} is an upper bound; train.log says why).")
     valid = eval_batches(valid_corpus, cfg.data.max_tokens, cfg.data.pad_to_multiple)
 
     # Model, optimizer, schedule, and the state of an interrupted run.
-    model = Transformer(cfg.model, len(vocab)).to(device)
+    model = build_model(cfg.model, len(vocab)).to(device)
     optimizer, scheduler = build_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
     state = RunState()
@@ -236,8 +277,11 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     def record(entry: dict) -> None:
         state.elapsed = elapsed_before + time.perf_counter() - started  # time to quality survives resumes
         if metrics is not None:
-            metrics.write(json.dumps({**entry, "elapsed": round(state.elapsed, 3)}) + "\n")
-            metrics.flush()
+            try:
+                metrics.write(json.dumps({**entry, "elapsed": round(state.elapsed, 3)}) + "\n")
+                metrics.flush()
+            except OSError as e:  # a full disk: name the file
+                raise OSError(e.errno, e.strerror, str(run_dir / "metrics.jsonl")) from None
 
     elapsed_before = state.elapsed  # what earlier runs of this training took, from the checkpoint
     if saved is not None:
@@ -261,16 +305,20 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
         else:
             state.bad_validations += 1
         record({"step": state.step, "split": "valid", **result})
+        state.last_validation = state.step
         rngs = gather_objects(rng_state(), info)
         if info.is_main:
-            checkpoint(last_path, rngs)
-            saved_step = state.step
-            if improved:
-                checkpoint(run_dir / "best.pt", rngs)
+            # last.pt last: a kill between these writes leaves last.pt at the previous validation, so that
+            # --resume redoes the updates since and writes this step's files again, the same, before last.pt.
             if t.keep_last:
                 checkpoint(run_dir / f"step_{state.step:08d}.pt", rngs)
+            if improved:
+                checkpoint(run_dir / "best.pt", rngs)
+            checkpoint(last_path, rngs)
+            if t.keep_last:
                 for old in sorted(run_dir.glob("step_*.pt"))[: -t.keep_last]:
                     old.unlink()
+        saved_step = state.step
         bleu = f" bleu {result['bleu']:.2f}" if "bleu" in result else ""
         log.info("step %d: valid loss %.4f nll %.4f ppl %.2f%s%s", state.step, result["loss"], result["nll"],
                  result["ppl"], bleu, " (best)" if improved else "")
@@ -287,7 +335,6 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
     skipped_in_a_row = 0
     stopped_early = False
     first_update = True
-    saved_step = state.step if saved is not None else None  # what last.pt holds
     with StopRequested() as stop, contextlib.closing(prefetch):
         while state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs):
             update = prefetch.next()
@@ -366,13 +413,17 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool,
             if stop_requested:
                 bar.close()
                 save_last()
-                command = f"transformer train {config_path or 'CONFIG'} --resume"
                 name = stop.signal_name or "stop requested on another rank"
                 log.info("%s: saved %s at step %d; continue with: %s", name, last_path, state.step, command)
                 raise SystemExit(130 if stop.signal_name == "SIGINT" else 143)
+        # The last validation, unless the loop's last step had one (or a finished run was resumed).
+        if not stopped_early and state.last_validation != state.step:
+            validate()
+        if stop.signal_name is not None:  # asked to stop during it: it has saved last.pt at this step
+            bar.close()
+            log.info("%s: saved %s at step %d; continue with: %s", stop.signal_name, last_path, state.step, command)
+            raise SystemExit(130 if stop.signal_name == "SIGINT" else 143)
     bar.close()
-    if not stopped_early and (state.step % t.valid_every != 0 or state.step == 0):
-        validate()
     # ru_maxrss is in KiB on Linux; memory-mapped store pages count in it (they are shared between ranks).
     peak = [round(kib / 1024, 1) for kib in gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, info)]
     record({"step": state.step, "event": "done", "peak_rss_mib": peak, "time": time.time()})

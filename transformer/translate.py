@@ -185,12 +185,19 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
                   beam: Optional[int], lenpen: Optional[float], nbest: int, max_tokens: Optional[int],
                   device: str, int8: bool = False) -> None:
     """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line."""
+    from transformer.atomic import check_output_path
     from transformer.data import read_lines
 
     if sentences and input:
         raise UserError("translate: give sentences as arguments or --input FILE, not both")
     if nbest < 1:
         raise UserError("--nbest must be at least 1")
+    if output is None and sys.stdout is None:
+        raise UserError("translate: standard output is closed; give --output FILE")
+    if not sentences and not input and sys.stdin is None:
+        raise UserError("translate: standard input is closed; give sentences as arguments or --input FILE")
+    if output:  # before anything is opened: never truncate an input or a checkpoint
+        check_output_path(output, [input, checkpoint], command="translate")
     translator = Translator(checkpoint, device, beam, lenpen, max_tokens, int8=int8)
     if nbest > translator.beam:
         raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({translator.beam}); raise --beam")
@@ -199,17 +206,26 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
             sys.stdout.reconfigure(errors="replace")
         except (ValueError, OSError):
             pass
+    lines = list(sentences) if sentences else read_lines(input) if input else None  # read before opening the output
     out = open(output, "w", encoding="utf-8") if output else sys.stdout
     try:
-        if sentences or input:
-            lines = list(sentences) if sentences else read_lines(input)
+        if lines is not None:
             _write_nbest(out, translator.translate_nbest(lines, nbest), nbest)
         else:
             for chunk in stdin_chunks():
                 _write_nbest(out, translator.translate_nbest(chunk, nbest), nbest)
-    finally:
         if output:
             out.close()
+    except OSError as e:
+        if isinstance(e, BrokenPipeError) or e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, output or "standard output") from None  # e.g. a full disk: say where
+    finally:
+        if output and not out.closed:
+            try:
+                out.close()
+            except OSError:  # already reported above
+                pass
 
 
 def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], beam: Optional[int],

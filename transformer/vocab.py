@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -14,6 +15,8 @@ from transformer.errors import UserError
 
 # The special ids, fixed for every model this package trains.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+log = logging.getLogger("transformer")
 
 _NOT_TEXT = frozenset((PAD_ID, BOS_ID, EOS_ID))
 
@@ -40,7 +43,20 @@ class Vocab:
         path = Path(path)
         if not path.is_file():
             raise UserError(f"no SentencePiece model at {path}")
-        return cls(path.read_bytes())
+        try:
+            return cls(path.read_bytes())
+        except UserError as e:
+            raise UserError(f"vocab: {path}: {e}; delete it, and `transformer train` trains a new one") from None
+
+    def check_reuse(self, path: str | Path, vocab_size: int) -> "Vocab":
+        """A stored SentencePiece model must not be larger than data.vocab_size; smaller may be the corpus's limit."""
+        if len(self) > vocab_size:
+            raise UserError(f"vocab: {path} has {len(self)} pieces but data.vocab_size is {vocab_size}; delete it "
+                            f"to train a new vocabulary, or set data.vocab_size to {len(self)}")
+        if len(self) < vocab_size:
+            log.warning("vocab: %s has %d pieces, fewer than data.vocab_size %d (the corpus's limit, or an "
+                        "earlier data.vocab_size); delete it to train a new vocabulary", path, len(self), vocab_size)
+        return self
 
     def save(self, path: str | Path) -> None:
         atomic_write(path, lambda f: f.write(self.proto))
@@ -87,6 +103,11 @@ def train_vocab(
             minloglevel=2,
             num_threads=os.cpu_count() or 1,
         )
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         raise UserError(f"SentencePiece training failed: {e}") from None
-    return Vocab(model.getvalue())
+    vocab = Vocab(model.getvalue())
+    if len(vocab) < vocab_size:  # hard_vocab_limit=False: a small corpus gives fewer pieces, not an error
+        log.warning("vocab: the training data gives only %d pieces, fewer than data.vocab_size %d; the vocabulary "
+                    "has %d (data.vocab_size is an upper bound)", len(vocab), vocab_size, len(vocab))
+    return vocab
+

@@ -1,0 +1,391 @@
+"""Bad input of every kind: one line, an exit status, no traceback, and nothing lost. A table, run in-process."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+import yaml
+
+from tests.trainutil import ROOT, tiny_config, write_config
+from transformer import cli
+from transformer.average import average_checkpoints
+from transformer.checkpoint import load_checkpoint, save_checkpoint
+from transformer.config import from_dict
+from transformer.train import train
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def call(capsys, *argv) -> tuple[int, str, str]:
+    """`transformer ARGV` in this process -> (exit status, stdout, stderr)."""
+    status = 0
+    try:
+        cli.main([str(a) for a in argv])
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def alias_bomb(levels: int = 8) -> str:
+    """YAML of a few hundred bytes whose aliases stand for 9^levels values."""
+    rows = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    rows += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels + 1)]
+    return "\n".join(rows) + f"\nmodel: *a{levels}\n"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """A trained run and the files the bad inputs point at, made once."""
+    root = tmp_path_factory.mktemp("bad")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    raw = tiny_config(root, "run", train={"max_steps": 2, "valid_every": 1, "keep_last": 2})
+    run = train(from_dict(raw), quiet=True)
+    torch.set_num_threads(before)
+    tiny = write_config(root / "tiny.yaml", raw)
+    (root / "same.txt").write_text("ein hund\nzwei katzen\n", encoding="utf-8")
+    shutil.copy(run / "last.pt", root / "copy.pt")  # a training checkpoint outside its run directory
+    save_checkpoint(average_checkpoints([run / "step_00000001.pt", run / "step_00000002.pt"]), root / "avg.pt")
+    (root / "user").mkdir()  # someone's own directory
+    (root / "user" / "notes.txt").write_text("mine\n")
+    (root / "user" / "config.yaml").write_text("# my own config, with comments\ntrain: {}\n")
+    (root / "afile").write_text("a file\n")
+    weights_run = root / "weights_run"  # a run whose last.pt was replaced by an average
+    weights_run.mkdir()
+    shutil.copy(run / "config.yaml", weights_run / "config.yaml")
+    shutil.copy(root / "avg.pt", weights_run / "last.pt")
+    (root / "bomb.yaml").write_text(alias_bomb())
+    (root / "self.yaml").write_text("model: &a [*a]\n")
+    (root / "nan.yaml").write_text("decode:\n  lenpen: .nan\n")
+    (root / "spm_corrupt").mkdir()
+    (root / "spm_corrupt" / "spm.model").write_bytes(b"\x00garbage" * 50)
+    (root / "spm_big").mkdir()  # a reused spm.model of 64 pieces where data.vocab_size is now 32
+    shutil.copy(run / "spm.model", root / "spm_big" / "spm.model")
+    return {"root": root, "run": run, "tiny": tiny}
+
+
+@dataclass
+class Case:
+    name: str
+    argv: Callable[[Path, Path], list]  # (root, run) -> arguments
+    message: str                        # in the one line, after "error: "; {root} and {run} filled in
+    status: int = 2
+    after: Optional[Callable[[Path, Path], None]] = None  # what must still hold afterwards
+
+
+def _untouched(root: Path, run: Path) -> None:
+    assert (root / "same.txt").read_text() == "ein hund\nzwei katzen\n"
+    assert load_checkpoint(run / "last.pt")["run"]["step"] == 2 and "optimizer" in load_checkpoint(run / "last.pt")
+    assert "optimizer" in load_checkpoint(root / "copy.pt") and "model" in load_checkpoint(root / "avg.pt")
+    assert (root / "user" / "notes.txt").read_text() == "mine\n"
+    assert (root / "user" / "config.yaml").read_text().startswith("# my own config")
+    assert sorted(p.name for p in (root / "user").iterdir()) == ["config.yaml", "notes.txt"]
+
+
+def _nothing_started(run_dir: Path) -> None:
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "spm.model").exists()
+    assert "optimizer" not in load_checkpoint(run_dir / "last.pt")  # left as it was
+
+
+def _train(*sets: str, config: str = "{tiny}"):
+    return lambda root, run: ["train", config.format(tiny=root / "tiny.yaml"),
+                              *[w for s in sets for w in ("--set", s.format(root=root))]]
+
+
+BIG = 10 ** 14
+CASES = [
+    # Outputs never overwrite an input or a checkpoint (issue 11, items 1-3).
+    Case("translate output is its input", lambda r, run: ["translate", run, "--input", r / "same.txt", "--output",
+                                                           r / "same.txt"],
+         "translate: the output {root}/same.txt is also an input ({root}/same.txt); write to another file"),
+    Case("translate over its own checkpoint", lambda r, run: ["translate", run / "best.pt", "Ein Hund.", "--output",
+                                                               run / "best.pt"],
+         "translate: the output {run}/best.pt is also an input"),
+    Case("translate over a run's last.pt", lambda r, run: ["translate", run, "x", "--output", run / "last.pt"],
+         "translate: refusing to overwrite {run}/last.pt: it belongs to the training run in {run}"),
+    Case("translate over a training checkpoint", lambda r, run: ["translate", run, "x", "--output", r / "copy.pt"],
+         "translate: refusing to overwrite {root}/copy.pt: it is a training checkpoint (what --resume needs)"),
+    Case("translate over an averaged checkpoint", lambda r, run: ["translate", run, "x", "--output", r / "avg.pt"],
+         "translate: refusing to overwrite {root}/avg.pt: it is a checkpoint; write to another file"),
+    Case("average over last.pt", lambda r, run: ["average", run / "step_00000001.pt", run / "step_00000002.pt",
+                                                 "--output", run / "last.pt"],
+         "average: refusing to overwrite {run}/last.pt: it belongs to the training run in {run}"),
+    Case("average over a training checkpoint", lambda r, run: ["average", run / "step_00000001.pt",
+                                                               run / "step_00000002.pt", "--output", r / "copy.pt"],
+         "average: refusing to overwrite {root}/copy.pt: it is a training checkpoint"),
+    # The run directory (item 4) and resume (items 8, 9).
+    Case("run_dir empty", _train('train.run_dir=""'),
+         "config: train.run_dir must name a directory for the run (it is empty)"),
+    Case("run_dir someone's directory", _train("train.run_dir={root}/user"),
+         "train.run_dir {root}/user holds files that are not a run's (config.yaml, notes.txt); a new run needs a "
+         "new or empty directory: set train.run_dir"),
+    Case("run_dir a file", _train("train.run_dir={root}/afile"), "train.run_dir {root}/afile is a file, not a directory"),
+    Case("run_dir inside a file", _train("train.run_dir={root}/afile/run"),
+         "train.run_dir {root}/afile/run: cannot create it (Not a directory)"),
+    Case("resume weights only", lambda r, run: ["train", "--resume", r / "weights_run"],
+         "resume: {root}/weights_run/last.pt cannot be resumed: it holds weights only, as `transformer average` "
+         "writes (no optimizer, scheduler, scaler, rng, run); put the run's own last.pt back, or start a new run "
+         "in another train.run_dir", after=lambda r, run: _nothing_started(r / "weights_run")),
+    Case("resume a directory that is no run", lambda r, run: ["train", "--resume", r],
+         "train --resume: {root} holds no config.yaml, so it is not a run directory (start a run there with: "
+         "transformer train CONFIG --set train.run_dir={root})"),
+    Case("resume someone's directory", lambda r, run: ["train", "--resume", r / "user"],
+         "train.run_dir {root}/user holds files that are not a run's (config.yaml, notes.txt)"),
+    Case("resume a missing directory", lambda r, run: ["train", "--resume", r / "nowhere"],
+         "train --resume: no such run directory: {root}/nowhere"),
+    Case("resume moved by --set", lambda r, run: ["train", "--resume", run, "--set", "train.run_dir=x"],
+         "train: --resume {run} continues the run in {run}; --set train.run_dir cannot move it"),
+    Case("config and run directory", lambda r, run: ["train", r / "tiny.yaml", "--resume", run],
+         "train: give CONFIG --resume (the run in the config's train.run_dir) or --resume RUN_DIR"),
+    Case("no config", lambda r, run: ["train"], "train: give a config file, or --resume RUN_DIR to continue a run"),
+    # Numbers the libraries below cannot take.
+    Case("seed negative", _train("train.seed=-1"),
+         "config: train.seed must be in [0, 4294967295] (SentencePiece and NumPy take 32-bit seeds), got -1"),
+    Case("seed 2^32", _train("train.seed=4294967296"), "config: train.seed must be in [0, 4294967295]"),
+    Case("seed past int64", _train("train.seed=18446744073709551616"),
+         "config: train.seed is out of range: 18446744073709551616 (at most 2^63 - 1 in size)"),
+    Case("spm_max_sentences negative", _train("data.spm_max_sentences=-1"),
+         "config: data.spm_max_sentences must not be negative (0 = every sentence)"),
+    Case("vocab_size past int32", _train("data.vocab_size=2147483648"),
+         "config: data.vocab_size must be in [8, 2147483647] (SentencePiece's range)"),
+    Case("d_model in the trillions", _train("model.d_model=1000000000000", "model.n_heads=1",
+                                            "train.run_dir={root}/r_dmodel"),
+         "GiB of weights do not fit in this machine's"),
+    Case("max_positions in the trillions", _train(f"model.max_positions={BIG}", "train.run_dir={root}/r_maxpos"),
+         f"the largest part is the positions table (model.max_positions {BIG} x model.d_model 32)"),
+    Case("d_model past int64", _train("model.d_model=100000000000000000000"), "config: model.d_model is out of range"),
+    Case("lenpen nan in a config", lambda r, run: ["train", r / "nan.yaml"],
+         "config: decode.lenpen must be a finite number, got nan"),
+    Case("beam in the trillions", lambda r, run: ["translate", run, "ein hund", "--beam", BIG],
+         "not enough memory for the search (lower --beam or --max-tokens) ("),
+    Case("lenpen nan", lambda r, run: ["translate", run, "x", "--lenpen", "nan"],
+         "--lenpen must be a finite number >= 0, got nan"),
+    Case("evaluate lenpen -inf", lambda r, run: ["evaluate", run, "--lenpen=-inf"],
+         "--lenpen must be a finite number >= 0, got -inf"),
+    Case("max-tokens 0", lambda r, run: ["translate", run, "x", "--max-tokens", "0"],
+         "--max-tokens must be at least 1, got 0"),
+    Case("attention beam 0", lambda r, run: ["attention", run, "x", "--beam", "0", "--out", r / "a.png"],
+         "--beam must be at least 1 (1 = greedy), got 0"),
+    Case("plot-positions length", lambda r, run: ["plot-positions", "--length", BIG, "--out", r / "p.png"],
+         f"--length x --d-model is {BIG:,} x 512; the plotted table may hold at most 50,000,000 values"),
+    Case("plot-positions d-model", lambda r, run: ["plot-positions", "--d-model", BIG, "--out", r / "p.png"],
+         f"--length x --d-model is 100 x {BIG:,}"),
+    # Configs that are not files, or are bombs.
+    Case("alias bomb", lambda r, run: ["train", r / "bomb.yaml"],
+         "config: {root}/bomb.yaml: YAML aliases expand it to 926,177,115 values (at most 10,000); write the "
+         "values out instead of nesting aliases"),
+    Case("alias bomb in --set", _train("model.d_model=[&a [1,1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a],"
+                                       " &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]]"),
+         "config: --set model.d_model: YAML aliases expand it to"),
+    Case("alias to itself", lambda r, run: ["train", r / "self.yaml"],
+         "config: {root}/self.yaml: a YAML alias refers to the value that contains it"),
+    Case("config a directory", lambda r, run: ["train", r], "config: {root} is a directory, not a YAML file"),
+    Case("config endless", lambda r, run: ["train", "/dev/zero"],
+         "config: /dev/zero is larger than 1 MiB; that is not a config"),
+    # The vocabulary and the disk.
+    Case("corrupt spm.model", _train("train.run_dir={root}/spm_corrupt"),
+         "vocab: {root}/spm_corrupt/spm.model: not a valid SentencePiece model ("),
+    Case("reused spm.model larger than vocab_size", _train("train.run_dir={root}/spm_big", "data.vocab_size=32"),
+         "vocab: {root}/spm_big/spm.model has 64 pieces but data.vocab_size is 32; delete it to train a new "
+         "vocabulary, or set data.vocab_size to 64"),
+    Case("full disk", lambda r, run: ["translate", run, "ein hund", "--output", "/dev/full"],
+         "/dev/full: No space left on device"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_one_line_and_loses_nothing(env, case, capsys):
+    root, run = env["root"], env["run"]
+    status, _, err = call(capsys, *case.argv(root, run))
+    lines = err.strip().splitlines()
+    assert status == case.status, err
+    assert "Traceback" not in err
+    # train logs its progress before it finds some problems; the error is always the last line, and alone.
+    assert lines and lines[-1].startswith("error: ") and sum(line.startswith("error: ") for line in lines) == 1, err
+    assert case.message.format(root=root, run=run) in lines[-1]
+    _untouched(root, run)
+    if case.after is not None:
+        case.after(root, run)
+
+
+def test_average_may_replace_an_earlier_average(env, capsys):
+    root, run = env["root"], env["run"]
+    target = root / "again.pt"
+    for _ in range(2):
+        status, _, err = call(capsys, "average", run, "--last", "2", "--output", target)
+        assert status == 0, err
+    assert "optimizer" not in load_checkpoint(target)
+
+
+def test_closed_standard_streams_in_process(env, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)  # what Python sets for `<&-`
+    status, _, err = call(capsys, "translate", env["run"])
+    assert status == 2
+    assert err == "error: translate: standard input is closed; give sentences as arguments or --input FILE\n"
+    monkeypatch.setattr(sys, "stdout", None)  # `>&-`
+    status, _, err = call(capsys, "translate", env["run"], "x")
+    assert (status, err) == (2, "error: translate: standard output is closed; give --output FILE\n")
+
+
+def test_closed_standard_streams_for_real(env):
+    """Real closed descriptors: `<&-` and `>&-` in a shell."""
+    run = env["run"]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    shell = f"{sys.executable} -m transformer translate {run} <&- ; echo status $? >&2"
+    result = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, env=environ, timeout=120)
+    assert result.stderr == ("error: translate: standard input is closed; give sentences as arguments or "
+                             "--input FILE\nstatus 2\n")
+    shell = f"{sys.executable} -m transformer translate {run} 'ein hund' >&- ; echo status $? >&2"
+    result = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, env=environ, timeout=120)
+    assert result.stderr == "error: translate: standard output is closed; give --output FILE\nstatus 2\n"
+
+
+def test_a_reader_that_goes_away_ends_quietly(env, capsys, monkeypatch):
+    """`translate ... | head -1`: the pipe's reader is gone; exit 141 (128 + SIGPIPE) without a word."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "w", encoding="utf-8") as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        status, _, err = call(capsys, "translate", env["run"], "ein hund", "zwei katzen")
+        assert (status, err) == (141, "")
+        monkeypatch.undo()
+
+
+def test_config_from_a_pipe_like_dev_stdin(env, capsys):
+    from transformer.config import load_config
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, (env["tiny"]).read_bytes())
+    os.close(write_end)
+    try:
+        cfg = load_config(f"/dev/fd/{read_end}")  # what /dev/stdin is when stdin is a pipe: not a regular file
+    finally:
+        os.close(read_end)
+    assert cfg.train.run_dir == str(env["run"])
+
+
+def test_a_full_disk_names_the_file_and_leaves_no_temporary(env, capsys, monkeypatch, tmp_path):
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    run = env["run"]
+    status, _, err = call(capsys, "average", run, "--last", "2", "--output", tmp_path / "avg.pt")
+    assert (status, err) == (2, f"error: {tmp_path}/avg.pt: No space left on device\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_remove_stale_temporaries_removes_only_ours(tmp_path):
+    from transformer.atomic import TEMP_SUFFIX, atomic_write, remove_stale_temporaries
+
+    mine = [tmp_path / n for n in (".notes.tmp", "draft.tmp", ".last.pt.abc.tmp", f"x{TEMP_SUFFIX}")]
+    for path in mine:
+        path.write_text("keep")
+    ours = tmp_path / f".last.pt.a1b2c3d4{TEMP_SUFFIX}"  # what a kill inside atomic_write leaves
+    ours.write_text("torn")
+    atomic_write(tmp_path / "last.pt", lambda f: f.write(b"whole"))
+    remove_stale_temporaries(tmp_path)
+    assert not ours.exists()
+    assert all(p.read_text() == "keep" for p in mine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([p.name for p in mine] + ["last.pt"])
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_run_directory_lock(env, capsys, tmp_path):
+    from transformer.resume import RunLock
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(tmp_path, "run", data_dir=env["root"] / "corpus", train={"max_steps": 1, "valid_every": 1})
+    config = write_config(tmp_path / "c.yaml", cfg)
+    run_dir.mkdir()
+    host = socket.gethostname()
+    with RunLock(run_dir):  # a live training process owns it
+        status, _, err = call(capsys, "train", config)
+    assert status == 2
+    assert err == (f"error: train: {run_dir} is in use by pid {os.getpid()} on host {host} (lock file "
+                   f"{run_dir}/train.lock); wait for that run to end, or stop it\n")
+    assert sorted(p.name for p in run_dir.iterdir()) == []  # released, and nothing written
+
+    (run_dir / "train.lock").write_text('{"pid": 1, "host": "elsewhere"}\n')
+    status, _, err = call(capsys, "train", config)
+    assert (status, err) == (2, f"error: train: {run_dir} is in use by pid 1 on host elsewhere (lock file "
+                                f"{run_dir}/train.lock); if no run is going on there any more, delete the lock "
+                                "file\n")
+
+    dead = _dead_pid()  # a killed run's lock: taken over, with a log line
+    (run_dir / "train.lock").write_text(f'{{"pid": {dead}, "host": "{host}"}}\n')
+    status, _, err = call(capsys, "train", config)
+    assert status == 0, err
+    assert (f"lock: {run_dir}/train.lock was left by pid {dead} on {host}, which is gone; taking it over"
+            in (run_dir / "train.log").read_text())
+    assert not (run_dir / "train.lock").exists()  # removed when the run ends
+
+
+def test_a_vocabulary_smaller_than_asked_is_logged_and_noted_in_config_yaml(env, capsys, tmp_path):
+    from transformer.vocab import Vocab
+
+    cfg = tiny_config(tmp_path, "run", data_dir=env["root"] / "corpus",
+                      data={"vocab_size": 3000}, train={"max_steps": 1, "valid_every": 1})
+    run_dir = train(from_dict(cfg), quiet=True)
+    pieces = len(Vocab.load(run_dir / "spm.model"))
+    assert pieces < 3000
+    assert (f"the training data gives only {pieces} pieces, fewer than data.vocab_size 3000"
+            in capsys.readouterr().err)
+    text = (run_dir / "config.yaml").read_text()
+    assert f"# The vocabulary has {pieces} pieces (data.vocab_size 3000 is an upper bound" in text
+    assert yaml.safe_load(text)["data"]["vocab_size"] == 3000  # the setting as asked: resume compares it
+    assert load_checkpoint(run_dir / "last.pt")["config"]["data"]["vocab_size"] == 3000
+
+
+def test_a_reused_smaller_spm_model_is_a_warning(env, caplog):
+    from transformer.vocab import Vocab
+
+    path = env["run"] / "spm.model"
+    with caplog.at_level("WARNING", logger="transformer"):
+        Vocab.load(path).check_reuse(path, 100)
+    assert f"{path} has 64 pieces, fewer than data.vocab_size 100" in caplog.text
+
+
+def test_allocation_failure_names_the_setting(monkeypatch):
+    from transformer import model as model_module
+    from transformer.config import ModelConfig
+    from transformer.errors import UserError
+
+    monkeypatch.setattr(model_module, "_physical_memory", lambda: None)  # only the allocator can say no
+    with pytest.raises(UserError, match=r"not enough memory for the positions table \(model.max_positions "
+                                        r"100000000000000 x model.d_model 32\) \("):
+        model_module.build_model(ModelConfig(d_model=32, n_heads=2, max_positions=BIG), 64)
+
+
+def test_torchrun_failure_summary_shows_our_line(env, capsys, monkeypatch, tmp_path):
+    """torchrun reads a worker's error file for its failure summary: ours holds the one-line error."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    status, _, err = call(capsys, "train", env["tiny"], "--set", f"train.run_dir={env['root']}/afile")
+    assert status == 2
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    assert failure.message == err.strip() == f"error: train.run_dir {env['root']}/afile is a file, not a directory"
