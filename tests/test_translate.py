@@ -319,6 +319,9 @@ def test_translate_says_which_dtype_auto_picked(run, monkeypatch, capsys):
     assert translator.dtype == "bf16" and next(translator.model.parameters()).dtype == torch.bfloat16
     status, _, err = call("translate", run, "--device", "cpu", "--dtype", "fp32", SENTENCES[0], capsys=capsys)
     assert status == 0 and err == ""  # nothing to say about an explicit choice
+    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: [])
+    status, _, err = call("translate", run, "--device", "cpu", "--dtype", "bf16", SENTENCES[0], capsys=capsys)
+    assert status == 0 and err.startswith("warning:") and "emulated" in err  # unless it is a slow choice
 
 
 @pytest.mark.parametrize("beam", [1, 3])
