@@ -1,45 +1,42 @@
 #!/usr/bin/env python
-"""Decoding speed: sentences/s and target tokens/s of our greedy and beam search against Hugging Face
-MarianMTModel.generate with the same dimensions (random weights, forced to run the same number of steps),
-and, with --ctranslate2, against CTranslate2 running our own trained weights.
+"""Decoding speed and quality over a grid of settings: our search (beam x stop rule x dtype) beside CTranslate2
+running our own weights (fp32, int8), and Hugging Face MarianMTModel.generate at the same dimensions.
 
-    .venv/bin/python scripts/bench_decode.py --checkpoint runs/multi30k [data/multi30k/test.de] \
-        [--device auto|cpu|cuda|all] [--beam 1 4] [--limit 200] [--repeats 3] [--int8] [--ctranslate2] \
-        [--json bench.json]
+    python scripts/bench_decode.py data/multi30k/test.de --checkpoint runs/multi30k --ref data/multi30k/test.en \
+        [--device cpu|cuda|auto|all] [--beam 1 4 5] [--stop exact early] [--dtype fp32 bf16 int8] \
+        [--ctranslate2] [--no-hf] [--threads 2] [--limit 500] [--repeats 3] [--json bench.json]
 
-`transformers` is optional (pip install -e '.[bench]'); without it only our numbers are printed.
-Per batch, Marian generates exactly as many decoder steps as our search took on that batch
-(min_new_tokens = max_new_tokens), so both do the same number of steps; ours also drops finished
-sentences from the batch, Marian keeps every row to the end. Tokens/s counts our outputs' tokens + EOS
-for both, so the two ratios agree.
+Per setting it reports decoder steps per sentence (how long each sentence stayed in the search), sentences/s
+and target tokens/s (median of --repeats timed passes after an untimed one), test BLEU and chrF with --ref,
+the share of outputs identical to the first setting of the same beam (ours, first --stop, first --dtype),
+and the ratio to CTranslate2 float32 / int8 at the same beam.
 
-CTranslate2 (pip install ctranslate2) gets our checkpoint through scripts/export_ctranslate2.py and the
-same batches, with the same beam, length-penalty alpha and length limit; it stops at EOS like ours, so it
-does its own number of steps. Its length penalty is length**alpha where ours is ((5 + length) / 6)**alpha,
-so beam outputs may differ slightly: the JSON records how many outputs equal ours ("same_as_ours").
+Both engines are timed through the package's entry points on the same subword ids (tokenisation excluded):
+`translate.search_ids` (ours) and `translate.ctranslate2_search` (CTranslate2 through `translate
+--engine ctranslate2`'s conversion, cached beside the checkpoint; its own stop rule and its length penalty
+length**alpha, so its beam outputs can differ from ours). Marian (random weights; `pip install -e '.[bench]'`)
+is forced to run exactly as many decoder steps per batch as our first setting of that beam
+(min_new_tokens = max_new_tokens); ours also drops finished sentences from the batch, Marian keeps every row.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from transformer.batch import pad_sequences  # noqa: E402
-from transformer.checkpoint import load_model  # noqa: E402
-from transformer.data import read_lines  # noqa: E402
-from transformer.search import beam_search, greedy_search  # noqa: E402
-from transformer.translate import length_batches  # noqa: E402
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+from transformer.batch import prepare_sources
+from transformer.data import read_lines
+from transformer.evaluate import bleu_chrf
+from transformer.search import STOP_RULES, search
+from transformer.translate import CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_ids, \
+    source_batches
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
 def sync(device: torch.device) -> None:
@@ -47,44 +44,30 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_batches(src_ids: list[list[int]], max_tokens: int, batch_size: int) -> list[list[int]]:
-    """Length-sorted batches by source tokens (--max-tokens) or by sentence count (--batch-size)."""
-    if batch_size:
-        order = sorted(range(len(src_ids)), key=lambda i: -len(src_ids[i]))
-        return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
-    return length_batches([len(s) for s in src_ids], max_tokens)
+def timed(warm_up, timed_pass, device: torch.device, repeats: int):
+    """-> (seconds of each timed pass, what the untimed warm-up pass returned)."""
+    result = warm_up()  # allocator, kernels, lazy initialisation; and the outputs and step counts
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        timed_pass()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times, result
 
 
-class StepCounter:
-    """Counts decoder calls (one per step with the cache) so Marian can be made to run as many."""
-
-    def __init__(self, model):
-        self.model, self.calls, self._decode = model, 0, model.decode
-
-    def __enter__(self):
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return self._decode(*args, **kwargs)
-        self.model.decode = counted
-        return self
-
-    def __exit__(self, *exc):
-        del self.model.decode  # back to the class method
-
-
-def run_ours(model, tensors, beam: int, lenpen: float, offset: int):
-    """-> (decoder steps per batch, output tokens + EOS per batch, best output ids per sentence)."""
-    steps, tokens, outputs = [], [], []
-    for src in tensors:
-        with StepCounter(model) as counter:
-            if beam == 1:
-                hyps = greedy_search(model, src, offset)
-            else:
-                hyps = [h[0] for h in beam_search(model, src, beam, lenpen, offset)]
-        steps.append(counter.calls)
-        tokens.append(sum(len(h.tokens) + 1 for h in hyps))
-        outputs.extend(h.tokens for h in hyps)
-    return steps, tokens, outputs
+def count_steps(model, batches, src_ids, beam, lenpen, offset, stop, device):
+    """The same search as search_ids, batch by batch, keeping what it reports: -> (outputs by sentence,
+    decoder steps per batch, decoder steps per sentence)."""
+    outputs, batch_steps, sentence_steps = [None] * len(src_ids), [], [0] * len(src_ids)
+    for batch in batches:
+        src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
+        result = search(model, src.to(device), beam, lenpen, offset, 1, stop)
+        batch_steps.append(result.steps)
+        for i, hyp, steps in zip(batch, result.best(), result.sentence_steps):
+            outputs[i], sentence_steps[i] = hyp.tokens, steps
+    return outputs, batch_steps, sentence_steps
 
 
 def build_marian(model, vocab_size: int, device: torch.device):
@@ -112,143 +95,84 @@ def run_marian(marian, tensors, steps: list[int], beam: int) -> None:
                             num_return_sequences=1)
 
 
-def load_ctranslate2(model_dir: Path, device: torch.device, compute_type: str):
-    import ctranslate2
-
-    threads = torch.get_num_threads() if device.type == "cpu" else 1
-    return ctranslate2.Translator(str(model_dir), device=device.type, compute_type=compute_type,
-                                  inter_threads=1, intra_threads=threads)
-
-
-def run_ctranslate2(translator, pieces: list[list[list[str]]], beam: int, lenpen: float,
-                    offset: int) -> list[list[str]]:
-    """Translate each batch of source pieces in one call, as our search does; -> output pieces per sentence."""
-    out = []
-    for batch in pieces:
-        results = translator.translate_batch(
-            batch, beam_size=beam, length_penalty=lenpen if beam > 1 else 0.0, max_batch_size=0,
-            max_decoding_length=max(len(p) for p in batch) + 1 + offset)  # + 1: the EOS CTranslate2 appends
-        out.extend(r.hypotheses[0] for r in results)
-    return out
+def score(row: dict, outputs, reference_outputs, vocab, refs) -> None:
+    row["same_as_first"] = sum(a == b for a, b in zip(outputs, reference_outputs)) / len(outputs)
+    row["target_tokens"] = sum(len(o) + 1 for o in outputs)
+    row["tokens_per_s"] = row["target_tokens"] / row["median_s"]
+    if refs is not None:
+        scores = bleu_chrf(vocab.decode(outputs), refs)
+        row.update(bleu=scores["bleu"], chrf=scores["chrf"], bleu_signature=scores["bleu_signature"])
 
 
-def timed(fn, device: torch.device, repeats: int):
-    """-> (seconds of each timed pass, what the untimed warm-up pass returned)."""
-    result = fn()  # warm-up: allocator, kernels, lazy initialisation
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return times, result
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("test_set", nargs="?", default="data/multi30k/test.de", help="source sentences, one per line")
-    ap.add_argument("--checkpoint", required=True, help="run directory or .pt file")
-    ap.add_argument("--device", default="all", choices=("all", "auto", "cpu", "cuda"),
-                    help="all: CPU, and CUDA when present (default); auto: CUDA if present else CPU")
-    ap.add_argument("--max-tokens", type=int, default=0, help="source tokens per batch (default: decode.max_tokens)")
-    ap.add_argument("--batch-size", type=int, default=0, help="sentences per batch instead of --max-tokens")
-    ap.add_argument("--beam", type=int, nargs="+", default=[1, 4], help="beam sizes (1 = greedy); default 1 4")
-    ap.add_argument("--limit", type=int, default=0, help="only the first N sentences (0 = all)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed passes per setting; the median is reported")
-    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face Marian comparison")
-    ap.add_argument("--json", metavar="PATH", help="also write the results here")
-    ap.add_argument("--int8", action="store_true", help="on CPU, also time our int8 (dynamic quantization) path")
-    ap.add_argument("--ctranslate2", action="store_true",
-                    help="also time CTranslate2 on our weights (float32, and int8 with --int8 on CPU; "
-                         "float16 on CUDA)")
-    args = ap.parse_args()
-
-    if args.device == "all":
-        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    elif args.device == "auto":
-        devices = ["cuda" if torch.cuda.is_available() else "cpu"]
-    else:
-        devices = [args.device]
-    lines = read_lines(args.test_set)
-    if args.limit:
-        lines = lines[: args.limit]
-    have_hf = False
+def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
+    device = torch.device(device_name)
+    base = Translator(args.checkpoint, device=device_name, dtype="fp32")
+    vocab, cfg = base.vocab, base.cfg
+    dec = cfg.decode
+    encoded = vocab.encode(lines)
+    keep = [i for i, ids in enumerate(encoded) if ids]  # empty lines are not searched
+    src_ids = [encoded[i] for i in keep]
+    refs = [refs[i] for i in keep] if refs is not None else None
+    max_tokens = args.max_tokens or dec.max_tokens
+    batches = source_batches(src_ids, cfg.model.max_positions, max_tokens)
+    print(f"{device_name}: {len(src_ids)} sentences in {len(batches)} batches; --dtype auto would pick "
+          "{} ({})".format(*pick_dtype("auto", device)), file=sys.stderr)
+    dtypes = [d for d in args.dtype if not (d == "int8" and device.type == "cuda")]  # int8 is a CPU path here
+    models = {d: (base.model if d == "fp32" else Translator(args.checkpoint, device=device_name, dtype=d).model)
+              for d in dtypes}
+    ct2 = {}
+    if args.ctranslate2:
+        ct2 = {d: Translator(args.checkpoint, device=device_name, dtype=d, engine="ctranslate2").ct2
+               for d in args.ct2_dtype}
+    marian = None
     if not args.no_hf:
         try:
-            import transformers
-            have_hf = True
+            marian = build_marian(base.model, len(vocab), device)
         except ImportError:
-            print("transformers is not installed: only our numbers (pip install -e '.[bench]')", file=sys.stderr)
+            print("transformers is not installed: no Marian comparison (pip install -e '.[bench]')", file=sys.stderr)
+    tensors = [prepare_sources([src_ids[i] for i in b], cfg.model.max_positions)[0].to(device) for b in batches]
 
-    ct2_dir = None
-    if args.ctranslate2:
-        try:
-            import ctranslate2
-            from export_ctranslate2 import export
-        except ImportError:
-            sys.exit("error: --ctranslate2 needs `pip install ctranslate2`")
-        ct2_dir = Path(tempfile.mkdtemp(prefix="bench_ct2_"))
-        export(args.checkpoint, ct2_dir)
-
-    results = []
-    for device_name in devices:
-        device = torch.device(device_name)
-        model, vocab, cfg = load_model(args.checkpoint, device)
-        limit = cfg.model.max_positions - 2
-        src_ids = [ids[:limit] for ids in vocab.encode(lines) if ids]
-        batches = make_batches(src_ids, args.max_tokens or cfg.decode.max_tokens, args.batch_size)
-        tensors = [pad_sequences([src_ids[i] + [EOS_ID] for i in b]).to(device) for b in batches]  # (B, S) each
-        marian = build_marian(model, len(vocab), device) if have_hf else None
-        ct2 = {}
-        if ct2_dir is not None:
-            types = ["float32"] + (["int8"] if args.int8 and device_name == "cpu" else []) + \
-                    (["float16"] if device_name == "cuda" else [])
-            ct2 = {f"ct2_{t}": load_ctranslate2(ct2_dir, device, t) for t in types}
-            pieces = [[vocab.pieces(src_ids[i]) for i in b] for b in batches]
-        for beam in args.beam:
-            steps, tokens, ours_out = run_ours(model, tensors, beam, cfg.decode.lenpen, cfg.decode.max_len_offset)
-            n_tokens = sum(tokens)
-            row = {"device": device_name, "beam": beam, "sentences": len(src_ids), "batches": len(batches),
-                   "target_tokens": n_tokens, "decoder_steps": sum(steps)}
-            impls = {"ours": lambda: run_ours(model, tensors, beam, cfg.decode.lenpen, cfg.decode.max_len_offset)}
-            if args.int8 and device_name == "cpu":
-                from transformer.quantize import quantize_int8
-
-                qmodel = quantize_int8(model)
-                impls["ours_int8"] = lambda: run_ours(qmodel, tensors, beam, cfg.decode.lenpen,
-                                                      cfg.decode.max_len_offset)
-            if marian is not None:
-                impls["hf_marian"] = lambda: run_marian(marian, tensors, steps, beam)
-            for name, translator in ct2.items():
-                impls[name] = (lambda tr=translator: run_ctranslate2(tr, pieces, beam, cfg.decode.lenpen,
-                                                                     cfg.decode.max_len_offset))
-            for name, fn in impls.items():
-                times, out = timed(fn, device, args.repeats)
-                median = statistics.median(times)
-                row[name] = {"median_s": median, "times_s": times, "sentences_per_s": len(src_ids) / median,
-                             "tokens_per_s": n_tokens / median}
-                if name.startswith("ct2_"):  # out: output pieces per sentence, in batch order like ours
-                    same = sum(a == vocab.pieces(b) for a, b in zip(out, ours_out))
-                    row[name]["same_as_ours"] = same / len(out)
-                    row[name]["own_tokens"] = sum(len(o) + 1 for o in out)
-            if "hf_marian" in row:
-                for name in impls:
-                    if name != "hf_marian":
-                        row[name]["speedup_over_hf"] = row["hf_marian"]["median_s"] / row[name]["median_s"]
-            results.append(row)
+    rows = []
+    for beam in args.beam:
+        group, first = [], None
+        stops = args.stop if beam > 1 else args.stop[:1]  # greedy ignores the stop rule
+        for stop in stops:
+            for dtype, model in models.items():
+                times, (outputs, batch_steps, sentence_steps) = timed(
+                    lambda: count_steps(model, batches, src_ids, beam, dec.lenpen, dec.max_len_offset, stop, device),
+                    lambda: search_ids(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, device,
+                                       1, stop),
+                    device, args.repeats)
+                first = first or (outputs, batch_steps)
+                row = {"device": device_name, "beam": beam, "impl": "ours", "stop": stop, "dtype": dtype,
+                       "decoder_steps": sum(batch_steps), "steps_per_sentence": statistics.mean(sentence_steps)}
+                group.append((row, times, outputs))
+        for dtype, translator in ct2.items():
+            def ct2_pass():
+                found = ctranslate2_search(translator, vocab, src_ids, beam, dec.lenpen, dec.max_len_offset,
+                                           max_tokens, cfg.model.max_positions)
+                return [hyps[0].tokens for hyps in found]
+            times, outputs = timed(ct2_pass, ct2_pass, device, args.repeats)
+            group.append(({"device": device_name, "beam": beam, "impl": "ctranslate2", "stop": "ctranslate2",
+                           "dtype": dtype}, times, outputs))
+        if marian is not None:
+            times, _ = timed(lambda: run_marian(marian, tensors, first[1], beam),
+                             lambda: run_marian(marian, tensors, first[1], beam), device, args.repeats)
+            group.append(({"device": device_name, "beam": beam, "impl": "hf_marian", "stop": "forced",
+                           "dtype": "fp32", "decoder_steps": sum(first[1])}, times, first[0]))
+        for row, times, outputs in group:
+            row.update(sentences=len(src_ids), batches=len(batches), times_s=times, median_s=statistics.median(times))
+            row["sentences_per_s"] = len(src_ids) / row["median_s"]
+            if row["impl"] != "hf_marian":  # Marian has random weights: no outputs worth scoring
+                score(row, outputs, first[0], vocab, refs)
+        for row, _, _ in group:
+            for dtype in ("fp32", "int8"):
+                base_row = next((r for r, _, _ in group if r["impl"] == "ctranslate2" and r["dtype"] == dtype), None)
+                if base_row is not None:
+                    row[f"vs_ct2_{dtype}"] = row["sentences_per_s"] / base_row["sentences_per_s"]
+            rows.append(row)
             print_row(row)
-
-    report = {"checkpoint": args.checkpoint, "test_set": args.test_set, "torch": torch.__version__,
-              "transformers": transformers.__version__ if have_hf else None,
-              "ctranslate2": ctranslate2.__version__ if ct2_dir is not None else None,
-              "device_names": {d: (torch.cuda.get_device_name(0) if d == "cuda" else "cpu") for d in devices},
-              "cpu_threads": torch.get_num_threads(), "results": results}
-    if ct2_dir is not None:
-        shutil.rmtree(ct2_dir, ignore_errors=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+    return rows
 
 
 _printed_header = False
@@ -257,14 +181,68 @@ _printed_header = False
 def print_row(row: dict) -> None:
     global _printed_header
     if not _printed_header:
-        print(f"{'device':6} {'beam':>4} {'impl':12} {'sent/s':>9} {'tok/s':>10} {'median s':>9}  {'× hf':>6}  same")
+        print(f"{'device':6} {'beam':>4} {'impl':11} {'stop':11} {'dtype':5} {'steps/sent':>10} {'sent/s':>8} "
+              f"{'tok/s':>9} {'BLEU':>6} {'same':>6} {'/ct2 fp32':>9} {'/ct2 int8':>9}")
         _printed_header = True
-    for name, r in row.items():
-        if isinstance(r, dict):
-            ratio = f"{r['speedup_over_hf']:.2f}x" if "speedup_over_hf" in r else ""
-            same = f"{r['same_as_ours']:.1%}" if "same_as_ours" in r else ""
-            print(f"{row['device']:6} {row['beam']:>4} {name:12} {r['sentences_per_s']:9.1f} {r['tokens_per_s']:10.1f} "
-                  f"{r['median_s']:9.3f}  {ratio:>6}  {same}", flush=True)
+    steps = f"{row['steps_per_sentence']:.1f}" if "steps_per_sentence" in row else ""
+    bleu = f"{row['bleu']:.2f}" if "bleu" in row else ""
+    same = f"{row['same_as_first']:.1%}" if "same_as_first" in row else ""
+    tok = f"{row['tokens_per_s']:.0f}" if "tokens_per_s" in row else ""
+    ratios = [f"{row[k]:.2f}x" if k in row else "" for k in ("vs_ct2_fp32", "vs_ct2_int8")]
+    print(f"{row['device']:6} {row['beam']:>4} {row['impl']:11} {row['stop']:11} {row['dtype']:5} {steps:>10} "
+          f"{row['sentences_per_s']:8.1f} {tok:>9} {bleu:>6} {same:>6} {ratios[0]:>9} {ratios[1]:>9}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("test_set", nargs="?", default="data/multi30k/test.de", help="source sentences, one per line")
+    ap.add_argument("--checkpoint", required=True, help="run directory or .pt file")
+    ap.add_argument("--ref", metavar="FILE", help="reference translations of test_set: adds BLEU and chrF per setting")
+    ap.add_argument("--device", default="all", choices=("all", "auto", "cpu", "cuda"),
+                    help="all: CPU, and CUDA when present (default); auto: CUDA if present else CPU")
+    ap.add_argument("--max-tokens", type=int, default=0, help="source tokens per batch (default: decode.max_tokens)")
+    ap.add_argument("--beam", type=int, nargs="+", default=[1, 4], help="beam sizes (1 = greedy); default 1 4")
+    ap.add_argument("--stop", nargs="+", choices=STOP_RULES, default=list(STOP_RULES),
+                    help="beam-search stop rules to time (default: exact early)")
+    ap.add_argument("--dtype", nargs="+", choices=("fp32", "bf16", "int8"), default=["fp32"],
+                    help="our number formats to time (default fp32; int8 runs on CPU only; bf16 on a CPU without "
+                         "avx512_bf16/amx_bf16 is emulated and very slow)")
+    ap.add_argument("--ctranslate2", action="store_true", help="also time CTranslate2 on our weights")
+    ap.add_argument("--ct2-dtype", nargs="+", choices=tuple(CT2_COMPUTE_TYPES), default=["fp32", "int8"],
+                    help="CTranslate2 compute types with --ctranslate2 (default: fp32 int8)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face Marian comparison")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for every engine (default: torch's)")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N sentences (0 = all)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes per setting; the median is reported")
+    ap.add_argument("--json", metavar="PATH", help="also write the results here")
+    args = ap.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "all":
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    elif args.device == "auto":
+        devices = ["cuda" if torch.cuda.is_available() else "cpu"]
+    else:
+        devices = [args.device]
+    lines = read_lines(args.test_set)
+    refs = read_lines(args.ref) if args.ref else None
+    if refs is not None and len(refs) != len(lines):
+        sys.exit(f"error: {args.test_set} has {len(lines)} lines but {args.ref} has {len(refs)}")
+    if args.limit:
+        lines, refs = lines[: args.limit], (refs[: args.limit] if refs is not None else None)
+    results = [row for device in devices for row in bench_device(args, device, lines, refs)]
+
+    versions = {}
+    for name in ("ctranslate2", "transformers", "sacrebleu"):
+        module = sys.modules.get(name)
+        versions[name] = getattr(module, "__version__", None)
+    report = {"checkpoint": args.checkpoint, "test_set": args.test_set, "ref": args.ref, "torch": torch.__version__,
+              **versions, "device_names": {d: (torch.cuda.get_device_name(0) if d == "cuda" else "cpu") for d in devices},
+              "cpu_threads": torch.get_num_threads(), "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

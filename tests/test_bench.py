@@ -36,27 +36,38 @@ def _run_bench_decode(tmp_path, *options: str) -> tuple[subprocess.CompletedProc
     vocab = train_vocab(synthetic(random.Random(0), 300), vocab_size=80)
     write_checkpoint(tmp_path / "model.pt", raw_config(tmp_path, tmp_path), vocab, seed=1)
     (tmp_path / "test.de").write_text("\n".join(synthetic(random.Random(1), 12)) + "\n", encoding="utf-8")
+    (tmp_path / "test.en").write_text("\n".join(synthetic(random.Random(2), 12)) + "\n", encoding="utf-8")
     out = tmp_path / "decode.json"
     result = subprocess.run([sys.executable, "scripts/bench_decode.py", str(tmp_path / "test.de"), "--checkpoint",
-                             str(tmp_path / "model.pt"), "--device", "cpu", "--repeats", "1", "--no-hf", *options,
-                             "--json", str(out)],
+                             str(tmp_path / "model.pt"), "--ref", str(tmp_path / "test.en"), "--device", "cpu",
+                             "--repeats", "1", "--no-hf", *options, "--json", str(out)],
                             capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr
     return result, json.loads(out.read_text())
 
 
-def test_bench_decode_runs_and_writes_json(tmp_path):
-    _, report = _run_bench_decode(tmp_path, "--beam", "1", "3", "--int8")
-    rows = report["results"]
-    assert [r["beam"] for r in rows] == [1, 3]
-    assert all(r["ours"]["sentences_per_s"] > 0 and r["ours_int8"]["sentences_per_s"] > 0 for r in rows)
+def test_bench_decode_grid_of_stop_rules_and_dtypes(tmp_path):
+    _, report = _run_bench_decode(tmp_path, "--beam", "1", "3", "--stop", "exact", "early", "--dtype", "fp32", "int8")
+    rows = {(r["beam"], r["stop"], r["dtype"]): r for r in report["results"]}
+    # Greedy has no stop rule to vary; beam 3 runs the whole grid.
+    assert sorted(rows) == sorted([(1, "exact", "fp32"), (1, "exact", "int8")] +
+                                  [(3, s, d) for s in ("exact", "early") for d in ("fp32", "int8")])
+    for (beam, stop, dtype), r in rows.items():
+        assert r["impl"] == "ours" and r["sentences"] == 12 and r["sentences_per_s"] > 0
+        assert r["steps_per_sentence"] >= 1 and 0 <= r["bleu"] <= 100 and 0 <= r["same_as_first"] <= 1
+    assert rows[1, "exact", "fp32"]["same_as_first"] == 1.0 and rows[3, "exact", "fp32"]["same_as_first"] == 1.0
+    for dtype in ("fp32", "int8"):  # the early rule never takes more steps
+        assert rows[3, "early", dtype]["steps_per_sentence"] <= rows[3, "exact", dtype]["steps_per_sentence"]
 
 
 def test_bench_decode_times_ctranslate2_on_our_weights(tmp_path):
     pytest.importorskip("ctranslate2")
-    result, report = _run_bench_decode(tmp_path, "--beam", "1", "2", "--int8", "--ctranslate2")
+    result, report = _run_bench_decode(tmp_path, "--beam", "1", "2", "--stop", "early", "--ctranslate2")
     assert report["ctranslate2"]
-    for row in report["results"]:
-        for name in ("ct2_float32", "ct2_int8"):
-            assert row[name]["sentences_per_s"] > 0 and 0.0 <= row[name]["same_as_ours"] <= 1.0
-    assert "ct2_float32" in result.stdout
+    for beam in (1, 2):
+        rows = {(r["impl"], r["dtype"]): r for r in report["results"] if r["beam"] == beam}
+        assert set(rows) == {("ours", "fp32"), ("ctranslate2", "fp32"), ("ctranslate2", "int8")}
+        assert rows["ours", "fp32"]["vs_ct2_fp32"] > 0 and rows["ctranslate2", "fp32"]["vs_ct2_fp32"] == 1.0
+    greedy = {r["dtype"]: r for r in report["results"] if r["beam"] == 1 and r["impl"] == "ctranslate2"}
+    assert greedy["fp32"]["same_as_first"] == 1.0  # greedy outputs agree with ours, limits included
+    assert "ctranslate2" in result.stdout

@@ -263,7 +263,7 @@ def test_a_reader_that_goes_away_ends_quietly(env, capsys, monkeypatch):
     os.close(read_end)
     with open(write_end, "w", encoding="utf-8") as pipe:
         monkeypatch.setattr(sys, "stdout", pipe)
-        status, _, err = call(capsys, "translate", env["run"], "ein hund", "zwei katzen")
+        status, _, err = call(capsys, "translate", env["run"], "ein hund", "zwei katzen", "--dtype", "fp32")
         assert (status, err) == (141, "")
         monkeypatch.undo()
 

@@ -1,15 +1,17 @@
-"""CUDA-only behaviour (skipped on machines without a GPU): mixed precision training steps."""
+"""CUDA-only behaviour (skipped on machines without a GPU): mixed precision training steps, bf16 translation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.test_translate import LINES, copy_model  # noqa: F401 (copy_model is a fixture)
 from tests.trainutil import read_metrics, tiny_config
 from transformer import train as train_module
 from transformer.checkpoint import load_checkpoint
 from transformer.config import from_dict
 from transformer.train import train
+from transformer.translate import Translator
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -40,3 +42,13 @@ def test_cuda_training_learns(tmp_path, precision):
     run_dir = train(from_dict(raw), quiet=True)
     valid = [m["loss"] for m in read_metrics(run_dir) if m.get("split") == "valid"]
     assert valid[-1] < valid[0]
+
+
+def test_auto_dtype_on_cuda_is_bf16_and_close_to_fp32(copy_model):  # noqa: F811
+    auto = Translator(copy_model, device="cuda", beam=3, dtype="auto")
+    assert auto.dtype == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
+    assert next(auto.model.parameters()).dtype == (torch.bfloat16 if auto.dtype == "bf16" else torch.float32)
+    fp32 = Translator(copy_model, device="cuda", beam=3, dtype="fp32").translate(LINES)
+    assert sum(a == b for a, b in zip(fp32, auto.translate(LINES))) >= 0.75 * len(LINES)
+    cpu = Translator(copy_model, device="cpu", beam=3, dtype="fp32").translate(LINES)
+    assert sum(a == b for a, b in zip(fp32, cpu)) >= 0.9 * len(LINES)  # the same search on either device

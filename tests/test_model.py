@@ -199,28 +199,59 @@ def test_cached_decoding_matches_full(norm):
     batch = Batch.from_pairs(random_pairs([(5, 6), (3, 2), (8, 4)]))
     memory = model.encode(batch.src, batch.src_mask)
     full = model.decode(batch.tgt_in, memory, batch.src_mask, batch.tgt_mask)
-    cache = model.new_cache()
+    cache = model.new_cache(memory, batch.src_mask)
+    # Cross-attention K/V exist before the first step: the cache, not a memory argument, feeds them.
+    assert cache.cross_attn[0].k.shape == (3, 2, batch.src.size(1), 16)
     steps = []
     for t in range(batch.tgt_in.size(1)):
-        steps.append(model.decode(batch.tgt_in[:, t: t + 1], memory, batch.src_mask, None, cache))
+        steps.append(model.decode(batch.tgt_in[:, t: t + 1], cache=cache))
         assert cache.length == t + 1
     incremental = torch.cat(steps, dim=1)
     real = batch.tgt_in != PAD_ID  # right padding: real positions never see a pad key in either path
     torch.testing.assert_close(incremental[real], full[real], **TOL)
-    # Self-attention caches grew one step at a time; cross-attention K/V were computed once.
-    assert cache.self_attn[0].k.shape == (3, 2, batch.tgt_in.size(1), 16)
-    assert cache.cross_attn[0].k.shape == (3, 2, batch.src.size(1), 16)
+    assert cache.self_attn[0].k.shape == (3, 2, batch.tgt_in.size(1), 16)  # grew one step at a time
 
 
-def test_cache_reorder_selects_rows():
+def test_decode_with_a_cache_takes_no_memory():
     model = make_model()
-    batch = Batch.from_pairs(random_pairs([(5, 3), (4, 3), (6, 3)]))
+    batch = Batch.from_pairs(random_pairs([(5, 3), (4, 3)]))
     memory = model.encode(batch.src, batch.src_mask)
-    cache = model.new_cache()
-    model.decode(batch.tgt_in[:, :2], memory, batch.src_mask, causal_mask(2), cache)
-    index = torch.tensor([2, 0])
-    cache.reorder(index)
-    step = model.decode(batch.tgt_in[index, 2:3], memory[index], batch.src_mask[index], None, cache)
+    cache = model.new_cache(memory, batch.src_mask)
+    with pytest.raises(ValueError, match="takes no memory"):
+        model.decode(batch.tgt_in[:, :1], memory, batch.src_mask, None, cache)
+
+
+def test_cache_keep_rows_selects_rows():
+    """Dropping and reordering rows moves self- and cross-attention K/V and the memory mask together."""
+    model = make_model()
+    torch.manual_seed(6)
+    batch = Batch.from_pairs(random_pairs([(5, 3), (2, 3), (6, 3)]))  # different lengths: masks differ
+    memory = model.encode(batch.src, batch.src_mask)
+    cache = model.new_cache(memory, batch.src_mask)
+    model.decode(batch.tgt_in[:, :2], None, None, causal_mask(2), cache)
+    index = torch.tensor([2, 1])
+    cache.keep_rows(index)
+    assert torch.equal(cache.memory_mask, batch.src_mask[index])
+    step = model.decode(batch.tgt_in[index, 2:3], cache=cache)
+    full = model.decode(batch.tgt_in[index, :3], memory[index], batch.src_mask[index], causal_mask(3))
+    torch.testing.assert_close(step[:, 0], full[:, 2], **TOL)
+
+
+def test_cache_keep_rows_within_a_source_leaves_cross_kv_in_place():
+    """Rows sharing a source (the beams of a sentence) reorder with cross=False: no cross K/V copy, same result."""
+    model = make_model()
+    torch.manual_seed(7)
+    (src, _), (src2, _) = random_pairs([(5, 3), (4, 3)])
+    pairs = [(src, random_ids(3).tolist()), (src, random_ids(3).tolist()), (src2, random_ids(3).tolist())]
+    batch = Batch.from_pairs(pairs)  # rows 0 and 1: one source, two hypotheses
+    memory = model.encode(batch.src, batch.src_mask)
+    cache = model.new_cache(memory, batch.src_mask)
+    model.decode(batch.tgt_in[:, :2], None, None, causal_mask(2), cache)
+    cross_k, mask = cache.cross_attn[0].k, cache.memory_mask
+    index = torch.tensor([1, 0, 2])
+    cache.keep_rows(index, cross=False)
+    assert cache.cross_attn[0].k is cross_k and cache.memory_mask is mask  # not copied
+    step = model.decode(batch.tgt_in[index, 2:3], cache=cache)
     full = model.decode(batch.tgt_in[index, :3], memory[index], batch.src_mask[index], causal_mask(3))
     torch.testing.assert_close(step[:, 0], full[:, 2], **TOL)
 

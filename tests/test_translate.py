@@ -1,4 +1,5 @@
-"""The translate, evaluate and average commands end to end, on a tiny run directory built here."""
+"""The translate, evaluate and average commands end to end, on tiny run directories built here; dtypes, stop
+rules and the CTranslate2 engine."""
 
 import io
 import json
@@ -11,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer import cli
+from transformer import cli, translate
+from transformer.batch import Batch
 from transformer.checkpoint import load_model, save_checkpoint
 from transformer.config import from_dict, to_dict
+from transformer.evaluate import bleu_chrf
 from transformer.model import Transformer
-from transformer.translate import Translator, bleu_chrf, translate_ids
-from transformer.vocab import train_vocab
+from transformer.translate import Translator, cpu_bf16_flags, pick_dtype, search_ids, translate_ids
+from transformer.vocab import PAD_ID, train_vocab
 
 WORDS = ("ein zwei drei hund katze mann frau kind spielt läuft auf der die das im park mit einem ball "
          "sitzt steht vor haus baum wasser rot blau grün").split()
@@ -249,7 +252,7 @@ def test_error_messages(run, tmp_path, capsys):
 
 def test_int8_translation_runs_and_mostly_agrees(run, capsys):
     fp32 = Translator(run / "best.pt", device="cpu", beam=1)
-    int8 = Translator(run / "best.pt", device="cpu", beam=1, int8=True)
+    int8 = Translator(run / "best.pt", device="cpu", beam=1, dtype="int8")
     lines = synthetic(random.Random(5), 20) + [""]
     a, b = fp32.translate(lines), int8.translate(lines)
     assert len(b) == len(lines) and b[-1] == ""
@@ -257,3 +260,168 @@ def test_int8_translation_runs_and_mostly_agrees(run, capsys):
     assert type(fp32.model.output) is torch.nn.Linear                            # and the float model untouched
     assert sum(x == y for x, y in zip(a, b)) >= len(lines) // 2  # quantization noise flips few argmaxes
     assert call("translate", str(run), "ein hund", "--int8", "--device", "cpu", capsys=capsys)[0] == 0
+
+
+# --------------------------------------------------------------------------- dtype, stop rule, engines
+
+
+@pytest.fixture(scope="module")
+def copy_model(tmp_path_factory) -> Path:
+    """A checkpoint briefly trained to copy its input: peaky enough that most argmaxes are not near-ties."""
+    root = tmp_path_factory.mktemp("copy")
+    vocab = train_vocab(synthetic(random.Random(0), 300), vocab_size=80)
+    cfg = from_dict(raw_config(root, root))
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, len(vocab))
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    sentences = vocab.encode(synthetic(random.Random(2), 3200))
+    for step in range(100):
+        batch = Batch.from_pairs([(s, s) for s in sentences[step * 32: step * 32 + 32]])
+        logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=PAD_ID)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, root / "model.pt")
+    return root / "model.pt"
+
+
+LINES = synthetic(random.Random(5), 40)
+
+
+def test_cpu_bf16_flags_reads_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n\nprocessor\t: 1\nflags\t\t: fpu avx2\n")
+    assert cpu_bf16_flags(info) == []
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 amx_tile amx_bf16\n")
+    assert cpu_bf16_flags(info) == ["avx512_bf16", "amx_bf16"]
+    assert cpu_bf16_flags(tmp_path / "missing") == []
+
+
+def test_auto_dtype_is_bf16_only_where_native(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: [])
+    assert pick_dtype("auto", cpu)[0] == "fp32"  # emulated bf16 is far slower than fp32
+    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    assert pick_dtype("auto", cpu) == ("bf16", "auto: this CPU has amx_bf16")
+    for supported, expected in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
+        assert pick_dtype("auto", cuda)[0] == expected
+    assert pick_dtype("int8", cpu)[0] == "int8"  # an explicit choice is kept
+
+
+def test_translate_says_which_dtype_auto_picked(run, monkeypatch, capsys):
+    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: [])
+    status, out, err = call("translate", run, "--device", "cpu", SENTENCES[0], capsys=capsys)
+    assert status == 0 and err.splitlines() == ["dtype: fp32 (auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16))"]
+    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    translator = Translator(run, device="cpu", dtype="auto")
+    assert translator.dtype == "bf16" and next(translator.model.parameters()).dtype == torch.bfloat16
+    status, _, err = call("translate", run, "--device", "cpu", "--dtype", "fp32", SENTENCES[0], capsys=capsys)
+    assert status == 0 and err == ""  # nothing to say about an explicit choice
+    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: [])
+    status, _, err = call("translate", run, "--device", "cpu", "--dtype", "bf16", SENTENCES[0], capsys=capsys)
+    assert status == 0 and err.startswith("warning:") and "emulated" in err  # unless it is a slow choice
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_bf16_translations_are_close_to_fp32(copy_model, beam):
+    fp32 = Translator(copy_model, device="cpu", beam=beam).translate(LINES)
+    bf16 = Translator(copy_model, device="cpu", beam=beam, dtype="bf16").translate(LINES)
+    assert sum(a == b for a, b in zip(fp32, bf16)) >= 0.75 * len(LINES)
+    assert len(set(fp32)) > len(LINES) // 2  # real, varied translations: the agreement above means something
+
+
+def test_stop_rule_setting(run, capsys):
+    model, vocab, _ = load_model(run)
+    ids = vocab.encode(SENTENCES)
+    for stop in ("exact", "early"):
+        translator = Translator(run, device="cpu", beam=3, stop=stop)
+        assert translator.stop == stop
+        assert translator.search(ids, 3) == search_ids(model, ids, 3, 0.6, 4, 64, "cpu", 3, stop)
+    assert Translator(run, device="cpu").stop == "exact"  # decode.stop's default
+    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "2", "--stop", "early", "--dtype", "bf16",
+                        capsys=capsys)
+    record = json.loads((run / "eval" / "test.beam2.lp0.6.early.bf16.json").read_text())
+    assert status == 0 and record["stop"] == "early" and record["dtype"] == "bf16" and record["engine"] == "ours"
+    status, _, err = call("translate", run, "--stop", "never", "x", capsys=capsys)
+    assert status == 2 and "--stop" in err
+
+
+def test_missing_ctranslate2_is_a_one_line_error(run, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import ctranslate2 now raises ImportError
+    for argv in (("translate", run, "--engine", "ctranslate2", "x"), ("evaluate", run, "--engine", "ctranslate2"),
+                 ("export", "ctranslate2", run, run.parent / "ct2_out")):
+        status, _, err = call(*argv, capsys=capsys)
+        assert status == 2 and len(err.splitlines()) == 1 and "transformer[ctranslate2]" in err, (argv, err)
+
+
+@pytest.fixture(scope="module")
+def ctranslate2():
+    return pytest.importorskip("ctranslate2")
+
+
+def test_ctranslate2_engine_greedy_equals_ours(ctranslate2, copy_model, capsys):
+    ours = Translator(copy_model, device="cpu", beam=1).translate(LINES + [""])
+    theirs = Translator(copy_model, device="cpu", beam=1, engine="ctranslate2")
+    assert theirs.translate(LINES + [""]) == ours
+    assert ours[-1] == "" and len(set(ours)) > len(LINES) // 2
+    # Through the command, with the conversion reused.
+    capsys.readouterr()
+    status, out, err = call("translate", copy_model, "--beam", "1", "--engine", "ctranslate2", "--dtype", "fp32",
+                            *LINES[:5], capsys=capsys)
+    assert status == 0 and out.splitlines() == ours[:5] and "converting" not in err
+
+
+def test_ctranslate2_engine_nbest_scores_are_ours(ctranslate2, copy_model):
+    ours = Translator(copy_model, device="cpu", beam=3, lenpen=0.6).translate_nbest(LINES[:15], 3)
+    theirs = Translator(copy_model, device="cpu", beam=3, lenpen=0.6, engine="ctranslate2").translate_nbest(LINES[:15], 3)
+    shared = 0
+    for mine, other in zip(ours, theirs):
+        assert len(other) == 3 and [s for s, _ in other] == sorted((s for s, _ in other), reverse=True)
+        scores = dict((text, score) for score, text in mine)
+        for score, text in other:
+            if text in scores:  # the same hypothesis found by both: the same score definition
+                assert score == pytest.approx(scores[text], abs=1e-3)
+                shared += 1
+    assert shared >= 30  # most hypotheses are found by both, so the score check was not vacuous
+
+
+def test_ctranslate2_conversion_is_cached_and_follows_the_checkpoint(ctranslate2, copy_model, tmp_path, capsys):
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(copy_model.read_bytes())
+    first = Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2").translate(LINES[:8])
+    model_bin = tmp_path / "ct2" / "model" / "model.bin"
+    built = model_bin.stat().st_mtime_ns
+    assert "converting" in capsys.readouterr().err
+    os.utime(checkpoint)  # touched, same bytes: the sha256 says it is current
+    assert Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2").translate(LINES[:8]) == first
+    assert model_bin.stat().st_mtime_ns == built and "converting" not in capsys.readouterr().err
+    state = torch.load(checkpoint, weights_only=True)
+    state["model"]["output.weight"] = -state["model"]["output.weight"]  # (tied) a different model
+    save_checkpoint(state, checkpoint)
+    changed = Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2").translate(LINES[:8])
+    assert "converting" in capsys.readouterr().err
+    assert changed == Translator(checkpoint, device="cpu", beam=1).translate(LINES[:8]) != first
+
+
+def test_evaluate_with_ctranslate2(ctranslate2, run, capsys):
+    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "2", "--engine", "ctranslate2",
+                        "--dtype", "int8", capsys=capsys)
+    record = json.loads((run / "eval" / "test.beam2.lp0.6.int8.ct2.json").read_text())
+    assert status == 0 and record["engine"] == "ctranslate2" and record["dtype"] == "int8" and record["stop"] is None
+
+
+def test_ctranslate2_engine_at_the_length_limit(ctranslate2, run):
+    """An untrained model runs to its length limits, which differ per sentence but are one per CTranslate2
+    call: outputs are cut to each sentence's own limit and rescored, so they still equal ours."""
+    lines = synthetic(random.Random(6), 12)
+    ours = Translator(run, device="cpu", beam=1)
+    theirs = Translator(run, device="cpu", beam=1, engine="ctranslate2")
+    ids = ours.encode(lines)
+    mine, other = ours.search(ids), theirs.search(ids)
+    limits = [len(s) + 1 + ours.max_len_offset for s in ids]
+    assert sum(len(h[0].tokens) == n for h, n in zip(mine, limits)) >= 3  # the limit case is exercised
+    assert len(set(limits)) > 1
+    for a, b in zip(mine, other):
+        assert a[0].tokens == b[0].tokens and a[0].score == pytest.approx(b[0].score, abs=1e-3)

@@ -1,4 +1,5 @@
-"""The Batch: padded source/target tensors, the teacher-forcing shift, and the only mask builders.
+"""The Batch: padded source/target tensors, the teacher-forcing shift, the only mask builders, and source
+preparation for translation (EOS, the length limit, padding).
 
 Mask convention everywhere: boolean, True = this query may attend to this key, shaped
 (B|1, 1, T_query|1, T_key) so it broadcasts over attention heads.
@@ -40,6 +41,20 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad_to_multiple: int = 1, pad_i
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
     return out
+
+
+def source_limit(max_positions: int) -> int:
+    """The most subwords a source may hold before its EOS: the bound training enforces (data.max_len + 2 <=
+    model.max_positions), so translation never feeds the encoder a longer source than it could have seen."""
+    return max_positions - 2
+
+
+def prepare_sources(sources: Sequence[Sequence[int]], max_positions: int) -> tuple[torch.Tensor, list[bool]]:
+    """Subword ids per sentence (no EOS) -> (src (B, S): each cut to source_limit(max_positions), EOS
+    appended, right-padded with PAD; which sentences were cut). The one place translation builds sources."""
+    limit = source_limit(max_positions)
+    truncated = [len(s) > limit for s in sources]
+    return pad_sequences([list(s[:limit]) + [EOS_ID] for s in sources]), truncated
 
 
 @dataclass

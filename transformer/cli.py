@@ -91,16 +91,22 @@ def cmd_translate(args: argparse.Namespace) -> None:
     _check_search_args(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
         run_translate(args.checkpoint, args.sentences, args.input, args.output, args.beam, args.lenpen, args.nbest,
-                      args.max_tokens, args.device, args.int8)
+                      args.max_tokens, args.device, args.dtype, args.stop, args.engine)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from transformer.translate import run_evaluate
+    from transformer.evaluate import run_evaluate
 
     _check_search_args(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
         run_evaluate(args.run, args.split, args.src, args.ref, args.beam, args.lenpen, args.max_tokens, args.device,
-                     args.int8)
+                     args.dtype, args.stop, args.engine)
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from transformer.export import run_export
+
+    run_export(args.checkpoint, args.out, args.quantization, args.force)
 
 
 def cmd_average(args: argparse.Namespace) -> None:
@@ -217,11 +223,24 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--lenpen", type=float, metavar="A",
                         help="GNMT length penalty alpha: score = log p / ((5 + len) / 6)^A (default: decode.lenpen)")
     decode.add_argument("--max-tokens", type=int, metavar="N", help="source tokens per batch (default: decode.max_tokens)")
+    decode.add_argument("--stop", choices=("exact", "early"),
+                        help="when beam search ends a sentence: exact (once no live hypothesis can beat the "
+                             "n-best finished ones) or early (fairseq's: once BEAM hypotheses have finished; "
+                             "fewer decoder steps) (default: decode.stop)")
     decode.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run (default auto: CUDA when available)")
-    decode.add_argument("--int8", action="store_true",
-                        help="CPU only: run the linear layers in int8 (dynamic quantization), faster at a small "
-                             "cost in accuracy; `evaluate --int8` measures that cost")
+    decode.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"), default="auto",
+                        help="number format: fp32; bf16 (fast on CUDA and on CPUs with avx512_bf16/amx_bf16, "
+                             "emulated and slow elsewhere); int8 (CPU: linear layers quantized, faster at a small "
+                             "cost in accuracy); auto (default): bf16 where it is native, else fp32, printed on "
+                             "stderr. `evaluate` measures what a choice costs")
+    decode.add_argument("--int8", dest="dtype", action="store_const", const="int8", help="the same as --dtype int8")
+    decode.add_argument("--engine", choices=("ours", "ctranslate2"), default="ours",
+                        help="ours (PyTorch search, default) or ctranslate2: the checkpoint is converted once "
+                             "(kept in CHECKPOINT_DIR/ct2/, rebuilt when the checkpoint changes) and run by "
+                             "CTranslate2 (pip install 'transformer[ctranslate2]'), with its own stop rule (like "
+                             "--stop early) and length penalty (length^A rather than GNMT's; scores are still "
+                             "reported in ours)")
 
     p = sub.add_parser(
         "translate", parents=[decode], help="translate sentences with a trained model",
@@ -234,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "n-best format: with --nbest N > 1, prints N lines per input line, best first, each\n"
                     "  SCORE<TAB>TRANSLATION\n"
                     "where SCORE is the sum of the token log-probabilities (EOS included) divided by the\n"
-                    "length penalty ((5 + length) / 6)^lenpen; an empty input gives N lines '0.0000<TAB>'.",
+                    "length penalty ((5 + length) / 6)^lenpen, length counting EOS; an empty input gives N\n"
+                    "lines '0.0000<TAB>'.",
     )
     p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
     p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to translate (default: --input or stdin)")
@@ -249,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
                     "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
                     "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
-                    "and .json (.int8 added with --int8; for a checkpoint file: eval/ next to it, named after it).",
+                    "and .json (.early, .bf16, .int8 or .ct2 added for those settings; for a checkpoint file: eval/ "
+                    "next to it, named after it).",
     )
     p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
     p.add_argument("--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)")
@@ -269,6 +290,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last", type=int, metavar="N", help="average the N latest step checkpoints of RUN_DIR")
     p.add_argument("--output", metavar="FILE", help="where to write the averaged checkpoint")
     p.set_defaults(func=cmd_average)
+
+    p = sub.add_parser(
+        "export", help="write a checkpoint as a CTranslate2 model directory",
+        description="Write a checkpoint as a CTranslate2 model directory (model.bin, vocabularies and the "
+                    "SentencePiece model spm.model) for serving with CTranslate2 (pip install "
+                    "'transformer[ctranslate2]'). CTranslate2 takes SentencePiece pieces and appends </s> to the "
+                    "source itself. `translate --engine ctranslate2` does this for you, once per checkpoint.",
+    )
+    p.add_argument("format", choices=("ctranslate2",), help="the target format")
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
+    p.add_argument("out", metavar="OUT_DIR", help="the model directory to write")
+    p.add_argument("--quantization", choices=("int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"),
+                   help="store the weights quantized (default: float32; CTranslate2 can also convert when it loads "
+                        "a model, with compute_type)")
+    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -88,6 +88,10 @@ class DecodeConfig:
     lenpen: float = 0.6                # GNMT length penalty alpha
     max_len_offset: int = 50           # output may be source length + this many tokens
     max_tokens: int = 8192             # source tokens per translation batch
+    # When beam search ends a sentence (search.py): "exact" (no live hypothesis can still win) or "early"
+    # (fairseq's: once `beam` hypotheses have finished; faster). The default becomes "early" if its test
+    # BLEU is within 0.1 of exact (docs/PERFORMANCE.md).
+    stop: Literal["exact", "early"] = "exact"
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from transformer.batch import causal_mask, padding_mask
+from transformer.batch import causal_mask, padding_mask, prepare_sources, source_limit
 from transformer.errors import UserError
 from transformer.model import Transformer
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
+from transformer.search import search
+from transformer.vocab import BOS_ID, Vocab
 
 KINDS = ("encoder", "decoder", "cross")
 
@@ -117,17 +118,6 @@ class AttentionMaps:
         return self.weights[kind].shape[:2]
 
 
-def _translate(model: Transformer, src: torch.Tensor, beam: int, lenpen: float, max_len_offset: int) -> list[int]:
-    from transformer import search
-
-    if beam <= 1:
-        hyps = search.greedy_search(model, src, max_len_offset=max_len_offset)
-    else:
-        hyps = search.beam_search(model, src, beam=beam, lenpen=lenpen, max_len_offset=max_len_offset)
-    hyp = hyps[0][0] if beam > 1 else hyps[0]  # beam search gives an n-best list per sentence
-    return [int(t) for t in hyp.tokens if int(t) not in (BOS_ID, EOS_ID, PAD_ID)]
-
-
 def inspect_attention(
     model: Transformer,
     vocab: Vocab,
@@ -142,19 +132,22 @@ def inspect_attention(
     if not source.strip():
         raise UserError("the source sentence is empty")
     device = next(model.parameters()).device
-    src_ids = vocab.encode([source])[0] + [EOS_ID]
-    limit = model.positions.table.size(0)
-    if len(src_ids) > limit:
-        raise UserError(f"the source sentence is {len(src_ids)} pieces long; this model accepts at most {limit}")
-    src = torch.tensor([src_ids], dtype=torch.long, device=device)
+    pieces = vocab.encode([source])[0]
+    src, (truncated,) = prepare_sources([pieces], model.cfg.max_positions)  # (1, S): pieces + EOS
+    if truncated:
+        raise UserError(f"the source sentence is {len(pieces)} pieces long; this model accepts at most "
+                        f"{source_limit(model.cfg.max_positions)}")
+    src = src.to(device)
+    src_ids = src[0].tolist()
     translated = target is None
     if translated:
-        model.eval()
-        tgt_ids = _translate(model, src, beam, lenpen, max_len_offset)
+        found = search(model, src, beam=beam, lenpen=lenpen, max_len_offset=max_len_offset)
+        tgt_ids = found.hypotheses[0][0].tokens
         target = vocab.decode([tgt_ids])[0]
     else:
         tgt_ids = vocab.encode([target])[0]
     tgt_ids = [BOS_ID] + tgt_ids
+    limit = model.cfg.max_positions  # decoder positions
     if len(tgt_ids) > limit:
         raise UserError(f"the target sentence is {len(tgt_ids)} pieces long; this model accepts at most {limit}")
     tgt_in = torch.tensor([tgt_ids], dtype=torch.long, device=device)

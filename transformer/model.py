@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -51,22 +51,28 @@ class KVCache:
 
 @dataclass
 class DecoderCache:
-    """Everything the decoder remembers between steps: per-layer self- and cross-attention K/V."""
+    """Everything the decoder reads between steps, one row per hypothesis: per-layer self-attention K/V
+    (grown by one position each step) and what cross-attention needs, the encoder output's K/V per layer
+    and the memory mask (fixed; set once by Transformer.new_cache)."""
 
-    self_attn: list[KVCache] = field(default_factory=list)
-    cross_attn: list[KVCache] = field(default_factory=list)
+    self_attn: list[KVCache]
+    cross_attn: list[KVCache]
+    memory_mask: torch.Tensor  # (R, 1, 1, S)
     length: int = 0  # target positions already consumed
 
-    def reorder(self, index: torch.Tensor, cross: bool = True) -> None:
-        """Keep batch rows `index` (beam search reordering / dropping finished sentences).
+    def keep_rows(self, index: torch.Tensor, cross: bool = True) -> None:
+        """Keep rows `index` (beam reordering, finished sentences dropped), in that order.
 
-        cross=False leaves the encoder-decoder K/V alone: reordering beams *within* a sentence
-        does not change them, since every beam of a sentence attends to the same source.
+        cross=False leaves the cross-attention K/V and the memory mask alone: a caller that only reorders
+        rows *within* groups sharing a source (the beams of one sentence) saves that copy, since every
+        row of a group holds the same encoder K/V.
         """
         for kv in self.self_attn + (self.cross_attn if cross else []):
             if kv.k is not None:
                 kv.k = kv.k.index_select(0, index)
                 kv.v = kv.v.index_select(0, index)
+        if cross:
+            self.memory_mask = self.memory_mask.index_select(0, index)
 
 
 class MultiHeadAttention(nn.Module):
@@ -89,22 +95,26 @@ class MultiHeadAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, T, C) -> (B, H, T, Dh)
 
+    def static_kv(self, key_value: torch.Tensor) -> KVCache:
+        """K/V of a fixed input (B, Tk, C), e.g. the encoder output for cross-attention, computed once."""
+        return KVCache(self._split(self.k_proj(key_value)), self._split(self.v_proj(key_value)))
+
     def forward(
         self,
         query: torch.Tensor,                 # (B, Tq, C)
-        key_value: torch.Tensor,             # (B, Tk, C)
+        key_value: Optional[torch.Tensor],   # (B, Tk, C); None when a static cache holds its K/V
         mask: Optional[torch.Tensor],        # (B|1, 1, Tq|1, Tk_total) bool, True = may attend
         cache: Optional[KVCache] = None,
         static_kv: bool = False,             # cross-attention: K/V depend only on the encoder output
     ) -> torch.Tensor:
         q = self._split(self.q_proj(query))
-        if cache is not None and static_kv and cache.k is not None:
-            k, v = cache.k, cache.v  # encoder K/V computed once, at the first step
+        if cache is not None and static_kv:
+            k, v = cache.k, cache.v  # the encoder's K/V, computed once by static_kv()
         else:
             k = self._split(self.k_proj(key_value))
             v = self._split(self.v_proj(key_value))
-            if cache is not None:
-                if not static_kv and cache.k is not None:
+            if cache is not None:  # self-attention while decoding: append the new positions
+                if cache.k is not None:
                     k = torch.cat([cache.k, k], dim=2)
                     v = torch.cat([cache.v, v], dim=2)
                 cache.k, cache.v = k, v
@@ -237,14 +247,20 @@ class Transformer(nn.Module):
 
     def decode(
         self,
-        tgt: torch.Tensor,                    # (B, T) ids; with a cache, only the new positions
-        memory: torch.Tensor,                 # (B, S, C)
-        memory_mask: torch.Tensor,            # (B, 1, 1, S)
+        tgt: torch.Tensor,                        # (B, T) ids; with a cache, only the new positions
+        memory: Optional[torch.Tensor] = None,    # (B, S, C); None with a cache
+        memory_mask: Optional[torch.Tensor] = None,  # (B, 1, 1, S); None with a cache
         tgt_mask: Optional[torch.Tensor] = None,  # (B|1, 1, T, cache.length + T); None: no masking
         cache: Optional[DecoderCache] = None,
     ) -> torch.Tensor:
-        """-> logits (B, T, V). With a cache, earlier positions' keys/values are reused and extended."""
-        offset = cache.length if cache is not None else 0
+        """-> logits (B, T, V). Without a cache, attends to `memory` under `memory_mask`. With one (from
+        new_cache), earlier positions' keys/values are reused and extended, and cross-attention reads the
+        encoder K/V and memory mask the cache holds: its rows are the only truth, so no memory is passed."""
+        offset = 0
+        if cache is not None:
+            if memory is not None or memory_mask is not None:
+                raise ValueError("decode with a cache takes no memory: the cache holds the encoder K/V and mask")
+            offset, memory_mask = cache.length, cache.memory_mask
         x = self._embed(self.tgt_embed, tgt, offset)
         for i, layer in enumerate(self.decoder_layers):
             self_cache = cache.self_attn[i] if cache is not None else None
@@ -254,9 +270,11 @@ class Transformer(nn.Module):
             cache.length += tgt.size(1)
         return self.output(self.decoder_norm(x))
 
-    def new_cache(self) -> DecoderCache:
-        n = len(self.decoder_layers)
-        return DecoderCache([KVCache() for _ in range(n)], [KVCache() for _ in range(n)])
+    def new_cache(self, memory: torch.Tensor, memory_mask: torch.Tensor) -> DecoderCache:
+        """A decoding cache for encoder output `memory` (B, S, C) under `memory_mask` (B, 1, 1, S): each
+        decoder layer's cross-attention K/V are computed here, once; self-attention K/V start empty."""
+        cross = [layer.cross_attn.static_kv(memory) for layer in self.decoder_layers]
+        return DecoderCache([KVCache() for _ in self.decoder_layers], cross, memory_mask)
 
     def forward(self, src, tgt_in, src_mask, tgt_mask) -> torch.Tensor:
         """Teacher-forced training pass: logits (B, T, V) for every target position."""

@@ -18,7 +18,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     The embeddings stay float; a tied output projection gets its own int8 copy of the shared matrix.
     """
     if any(p.device.type != "cpu" for p in model.parameters()):
-        raise UserError("--int8 is a CPU path: use --device cpu (on CUDA, bf16 is the fast path)")
+        raise UserError("--dtype int8 is a CPU path: use --device cpu (on CUDA, bf16 is the fast path)")
     if "fbgemm" in torch.backends.quantized.supported_engines:
         torch.backends.quantized.engine = "fbgemm"  # x86 int8 GEMM
     with warnings.catch_warnings():

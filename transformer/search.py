@@ -1,27 +1,49 @@
-"""Greedy and beam search over a trained Transformer: batched over sentences and beams, with a KV cache.
+"""Search over a trained Transformer: one `search()` entry for greedy (beam 1) and beam search, batched over
+sentences and beams with a KV cache, with a choice of stop rule; n-best hypotheses with scores.
 
-Conventions shared by both searches:
-- `src` is (B, S) source ids as the model was trained on them (subwords + EOS, right-padded with PAD);
-  its mask comes from `padding_mask`, the only source-mask builder.
+Conventions:
+- `src` is (B, S) source ids as the model was trained on them (subwords + EOS, right-padded with PAD:
+  batch.prepare_sources builds it); its mask comes from `padding_mask`, the only source-mask builder.
 - A sentence's output may hold at most max_len = src_len + max_len_offset tokens, where src_len counts
   its non-PAD source positions (EOS included), capped so decoder positions stay below max_positions.
   At that length EOS is forced, so every hypothesis ends with EOS.
 - `Hypothesis.tokens` excludes BOS and EOS; `score` is the sum of the token log-probabilities, EOS
-  included, divided by the GNMT length penalty ((5 + len) / 6) ** alpha with len = tokens + 1 (greedy:
-  no penalty, i.e. alpha = 0).
+  included, divided by the GNMT length penalty lp(len) = ((5 + len) / 6) ** lenpen with len = tokens + 1.
+
+Stop rules (beam > 1; `stop`):
+- "exact": a sentence stops when no live hypothesis can still reach a score above its nbest-th finished
+  one, so the n-best list is the one the beam would hold if it ran to the length limit. A live hypothesis
+  with summed log-probability s < 0 can only add log-probabilities <= 0, and lp grows with the length
+  (lenpen >= 0), so the best normalised score it can reach is s / lp(max_len + 1): dividing a negative sum
+  by the largest penalty it can get. That bound is attained when every further token has probability ~1
+  and EOS comes at the limit, so without a bound on the model's probabilities no tighter exact rule
+  exists. (Hugging Face's `early_stopping=False` divides by lp at the *current* length instead: with
+  lenpen > 0 that is smaller than the reachable best, so it stops early and is not exact.) With lenpen 0
+  the bound is s itself, so a sentence stops as soon as its nbest-th finished score beats the best live
+  sum: CTranslate2's early exit without a length penalty.
+- "early": fairseq's rule, and CTranslate2's with a length penalty (patience 1): a sentence is done once
+  `beam` hypotheses have finished; may miss a longer hypothesis that would have scored higher. The exact
+  bound ends a sentence too when it is met first (common with lenpen 0, where it needs only the best
+  candidate to be EOS): whatever the beam would still finish could not enter the n-best, so the outputs
+  are fairseq's and the steps never more than either rule's alone.
+Greedy search (beam 1) ends a sentence at its first EOS under either rule: with one hypothesis the first
+to finish is the answer, as the early rule says.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
 from transformer.batch import causal_mask, padding_mask
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
+
+StopRule = Literal["exact", "early"]
+STOP_RULES: tuple[str, ...] = ("exact", "early")
 
 
 @dataclass
@@ -30,9 +52,40 @@ class Hypothesis:
     score: float
 
 
+@dataclass
+class SearchResult:
+    """What search() found: per source row its n-best hypotheses (best first), and the decoder work it took."""
+
+    hypotheses: list[list[Hypothesis]]
+    steps: int                 # decoder calls for the whole batch (one per output position with the cache)
+    sentence_steps: list[int]  # per source row, the decoder steps it took part in
+
+    def best(self) -> list[Hypothesis]:
+        return [hyps[0] for hyps in self.hypotheses]
+
+
 def length_penalty(length, alpha: float):
     """GNMT (Wu et al. 2016): lp = ((5 + length) / 6) ** alpha; works on floats and tensors."""
     return ((5.0 + length) / 6.0) ** alpha
+
+
+def search(model, src: torch.Tensor, beam: int = 4, lenpen: float = 0.6, max_len_offset: int = 50,
+           nbest: int = 1, stop: StopRule = "exact", use_cache: bool = True) -> SearchResult:
+    """Translate source rows `src` (B, S): per row its `nbest` best hypotheses, best first.
+
+    beam 1 is greedy search (the most probable token at each step). Beam search ranks 2*beam candidates
+    per sentence at each step: the best `beam` that do not end in EOS stay alive, and an EOS candidate
+    finishes only when it ranks within the top `beam`. `stop` picks when a sentence is done (module
+    docstring). use_cache=False recomputes every step from scratch (for tests).
+    """
+    if beam < 1 or not 1 <= nbest <= beam:
+        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    if stop not in STOP_RULES:
+        raise ValueError(f"stop must be one of {', '.join(STOP_RULES)}, got {stop!r}")
+    with _eval_mode(model):
+        if beam == 1:
+            return _greedy_search(model, src, lenpen, max_len_offset, use_cache)
+        return _beam_search(model, src, beam, lenpen, max_len_offset, nbest, stop, use_cache)
 
 
 @contextlib.contextmanager
@@ -47,24 +100,23 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def _max_lengths(model, src_mask: torch.Tensor, max_len_offset: int) -> torch.Tensor:
-    """(B,) output-length limits; BOS + max_len tokens are the decoder positions that get embedded."""
-    src_len = src_mask.view(src_mask.size(0), -1).sum(dim=1)  # (B, 1, 1, S) -> (B,)
-    return (src_len + max_len_offset).clamp(max=model.cfg.max_positions - 1)
+class _Decoder:
+    """The decoder side of a search: the source encoded once, then one step for the newest token of every
+    live row; with the cache (which owns the encoder K/V and the memory mask), or from scratch for tests."""
 
-
-class _Stepper:
-    """One decoder step for the newest token of every row, cached or (for tests) from scratch."""
-
-    def __init__(self, model, memory: torch.Tensor, memory_mask: torch.Tensor, use_cache: bool):
-        self.model = model
-        self.memory, self.memory_mask = memory, memory_mask  # (R, S, C), (R, 1, 1, S)
-        self.cache = model.new_cache() if use_cache else None
+    def __init__(self, model, src: torch.Tensor, use_cache: bool):
+        src_mask = padding_mask(src)
+        memory = model.encode(src, src_mask)  # (B, S, C)
+        self.model, self.steps = model, 0
+        self.cache = model.new_cache(memory, src_mask) if use_cache else None
+        # Uncached only: the memory and its mask, kept in row order here since no cache holds them.
+        self.memory, self.memory_mask = (None, None) if use_cache else (memory, src_mask)
 
     def log_probs(self, prefix: torch.Tensor) -> torch.Tensor:
         """prefix (R, t+1) = BOS + tokens so far -> log p(next token) (R, V) in float32."""
+        self.steps += 1
         if self.cache is not None:
-            logits = self.model.decode(prefix[:, -1:], self.memory, self.memory_mask, None, self.cache)
+            logits = self.model.decode(prefix[:, -1:], cache=self.cache)
         else:
             mask = causal_mask(prefix.size(1), prefix.device)
             logits = self.model.decode(prefix, self.memory, self.memory_mask, mask)
@@ -73,15 +125,20 @@ class _Stepper:
         lprobs[:, BOS_ID] = float("-inf")
         return lprobs
 
-    def keep_rows(self, index: torch.Tensor, memory_changed: bool = True) -> None:
-        """Keep rows `index` of the cache (and of the memory and cross-attention K/V when the set
-        of sentences, or the rows per sentence, changed)."""
+    def keep_rows(self, index: torch.Tensor, sources_changed: bool = True) -> None:
+        """Keep rows `index`. sources_changed=False: only rows sharing a source were reordered (the beams of
+        one sentence), so the encoder K/V and mask stay where they are."""
         if self.cache is not None:
-            self.cache.reorder(index, cross=memory_changed)
-        if memory_changed:
-            if self.cache is None or self.cache.length == 0:  # once cached, cross K/V replace the memory
-                self.memory = self.memory.index_select(0, index)
+            self.cache.keep_rows(index, cross=sources_changed)
+        elif sources_changed:
+            self.memory = self.memory.index_select(0, index)
             self.memory_mask = self.memory_mask.index_select(0, index)
+
+
+def _max_lengths(model, src: torch.Tensor, max_len_offset: int) -> torch.Tensor:
+    """(B,) output-length limits; BOS + max_len tokens are the decoder positions that get embedded."""
+    src_len = padding_mask(src).view(src.size(0), -1).sum(dim=1)  # (B, 1, 1, S) -> (B,)
+    return (src_len + max_len_offset).clamp(max=model.cfg.max_positions - 1)
 
 
 def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
@@ -93,63 +150,51 @@ def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
     return lprobs.masked_fill(at_limit[:, None] & not_eos[None, :], float("-inf"))
 
 
-def greedy_search(model, src: torch.Tensor, max_len_offset: int = 50, use_cache: bool = True) -> list[Hypothesis]:
-    """Most probable next token at each step; one Hypothesis per source row, in input order."""
-    with _eval_mode(model):
-        src_mask = padding_mask(src)
-        stepper = _Stepper(model, model.encode(src, src_mask), src_mask, use_cache)
-        max_len = _max_lengths(model, src_mask, max_len_offset)  # (B,)
-        alive = list(range(src.size(0)))                         # original index of each row
-        prefix = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)  # (R, t+1)
-        scores = torch.zeros(src.size(0), device=src.device)
-        out: list[Optional[Hypothesis]] = [None] * src.size(0)
-        t = 0
-        while alive:
-            lprobs = _force_eos(stepper.log_probs(prefix), t >= max_len)
-            best, token = lprobs.max(dim=-1)  # (R,)
-            scores = scores + best
-            prefix = torch.cat([prefix, token[:, None]], dim=1)
-            done = token == EOS_ID
-            if done.any():
-                rows = done.nonzero().view(-1)
-                for row, row_tokens, total in zip(rows.tolist(), prefix[rows, 1:-1].tolist(), scores[rows].tolist()):
-                    out[alive[row]] = Hypothesis(row_tokens, total)
-                keep_list = (~done).nonzero().view(-1).tolist()
-                if not keep_list:
-                    break
-                keep = torch.tensor(keep_list, dtype=torch.long, device=src.device)
-                alive = [alive[row] for row in keep_list]
-                prefix, scores, max_len = prefix[keep], scores[keep], max_len[keep]
-                stepper.keep_rows(keep)
-            t += 1
-        return out  # type: ignore[return-value]
+def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int, use_cache: bool) -> SearchResult:
+    """Most probable next token at each step; finished sentences leave the batch."""
+    decoder = _Decoder(model, src, use_cache)
+    max_len = _max_lengths(model, src, max_len_offset)  # (B,)
+    alive = list(range(src.size(0)))                     # original index of each row
+    prefix = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)  # (R, t+1)
+    scores = torch.zeros(src.size(0), device=src.device)
+    out: list[Optional[list[Hypothesis]]] = [None] * src.size(0)
+    sentence_steps = [0] * src.size(0)
+    t = 0
+    while alive:
+        lprobs = _force_eos(decoder.log_probs(prefix), t >= max_len)
+        best, token = lprobs.max(dim=-1)  # (R,)
+        scores = scores + best
+        prefix = torch.cat([prefix, token[:, None]], dim=1)
+        done = token == EOS_ID
+        if done.any():
+            rows = done.nonzero().view(-1)
+            penalty = length_penalty(t + 1, lenpen)
+            for row, row_tokens, total in zip(rows.tolist(), prefix[rows, 1:-1].tolist(), scores[rows].tolist()):
+                out[alive[row]] = [Hypothesis(row_tokens, total / penalty)]
+                sentence_steps[alive[row]] = t + 1
+            keep_list = (~done).nonzero().view(-1).tolist()
+            if not keep_list:
+                break
+            keep = torch.tensor(keep_list, dtype=torch.long, device=src.device)
+            alive = [alive[row] for row in keep_list]
+            prefix, scores, max_len = prefix[keep], scores[keep], max_len[keep]
+            decoder.keep_rows(keep)
+        t += 1
+    return SearchResult(out, decoder.steps, sentence_steps)  # type: ignore[arg-type]
 
 
-def beam_search(model, src: torch.Tensor, beam: int = 4, lenpen: float = 0.6, max_len_offset: int = 50,
-                nbest: int = 1, use_cache: bool = True) -> list[list[Hypothesis]]:
-    """Beam search with the GNMT length penalty; per source row, its `nbest` best hypotheses, best first.
-
-    Each step ranks 2*beam candidates per sentence: the best `beam` that do not end in EOS stay alive, and
-    an EOS candidate is finished only when it ranks within the top `beam` (so beam 1 is exactly greedy
-    with lenpen 0). A sentence stops once its nbest-th finished score beats any possible continuation.
-    """
-    if beam < 1 or not 1 <= nbest <= beam:
-        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
-    with _eval_mode(model):
-        return _beam_search(model, src, beam, lenpen, max_len_offset, nbest, use_cache)
-
-
-def _beam_search(model, src, beam, lenpen, max_len_offset, nbest, use_cache) -> list[list[Hypothesis]]:
+def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_offset: int, nbest: int,
+                 stop: StopRule, use_cache: bool) -> SearchResult:
     device, k = src.device, beam
     inf = float("-inf")
-    src_mask = padding_mask(src)
     # Encoded once per sentence; rows are copied per beam after the first step.
-    stepper = _Stepper(model, model.encode(src, src_mask), src_mask, use_cache)
-    max_len = _max_lengths(model, src_mask, max_len_offset)  # (B,) per live sentence
-    # The best score a live hypothesis can still reach: its sum only falls, its penalty grows at most to max_len + 1.
+    decoder = _Decoder(model, src, use_cache)
+    max_len = _max_lengths(model, src, max_len_offset)  # (B,) per live sentence
+    # The exact rule's divisor: the largest penalty a live hypothesis can reach (module docstring).
     best_lp = length_penalty(max_len.double() + 1, lenpen).tolist()
     alive = list(range(src.size(0)))  # original index of each live sentence
     finished: list[list[Hypothesis]] = [[] for _ in alive]  # by original index
+    sentence_steps = [0] * src.size(0)
     n = 1  # rows per live sentence: one (just BOS) before the first step, then `beam`
     prefix = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=device)  # (B*n, t+1)
     scores = torch.zeros(src.size(0), device=device)  # (B*n,) summed log-probabilities
@@ -157,7 +202,7 @@ def _beam_search(model, src, beam, lenpen, max_len_offset, nbest, use_cache) -> 
     t = 0
     while alive:
         b = len(alive)
-        lprobs = stepper.log_probs(prefix)  # (B*n, V)
+        lprobs = decoder.log_probs(prefix)  # (B*n, V)
         vocab = lprobs.size(1)
         at_limit = (t >= max_len).repeat_interleave(n)  # (B,) -> (B*n,)
         cand = (scores[:, None] + _force_eos(lprobs, at_limit)).view(b, n * vocab)  # (B*n, V) -> (B, n*V)
@@ -183,18 +228,19 @@ def _beam_search(model, src, beam, lenpen, max_len_offset, nbest, use_cache) -> 
         parent = torch.arange(b, device=device)[:, None] * n + origin.gather(1, order)  # (B, k) row indices
         new_token = token.gather(1, order)  # (B, k)
 
-        # Stop a sentence at its length limit, or when no live hypothesis can beat its nbest-th finished one.
+        # Stop a sentence at its length limit, or when its stop rule says so.
         best_live, limit_hit = scores[:, 0].tolist(), (t >= max_len).tolist()
         keep = []
         for s in range(b):
             hyps = finished[alive[s]]
-            done = limit_hit[s]
-            if not done and len(hyps) >= nbest:
+            done = limit_hit[s] or (stop == "early" and len(hyps) >= k)
+            if not done and len(hyps) >= nbest:  # the exact bound, which can settle "early" sooner too
                 kth = sorted((h.score for h in hyps), reverse=True)[nbest - 1]
                 done = kth >= best_live[s] / (best_lp[alive[s]] if lenpen > 0 else 1.0)
             if done:
                 hyps.sort(key=lambda h: h.score, reverse=True)
                 del hyps[nbest:]
+                sentence_steps[alive[s]] = t + 1
             else:
                 keep.append(s)
         if not keep:
@@ -207,8 +253,8 @@ def _beam_search(model, src, beam, lenpen, max_len_offset, nbest, use_cache) -> 
         index = parent.reshape(-1)  # (B', k) -> (B'*k,)
         prefix = torch.cat([prefix.index_select(0, index), new_token.reshape(-1, 1)], dim=1)  # (B'*k, t+2)
         scores = scores.reshape(-1)
-        # Rows of one sentence share its memory: copy memory only when sentences or rows per sentence change.
-        stepper.keep_rows(index, memory_changed=sentence_set_changed or n != k)
+        # Rows of one sentence share its source: move encoder K/V only when sentences or rows per sentence change.
+        decoder.keep_rows(index, sources_changed=sentence_set_changed or n != k)
         n = k
         t += 1
-    return finished
+    return SearchResult(finished, decoder.steps, sentence_steps)

@@ -436,13 +436,14 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, comm
 
 def validation_bleu(model: Transformer, vocab: Vocab, corpus, refs: list[str], cfg: Config, device) -> float:
     """sacreBLEU of the model's translations of (a slice of) the validation set."""
-    from transformer.translate import bleu_chrf, translate_ids
+    from transformer.evaluate import bleu_chrf
+    from transformer.translate import translate_ids
 
     t, d = cfg.train, cfg.decode
     n = min(t.valid_bleu_pairs or len(corpus), len(corpus))
     was_training = model.training
     model.eval()
     ids = translate_ids(model, [corpus.source(i) for i in range(n)], beam=t.valid_bleu_beam, lenpen=d.lenpen,
-                        max_len_offset=d.max_len_offset, max_tokens=d.max_tokens, device=device)
+                        max_len_offset=d.max_len_offset, max_tokens=d.max_tokens, device=device, stop=d.stop)
     model.train(was_training)
     return bleu_chrf(vocab.decode(ids), refs[:n])["bleu"]

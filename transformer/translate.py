@@ -1,4 +1,5 @@
-"""Text in, text out: a Translator that loads a checkpoint once, batches by length, searches and detokenises; sacreBLEU scoring."""
+"""Text in, text out: a Translator that loads a checkpoint once and runs it on a device, in a dtype
+(fp32/bf16/int8), through an engine (ours or CTranslate2); batching by length; streaming stdin."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ from typing import Iterator, Optional, Sequence, TextIO
 
 import torch
 
-from transformer.batch import pad_sequences
+from transformer.batch import prepare_sources, source_limit
 from transformer.checkpoint import load_model
+from transformer.config import DecodeConfig
 from transformer.data import pack_by_size
 from transformer.errors import UserError
-from transformer.search import Hypothesis, beam_search, greedy_search
-from transformer.vocab import EOS_ID
+from transformer.search import STOP_RULES, Hypothesis, length_penalty, search
+from transformer.vocab import Vocab
 
+DTYPES = ("auto", "fp32", "bf16", "int8")
+ENGINES = ("ours", "ctranslate2")
+CT2_COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def pick_device(name: str) -> torch.device:
@@ -28,6 +34,37 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
+    """The native bf16 instruction sets this CPU reports (avx512_bf16, amx_bf16); none where it reports none
+    or there is no /proc/cpuinfo to read. Without them torch emulates bf16 matmuls, far slower than fp32."""
+    try:
+        text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return [f for f in NATIVE_BF16_FLAGS if f in flags]
+
+
+def pick_dtype(name: str, device: torch.device) -> tuple[str, str]:
+    """-> (fp32|bf16|int8, why). "auto" takes the fastest that keeps BLEU: bf16 on a CUDA device that supports
+    it and on a CPU with native bf16, else fp32 (int8 is never chosen for you: it changes more outputs)."""
+    if name not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    if name != "auto":
+        return name, "asked for"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "auto: this CUDA device supports bf16"
+        return "fp32", "auto: this CUDA device has no bf16"
+    flags = cpu_bf16_flags()
+    if flags:
+        return "bf16", f"auto: this CPU has {'/'.join(flags)}"
+    return "fp32", "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)"
+
+
 def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Indices grouped so that batch size x longest (length + EOS) <= max_tokens; longest first, so
     an out-of-memory error shows on the first batch rather than the last."""
@@ -35,30 +72,75 @@ def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return pack_by_size(order, [n + 1 for n in lengths], max_tokens)
 
 
-def search_ids(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
-               max_tokens: int, device, nbest: int = 1) -> list[list[Hypothesis]]:
-    """Per source (subword ids, no EOS), its n-best hypotheses, input order kept. An empty source gives
-    nbest empty hypotheses without running the model; sources are cut to max_positions - 2 subwords."""
-    limit = model.cfg.max_positions - 2
-    out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
+def source_batches(src_ids: Sequence[Sequence[int]], max_positions: int, max_tokens: int) -> list[list[int]]:
+    """Indices of the non-empty sources (empty ones are never searched) in length batches, as both engines
+    take them."""
     todo = [i for i, ids in enumerate(src_ids) if len(ids) > 0]
-    lengths = [min(len(src_ids[i]), limit) for i in todo]
-    for batch in length_batches(lengths, max_tokens):
-        rows = [list(src_ids[todo[j]][:limit]) + [EOS_ID] for j in batch]
-        src = pad_sequences(rows).to(device)  # (B, S)
-        if beam == 1 and nbest == 1:
-            found = [[h] for h in greedy_search(model, src, max_len_offset)]
-        else:
-            found = beam_search(model, src, beam, lenpen, max_len_offset, nbest)
-        for j, hyps in zip(batch, found):
-            out[todo[j]] = hyps
+    lengths = [min(len(src_ids[i]), source_limit(max_positions)) for i in todo]
+    return [[todo[j] for j in batch] for batch in length_batches(lengths, max_tokens)]
+
+
+def search_ids(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
+               max_tokens: int, device, nbest: int = 1, stop: str = DecodeConfig.stop) -> list[list[Hypothesis]]:
+    """Per source (subword ids, no EOS), its n-best hypotheses, input order kept. An empty source gives
+    nbest empty hypotheses without running the model; sources are cut as batch.prepare_sources says."""
+    out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
+    for batch in source_batches(src_ids, model.cfg.max_positions, max_tokens):
+        src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
+        found = search(model, src.to(device), beam, lenpen, max_len_offset, nbest, stop)
+        for i, hyps in zip(batch, found.hypotheses):
+            out[i] = hyps
     return out
 
 
 def translate_ids(model, src_ids: list[list[int]], beam: int, lenpen: float, max_len_offset: int,
-                  max_tokens: int, device) -> list[list[int]]:
+                  max_tokens: int, device, stop: str = DecodeConfig.stop) -> list[list[int]]:
     """Best output ids (no BOS/EOS) per source, in input order: the trainer's validation-BLEU entry point."""
-    return [hyps[0].tokens for hyps in search_ids(model, src_ids, beam, lenpen, max_len_offset, max_tokens, device)]
+    return [hyps[0].tokens for hyps in search_ids(model, src_ids, beam, lenpen, max_len_offset, max_tokens,
+                                                  device, 1, stop)]
+
+
+def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float,
+                       max_len_offset: int, max_tokens: int, max_positions: int,
+                       nbest: int = 1) -> list[list[Hypothesis]]:
+    """search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
+    limits and score definition (scores are converted to ours, and n-best lists re-sorted by them).
+
+    What stays CTranslate2's own: its stop rule (our "early": done once `beam` hypotheses finished) and the
+    length penalty it ranks by, length**lenpen rather than GNMT's ((5 + length) / 6)**lenpen (length
+    counting EOS in both), so beam outputs can differ from ours; greedy outputs agree. Its length limit is
+    per call: an output longer than its own sentence's limit (only a degenerate one) is cut to that limit
+    and rescored.
+    """
+    out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
+    limit = source_limit(max_positions)
+    for batch in source_batches(src_ids, max_positions, max_tokens):
+        sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
+        max_lens = [min(len(s) + 1 + max_len_offset, max_positions - 1) for s in sources]  # as search.py's
+        results = translator.translate_batch(
+            sources, beam_size=beam, num_hypotheses=nbest, length_penalty=lenpen, return_scores=True,
+            max_decoding_length=max(max_lens) + 1,  # + 1: room for the EOS after max_len tokens
+            min_decoding_length=0, max_input_length=0, max_batch_size=0)
+        rescore = []  # (row in batch, hypothesis) whose score must come from CTranslate2's scorer
+        for row, (i, result, max_len) in enumerate(zip(batch, results, max_lens)):
+            hyps = []
+            for pieces, score in zip(result.hypotheses, result.scores):
+                ids = vocab.piece_ids(pieces)
+                hyp = Hypothesis(ids[:max_len], 0.0)
+                if len(ids) <= max_len:  # its score is sum / (tokens + EOS)**lenpen: back to the sum, then ours
+                    hyp.score = score * (len(ids) + 1) ** lenpen / length_penalty(len(ids) + 1, lenpen)
+                else:
+                    rescore.append((row, hyp))
+                hyps.append(hyp)
+            out[i] = hyps
+        if rescore:
+            scored = translator.score_batch([sources[row] for row, _ in rescore],
+                                            [vocab.pieces(h.tokens) for _, h in rescore])
+            for (_, hyp), result in zip(rescore, scored):  # log_probs: each token's and EOS's
+                hyp.score = sum(result.log_probs) / length_penalty(len(hyp.tokens) + 1, lenpen)
+        for i in batch:
+            out[i].sort(key=lambda h: h.score, reverse=True)
+    return out
 
 
 def _one_line(text: str) -> str:
@@ -67,32 +149,68 @@ def _one_line(text: str) -> str:
 
 
 class Translator:
-    """A model, its vocabulary and decode settings, loaded once; translate() maps lines to lines."""
+    """A model, its vocabulary and decode settings, loaded once; translate() maps lines to lines.
+
+    dtype: fp32, bf16 (weights cast; log-probabilities still in fp32), int8 (CPU: dynamic quantization of
+    the linear layers) or auto (pick_dtype; `note` says what it picked). engine: ours (PyTorch search) or
+    ctranslate2 (the checkpoint converted once, cached beside it: export.cached_conversion).
+    """
 
     def __init__(self, checkpoint: str | Path, device: str = "auto", beam: Optional[int] = None,
                  lenpen: Optional[float] = None, max_tokens: Optional[int] = None,
-                 max_len_offset: Optional[int] = None, int8: bool = False):
+                 max_len_offset: Optional[int] = None, stop: Optional[str] = None, dtype: str = "fp32",
+                 engine: str = "ours"):
+        if engine not in ENGINES:
+            raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.device = pick_device(device)
-        self.model, self.vocab, self.cfg = load_model(checkpoint, self.device)
-        if int8:
-            from transformer.quantize import quantize_int8
-
-            self.model = quantize_int8(self.model)
+        self.dtype, why = pick_dtype(dtype, self.device)
+        self.engine = engine
+        self.model, self.vocab, self.cfg = load_model(checkpoint, self.device if engine == "ours" else "cpu")
         dec = self.cfg.decode
         self.beam = dec.beam if beam is None else beam
         self.lenpen = dec.lenpen if lenpen is None else lenpen
         self.max_tokens = dec.max_tokens if max_tokens is None else max_tokens
         self.max_len_offset = dec.max_len_offset if max_len_offset is None else max_len_offset
+        self.stop = dec.stop if stop is None else stop
         for ok, message in ((self.beam >= 1, "beam must be at least 1"), (self.lenpen >= 0, "lenpen must not be negative"),
                             (self.max_tokens >= 1, "max tokens must be positive"),
-                            (self.max_len_offset >= 1, "max length offset must be at least 1")):
+                            (self.max_len_offset >= 1, "max length offset must be at least 1"),
+                            (self.stop in STOP_RULES, f"stop must be one of {', '.join(STOP_RULES)}, got {self.stop!r}")):
             if not ok:
                 raise UserError(message)
+        # For the commands to print once their own checks have passed (a library caller may ignore it).
+        self.note = f"dtype: {self.dtype} ({why})" if dtype == "auto" else None
+        if dtype == "bf16" and self.device.type == "cpu" and not cpu_bf16_flags():
+            self.note = ("warning: this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 runs emulated, "
+                         "much slower than fp32")
+        self.ct2 = None
+        if engine == "ctranslate2":
+            self.ct2 = self._load_ctranslate2(checkpoint)
+            self.model = None  # converted: the PyTorch copy is not needed any more
+        elif self.dtype == "bf16":
+            self.model = self.model.to(torch.bfloat16)
+        elif self.dtype == "int8":
+            from transformer.quantize import quantize_int8
+
+            self.model = quantize_int8(self.model)
         self.lines_seen = 0  # numbers the lines in truncation warnings across streamed chunks
+
+    def _load_ctranslate2(self, checkpoint):
+        from transformer.export import cached_conversion, require_ctranslate2
+
+        ctranslate2 = require_ctranslate2()
+        model_dir = cached_conversion(checkpoint)
+        threads = torch.get_num_threads() if self.device.type == "cpu" else 1
+        try:
+            return ctranslate2.Translator(str(model_dir), device=self.device.type, inter_threads=1,
+                                          intra_threads=threads, compute_type=CT2_COMPUTE_TYPES[self.dtype])
+        except (ValueError, RuntimeError) as e:  # e.g. a compute type this machine or build lacks
+            raise UserError(f"CTranslate2 cannot run {model_dir} on {self.device.type} in {self.dtype}: "
+                            f"{str(e).splitlines()[0]}") from None
 
     def encode(self, lines: Sequence[str]) -> list[list[int]]:
         ids = self.vocab.encode([line if line.strip() else "" for line in lines])
-        limit = self.cfg.model.max_positions - 2
+        limit = source_limit(self.cfg.model.max_positions)
         for i, seq in enumerate(ids):
             if len(seq) > limit:
                 print(f"warning: input line {self.lines_seen + i + 1} has {len(seq)} subwords; truncated to the "
@@ -100,34 +218,33 @@ class Translator:
         self.lines_seen += len(lines)
         return ids
 
+    def search(self, src_ids: Sequence[Sequence[int]], nbest: int = 1) -> list[list[Hypothesis]]:
+        """Per source (subword ids), its n-best hypotheses, through this translator's engine."""
+        if self.ct2 is not None:
+            return ctranslate2_search(self.ct2, self.vocab, src_ids, self.beam, self.lenpen, self.max_len_offset,
+                                      self.max_tokens, self.cfg.model.max_positions, nbest)
+        return search_ids(self.model, src_ids, self.beam, self.lenpen, self.max_len_offset, self.max_tokens,
+                          self.device, nbest, self.stop)
+
     def translate_nbest(self, lines: Sequence[str], nbest: int = 1) -> list[list[tuple[float, str]]]:
         """Per line, up to `nbest` (score, translation) pairs, best first."""
         if nbest > self.beam:
             raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({self.beam})")
-        found = search_ids(self.model, self.encode(lines), self.beam, self.lenpen, self.max_len_offset,
-                           self.max_tokens, self.device, nbest)
+        found = self.search(self.encode(lines), nbest)
         return [[(h.score, _one_line(text)) for h, text in zip(hyps, self.vocab.decode([h.tokens for h in hyps]))]
                 for hyps in found]
 
     def translate(self, lines: Sequence[str]) -> list[str]:
         return [hyps[0][1] for hyps in self.translate_nbest(lines, 1)]
 
-
-def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
-    """Corpus BLEU and chrF with sacreBLEU defaults (13a tokenisation, cased), with their signatures."""
-    from sacrebleu.metrics import BLEU, CHRF
-
-    if len(hypotheses) != len(references):
-        raise UserError(f"{len(hypotheses)} hypotheses but {len(references)} references")
-    bleu, chrf = BLEU(), CHRF()
-    b = bleu.corpus_score(list(hypotheses), [list(references)])
-    c = chrf.corpus_score(list(hypotheses), [list(references)])
-    return {
-        "bleu": b.score, "chrf": c.score,
-        "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature()),
-        "bleu_detail": str(b), "chrf_detail": str(c),
-        "bp": b.bp, "sys_len": b.sys_len, "ref_len": b.ref_len, "sentences": len(hypotheses),
-    }
+    def describe(self) -> str:
+        """The settings that change outputs, for file names: beam4.lp0.6[.early][.bf16|.int8][.ct2]."""
+        name = f"beam{self.beam}.lp{self.lenpen:g}"
+        if self.stop != "exact" and self.beam > 1 and self.ct2 is None:
+            name += f".{self.stop}"
+        if self.dtype != "fp32":
+            name += f".{self.dtype}"
+        return name + (".ct2" if self.ct2 is not None else "")
 
 
 def stdin_chunks(stream: Optional[TextIO] = None, fallback_lines: int = 512) -> Iterator[list[str]]:
@@ -183,7 +300,7 @@ def _write_nbest(out: TextIO, results: list[list[tuple[float, str]]], nbest: int
 
 def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str], output: Optional[str],
                   beam: Optional[int], lenpen: Optional[float], nbest: int, max_tokens: Optional[int],
-                  device: str, int8: bool = False) -> None:
+                  device: str, dtype: str = "fp32", stop: Optional[str] = None, engine: str = "ours") -> None:
     """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line."""
     from transformer.atomic import check_output_path
     from transformer.data import read_lines
@@ -198,9 +315,11 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
         raise UserError("translate: standard input is closed; give sentences as arguments or --input FILE")
     if output:  # before anything is opened: never truncate an input or a checkpoint
         check_output_path(output, [input, checkpoint], command="translate")
-    translator = Translator(checkpoint, device, beam, lenpen, max_tokens, int8=int8)
+    translator = Translator(checkpoint, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine)
     if nbest > translator.beam:
         raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({translator.beam}); raise --beam")
+    if translator.note:
+        print(translator.note, file=sys.stderr)
     if output is None and hasattr(sys.stdout, "reconfigure"):
         try:  # a translation may hold characters the terminal's encoding lacks: never crash on printing
             sys.stdout.reconfigure(errors="replace")
@@ -227,55 +346,3 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
             except OSError:  # already reported above
                 pass
 
-
-def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], beam: Optional[int],
-                 lenpen: Optional[float], max_tokens: Optional[int], device: str, int8: bool = False) -> dict:
-    """The `evaluate` command: translate a split (or --src/--ref files), score, write .hyp and .json."""
-    import json
-    import time
-
-    from transformer.data import load_split, read_parallel
-
-    if (src is None) != (ref is None):
-        raise UserError("evaluate: --src and --ref go together")
-    if src is not None and split is not None:
-        raise UserError("evaluate: give --split or --src/--ref, not both")
-    translator = Translator(run_dir, device, beam, lenpen, max_tokens, int8=int8)
-    if src is not None:
-        sources, references = read_parallel(src, ref)
-        name = Path(src).name
-    else:
-        data = translator.cfg.data
-        aliases = {"train": data.train_split, "valid": data.valid_split, "test": data.test_split}
-        split = split or "test"
-        real = aliases.get(split, split)
-        if data.source == "local":
-            from transformer.data import split_paths
-
-            if not all(p.is_file() for p in split_paths(data, real)):
-                known = sorted({s for s in aliases} | set(aliases.values()))
-                raise UserError(f"evaluate: unknown split {split!r}: no {split_paths(data, real)[0]} "
-                                f"(splits of this run: {', '.join(known)}; or pass --src FILE --ref FILE)")
-        sources, references = load_split(data, real)
-        name = split
-    checkpoint = Path(run_dir)
-    eval_dir = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval"
-    if not checkpoint.is_dir():
-        name = f"{checkpoint.stem}.{name}"
-    # Settings in the name, so that evaluating with another beam does not overwrite the last result.
-    name += f".beam{translator.beam}.lp{translator.lenpen:g}" + (".int8" if int8 else "")
-    start = time.perf_counter()
-    hypotheses = translator.translate(sources)
-    seconds = time.perf_counter() - start
-    scores = bleu_chrf(hypotheses, references)
-    eval_dir.mkdir(parents=True, exist_ok=True)
-    hyp_path, json_path = eval_dir / f"{name}.hyp", eval_dir / f"{name}.json"
-    hyp_path.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
-    record = {"checkpoint": str(run_dir), "split": split, "src": src, "ref": ref, "beam": translator.beam, "int8": int8,
-              "lenpen": translator.lenpen, "seconds": round(seconds, 3), "hypotheses": str(hyp_path), **scores}
-    json_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    print(f"{scores['bleu_detail']}\n  signature: {scores['bleu_signature']}")
-    print(f"{scores['chrf_detail']}\n  signature: {scores['chrf_signature']}")
-    print(f"{len(hypotheses)} sentences in {seconds:.1f}s (beam {translator.beam}, lenpen {translator.lenpen}); "
-          f"wrote {hyp_path} and {json_path}")
-    return record

@@ -74,6 +74,10 @@ class Vocab:
     def pieces(self, ids: Sequence[int]) -> list[str]:
         return [self.sp.id_to_piece(int(i)) for i in ids]
 
+    def piece_ids(self, pieces: Sequence[str]) -> list[int]:
+        """The inverse of pieces(): for engines that speak in pieces (CTranslate2)."""
+        return [self.sp.piece_to_id(p) for p in pieces]
+
 
 def train_vocab(
     sentences: Iterable[str],

@@ -1,23 +1,22 @@
-"""The CTranslate2 export computes our model: same token log-probabilities, same greedy translations."""
+"""`transformer export ctranslate2`: the exported model computes ours (same token log-probabilities, same
+greedy translations); the command's files and errors."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 import torch
 
-from tests.trainutil import ROOT, tiny_config
-from transformer.batch import causal_mask, pad_sequences, padding_mask
+from tests.trainutil import tiny_config
+from transformer import cli
+from transformer.batch import causal_mask, pad_sequences, padding_mask, prepare_sources
 from transformer.checkpoint import load_model
 from transformer.config import from_dict
-from transformer.search import greedy_search
+from transformer.export import export_ctranslate2
+from transformer.search import search
 from transformer.train import train
 from transformer.vocab import BOS_ID, EOS_ID
 
 ctranslate2 = pytest.importorskip("ctranslate2")
-sys.path.insert(0, str(ROOT / "scripts"))
-from export_ctranslate2 import export  # noqa: E402
 
 SOURCES = ["der mann sitzt auf dem haus", "eine katze", "ein kind spielt im haus mit dem hund", "rot"]
 
@@ -31,13 +30,13 @@ def test_exported_model_scores_and_translates_like_ours(tmp_path, model_override
     run_dir = train(from_dict(raw), quiet=True)
     model, vocab, _ = load_model(run_dir)
     model.eval()
-    out = export(run_dir, tmp_path / "ct2")
+    out = export_ctranslate2(run_dir, tmp_path / "ct2")
     translator = ctranslate2.Translator(str(out), device="cpu", compute_type="float32")
     src_ids = vocab.encode(SOURCES)
-    src = pad_sequences([s + [EOS_ID] for s in src_ids])  # (B, S)
+    src, _ = prepare_sources(src_ids, model.cfg.max_positions)  # (B, S)
 
     # Scoring: CTranslate2's per-token log-probabilities of our greedy outputs equal ours.
-    ours = greedy_search(model, src, max_len_offset=10)
+    ours = search(model, src, beam=1, max_len_offset=10).best()
     targets = [h.tokens for h in ours]
     scored = translator.score_batch([vocab.pieces(s) for s in src_ids], [vocab.pieces(t) for t in targets])
     with torch.no_grad():
@@ -56,3 +55,27 @@ def test_exported_model_scores_and_translates_like_ours(tmp_path, model_override
         result = translator.translate_batch([vocab.pieces(s)], beam_size=1, max_decoding_length=len(s) + 1 + 10)
         assert result[0].hypotheses[0] == vocab.pieces(t)
     assert (out / "spm.model").read_bytes() == vocab.proto
+
+
+def test_export_command(tmp_path, capsys):
+    raw = tiny_config(tmp_path, train={"max_steps": 2, "valid_every": 100})
+    run_dir = train(from_dict(raw), quiet=True)
+    out = tmp_path / "exported"
+
+    def call(*argv):
+        try:
+            cli.main([str(a) for a in argv])
+            status = 0
+        except SystemExit as e:
+            status = e.code
+        return (status, *capsys.readouterr())
+
+    status, stdout, _ = call("export", "ctranslate2", run_dir, out, "--quantization", "int8")
+    assert status == 0 and stdout == f"wrote {out}\n"
+    assert {"model.bin", "config.json", "spm.model"} <= {p.name for p in out.iterdir()}
+    ctranslate2.Translator(str(out), device="cpu").translate_batch([["▁der"]], max_decoding_length=5)  # it loads
+    status, _, err = call("export", "ctranslate2", run_dir, out)
+    assert status == 2 and err.startswith("error:") and "--force" in err
+    assert call("export", "ctranslate2", run_dir, out, "--force")[0] == 0
+    status, _, err = call("export", "ctranslate2", tmp_path / "nothing", tmp_path / "o")
+    assert status == 2 and "no such file" in err and not (tmp_path / "o").exists()

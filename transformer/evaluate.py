@@ -1,0 +1,84 @@
+"""Scoring with sacreBLEU (BLEU and chrF, with signatures) and the `evaluate` command; training's validation
+BLEU uses the same scoring."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from transformer.atomic import atomic_write
+from transformer.errors import UserError
+
+
+def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
+    """Corpus BLEU and chrF with sacreBLEU defaults (13a tokenisation, cased), with their signatures."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    if len(hypotheses) != len(references):
+        raise UserError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+    bleu, chrf = BLEU(), CHRF()
+    b = bleu.corpus_score(list(hypotheses), [list(references)])
+    c = chrf.corpus_score(list(hypotheses), [list(references)])
+    return {
+        "bleu": b.score, "chrf": c.score,
+        "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature()),
+        "bleu_detail": str(b), "chrf_detail": str(c),
+        "bp": b.bp, "sys_len": b.sys_len, "ref_len": b.ref_len, "sentences": len(hypotheses),
+    }
+
+
+def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], beam: Optional[int],
+                 lenpen: Optional[float], max_tokens: Optional[int], device: str, dtype: str = "fp32",
+                 stop: Optional[str] = None, engine: str = "ours") -> dict:
+    """The `evaluate` command: translate a split (or --src/--ref files), score, write .hyp and .json."""
+    from transformer.data import load_split, read_parallel
+    from transformer.translate import Translator
+
+    if (src is None) != (ref is None):
+        raise UserError("evaluate: --src and --ref go together")
+    if src is not None and split is not None:
+        raise UserError("evaluate: give --split or --src/--ref, not both")
+    translator = Translator(run_dir, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine)
+    if src is not None:
+        sources, references = read_parallel(src, ref)
+        name = Path(src).name
+    else:
+        data = translator.cfg.data
+        aliases = {"train": data.train_split, "valid": data.valid_split, "test": data.test_split}
+        split = split or "test"
+        try:
+            sources, references = load_split(data, aliases.get(split, split))
+        except UserError as e:
+            raise UserError(f"evaluate: unknown split {split!r}: {e} (splits of this run are named by data.train_split, "
+                            "data.valid_split, data.test_split; or pass --src FILE --ref FILE)") from None
+        name = split
+    if translator.note:
+        print(translator.note, file=sys.stderr)
+    checkpoint = Path(run_dir)
+    eval_dir = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval"
+    if not checkpoint.is_dir():
+        name = f"{checkpoint.stem}.{name}"
+    # Settings in the name, so that evaluating with another beam does not overwrite the last result.
+    name += "." + translator.describe()
+    start = time.perf_counter()
+    hypotheses = translator.translate(sources)
+    seconds = time.perf_counter() - start
+    scores = bleu_chrf(hypotheses, references)
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    hyp_path, json_path = eval_dir / f"{name}.hyp", eval_dir / f"{name}.json"
+    text = "".join(h + "\n" for h in hypotheses)
+    atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
+    record = {"checkpoint": str(run_dir), "split": split, "src": src, "ref": ref, "beam": translator.beam,
+              "lenpen": translator.lenpen, "stop": translator.stop if translator.engine == "ours" else None,
+              "dtype": translator.dtype, "engine": translator.engine, "seconds": round(seconds, 3),
+              "hypotheses": str(hyp_path), **scores}
+    summary = json.dumps(record, indent=2) + "\n"
+    atomic_write(json_path, lambda f: f.write(summary.encode("utf-8")))
+    print(f"{scores['bleu_detail']}\n  signature: {scores['bleu_signature']}")
+    print(f"{scores['chrf_detail']}\n  signature: {scores['chrf_signature']}")
+    print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({translator.describe()}); "
+          f"wrote {hyp_path} and {json_path}")
+    return record

@@ -1,0 +1,180 @@
+"""`transformer export ctranslate2`: a checkpoint as a CTranslate2 model directory, and the converted copy
+that `--engine ctranslate2` keeps beside a checkpoint (rebuilt when the checkpoint changes)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from transformer.checkpoint import load_model, resolve_checkpoint
+from transformer.errors import UserError
+
+LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which our model uses
+SOURCE_RECORD = "source.json"  # in a cached conversion: which checkpoint file it was made from
+
+
+def require_ctranslate2():
+    """The ctranslate2 module, or a one-line error naming the optional extra that installs it."""
+    try:
+        import ctranslate2
+    except ImportError:
+        raise UserError("CTranslate2 is not installed: pip install 'transformer[ctranslate2]' "
+                        "(or pip install ctranslate2)") from None
+    return ctranslate2
+
+
+def _linear(spec, *linears) -> None:
+    """Set a CTranslate2 LinearSpec from one nn.Linear, or from several fused along the output axis."""
+    spec.weight = torch.cat([m.weight.detach() for m in linears]).float().numpy()  # (out, in)
+    if linears[0].bias is not None:
+        spec.bias = torch.cat([m.bias.detach() for m in linears]).float().numpy()
+
+
+def _norm(spec, norm) -> None:
+    spec.gamma = norm.weight.detach().float().numpy()
+    spec.beta = norm.bias.detach().float().numpy()
+
+
+def build_spec(model, pieces: list[str]):
+    """A ctranslate2 TransformerSpec holding our model's weights and vocabulary."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    c = model.cfg
+    spec = transformer_spec.TransformerSpec.from_config(
+        (c.n_encoder_layers, c.n_decoder_layers), c.n_heads, pre_norm=c.norm == "pre",
+        no_final_norm=c.norm == "post", activation=common_spec.Activation.RELU)
+    table = model.positions.table.float().numpy()  # (P, C): our interleaved sin/cos, not CTranslate2's own
+    for side, embedding, final_norm in ((spec.encoder, model.src_embed, model.encoder_norm),
+                                        (spec.decoder, model.tgt_embed, model.decoder_norm)):
+        embeddings = side.embeddings[0] if isinstance(side.embeddings, list) else side.embeddings
+        embeddings.weight = embedding.weight.detach().float().numpy()
+        side.scale_embeddings = True  # x * sqrt(d_model), as in _embed
+        side.position_encodings.encodings = table
+        if c.norm == "pre":
+            _norm(side.layer_norm, final_norm)
+    for layer_spec, layer in zip(spec.encoder.layer, model.encoder_layers):
+        a = layer.self_attn
+        _linear(layer_spec.self_attention.linear[0], a.q_proj, a.k_proj, a.v_proj)
+        _linear(layer_spec.self_attention.linear[1], a.out_proj)
+        _norm(layer_spec.self_attention.layer_norm, layer.sub_attn.norm)
+        _linear(layer_spec.ffn.linear_0, layer.ffn.fc1)
+        _linear(layer_spec.ffn.linear_1, layer.ffn.fc2)
+        _norm(layer_spec.ffn.layer_norm, layer.sub_ffn.norm)
+    for layer_spec, layer in zip(spec.decoder.layer, model.decoder_layers):
+        a, x = layer.self_attn, layer.cross_attn
+        _linear(layer_spec.self_attention.linear[0], a.q_proj, a.k_proj, a.v_proj)
+        _linear(layer_spec.self_attention.linear[1], a.out_proj)
+        _norm(layer_spec.self_attention.layer_norm, layer.sub_self.norm)
+        _linear(layer_spec.attention.linear[0], x.q_proj)
+        _linear(layer_spec.attention.linear[1], x.k_proj, x.v_proj)
+        _linear(layer_spec.attention.linear[2], x.out_proj)
+        _norm(layer_spec.attention.layer_norm, layer.sub_cross.norm)
+        _linear(layer_spec.ffn.linear_0, layer.ffn.fc1)
+        _linear(layer_spec.ffn.linear_1, layer.ffn.fc2)
+        _norm(layer_spec.ffn.layer_norm, layer.sub_ffn.norm)
+    _linear(spec.decoder.projection, model.output)
+
+    spec.config.add_source_eos = True  # our encoder always saw the source followed by </s>
+    spec.config.decoder_start_token = "<s>"
+    spec.config.layer_norm_epsilon = LAYER_NORM_EPS
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+    return spec
+
+
+def _write_model(checkpoint: Path, out_dir: Path, quantization: str | None) -> None:
+    model, vocab, _ = load_model(checkpoint, "cpu")
+    spec = build_spec(model.eval(), vocab.pieces(range(len(vocab))))
+    spec.validate()
+    spec.optimize(quantization=quantization)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec.save(str(out_dir))
+    (out_dir / "spm.model").write_bytes(vocab.proto)  # CTranslate2 takes pieces: this makes them
+
+
+def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, quantization: str | None = None,
+                       force: bool = False) -> Path:
+    """Write a CTranslate2 model directory (model.bin, vocabularies, our spm.model) for `checkpoint`
+    (a run directory or .pt file); returns it. CTranslate2 appends </s> to the source itself."""
+    require_ctranslate2()
+    source = resolve_checkpoint(checkpoint)
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        if not force:
+            raise UserError(f"export: {out_dir} exists; add --force to replace it")
+        shutil.rmtree(out_dir)
+    _write_model(source, out_dir, quantization)
+    return out_dir
+
+
+def _fingerprint(path: Path, with_hash: bool) -> dict:
+    stat = path.stat()
+    record = {"checkpoint": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if with_hash:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        record["sha256"] = digest.hexdigest()
+    return record
+
+
+def _cache_is_current(model_dir: Path, checkpoint: Path) -> bool:
+    """Size and mtime unchanged, or (a copied or touched file) the same bytes by sha256."""
+    try:
+        record = json.loads((model_dir / SOURCE_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not (model_dir / "model.bin").is_file() or not isinstance(record, dict):
+        return False
+    now = _fingerprint(checkpoint, with_hash=False)
+    if record.get("size") == now["size"] and record.get("mtime_ns") == now["mtime_ns"]:
+        return True
+    return record.get("size") == now["size"] and record.get("sha256") == _fingerprint(checkpoint, True)["sha256"]
+
+
+def cached_conversion(checkpoint: str | Path) -> Path:
+    """The CTranslate2 conversion of `checkpoint`, made once and kept in CHECKPOINT_DIR/ct2/<stem>/ with a
+    record of the checkpoint it came from; rebuilt when that checkpoint changes. Where that directory
+    cannot be written, converts into a temporary directory instead (each time), with a warning."""
+    require_ctranslate2()
+    source = resolve_checkpoint(checkpoint).resolve()
+    target = source.parent / "ct2" / source.stem
+    if _cache_is_current(target, source):
+        return target
+    print(f"converting {source} for CTranslate2 into {target} (once per checkpoint)", file=sys.stderr)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{source.stem}.", dir=target.parent))
+    except OSError as e:
+        staging = Path(tempfile.mkdtemp(prefix="transformer_ct2_"))
+        print(f"warning: cannot write {target.parent} ({e.strerror}); converted into {staging}, "
+              "which is not reused", file=sys.stderr)
+        _write_model(source, staging, None)
+        return staging
+    try:
+        _write_model(source, staging, None)
+        record = _fingerprint(source, with_hash=True)
+        (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        # Readers load model.bin when they start, so swapping the directory under them is safe.
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process put its conversion there first: that one is as good
+            if not _cache_is_current(target, source):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def run_export(checkpoint: str, out_dir: str, quantization: str | None, force: bool) -> None:
+    """The `export ctranslate2` command."""
+    print(f"wrote {export_ctranslate2(checkpoint, out_dir, quantization, force)}")
