@@ -55,7 +55,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 def cmd_attention(args: argparse.Namespace) -> None:
     from transformer.checkpoint import load_model
-    from transformer.inspect import KINDS, inspect_attention
+    from transformer.attention_maps import KINDS, inspect_attention
     from transformer.plots import output_path, write_attention_figures
 
     output_path(args.out)  # a bad suffix fails before the model is loaded

@@ -321,7 +321,7 @@ def _check_index(name: str, value: Optional[int], count: int, kind: str) -> None
 
 
 def write_attention_figures(
-    maps,                                    # transformer.inspect.AttentionMaps
+    maps,                                    # transformer.attention_maps.AttentionMaps
     out: str | Path,
     kinds: Sequence[str] = ("encoder", "decoder", "cross"),
     layer: Optional[int] = None,             # 1-based, as in the figure titles
@@ -330,7 +330,7 @@ def write_attention_figures(
     """One figure per kind: the layers x heads grid, the chosen layer's or head's row/column,
     or one large map when both are given. A single figure goes to `out` itself; several go to
     `out` with _encoder, _decoder, _cross before the suffix."""
-    from transformer.inspect import KEY_AXIS, QUERY_AXIS, TITLES
+    from transformer.attention_maps import KEY_AXIS, QUERY_AXIS, TITLES
 
     out = output_path(out)
     for kind in kinds:

@@ -17,7 +17,7 @@ from transformer.checkpoint import save_checkpoint
 from transformer.cli import main
 from transformer.config import Config, DataConfig, ModelConfig, to_dict
 from transformer.errors import UserError
-from transformer.inspect import KINDS, collect_attention, inspect_attention, recording
+from transformer.attention_maps import KINDS, collect_attention, inspect_attention, recording
 from transformer.model import Transformer
 from transformer.vocab import PAD_ID, train_vocab
 
