@@ -29,7 +29,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from transformer.batch import causal_mask, padding_mask  # noqa: E402
 from transformer.config import load_config  # noqa: E402
-from transformer.model import Transformer  # noqa: E402
+from transformer.device import matmul_tflops  # noqa: E402
+from transformer.model import Transformer, training_flops  # noqa: E402
 
 IMPLS = ("ours", "marian", "torch")
 
@@ -40,31 +41,13 @@ def sync(device):
 
 
 def flops_per_update(m, n_seq: int, src_len: int, tgt_len: int, vocab: int) -> float:
-    d, f = m.d_model, m.d_ff
-    attn_params = 4 * d * d
-    ffn_params = 2 * d * f
-    enc = m.n_encoder_layers * (attn_params + ffn_params)
-    dec = m.n_decoder_layers * (2 * attn_params + ffn_params) + d * vocab  # + output projection
-    dense = 6 * (enc * n_seq * src_len + dec * n_seq * tgt_len)
-    # QK^T and AV: 2 matmuls x 2 flops per MAC, x3 for forward + backward.
-    attention = 12 * d * n_seq * (m.n_encoder_layers * src_len ** 2
-                                  + m.n_decoder_layers * (tgt_len ** 2 + tgt_len * src_len))
-    return float(dense + attention)
+    return training_flops(m, vocab, n_seq * src_len, n_seq * tgt_len, [(n_seq, src_len, tgt_len)])
 
 
 def measure_peak(device, dtype) -> float:
-    n = 8192 if device.type == "cuda" else 2048
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    reps = 20 if device.type == "cuda" else 5
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - start)
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return 1e12 * matmul_tflops(device, precision, size=8192 if device.type == "cuda" else 2048,
+                                repeats=20 if device.type == "cuda" else 5)
 
 
 def build(impl: str, m, vocab: int, device, compile: bool = False):

@@ -18,7 +18,9 @@ from transformer.checkpoint import load_model, save_checkpoint
 from transformer.config import from_dict, to_dict
 from transformer.evaluate import bleu_chrf
 from transformer.model import Transformer
-from transformer.translate import Translator, cpu_bf16_flags, pick_dtype, search_ids, translate_ids
+from transformer import device as device_module
+from transformer.device import cpu_bf16_flags
+from transformer.translate import Translator, pick_dtype, search_ids, translate_ids
 from transformer.vocab import PAD_ID, train_vocab
 
 WORDS = ("ein zwei drei hund katze mann frau kind spielt läuft auf der die das im park mit einem ball "
@@ -300,26 +302,26 @@ def test_cpu_bf16_flags_reads_cpuinfo(tmp_path):
 
 def test_auto_dtype_is_bf16_only_where_native(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: [])
+    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
     assert pick_dtype("auto", cpu)[0] == "fp32"  # emulated bf16 is far slower than fp32
-    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["amx_bf16"])
     assert pick_dtype("auto", cpu) == ("bf16", "auto: this CPU has amx_bf16")
     for supported, expected in ((True, "bf16"), (False, "fp32")):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: supported)
         assert pick_dtype("auto", cuda)[0] == expected
     assert pick_dtype("int8", cpu)[0] == "int8"  # an explicit choice is kept
 
 
 def test_translate_says_which_dtype_auto_picked(run, monkeypatch, capsys):
-    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: [])
+    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
     status, out, err = call("translate", run, "--device", "cpu", SENTENCES[0], capsys=capsys)
     assert status == 0 and err.splitlines() == ["dtype: fp32 (auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16))"]
-    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["avx512_bf16"])
     translator = Translator(run, device="cpu", dtype="auto")
     assert translator.dtype == "bf16" and next(translator.model.parameters()).dtype == torch.bfloat16
     status, _, err = call("translate", run, "--device", "cpu", "--dtype", "fp32", SENTENCES[0], capsys=capsys)
     assert status == 0 and err == ""  # nothing to say about an explicit choice
-    monkeypatch.setattr(translate, "cpu_bf16_flags", lambda: [])
+    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
     status, _, err = call("translate", run, "--device", "cpu", "--dtype", "bf16", SENTENCES[0], capsys=capsys)
     assert status == 0 and err.startswith("warning:") and "emulated" in err  # unless it is a slow choice
 

@@ -14,6 +14,7 @@ from transformer.batch import prepare_sources, source_limit
 from transformer.checkpoint import load_model
 from transformer.config import DecodeConfig
 from transformer.data import pack_by_size
+from transformer.device import native_bf16, pick_device
 from transformer.errors import UserError
 from transformer.search import STOP_RULES, Hypothesis, length_penalty, search
 from transformer.vocab import Vocab
@@ -21,31 +22,6 @@ from transformer.vocab import Vocab
 DTYPES = ("auto", "fp32", "bf16", "int8")
 ENGINES = ("ours", "ctranslate2")
 CT2_COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA device is available")
-    if name not in ("cpu", "cuda"):
-        raise UserError(f"--device must be auto, cpu or cuda, got {name!r}")
-    return torch.device(name)
-
-
-def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
-    """The native bf16 instruction sets this CPU reports (avx512_bf16, amx_bf16); none where it reports none
-    or there is no /proc/cpuinfo to read. Without them torch emulates bf16 matmuls, far slower than fp32."""
-    try:
-        text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return []
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-    return [f for f in NATIVE_BF16_FLAGS if f in flags]
 
 
 def pick_dtype(name: str, device: torch.device) -> tuple[str, str]:
@@ -55,14 +31,8 @@ def pick_dtype(name: str, device: torch.device) -> tuple[str, str]:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     if name != "auto":
         return name, "asked for"
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return "bf16", "auto: this CUDA device supports bf16"
-        return "fp32", "auto: this CUDA device has no bf16"
-    flags = cpu_bf16_flags()
-    if flags:
-        return "bf16", f"auto: this CPU has {'/'.join(flags)}"
-    return "fp32", "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)"
+    native, why = native_bf16(device)
+    return ("bf16" if native else "fp32"), f"auto: {why}"
 
 
 def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -180,7 +150,7 @@ class Translator:
                 raise UserError(message)
         # For the commands to print once their own checks have passed (a library caller may ignore it).
         self.note = f"dtype: {self.dtype} ({why})" if dtype == "auto" else None
-        if dtype == "bf16" and self.device.type == "cpu" and not cpu_bf16_flags():
+        if dtype == "bf16" and self.device.type == "cpu" and not native_bf16(self.device)[0]:
             self.note = ("warning: this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 runs emulated, "
                          "much slower than fp32")
         self.ct2 = None

@@ -1,0 +1,79 @@
+"""Devices: which one to run on, whether it computes bf16 natively, the training precision `auto` picks, and the
+matmul rate that model FLOPs utilisation (MFU) divides by."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from transformer.errors import UserError
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA device is available")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"--device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
+    """The native bf16 instruction sets this CPU reports (avx512_bf16, amx_bf16); none where it reports none
+    or there is no /proc/cpuinfo to read. Without them torch emulates bf16 matmuls, far slower than fp32."""
+    try:
+        text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return [f for f in NATIVE_BF16_FLAGS if f in flags]
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether this device runs bf16 matmuls in hardware, and why, in words for the log."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, "this CUDA device supports bf16"
+        return False, "this CUDA device has no native bf16"
+    flags = cpu_bf16_flags()
+    if flags:
+        return True, f"this CPU has {'/'.join(flags)}"
+    return False, "this CPU has no native bf16 (no avx512_bf16 or amx_bf16)"
+
+
+def pick_precision(name: str, device: torch.device) -> tuple[str, str]:
+    """Training precision -> (fp32|bf16|fp16, why). `auto`: bf16 autocast where the hardware has it, else fp32."""
+    if name != "auto":
+        if name == "fp16" and device.type != "cuda":
+            raise UserError("train.precision 'fp16' needs CUDA; use 'bf16' or 'fp32' on CPU")
+        return name, "train.precision"
+    native, why = native_bf16(device)
+    return ("bf16" if native else "fp32"), f"auto: {why}"
+
+
+def matmul_tflops(device: torch.device, precision: str, size: int = 0, repeats: int = 5) -> float:
+    """The dense matmul rate this device reaches in `precision` (TFLOP/s), measured with square matmuls:
+    the peak that MFU divides by when train.peak_tflops does not give one. About a second on a CPU."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    n = size or (8192 if device.type == "cuda" else 1024)
+    generator = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG streams alone
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n ** 3 * repeats / (time.perf_counter() - start) / 1e12
