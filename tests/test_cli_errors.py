@@ -141,7 +141,7 @@ CASES = [
          "train.run_dir {root}/afile/run: cannot create it (Not a directory)"),
     Case("resume weights only", lambda r, run: ["train", "--resume", r / "weights_run"],
          "resume: {root}/weights_run/last.pt cannot be resumed: it holds weights only, as `transformer average` "
-         "writes (no optimizer, scheduler, scaler, rng, run); put the run's own last.pt back, or start a new run "
+         "writes (no optimizer, scaler, rng, run); put the run's own last.pt back, or start a new run "
          "in another train.run_dir", after=lambda r, run: _nothing_started(r / "weights_run")),
     Case("resume a directory that is no run", lambda r, run: ["train", "--resume", r],
          "train --resume: {root} holds no config.yaml, so it is not a run directory (start a run there with: "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from transformer.config import Config, TrainConfig, from_dict
-from transformer.optim import build_optimizer, inverse_sqrt, label_smoothed_loss, lr_at, noam
+from transformer.optim import build_optimizer, inverse_sqrt, label_smoothed_loss, lr_at, noam, set_hyperparameters
 from transformer.vocab import PAD_ID
 
 
@@ -115,25 +115,36 @@ def test_lr_at(schedule, lr):
 
 
 @pytest.mark.parametrize("schedule, lr", [("noam", 2.0), ("inverse_sqrt", 5e-4), ("constant", 3e-4)])
-def test_scheduler_follows_lr_at(schedule, lr):
+def test_each_update_runs_at_lr_at_its_step(schedule, lr):
     cfg = cfg_with(lr_schedule=schedule, lr=lr, warmup_steps=4)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    optimizer, scheduler = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg)
     for step in range(1, 9):  # update `step` (1-based) runs at lr_at(step)
+        assert set_hyperparameters(optimizer, cfg, step) == lr_at(step, cfg)
         for group in optimizer.param_groups:
-            assert group["lr"] == pytest.approx(lr_at(step, cfg), rel=1e-12)
-        assert scheduler.get_last_lr()[0] == pytest.approx(lr_at(step, cfg), rel=1e-12)
+            assert group["lr"] == lr_at(step, cfg)
+        before = model.weight.detach().clone()
         model(torch.randn(4, 3)).sum().backward()
         optimizer.step()
-        scheduler.step()
         optimizer.zero_grad()
+        # Adam's first step moves each weight by about lr: the rate set is the rate used.
+        if step == 1:
+            assert (model.weight.detach() - before).abs().max().item() == pytest.approx(lr_at(1, cfg), rel=1e-3)
+    assert "lr_schedule" not in str(optimizer.state_dict())  # nothing about the schedule to save or restore
+
+
+def test_a_resumed_run_takes_the_new_adam_settings():
+    optimizer = build_optimizer(torch.nn.Linear(3, 2), cfg_with(adam_betas=[0.9, 0.98], adam_eps=1e-9))
+    set_hyperparameters(optimizer, cfg_with(adam_betas=[0.8, 0.95], adam_eps=1e-6, lr=0.5), 3)
+    group = optimizer.param_groups[0]
+    assert tuple(group["betas"]) == (0.8, 0.95) and group["eps"] == 1e-6
 
 
 def test_adam_settings_from_config():
     cfg = cfg_with(adam_betas=[0.8, 0.95], adam_eps=1e-6)
     model = torch.nn.Linear(3, 2)
-    optimizer, _ = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg)
     assert type(optimizer) is torch.optim.Adam
     group = optimizer.param_groups[0]
     assert tuple(group["betas"]) == (0.8, 0.95)
@@ -146,7 +157,7 @@ def test_paper_defaults_and_weight_decay():
     defaults = TrainConfig()
     assert defaults.adam_betas == (0.9, 0.98) and defaults.adam_eps == 1e-9
     cfg = cfg_with(weight_decay=0.01)
-    optimizer, _ = build_optimizer(torch.nn.Linear(3, 2), cfg)
+    optimizer = build_optimizer(torch.nn.Linear(3, 2), cfg)
     assert type(optimizer) is torch.optim.AdamW
     group = optimizer.param_groups[0]
     assert group["weight_decay"] == 0.01
@@ -156,6 +167,6 @@ def test_paper_defaults_and_weight_decay():
 def test_frozen_parameters_not_optimised():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
     model[0].weight.requires_grad_(False)
-    optimizer, _ = build_optimizer(model, cfg_with())
+    optimizer = build_optimizer(model, cfg_with())
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert id(model[0].weight) not in ids and id(model[1].weight) in ids

@@ -18,7 +18,8 @@ _TEMP_NAME = re.compile(r"\..+\.[A-Za-z0-9_]{8}" + re.escape(TEMP_SUFFIX))
 
 # What a training run writes in its directory (besides step_XXXXXXXX.pt and eval/): no other command
 # may write over these, and a new run refuses a directory that holds anything else.
-RUN_FILES = ("config.yaml", "spm.model", "metrics.jsonl", "train.log", "train.lock", "last.pt", "best.pt", "store")
+RUN_FILES = ("config.yaml", "spm.model", "metrics.jsonl", "train.log", "train.lock", "last.pt", "best.pt", "store",
+             "final.pt", "summary.json", "tensorboard", "ct2")
 STEP_FILE = re.compile(r"step_\d+\.pt")
 
 

@@ -9,10 +9,16 @@ from typing import Optional, Sequence
 import torch
 
 from transformer.atomic import check_output_path
-from transformer.checkpoint import load_checkpoint, save_checkpoint
+from transformer.checkpoint import WEIGHT_KEYS, load_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.errors import UserError
 
 STEP_NAME = re.compile(r"step_(\d+)\.pt$")
+
+
+def step_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Every step_XXXXXXXX.pt of a run directory, oldest first."""
+    found = sorted((int(m.group(1)), p) for p in Path(run_dir).glob("step_*.pt") if (m := STEP_NAME.search(p.name)))
+    return [p for _, p in found]
 
 
 def last_step_checkpoints(run_dir: str | Path, n: int) -> list[Path]:
@@ -22,48 +28,48 @@ def last_step_checkpoints(run_dir: str | Path, n: int) -> list[Path]:
         raise UserError(f"average: no such run directory: {run_dir}")
     if n < 1:
         raise UserError("average: --last must be at least 1")
-    found = sorted((int(m.group(1)), p) for p in run_dir.glob("step_*.pt") if (m := STEP_NAME.search(p.name)))
+    found = step_checkpoints(run_dir)
     if len(found) < n:
         raise UserError(f"average: asked for the last {n} checkpoints but {run_dir} holds {len(found)} step_*.pt "
                         "(the trainer keeps train.keep_last of them)")
-    return [p for _, p in found[-n:]]
+    return found[-n:]
 
 
 def average_checkpoints(paths: Sequence[str | Path]) -> dict:
-    """A checkpoint state whose weights are the mean of `paths`' weights; config and vocabulary of the
-    first, no optimizer state. All must share the model config and the vocabulary."""
+    """A weights-only checkpoint whose weights are the mean of `paths`' weights; config and vocabulary of the
+    first. All must share the model config and the vocabulary."""
     if not paths:
         raise UserError("average: no checkpoints given")
-    first: Optional[dict] = None
-    sums: dict[str, torch.Tensor] = {}
-    for path in paths:
-        state = load_checkpoint(path)
-        if not all(k in state for k in ("config", "vocab", "model")):
-            raise UserError(f"average: {path} lacks its config, vocabulary or weights")
-        if first is None:
-            first, first_path = state, path
-            sums = {k: v.to(torch.float64) for k, v in state["model"].items()}
-            continue
-        if state["config"].get("model") != first["config"].get("model"):
-            differ = sorted(k for k in set(state["config"].get("model", {})) | set(first["config"].get("model", {}))
-                            if state["config"]["model"].get(k) != first["config"]["model"].get(k))
-            raise UserError(f"average: {path} and {first_path} have different model configs "
-                            f"(differing: {', '.join(differ) or 'section'})")
-        if state["vocab"] != first["vocab"]:
-            raise UserError(f"average: {path} and {first_path} use different vocabularies")
-        weights = state["model"]
-        if weights.keys() != sums.keys() or any(weights[k].shape != sums[k].shape for k in sums):
-            raise UserError(f"average: {path} and {first_path} hold differently shaped weights")
-        for k, v in weights.items():
+    first = newest = load_checkpoint(paths[0])
+    if not all(k in first for k in WEIGHT_KEYS):
+        raise UserError(f"average: {paths[0]} lacks its config, vocabulary or weights")
+    sums = {k: v.to(torch.float64) for k, v in first["model"].items()}
+    for path in paths[1:]:
+        newest = load_checkpoint(path)
+        _check_same_model(newest, path, first, paths[0])
+        for k, v in newest["model"].items():
             sums[k] += v.to(torch.float64)
-    assert first is not None
     # Accumulated in float64 so averaging many checkpoints loses nothing; stored in each tensor's own dtype.
     averaged = {k: (sums[k] / len(paths)).to(v.dtype) for k, v in first["model"].items()}
-    out = {"config": first["config"], "vocab": first["vocab"], "model": averaged,
-           "averaged_from": [str(p) for p in paths]}
-    if "run" in state:  # progress of the newest input, for the record
-        out["averaged_at_step"] = state["run"]["step"]
-    return out
+    about = {"averaged_from": [str(p) for p in paths]}
+    if "run" in newest:  # progress of the newest input, for the record
+        about["averaged_at_step"] = newest["run"]["step"]
+    return weights_checkpoint(first["config"], first["vocab"], averaged, **about)
+
+
+def _check_same_model(state: dict, path, first: dict, first_path) -> None:
+    if not all(k in state for k in WEIGHT_KEYS):
+        raise UserError(f"average: {path} lacks its config, vocabulary or weights")
+    if state["config"].get("model") != first["config"].get("model"):
+        differ = sorted(k for k in set(state["config"].get("model", {})) | set(first["config"].get("model", {}))
+                        if state["config"]["model"].get(k) != first["config"]["model"].get(k))
+        raise UserError(f"average: {path} and {first_path} have different model configs "
+                        f"(differing: {', '.join(differ) or 'section'})")
+    if state["vocab"] != first["vocab"]:
+        raise UserError(f"average: {path} and {first_path} use different vocabularies")
+    weights, reference = state["model"], first["model"]
+    if weights.keys() != reference.keys() or any(weights[k].shape != reference[k].shape for k in reference):
+        raise UserError(f"average: {path} and {first_path} hold differently shaped weights")
 
 
 def average(inputs: Sequence[str | Path], last: Optional[int], output: Optional[str | Path]) -> tuple[Path, list[Path]]:

@@ -36,8 +36,32 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
     return state
 
 
-# What `transformer train` writes and --resume needs; `average` writes only config, vocab and model.
-RESUMABLE_KEYS = ("config", "vocab", "model", "optimizer", "scheduler", "scaler", "rng", "run")
+# Every key of a checkpoint. What `transformer average` and the end of training write: weights and what
+# rebuilds the model. What `transformer train` writes and --resume needs: also the optimizer, the fp16 grad
+# scaler, every rank's RNG state and the run's counters (resume.RunState, with the data position).
+WEIGHT_KEYS = ("config", "vocab", "model")
+RESUMABLE_KEYS = WEIGHT_KEYS + ("optimizer", "scaler", "rng", "run")
+
+
+def weights_checkpoint(config: dict, vocab: bytes, model: dict, **about) -> dict:
+    """A checkpoint that translate, evaluate and attention load; `about` records where it came from."""
+    return {"config": config, "vocab": vocab, "model": model, **about}
+
+
+def training_checkpoint(config: dict, vocab: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        scaler: torch.amp.GradScaler, rngs: list, run: dict) -> dict:
+    """Everything a run continues from (no learning-rate scheduler: the rate is a pure function of the step)."""
+    return {**weights_checkpoint(config, vocab, model.state_dict()), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(), "rng": rngs, "run": run}
+
+
+def restore_training(saved: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     scaler: torch.amp.GradScaler) -> None:
+    """Load a resumable checkpoint's weights, optimizer and scaler (the caller restores counters and RNG)."""
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    if saved["scaler"]:  # empty when the run was saved without fp16
+        scaler.load_state_dict(saved["scaler"])
 
 
 def load_resumable(path: str | Path) -> dict:
@@ -51,14 +75,19 @@ def load_resumable(path: str | Path) -> dict:
     return state
 
 
+# What a run directory means to translate, evaluate, attention and serve: the model the end of training chose
+# (with its tuned search settings), else the best validation checkpoint, else the latest.
+RUN_CHECKPOINTS = ("final.pt", "best.pt", "last.pt")
+
+
 def resolve_checkpoint(run_dir_or_file: str | Path) -> Path:
-    """A run directory means its best.pt (else last.pt); a file means itself."""
+    """A run directory means its final.pt, else best.pt, else last.pt; a file means itself."""
     p = Path(run_dir_or_file)
     if p.is_dir():
-        for name in ("best.pt", "last.pt"):
+        for name in RUN_CHECKPOINTS:
             if (p / name).is_file():
                 return p / name
-        raise UserError(f"checkpoint: {p} holds no best.pt or last.pt")
+        raise UserError(f"checkpoint: {p} holds no final.pt, best.pt or last.pt")
     if not p.exists():
         raise UserError(f"checkpoint: no such file or run directory: {p}")
     return p

@@ -53,6 +53,21 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     print(prepare_only(cfg))
 
 
+def cmd_finish(args: argparse.Namespace) -> None:
+    from transformer.device import pick_device
+    from transformer.finish import finish
+    from transformer.resume import RunLock
+    from transformer.runlog import setup_logging
+    from transformer.distributed import DistInfo
+
+    run_dir = Path(args.run)
+    if not (run_dir / "last.pt").is_file():
+        raise UserError(f"finish: {run_dir} is not a run directory with a last.pt")
+    with RunLock(run_dir):  # not while a training process owns the directory
+        setup_logging(run_dir, DistInfo())
+        finish(run_dir, pick_device(args.device))
+
+
 def cmd_attention(args: argparse.Namespace) -> None:
     from transformer.checkpoint import load_model
     from transformer.attention_maps import KINDS, inspect_attention
@@ -143,8 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="train a model from a YAML config",
         description="Train a model from a YAML config. The run directory (train.run_dir) receives the "
-                    "effective config, the SentencePiece model, metrics.jsonl, train.log, last.pt and best.pt; "
-                    "it is locked (train.lock) while a training process owns it.",
+                    "effective config, the SentencePiece model, the prepared store, metrics.jsonl, train.log, "
+                    "last.pt and best.pt; it is locked (train.lock) while a training process owns it. When "
+                    "training ends (unless train.finish is false) the last checkpoints are averaged, the "
+                    "checkpoint and the length penalty are chosen on the validation set, the test split is "
+                    "translated and scored, and a summary is printed and written to summary.json; final.pt is "
+                    "then what `translate RUN_DIR` uses.",
         epilog="To continue a stopped run: `transformer train CONFIG --resume` (the config file again, with the "
                "same --set overrides) or `transformer train --resume RUN_DIR` (the run's own config.yaml, which "
                "holds the overrides it was started with; --set on top applies like a changed config).",
@@ -171,6 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(
+        "finish", help="the end of training again: average, choose on validation, score the test split",
+        description="What `train` does when training ends, for a run directory: average the last train.keep_last "
+                    "step checkpoints, choose between the average and best.pt by validation BLEU, choose the "
+                    "length penalty (and beam) on the validation set, translate and score the test split, and "
+                    "write final.pt (the chosen weights with the chosen search settings), summary.json and "
+                    "config.yaml. For a run stopped while it was finishing, or trained with train.finish false.",
+    )
+    p.add_argument("run", metavar="RUN_DIR", help="a run directory holding last.pt and best.pt")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to translate (default auto: CUDA when available)")
+    p.set_defaults(func=cmd_finish)
+
+    p = sub.add_parser(
         "attention", help="plot the attention weights of every layer and head for one sentence",
         description="Run one sentence through a trained model and plot its attention weights: encoder "
                     "self-attention, masked decoder self-attention and encoder-decoder (cross) attention, "
@@ -180,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(U+2581 marks a word start); every row sums to 1.",
     )
     p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT",
-                   help="a run directory (its best.pt, else last.pt) or a checkpoint file")
+                   help="a run directory (its final.pt, else best.pt, else last.pt) or a checkpoint file")
     p.add_argument("source", help='the source sentence, e.g. "Ein Hund rennt durch den Schnee."')
     p.add_argument("--target", metavar="SENTENCE",
                    help="force-decode this translation instead of the model's own")
@@ -256,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "length penalty ((5 + length) / 6)^lenpen, length counting EOS; an empty input gives N\n"
                     "lines '0.0000<TAB>'.",
     )
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
     p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to translate (default: --input or stdin)")
     p.add_argument("--input", metavar="FILE", help="UTF-8 file, one sentence per line")
     p.add_argument("--output", metavar="FILE", help="write translations here instead of stdout")
@@ -272,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "and .json (.early, .bf16, .int8 or .ct2 added for those settings; for a checkpoint file: eval/ "
                     "next to it, named after it).",
     )
-    p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
+    p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
     p.add_argument("--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)")
     p.add_argument("--src", metavar="FILE", help="source sentences to translate instead of a split (with --ref)")
     p.add_argument("--ref", metavar="FILE", help="reference translations of --src, line by line")
@@ -299,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "source itself. `translate --engine ctranslate2` does this for you, once per checkpoint.",
     )
     p.add_argument("format", choices=("ctranslate2",), help="the target format")
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
     p.add_argument("out", metavar="OUT_DIR", help="the model directory to write")
     p.add_argument("--quantization", choices=("int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"),
                    help="store the weights quantized (default: float32; CTranslate2 can also convert when it loads "

@@ -70,7 +70,7 @@ class TrainConfig:
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
     clip_norm: float = 0.0             # max gradient norm; 0 = no clipping
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 where the hardware has it, else fp32
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool = False              # torch.compile the model
     log_every: int = 100               # steps between training-metric lines in metrics.jsonl
@@ -80,6 +80,9 @@ class TrainConfig:
     valid_bleu_beam: int = 1           # 1 = greedy (fast); the paper's 4 for the real score
     valid_bleu_pairs: int = 0          # translate only the first N validation pairs (0 = all)
     patience: int = 0                  # stop after this many validations without improvement (0 = never)
+    finish: bool = True                # at the end: average, choose checkpoint and lenpen on valid, score test
+    tensorboard: bool = False          # also log to run_dir/tensorboard (needs the tensorboard extra)
+    peak_tflops: float = 0.0           # the device's peak for MFU; 0 = measure it with a short matmul probe
 
 
 @dataclass(frozen=True)
@@ -224,6 +227,7 @@ def validate(cfg: Config) -> None:
         (t.keep_last >= 0, "train.keep_last must not be negative"),
         (t.valid_bleu_beam >= 1, "train.valid_bleu_beam must be at least 1"),
         (t.valid_bleu_pairs >= 0 and t.patience >= 0, "train.valid_bleu_pairs and train.patience must not be negative"),
+        (t.peak_tflops >= 0, "train.peak_tflops must not be negative (0 = measure it)"),
         (dec.beam >= 1, "decode.beam must be at least 1"),
         (dec.lenpen >= 0, "decode.lenpen must not be negative"),
         (dec.max_len_offset >= 1, "decode.max_len_offset must be at least 1"),

@@ -7,10 +7,11 @@ transformer/batch.py (`padding_mask`, `causal_mask`) and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -289,9 +290,38 @@ class Transformer(nn.Module):
         }
 
 
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Dropout off inside the block, and the caller's mode back after it (the trainer validates and decodes
+    mid-training)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (a shared matrix counts once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def matmul_weights(cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
+    """Weights of the matrix multiplications one source token (encoder) and one target token (decoder and the
+    output projection) pass through: what model FLOPs are counted from."""
+    d, attention, ffn = cfg.d_model, 4 * cfg.d_model ** 2, 2 * cfg.d_model * cfg.d_ff
+    return cfg.n_encoder_layers * (attention + ffn), cfg.n_decoder_layers * (2 * attention + ffn) + d * vocab_size
+
+
+def training_flops(cfg: ModelConfig, vocab_size: int, n_src: int, n_tgt: int,
+                   shapes: Sequence[tuple[int, int, int]]) -> float:
+    """Model FLOPs of a forward and backward pass over n_src source and n_tgt target tokens: 6 x matmul weights x
+    tokens, plus attention's QK^T and AV (2 matmuls x 2 FLOPs per multiply-add x 3 for forward and backward) over
+    batches of padded shapes (sentences, source length, target length)."""
+    encoder, decoder = matmul_weights(cfg, vocab_size)
+    attention = sum(b * (cfg.n_encoder_layers * s * s + cfg.n_decoder_layers * (t * t + t * s)) for b, s, t in shapes)
+    return float(6 * (encoder * n_src + decoder * n_tgt) + 12 * cfg.d_model * attention)
 
 
 def _physical_memory() -> Optional[int]:

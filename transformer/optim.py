@@ -1,4 +1,4 @@
-"""What is optimised and how: label-smoothed cross entropy, Adam, and learning rate as a pure function of the step."""
+"""What is optimised and how: label-smoothed cross entropy, Adam, and the learning rate as a pure function of the step."""
 
 from __future__ import annotations
 
@@ -46,14 +46,20 @@ def lr_at(step: int, cfg: Config) -> float:
     return t.lr
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """Adam (AdamW with weight decay); its learning rate is set before every update with set_lr(lr_at(step))."""
     t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     fused = all(p.is_cuda for p in params)  # the fused kernel does the whole update in a few launches
     opt_cls = torch.optim.AdamW if t.weight_decay > 0 else torch.optim.Adam
     kwargs = {"weight_decay": t.weight_decay} if t.weight_decay > 0 else {}
-    optimizer = opt_cls(params, lr=t.lr, betas=t.adam_betas, eps=t.adam_eps, fused=fused or None, **kwargs)
-    # LambdaLR multiplies the base rate (train.lr) by the lambda; scheduler.last_epoch counts
-    # finished updates, so update n (1-based) uses last_epoch = n - 1.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_at(done + 1, cfg) / t.lr)
-    return optimizer, scheduler
+    return opt_cls(params, lr=t.lr, betas=t.adam_betas, eps=t.adam_eps, fused=fused or None, **kwargs)
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
+    """Set update `step`'s learning rate (and the config's Adam settings, which a resumed run may have changed)
+    on every parameter group; return the rate. Nothing about the schedule lives in the optimizer's state."""
+    t, lr = cfg.train, lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group.update(lr=lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
+    return lr

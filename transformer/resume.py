@@ -120,8 +120,24 @@ class StopRequested:
         return False
 
 
-def check_resume_config(saved: Config, new: Config) -> list[str]:
-    """Refuse changes to frozen values; return descriptions of the changes that will apply."""
+@dataclass(frozen=True)
+class ConfigChange:
+    """One config value that differs between a checkpoint and the config it resumes under."""
+
+    key: str        # section.key
+    before: object
+    after: object
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.before!r} -> {self.after!r}"
+
+    @property
+    def reorders_data(self) -> bool:
+        return self.key in DATA_ORDER
+
+
+def check_resume_config(saved: Config, new: Config) -> list[ConfigChange]:
+    """Refuse changes to frozen values; return the changes that will apply."""
     old_d, new_d = to_dict(saved), to_dict(new)
     changes = []
     for section in new_d:
@@ -135,7 +151,7 @@ def check_resume_config(saved: Config, new: Config) -> list[str]:
             if f"{section}.{key}" == "train.weight_decay" and (before > 0) != (value > 0):
                 raise UserError("resume: train.weight_decay cannot switch between 0 (Adam) and > 0 (AdamW) "
                                 "under a resumed run")
-            changes.append(f"{section}.{key}: {before!r} -> {value!r}")
+            changes.append(ConfigChange(f"{section}.{key}", before, value))
     return changes
 
 

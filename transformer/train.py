@@ -1,16 +1,15 @@
-"""The training loop, top to bottom: data, model, optimizer, updates, validation, checkpoints, resume."""
+"""The training loop as named phases: start (run directory, lock, the checkpoint to resume), data (vocabulary and
+the memory-mapped store), model, restore, the updates (with validation and checkpoints), and the end."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import random
 import resource
-import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -19,22 +18,27 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from transformer.atomic import remove_stale_temporaries
-from transformer.checkpoint import load_checkpoint, load_resumable, save_checkpoint
+from transformer.batch import Batch
+from transformer.checkpoint import load_checkpoint, load_resumable, restore_training, save_checkpoint, training_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
-from transformer.data import BatchStream, Prefetcher, eval_batches
+from transformer.data import BatchStream, Prefetcher, Update, eval_batches
+from transformer.device import matmul_tflops, pick_precision
 from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
                                      shutdown_distributed)
 from transformer.errors import UserError, first_line, is_out_of_memory
-from transformer.model import Transformer, build_model, count_parameters
-from transformer.optim import build_optimizer, label_smoothed_loss
-from transformer.resume import (DATA_ORDER, RunLock, RunState, StopRequested, check_resume_config, check_run_dir,
+from transformer.model import Transformer, build_model, count_parameters, evaluating, training_flops
+from transformer.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
+from transformer.resume import (ConfigChange, RunLock, RunState, StopRequested, check_resume_config, check_run_dir,
                                 make_run_dir, resume_command, rng_state, set_rng_state, stop_at_once)
-from transformer.store import open_prepared, prepare
+from transformer.runlog import MetricsLog, setup_logging
+from transformer.store import Store, open_prepared, prepare
 from transformer.vocab import Vocab
 
 log = logging.getLogger("transformer")
 
 MAX_SKIPPED_IN_A_ROW = 20
+PROGRESS_SECONDS = 30.0   # a training line at least this often, so a job without a terminal always shows life
+FIRST_LINE_AFTER = 5      # ... and one after the first few updates
 
 
 def autocast_context(device: torch.device, precision: str):
@@ -44,64 +48,66 @@ def autocast_context(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-class _TqdmHandler(logging.StreamHandler):
-    """Console logging that prints above the progress bar instead of through it; records logged with
-    extra={"console": False} (what the bar already shows) go to train.log only."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if not getattr(record, "console", True):
-            return
-        try:
-            tqdm.write(self.format(record), file=self.stream)
-        except Exception:
-            self.handleError(record)
-
-
-class _LogFile(logging.FileHandler):
-    """train.log; a write that fails (a full disk) stops the run with the file named, not a traceback per line."""
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        error = sys.exc_info()[1]
-        if isinstance(error, OSError):
-            raise OSError(error.errno, error.strerror, self.baseFilename) from None
-        super().handleError(record)
-
-
-def setup_logging(run_dir: Optional[Path], info: DistInfo) -> None:
-    log.setLevel(logging.INFO if info.is_main else logging.WARNING)
-    for handler in list(log.handlers):
-        log.removeHandler(handler)
-        handler.close()
-    prefix = f"[rank {info.rank}] " if info.enabled else ""
-    console = _TqdmHandler()
-    console.setFormatter(logging.Formatter(prefix + "%(message)s"))
-    log.addHandler(console)
-    if run_dir is not None and info.is_main:
-        file_handler = _LogFile(run_dir / "train.log", encoding="utf-8")
-        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        log.addHandler(file_handler)
-    log.propagate = False
-
-
 @torch.no_grad()
 def evaluate_loss(model, batches, device, precision: str, smoothing: float, info: DistInfo = DistInfo()) -> dict:
     """Label-smoothed loss and NLL per target token, summed over all ranks' shares; ppl = exp(NLL)."""
-    was_training = model.training
-    model.eval()
     total = torch.zeros(3, device=device, dtype=torch.float64)  # loss, nll, tokens
-    for batch in batches[info.rank::info.world_size]:
-        batch = batch.to(device)
-        with autocast_context(device, precision):
-            logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-        logits = logits.float()
-        total[0] += label_smoothed_loss(logits, batch.tgt_out, smoothing)
-        total[1] += label_smoothed_loss(logits, batch.tgt_out, 0.0)
-        total[2] += batch.n_tgt_tokens
-    model.train(was_training)
+    with evaluating(model):
+        for batch in batches[info.rank::info.world_size]:
+            batch = batch.to(device)
+            with autocast_context(device, precision):
+                logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+            logits = logits.float()
+            total[0] += label_smoothed_loss(logits, batch.tgt_out, smoothing)
+            total[1] += label_smoothed_loss(logits, batch.tgt_out, 0.0)
+            total[2] += batch.n_tgt_tokens
     loss, nll, tokens = all_reduce_sum(total, info).tolist()
     nll = nll / max(tokens, 1)
     return {"loss": loss / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50.0))}
 
+
+def validation_bleu(model: Transformer, vocab: Vocab, corpus, refs: list[str], cfg: Config, device) -> dict:
+    """sacreBLEU of the model's translations of (a slice of) the validation set, and their length ratio."""
+    from transformer.evaluate import bleu_chrf
+    from transformer.translate import translate_ids
+
+    t, d = cfg.train, cfg.decode
+    n = min(t.valid_bleu_pairs or len(corpus), len(corpus))
+    ids = translate_ids(model, [corpus.source(i) for i in range(n)], beam=t.valid_bleu_beam, lenpen=d.lenpen,
+                        max_len_offset=d.max_len_offset, max_tokens=d.max_tokens, device=device, stop=d.stop)
+    scores = bleu_chrf(vocab.decode(ids), refs[:n])
+    return {"bleu": scores["bleu"], "length_ratio": scores["sys_len"] / max(scores["ref_len"], 1)}
+
+
+@dataclass
+class Run:
+    """What one training process holds once set up: settings, data, model and optimizer, and the run's counters."""
+
+    cfg: Config
+    info: DistInfo
+    device: torch.device
+    precision: str                  # fp32, bf16 or fp16: train.precision with `auto` resolved for this device
+    run_dir: Path
+    command: str                    # what continues the run after a stop
+    vocab: Vocab
+    store: Store
+    valid: list[Batch]
+    model: Transformer
+    forward: torch.nn.Module        # the model as updates call it: wrapped by DDP and/or torch.compile
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    state: RunState
+    metrics: MetricsLog
+    peak_tflops: float              # what MFU divides by
+    data_position: dict             # the stream after the last update taken: what a checkpoint saves
+    saved_step: Optional[int]       # the step last.pt holds
+
+    @property
+    def last_path(self) -> Path:
+        return self.run_dir / "last.pt"
+
+
+# --------------------------------------------------------------------------- the command's entry points
 
 def prepare_only(cfg: Config) -> Path:
     """The `prepare` command: the run directory's vocabulary and store, built or checked, without training."""
@@ -137,18 +143,33 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
                                     or "gloo" in text):
             raise
         # Under torchrun the usual cause is a peer that died: say so in one line; torchrun stops the rest.
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise UserError(f"rank {info.rank}: distributed training stopped, most likely because another rank "
-                        f"crashed or was killed ({first}); continue from last.pt with --resume") from None
+                        f"crashed or was killed ({first_line(e)[:300]}); continue from last.pt with --resume") from None
     finally:
         shutdown_distributed()
 
 
 def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, command: str, quiet: bool,
            scope: contextlib.ExitStack) -> Path:
-    started = time.perf_counter()
-    t = cfg.train
-    run_dir = Path(t.run_dir)
+    metrics_since = time.perf_counter()
+    run_dir, saved, changes = start(cfg, info, resume, command, scope)
+    vocab, store = load_data(cfg, info, run_dir, saved, quiet)
+    run = build(cfg, info, device, run_dir, command, vocab, store, saved, metrics_since)
+    restore(run, saved, changes)
+    if saved is not None:
+        run.metrics.record({"step": run.state.step, "event": "resume"})
+    update_loop(run, quiet)
+    end(run)
+    return run_dir
+
+
+# --------------------------------------------------------------------------- phases
+
+def start(cfg: Config, info: DistInfo, resume: bool, command: str,
+          scope: contextlib.ExitStack) -> tuple[Path, Optional[dict], list[ConfigChange]]:
+    """The run directory (checked, created, locked), logging, and the checkpoint to continue from with the config
+    changes that apply to it."""
+    run_dir = Path(cfg.train.run_dir)
     last_path = run_dir / "last.pt"
     check_run_dir(run_dir)
     if last_path.exists() and not resume:
@@ -156,14 +177,11 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, comm
                         "or set train.run_dir to a new directory")
     # A kill before the first save leaves nothing to continue from; a job script that always passes
     # --resume (as preemptible jobs do) must then simply start the run.
-    resume_from_scratch = resume and not last_path.exists()
-    resume = resume and not resume_from_scratch
-    if t.precision == "fp16" and device.type != "cuda":
-        raise UserError("train.precision 'fp16' needs CUDA; use 'bf16' or 'fp32' on CPU")
-    saved_step = None  # the step last.pt holds
+    from_scratch = resume and not last_path.exists()
+    held = {"step": None}  # what last.pt holds, for the message of a signal that arrives before the updates
 
     def stop_message(name: str) -> str:
-        where = f"{last_path} holds step {saved_step}" if saved_step is not None else "no checkpoint yet"
+        where = f"{last_path} holds step {held['step']}" if held["step"] is not None else "no checkpoint yet"
         return f"{name}: stopped ({where}); continue with: {command}"
 
     scope.enter_context(stop_at_once(stop_message))  # until the update loop, which saves before it stops
@@ -176,25 +194,26 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, comm
     setup_logging(run_dir, info)
     if lock is not None and lock.took_over:
         log.warning(lock.took_over)
-    if resume_from_scratch and new_dir:
-        log.warning("resume: %s did not exist; starting a new run there from step 0", run_dir)
-    elif resume_from_scratch:
-        log.warning("resume: no checkpoint at %s yet (the run stopped before its first save); "
-                    "starting from step 0", last_path)
-
-    saved = load_resumable(last_path) if resume else None
-    saved_step = saved["run"]["step"] if saved is not None else None
+    if from_scratch:
+        log.warning("resume: %s", f"{run_dir} did not exist; starting a new run there from step 0" if new_dir else
+                    f"no checkpoint at {last_path} yet (the run stopped before its first save); starting from step 0")
+    saved = load_resumable(last_path) if resume and not from_scratch else None
     changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
+    if saved is not None:
+        held["step"] = saved["run"]["step"]
+        if info.is_main and (run_dir / "final.pt").is_file():  # chosen at the end of the run being continued
+            (run_dir / "final.pt").unlink()
+            log.info("resume: removed final.pt; the end of this training chooses again")
     for change in changes:
         log.info("resume: config change applies: %s", change)
     if info.is_main:
         save_config(cfg, run_dir / "config.yaml")
-    # Each rank gets its own dropout stream; a resumed run restores them below.
-    random.seed(t.seed + info.rank)
-    torch.manual_seed(t.seed + info.rank)
+    return run_dir, saved, changes
 
-    # Vocabulary and prepared store: rank 0 trains or reuses the SentencePiece model and builds or reuses the
-    # memory-mapped store; the other ranks wait, then map the same files.
+
+def load_data(cfg: Config, info: DistInfo, run_dir: Path, saved: Optional[dict], quiet: bool) -> tuple[Vocab, Store]:
+    """Rank 0 trains or reuses the SentencePiece model and builds or reuses the memory-mapped store; the other
+    ranks wait, then map the same files."""
     saved_vocab = Vocab(saved["vocab"]) if saved is not None else None
     if info.is_main:
         store = prepare(cfg, run_dir, saved_vocab, quiet)
@@ -202,248 +221,279 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, comm
     vocab = saved_vocab or Vocab.load(run_dir / "spm.model")
     if not info.is_main:
         store = open_prepared(cfg, run_dir, vocab)
-    train_corpus, valid_corpus = store.corpus("train"), store.corpus("valid")
     if info.is_main and len(vocab) != cfg.data.vocab_size:  # so that config.yaml does not misstate it
         save_config(cfg, run_dir / "config.yaml", note=f"The vocabulary has {len(vocab)} pieces (data.vocab_size "
                     f"{cfg.data.vocab_size} is an upper bound; train.log says why).")
-    valid = eval_batches(valid_corpus, cfg.data.max_tokens, cfg.data.pad_to_multiple)
+    return vocab, store
 
-    # Model, optimizer, schedule, and the state of an interrupted run.
+
+def build(cfg: Config, info: DistInfo, device: torch.device, run_dir: Path, command: str, vocab: Vocab,
+          store: Store, saved: Optional[dict], started: float) -> Run:
+    """The model (seeded per rank, so each rank has its own dropout stream), its DDP / compiled wrapper, the
+    optimizer, the fp16 grad scaler, the validation batches, the metrics log and the precision."""
+    t = cfg.train
+    precision, why = pick_precision(t.precision, device)
+    random.seed(t.seed + info.rank)
+    torch.manual_seed(t.seed + info.rank)
     model = build_model(cfg.model, len(vocab)).to(device)
-    optimizer, scheduler = build_optimizer(model, cfg)
-    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
-    state = RunState()
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        for group in optimizer.param_groups:  # load_state_dict brought back the old values; the config rules
-            group.update(betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
-        scheduler.load_state_dict(saved["scheduler"])
-        if saved["scaler"]:  # empty when the run was saved without fp16
-            scaler.load_state_dict(saved["scaler"])
-        state = RunState(**saved["run"])
-        metric = "bleu" if t.valid_bleu else "loss"
-        if state.best_metric != metric:
-            log.info("resume: best checkpoint now chosen by %s instead of %s", metric, state.best_metric)
-            state.best, state.best_metric, state.bad_validations = None, metric, 0
-        group_size = info.world_size * t.update_freq
-        order_changed = [c for c in changes if c.split(":")[0] in DATA_ORDER]
-        if state.data["batches_done"] and (order_changed or state.data["batches_done"] % group_size):
-            log.warning("resume: %s; epoch %d restarts from its first batch",
-                        "the data order changed" if order_changed else
-                        f"{state.data['batches_done']} batches done do not split into updates of {group_size}",
-                        state.data["epoch"])
-            state.data = {"epoch": state.data["epoch"], "batches_done": 0}
-        # The schedule is a pure function of the step under the *new* config, so a changed
-        # train.lr / warmup applies from the next update on; unchanged, this recomputes the same value.
-        scheduler.base_lrs = [t.lr for _ in optimizer.param_groups]
-        for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
-            group["initial_lr"] = t.lr
-            group["lr"] = t.lr * lr_lambda(scheduler.last_epoch)  # exactly as LambdaLR computes it
-        rngs = saved["rng"]
-        if len(rngs) == info.world_size:
-            set_rng_state(rngs[info.rank])
-        else:
-            log.warning("resume: the checkpoint holds RNG states of %d ranks, this run has %d; "
-                        "dropout streams restart from the seed", len(rngs), info.world_size)
-        log.info("resume: continuing %s at step %d", last_path, state.step)
-    stream = BatchStream(train_corpus, cfg.data, t.seed, **state.data, rank=info.rank,
-                         world_size=info.world_size, update_freq=t.update_freq)
-    data_position = stream.state()  # what a checkpoint saves: the stream after the last update taken
     # broadcast_buffers=False: the only buffer is the constant sinusoid table.
     forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                       broadcast_buffers=False) if info.enabled else model
     if t.compile:
         forward = torch.compile(forward, dynamic=True)
-    log.info("model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
-             f"{count_parameters(model):,}", device, info.world_size, t.precision,
-             stream.batches_per_epoch // t.update_freq)
+    state = RunState(**saved["run"]) if saved is not None else RunState()
+    peak = t.peak_tflops or matmul_tflops(device, precision)
+    log.info("precision: %s (%s); MFU below is against %.3g TFLOP/s (%s)", precision, why, peak,
+             "train.peak_tflops" if t.peak_tflops else f"measured {precision} matmuls on {device}")
+    valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple)
+    return Run(cfg, info, device, precision, run_dir, command, vocab, store, valid, model, forward,
+               build_optimizer(model, cfg), torch.amp.GradScaler(device.type, enabled=precision == "fp16"), state,
+               MetricsLog(run_dir, info.is_main, state.elapsed, started, t.tensorboard), peak, dict(state.data),
+               state.step if saved is not None else None)
 
-    def checkpoint(path: Path, rngs: list) -> None:
-        state.elapsed = elapsed_before + time.perf_counter() - started
-        save_checkpoint({
-            "config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "rng": rngs, "run": {**asdict(state), "data": data_position},
-        }, path)
 
-    def save_last() -> None:
-        rngs = gather_objects(rng_state(), info)  # every rank takes part in the gather
-        if info.is_main:
-            checkpoint(last_path, rngs)
+def restore(run: Run, saved: Optional[dict], changes: list[ConfigChange]) -> None:
+    """Continue an interrupted run: weights, optimizer and scaler, RNG streams, and the data position (the epoch
+    restarts when the batches no longer line up with the updates or the data order changed)."""
+    if saved is None:
+        return
+    t, state = run.cfg.train, run.state
+    restore_training(saved, run.model, run.optimizer, run.scaler)
+    metric = "bleu" if t.valid_bleu else "loss"
+    if state.best_metric != metric:
+        log.info("resume: best checkpoint now chosen by %s instead of %s", metric, state.best_metric)
+        state.best, state.best_metric, state.bad_validations = None, metric, 0
+    group_size = run.info.world_size * t.update_freq
+    reordered = any(c.reorders_data for c in changes)
+    if state.data["batches_done"] and (reordered or state.data["batches_done"] % group_size):
+        log.warning("resume: %s; epoch %d restarts from its first batch", "the data order changed" if reordered else
+                    f"{state.data['batches_done']} batches done do not split into updates of {group_size}",
+                    state.data["epoch"])
+        state.data = {"epoch": state.data["epoch"], "batches_done": 0}
+        run.data_position = dict(state.data)
+    rngs = saved["rng"]
+    if len(rngs) == run.info.world_size:
+        set_rng_state(rngs[run.info.rank])
+    else:
+        log.warning("resume: the checkpoint holds RNG states of %d ranks, this run has %d; "
+                    "dropout streams restart from the seed", len(rngs), run.info.world_size)
+    log.info("resume: continuing %s at step %d", run.last_path, state.step)
 
-    metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if info.is_main else None
 
-    def record(entry: dict) -> None:
-        state.elapsed = elapsed_before + time.perf_counter() - started  # time to quality survives resumes
-        if metrics is not None:
-            try:
-                metrics.write(json.dumps({**entry, "elapsed": round(state.elapsed, 3)}) + "\n")
-                metrics.flush()
-            except OSError as e:  # a full disk: name the file
-                raise OSError(e.errno, e.strerror, str(run_dir / "metrics.jsonl")) from None
+@dataclass
+class StepResult:
+    loss: float                 # summed over the update's target tokens, all ranks
+    nonfinite: bool             # some rank saw a non-finite loss or gradient: the update was skipped
+    stop_requested: bool        # some rank got SIGINT/SIGTERM: every rank saves and stops after this update
+    grad_norm: torch.Tensor
+    lr: float
 
-    elapsed_before = state.elapsed  # what earlier runs of this training took, from the checkpoint
-    if saved is not None:
-        record({"step": state.step, "event": "resume"})
 
-    def validate() -> bool:
-        """Validate, log, checkpoint; returns True when early stopping says stop."""
-        nonlocal saved_step
-        result = evaluate_loss(model, valid, device, t.precision, t.label_smoothing, info)
-        score, higher_is_better = result["loss"], False
-        if t.valid_bleu:
-            score = torch.zeros(1, dtype=torch.float64, device=device)
-            if info.is_main:
-                result["bleu"] = validation_bleu(model, vocab, valid_corpus, store.references("valid"), cfg,
-                                                 device)
-                score += result["bleu"]
-            score, higher_is_better = all_reduce_sum(score, info).item(), True
-        improved = state.best is None or (score > state.best if higher_is_better else score < state.best)
+def train_update(run: Run, update: Update, stop: StopRequested) -> StepResult:
+    """One optimizer update over this rank's update_freq batches; gradients sync once, at the last of them."""
+    info = run.info
+    lr = set_hyperparameters(run.optimizer, run.cfg, run.state.step + 1)
+    loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
+    for i, batch in enumerate(update.batches):
+        batch = batch.to(run.device, non_blocking=True)
+        # DDP averages gradients over ranks; scaling by world_size / (tokens of the whole update)
+        # makes the result the per-token mean of one big batch.
+        sync = i == len(update.batches) - 1 or not info.enabled
+        with (contextlib.nullcontext() if sync else run.forward.no_sync()):
+            with autocast_context(run.device, run.precision):
+                logits = run.forward(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+                loss = label_smoothed_loss(logits, batch.tgt_out, run.cfg.train.label_smoothing)
+            run.scaler.scale(loss * (info.world_size / update.n_tgt_tokens)).backward()
+        loss_sum += loss.detach()
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.clip_norm or float("inf"))
+    # One small reduction and one host sync per update: the update's loss, whether any rank saw a non-finite
+    # value, and whether any rank was asked to stop (so all ranks stop together).
+    flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).double(),
+                         torch.tensor(float(stop.signal_name is not None), device=run.device, dtype=torch.float64)])
+    update_loss, nonfinite, stop_requested = all_reduce_sum(flags, info).tolist()
+    if not nonfinite:
+        run.scaler.step(run.optimizer)
+        run.state.step += 1
+        run.state.tokens += update.n_tgt_tokens + update.n_src_tokens
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return StepResult(update_loss, bool(nonfinite), bool(stop_requested), grad_norm, lr)
+
+
+def save(run: Run, path: Path, rngs: list) -> None:
+    run.state.elapsed = run.metrics.elapsed()
+    save_checkpoint(training_checkpoint(to_dict(run.cfg), run.vocab.proto, run.model, run.optimizer, run.scaler,
+                                        rngs, {**asdict(run.state), "data": run.data_position}), path)
+
+
+def validate_and_save(run: Run) -> bool:
+    """Validate, log, write this step's checkpoints; returns True when early stopping says stop."""
+    t, state = run.cfg.train, run.state
+    result = evaluate_loss(run.model, run.valid, run.device, run.precision, t.label_smoothing, run.info)
+    score, higher_is_better = result["loss"], False
+    if t.valid_bleu:
+        score = torch.zeros(1, dtype=torch.float64, device=run.device)
+        if run.info.is_main:
+            result.update(validation_bleu(run.model, run.vocab, run.store.corpus("valid"),
+                                          run.store.references("valid"), run.cfg, run.device))
+            score += result["bleu"]
+        score, higher_is_better = all_reduce_sum(score, run.info).item(), True
+    improved = state.best is None or (score > state.best if higher_is_better else score < state.best)
+    if improved:
+        state.best, state.bad_validations = score, 0
+    else:
+        state.bad_validations += 1
+    run.metrics.record({"step": state.step, "split": "valid", **result})
+    state.last_validation = state.step
+    rngs = gather_objects(rng_state(), run.info)
+    if run.info.is_main:
+        # last.pt last: a kill between these writes leaves last.pt at the previous validation, so that
+        # --resume redoes the updates since and writes this step's files again, the same, before last.pt.
+        if t.keep_last:
+            save(run, run.run_dir / f"step_{state.step:08d}.pt", rngs)
         if improved:
-            state.best, state.bad_validations = score, 0
-        else:
-            state.bad_validations += 1
-        record({"step": state.step, "split": "valid", **result})
-        state.last_validation = state.step
-        rngs = gather_objects(rng_state(), info)
-        if info.is_main:
-            # last.pt last: a kill between these writes leaves last.pt at the previous validation, so that
-            # --resume redoes the updates since and writes this step's files again, the same, before last.pt.
-            if t.keep_last:
-                checkpoint(run_dir / f"step_{state.step:08d}.pt", rngs)
-            if improved:
-                checkpoint(run_dir / "best.pt", rngs)
-            checkpoint(last_path, rngs)
-            if t.keep_last:
-                for old in sorted(run_dir.glob("step_*.pt"))[: -t.keep_last]:
-                    old.unlink()
-        saved_step = state.step
-        bleu = f" bleu {result['bleu']:.2f}" if "bleu" in result else ""
-        log.info("step %d: valid loss %.4f nll %.4f ppl %.2f%s%s", state.step, result["loss"], result["nll"],
-                 result["ppl"], bleu, " (best)" if improved else "")
-        if t.patience and state.bad_validations >= t.patience:
-            log.info("early stopping: %d validations without improvement", state.bad_validations)
-            return True
-        return False
+            save(run, run.run_dir / "best.pt", rngs)
+        save(run, run.last_path, rngs)
+        if t.keep_last:
+            for old in sorted(run.run_dir.glob("step_*.pt"))[: -t.keep_last]:
+                old.unlink()
+    run.saved_step = state.step
+    bleu = f" bleu {result['bleu']:.2f} (length ratio {result['length_ratio']:.3f})" if "bleu" in result else ""
+    best = f" (best, {run.metrics.elapsed() / 60:.1f} min into training)" if improved else ""
+    log.info("step %d: valid loss %.4f nll %.4f ppl %.2f%s%s", state.step, result["loss"], result["nll"],
+             result["ppl"], bleu, best)
+    if t.patience and state.bad_validations >= t.patience:
+        log.info("early stopping: %d validations without improvement", state.bad_validations)
+        return True
+    return False
 
-    model.train()
+
+class Progress:
+    """Training lines: every train.log_every updates, after the first few, and at least every 30 seconds. Each
+    goes to metrics.jsonl and train.log, and to the console when no progress bar shows it."""
+
+    def __init__(self, run: Run, bar: tqdm, prefetch: Prefetcher):
+        self.run, self.bar, self.prefetch = run, bar, prefetch
+        self.first_step = run.state.step
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss = self.flops = 0.0
+        self.tgt_tokens = self.src_tokens = 0
+        self.since, self.wait_before = time.perf_counter(), self.prefetch.wait_seconds
+
+    def add(self, update: Update, result: StepResult) -> None:
+        """Count a successful update."""
+        m = self.run.model
+        self.loss += result.loss
+        self.tgt_tokens += update.n_tgt_tokens
+        self.src_tokens += update.n_src_tokens
+        shapes = [(b.src.size(0), b.src.size(1), b.tgt_in.size(1)) for b in update.batches]  # this rank's share
+        self.flops += training_flops(m.cfg, m.vocab_size, sum(b.n_src_tokens for b in update.batches),
+                                     sum(b.n_tgt_tokens for b in update.batches), shapes)
+        self.bar.update(1)
+
+    def due(self, step: int) -> bool:
+        t = self.run.cfg.train
+        return (step % t.log_every == 0 or step == t.max_steps or step == self.first_step + FIRST_LINE_AFTER
+                or time.perf_counter() - self.since >= PROGRESS_SECONDS)
+
+    def write(self, result: StepResult) -> None:
+        run, seconds = self.run, time.perf_counter() - self.since
+        epoch = run.data_position["epoch"]
+        entry = {"step": run.state.step, "split": "train", "loss": self.loss / max(self.tgt_tokens, 1),
+                 "lr": result.lr, "tgt_tokens_per_s": self.tgt_tokens / seconds,
+                 "tokens_per_s": (self.tgt_tokens + self.src_tokens) / seconds, "epoch": epoch,
+                 "grad_norm": float(result.grad_norm), "mfu": self.flops / seconds / (run.peak_tflops * 1e12),
+                 "data_wait": (self.prefetch.wait_seconds - self.wait_before) / seconds}
+        run.metrics.record(entry)
+        log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s, MFU %.1f%%, grad norm %.3g, epoch %d, waiting for "
+                 "data %.1f%%", entry["step"], entry["loss"], entry["lr"], entry["tokens_per_s"], 100 * entry["mfu"],
+                 entry["grad_norm"], epoch, 100 * entry["data_wait"], extra={"console": bool(self.bar.disable)})
+        self.bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}",
+                             tok_s=f"{entry['tokens_per_s']:.0f}", epoch=epoch)
+        self._reset()
+
+
+def update_loop(run: Run, quiet: bool) -> None:
+    """Updates until train.max_steps or train.max_epochs (or early stopping), validating and saving every
+    train.valid_every updates and at the end; SIGINT/SIGTERM save last.pt after the current update and exit."""
+    t, state, info = run.cfg.train, run.state, run.info
+    stream = BatchStream(run.store.corpus("train"), run.cfg.data, t.seed, **state.data, rank=info.rank,
+                         world_size=info.world_size, update_freq=t.update_freq)
+    log.info("model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
+             f"{count_parameters(run.model):,}", run.device, info.world_size, run.precision,
+             stream.batches_per_epoch // t.update_freq)
+    run.model.train()
     bar = tqdm(total=t.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
                disable=True if (quiet or not info.is_main) else None)
-    prefetch = Prefetcher(stream, pin_memory=device.type == "cuda")
-    window = {"loss": 0.0, "tokens": 0, "src_tokens": 0, "time": time.perf_counter(), "wait": 0.0}
-    skipped_in_a_row = 0
-    stopped_early = False
-    first_update = True
-    with StopRequested() as stop, contextlib.closing(prefetch):
+    prefetch = Prefetcher(stream, pin_memory=run.device.type == "cuda")
+    progress, skipped_in_a_row, stopped_early = Progress(run, bar, prefetch), 0, False
+    with StopRequested() as stop, contextlib.closing(prefetch), contextlib.closing(bar):
         while state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs):
             update = prefetch.next()
-            micro, n_tokens, n_src_tokens = update.batches, update.n_tgt_tokens, update.n_src_tokens
-            data_position = update.data_state
-            loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-            for i, batch in enumerate(micro):
-                batch = batch.to(device, non_blocking=True)
-                # DDP averages gradients over ranks; scaling by world_size / (tokens of the whole update)
-                # makes the result the per-token mean of one big batch. Sync gradients once per update.
-                sync = i == len(micro) - 1 or not info.enabled
-                with (contextlib.nullcontext() if sync else forward.no_sync()):
-                    with autocast_context(device, t.precision):
-                        logits = forward(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-                        loss = label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing)
-                    scaler.scale(loss * (info.world_size / n_tokens)).backward()
-                loss_sum += loss.detach()
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm or float("inf"))
-            # One small reduction and one host sync per update: the update's loss, whether any rank saw
-            # a non-finite value, and whether any rank was asked to stop (so all ranks stop together).
-            flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).double(),
-                                 torch.tensor(float(stop.signal_name is not None), device=device,
-                                              dtype=torch.float64)])
-            update_loss, nonfinite, stop_requested = all_reduce_sum(flags, info).tolist()
-            lr = optimizer.param_groups[0]["lr"]  # the rate this update uses
-            if not nonfinite:
-                scaler.step(optimizer)
-                scheduler.step()
-                state.step += 1
-                skipped_in_a_row = 0
-                window["loss"] += update_loss
-                window["tokens"] += n_tokens
-                window["src_tokens"] += n_src_tokens
-                state.tokens += n_tokens + n_src_tokens
-                bar.update(1)
-                if first_update:  # how long a start or resume takes before training proper
-                    first_update = False
-                    seconds = time.perf_counter() - started
-                    record({"step": state.step, "event": "first_update", "seconds": round(seconds, 3),
-                            "time": time.time()})
-                    log.info("first update %.1f s after start", seconds, extra={"console": bool(bar.disable)})
-            else:
+            run.data_position = update.data_state
+            result = train_update(run, update, stop)
+            if result.nonfinite:
                 skipped_in_a_row += 1
-                log.warning("update %d: non-finite loss or gradient; skipped, the weights are unchanged",
-                            state.step + 1)
+                log.warning("update %d: non-finite loss or gradient; skipped, the weights are unchanged", state.step + 1)
                 if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                    held = f"last.pt holds step {saved_step}" if saved_step is not None else "no last.pt was written"
+                    held = f"last.pt holds step {run.saved_step}" if run.saved_step is not None else \
+                        "no last.pt was written"
                     raise UserError(f"training diverged: {skipped_in_a_row} updates in a row had a non-finite "
                                     f"loss or gradient; stopping without saving them ({held})")
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-
-            if not nonfinite and (state.step % t.log_every == 0 or state.step == t.max_steps):
-                elapsed = time.perf_counter() - window["time"]
-                epoch = data_position["epoch"]
-                entry = {"step": state.step, "split": "train", "loss": window["loss"] / max(window["tokens"], 1),
-                         "lr": lr, "tgt_tokens_per_s": window["tokens"] / elapsed,
-                         "tokens_per_s": (window["tokens"] + window["src_tokens"]) / elapsed,
-                         "epoch": epoch, "grad_norm": float(grad_norm),
-                         "data_wait": (prefetch.wait_seconds - window["wait"]) / elapsed}
-                record(entry)
-                # The bar shows this on a terminal; a redirected console (nohup, a cluster job) and
-                # train.log get a line, so progress between validations is never invisible.
-                log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s, grad norm %.3g, epoch %d, waiting for data "
-                         "%.1f%%", state.step, entry["loss"], entry["lr"], entry["tokens_per_s"], entry["grad_norm"],
-                         epoch, 100 * entry["data_wait"], extra={"console": bool(bar.disable)})
-                bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}",
-                                tok_s=f"{entry['tokens_per_s']:.0f}", epoch=epoch)
-                window = {"loss": 0.0, "tokens": 0, "src_tokens": 0, "time": time.perf_counter(),
-                          "wait": prefetch.wait_seconds}
-            if not nonfinite and state.step % t.valid_every == 0:
-                if validate():
+            else:
+                skipped_in_a_row = 0
+                progress.add(update, result)
+                if progress.first_step + 1 == state.step:  # how long a start or resume takes before training proper
+                    first_update(run, bar)
+                if progress.due(state.step):
+                    progress.write(result)
+                if state.step % t.valid_every == 0 and validate_and_save(run):
                     stopped_early = True
                     break
-            if stop_requested:
+            if result.stop_requested:
                 bar.close()
-                save_last()
-                name = stop.signal_name or "stop requested on another rank"
-                log.info("%s: saved %s at step %d; continue with: %s", name, last_path, state.step, command)
-                raise SystemExit(130 if stop.signal_name == "SIGINT" else 143)
+                rngs = gather_objects(rng_state(), info)  # every rank takes part in the gather
+                if info.is_main:
+                    save(run, run.last_path, rngs)
+                stopped(run, stop.signal_name or "stop requested on another rank")
         # The last validation, unless the loop's last step had one (or a finished run was resumed).
         if not stopped_early and state.last_validation != state.step:
-            validate()
+            validate_and_save(run)
         if stop.signal_name is not None:  # asked to stop during it: it has saved last.pt at this step
-            bar.close()
-            log.info("%s: saved %s at step %d; continue with: %s", stop.signal_name, last_path, state.step, command)
-            raise SystemExit(130 if stop.signal_name == "SIGINT" else 143)
-    bar.close()
+            stopped(run, stop.signal_name)
+
+
+def first_update(run: Run, bar: tqdm) -> None:
+    seconds = time.perf_counter() - run.metrics.started
+    run.metrics.record({"step": run.state.step, "event": "first_update", "seconds": round(seconds, 3),
+                        "time": time.time()})
+    log.info("first update %.1f s after start", seconds, extra={"console": bool(bar.disable)})
+
+
+def stopped(run: Run, name: str) -> None:
+    log.info("%s: saved %s at step %d; continue with: %s", name, run.last_path, run.state.step, run.command)
+    raise SystemExit(130 if name == "SIGINT" else 143)
+
+
+def end(run: Run) -> None:
+    """Each rank's peak memory in the log; then, on rank 0 and unless train.finish is off, the end of training:
+    averaging, choosing the checkpoint and search settings on validation, the test score, the summary."""
     # ru_maxrss is in KiB on Linux; memory-mapped store pages count in it (they are shared between ranks).
-    peak = [round(kib / 1024, 1) for kib in gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, info)]
-    record({"step": state.step, "event": "done", "peak_rss_mib": peak, "time": time.time()})
-    log.info("done: %d steps; checkpoints in %s; peak memory %s MiB", state.step, run_dir,
+    peak = [round(kib / 1024, 1) for kib in gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                                                           run.info)]
+    run.metrics.record({"step": run.state.step, "event": "done", "peak_rss_mib": peak, "time": time.time()})
+    run.metrics.close()
+    log.info("done: %d steps; checkpoints in %s; peak memory %s MiB", run.state.step, run.run_dir,
              " / ".join(f"{p:.0f}" for p in peak))
-    if metrics is not None:
-        metrics.close()
-    return run_dir
+    if run.cfg.train.finish and run.info.is_main:
+        from transformer.finish import finish
 
+        def message(name: str) -> str:
+            return (f"{name}: stopped while choosing the final model; the checkpoints are complete, and "
+                    f"`transformer finish {run.run_dir}` does this part again")
 
-def validation_bleu(model: Transformer, vocab: Vocab, corpus, refs: list[str], cfg: Config, device) -> float:
-    """sacreBLEU of the model's translations of (a slice of) the validation set."""
-    from transformer.evaluate import bleu_chrf
-    from transformer.translate import translate_ids
-
-    t, d = cfg.train, cfg.decode
-    n = min(t.valid_bleu_pairs or len(corpus), len(corpus))
-    was_training = model.training
-    model.eval()
-    ids = translate_ids(model, [corpus.source(i) for i in range(n)], beam=t.valid_bleu_beam, lenpen=d.lenpen,
-                        max_len_offset=d.max_len_offset, max_tokens=d.max_tokens, device=device, stop=d.stop)
-    model.train(was_training)
-    return bleu_chrf(vocab.decode(ids), refs[:n])["bleu"]
+        with stop_at_once(message):
+            finish(run.run_dir, run.device)

@@ -1,0 +1,138 @@
+"""The end of training (finish.py), precision `auto`, progress without a terminal, MFU and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.trainutil import cli, read_metrics, tiny_config, write_config, write_corpus
+from transformer import device as device_module
+from transformer import train as train_module
+from transformer.checkpoint import load_checkpoint, resolve_checkpoint
+from transformer.config import ModelConfig, from_dict, load_config
+from transformer.device import pick_precision
+from transformer.errors import UserError
+from transformer.model import training_flops
+from transformer.train import train
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def finished_run(tmp_path, **train_settings):
+    corpus = write_corpus(tmp_path / "c", n_train=200, n_valid=12)
+    shutil.copy(corpus / "valid.de", corpus / "test.de")
+    shutil.copy(corpus / "valid.en", corpus / "test.en")
+    raw = tiny_config(tmp_path, data_dir=corpus, decode={"max_len_offset": 4, "beam": 2}, model={"dropout": 0.0},
+                      train={"max_steps": 60, "valid_every": 20, "lr_schedule": "constant", "lr": 3e-3,
+                             "keep_last": 2, "finish": True, **train_settings})
+    return train(from_dict(raw), quiet=True), raw
+
+
+def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path, capsys):
+    run_dir, raw = finished_run(tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    test = summary["test"]
+    assert test["split"] == "test" and 0 <= test["bleu"] <= 100 and test["length_ratio"] > 0
+    assert test["bleu_signature"].startswith("nrefs:1|case:mixed") and "chrf_signature" in test
+    assert summary["made_from"] in ("best.pt", "averaged.pt") and (run_dir / "averaged.pt").is_file()
+    assert summary["updates"] == 60 and summary["training_seconds"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["best_valid_loss"] == min(m["loss"] for m in read_metrics(run_dir) if m.get("split") == "valid")
+    # Every setting of the validation grid was scored; the chosen one scored best.
+    grid = summary["valid_grid_bleu"]
+    chosen = f"beam{summary['decode']['beam']}_lp{summary['decode']['lenpen']:g}"
+    assert len(grid) >= 5 and grid[chosen] == max(grid.values())
+    # final.pt is what a run directory means now, and it carries the chosen search settings; so does config.yaml.
+    assert resolve_checkpoint(run_dir) == run_dir / "final.pt"
+    final = load_checkpoint(run_dir / "final.pt")
+    assert (final["config"]["decode"]["beam"], final["config"]["decode"]["lenpen"]) == \
+        (summary["decode"]["beam"], summary["decode"]["lenpen"])
+    assert load_config(run_dir / "config.yaml").decode.lenpen == summary["decode"]["lenpen"]
+    err = capsys.readouterr().err
+    assert "summary: test BLEU" in err and "summary: use" in err and "final.pt" in err
+    # The test translations are where the summary says.
+    assert len((run_dir / "eval" / "test.final.hyp").read_text().splitlines()) == 12
+
+
+def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):
+    run_dir, raw = finished_run(tmp_path)
+    (run_dir / "summary.json").unlink()
+    result = cli("finish", str(run_dir), "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["test"]["split"] == "test"
+    # Training on from this run: final.pt belonged to the end of the shorter run.
+    config = write_config(tmp_path / "more.yaml", {**raw, "train": {**raw["train"], "max_steps": 62, "finish": False}})
+    assert cli("train", str(config), "--resume").returncode == 0
+    assert not (run_dir / "final.pt").exists() and resolve_checkpoint(run_dir) == run_dir / "best.pt"
+    assert cli("finish", str(tmp_path / "nowhere")).stderr.startswith("error: finish:")
+
+
+def test_precision_auto_is_bf16_only_where_the_hardware_has_it(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
+    assert pick_precision("auto", cpu) == ("fp32", "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
+    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    assert pick_precision("auto", cpu) == ("bf16", "auto: this CPU has amx_bf16")
+    assert pick_precision("fp32", cpu)[0] == "fp32"  # an explicit choice stays
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
+    assert pick_precision("auto", torch.device("cuda"))[0] == "bf16"
+    with pytest.raises(UserError, match="fp16' needs CUDA"):
+        pick_precision("fp16", cpu)
+    assert from_dict({}).train.precision == "auto"
+
+
+def test_without_a_terminal_progress_shows_early_and_at_least_every_30_seconds(tmp_path, capsys, monkeypatch):
+    raw = tiny_config(tmp_path, train={"max_steps": 9, "log_every": 1000, "valid_every": 1000})
+    train(from_dict(raw), quiet=True)  # quiet: no bar, as without a terminal
+    steps = [int(line.split()[1].rstrip(":")) for line in capsys.readouterr().err.splitlines()
+             if line.startswith("step ") and ": loss" in line]
+    assert steps == [5, 9]  # after the first few updates, and the last
+    monkeypatch.setattr(train_module, "PROGRESS_SECONDS", 0.0)  # every update is "30 seconds later"
+    raw = tiny_config(tmp_path, "timed", train={"max_steps": 4, "log_every": 1000, "valid_every": 1000})
+    train(from_dict(raw), quiet=True)
+    steps = [int(line.split()[1].rstrip(":")) for line in capsys.readouterr().err.splitlines()
+             if line.startswith("step ") and ": loss" in line]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_training_lines_carry_mfu_against_the_configured_peak(tmp_path):
+    raw = tiny_config(tmp_path, train={"max_steps": 4, "peak_tflops": 1e-6})
+    run_dir = train(from_dict(raw), quiet=True)
+    lines = [m for m in read_metrics(run_dir) if m.get("split") == "train"]
+    # 1 MFLOP/s of peak: a real update does far more, so the MFU is large and known from FLOPs and time.
+    assert all(m["mfu"] > 1.0 for m in lines)
+    assert all(0.0 <= m["data_wait"] < 1.0 and m["elapsed"] > 0 for m in lines)
+
+
+def test_training_flops_count_the_matmuls():
+    cfg = ModelConfig(d_model=8, n_heads=2, n_encoder_layers=1, n_decoder_layers=2, d_ff=16)
+    encoder = 4 * 64 + 2 * 8 * 16          # Q, K, V, O and the two feed-forward matrices
+    decoder = 2 * (8 * 64 + 2 * 8 * 16) + 8 * 100  # self- and cross-attention, feed-forward; output projection
+    dense = 6 * (encoder * 30 + decoder * 20)
+    attention = 12 * 8 * 3 * (1 * 10 * 10 + 2 * (7 * 7 + 7 * 10))
+    assert training_flops(cfg, 100, 30, 20, [(3, 10, 7)]) == dense + attention
+
+
+def test_tensorboard_gets_the_scalars_or_a_one_line_error(tmp_path, monkeypatch):
+    raw = tiny_config(tmp_path, train={"max_steps": 4, "tensorboard": True})
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(UserError, match=r"pip install 'transformer\[tensorboard\]'"):
+            train(from_dict(raw), quiet=True)
+        return
+    run_dir = train(from_dict(raw), quiet=True)
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(run_dir / "tensorboard")).Reload().Tags()["scalars"]
+    assert {"train/loss", "train/mfu", "valid/loss", "valid/ppl"} <= set(scalars)

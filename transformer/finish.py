@@ -1,0 +1,185 @@
+"""What a run ends with: the average of its last checkpoints, the checkpoint and search settings chosen on the
+validation set, the test score, and a summary (RUN_DIR/summary.json and RUN_DIR/final.pt)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from transformer.atomic import atomic_write
+from transformer.average import average_checkpoints, step_checkpoints
+from transformer.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
+from transformer.config import Config, from_dict, save_config, to_dict
+from transformer.data import load_split, resolve_split
+from transformer.errors import UserError
+from transformer.evaluate import bleu_chrf
+from transformer.store import Store
+from transformer.translate import translate_ids
+
+log = logging.getLogger("transformer")
+
+FINAL = "final.pt"  # what `translate RUN_DIR` uses once a run has finished
+LENPENS = (0.6, 0.8, 1.0, 1.2)
+
+
+def length_ratio(scores: dict) -> float:
+    """Hypothesis length over reference length, as sacreBLEU counts them (below 1: translations too short)."""
+    return scores["sys_len"] / max(scores["ref_len"], 1)
+
+
+def describe(scores: dict) -> str:
+    """BLEU with the length ratio beside it: the brevity penalty is where short translations lose."""
+    return f"BLEU {scores['bleu']:.2f} (length ratio {length_ratio(scores):.3f}), chrF {scores['chrf']:.2f}"
+
+
+class _Scorer:
+    """Translates a fixed set of sources with a model in memory and scores against references."""
+
+    def __init__(self, cfg: Config, sources: list[list[int]], references: list[str], vocab, device):
+        self.cfg, self.sources, self.references, self.vocab, self.device = cfg, sources, references, vocab, device
+
+    def __call__(self, model, beam: int, lenpen: float) -> tuple[dict, list[str]]:
+        d = self.cfg.decode
+        ids = translate_ids(model, self.sources, beam, lenpen, d.max_len_offset, d.max_tokens, self.device, d.stop)
+        hypotheses = self.vocab.decode(ids)
+        return bleu_chrf(hypotheses, self.references), hypotheses
+
+
+def _candidates(run_dir: Path, cfg: Config) -> dict[str, dict]:
+    """best.pt, and the average of the last train.keep_last step checkpoints when there are several."""
+    if not (run_dir / "best.pt").is_file():
+        raise UserError(f"finish: {run_dir} holds no best.pt (has the run validated yet?)")
+    found = {"best.pt": load_checkpoint(run_dir / "best.pt")}
+    steps = step_checkpoints(run_dir)[-cfg.train.keep_last:] if cfg.train.keep_last else []
+    if len(steps) >= 2:
+        averaged = average_checkpoints(steps)
+        save_checkpoint(averaged, run_dir / "averaged.pt")
+        found["averaged.pt"] = averaged
+        log.info("finish: averaged %s into averaged.pt", ", ".join(p.name for p in steps))
+    return found
+
+
+def _search_settings(score, model, cfg: Config, at_config: dict) -> tuple[int, float, dict]:
+    """The length penalty, then the beam, that score best on validation: a small grid around the config's
+    (at_config: the score at the config's own settings, already known)."""
+    beam = cfg.decode.beam
+    tried = {(beam, cfg.decode.lenpen): at_config}
+    for lenpen in LENPENS:
+        if (beam, lenpen) not in tried:
+            tried[(beam, lenpen)] = score(model, beam, lenpen)[0]
+    # Ties keep the config's value: a change has to earn its place.
+    lenpen = max((a for b, a in tried), key=lambda a: (tried[(beam, a)]["bleu"], a == cfg.decode.lenpen))
+    if beam > 1:  # a wider beam, where it helps
+        tried[(beam + 2, lenpen)] = score(model, beam + 2, lenpen)[0]
+    chosen = max(((b, a) for b, a in tried if a == lenpen), key=lambda k: (tried[k]["bleu"], -k[0]))
+    for (b, a), s in sorted(tried.items()):
+        log.info("finish: valid beam %d lenpen %g: %s%s", b, a, describe(s), " (chosen)" if (b, a) == chosen else "")
+    return chosen[0], chosen[1], {f"beam{b}_lp{a:g}": round(s["bleu"], 2) for (b, a), s in sorted(tried.items())}
+
+
+def _training_record(run_dir: Path, cfg: Config) -> dict:
+    """Wall time, updates, epochs, throughput and the best validation from metrics.jsonl and last.pt."""
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    valid = [r for r in rows if r.get("split") == "valid"]
+    run = load_checkpoint(run_dir / "last.pt")["run"]
+    by = "bleu" if cfg.train.valid_bleu and all("bleu" in r for r in valid) else "loss"
+    best = (max if by == "bleu" else min)(valid, key=lambda r: r[by]) if valid else {}
+    elapsed = run.get("elapsed", 0.0)
+    return {
+        "updates": run["step"], "epochs": run["data"]["epoch"], "training_seconds": round(elapsed, 1),
+        "tokens_per_s": round(run.get("tokens", 0) / elapsed) if elapsed else None,
+        "best_valid_loss": min((r["loss"] for r in valid), default=None),
+        "best_valid_bleu": max((r["bleu"] for r in valid if "bleu" in r), default=None),
+        "best_step": best.get("step"), "seconds_to_best": best.get("elapsed"),
+    }
+
+
+def finish(run_dir: str | Path, device: torch.device) -> dict:
+    """Choose and score the run's final model; write final.pt (weights + tuned decode settings) and summary.json."""
+    started = time.perf_counter()
+    run_dir = Path(run_dir)
+    cfg = from_dict(load_checkpoint(run_dir / "last.pt")["config"])
+    candidates = _candidates(run_dir, cfg)
+    store = Store(run_dir / "store")
+    valid = store.corpus("valid")
+    models = {name: model_from_checkpoint(state, device) for name, state in candidates.items()}
+    vocab = next(iter(models.values()))[1]
+    score = _Scorer(cfg, [valid.source(i) for i in range(len(valid))], store.references("valid"), vocab, device)
+
+    # The checkpoint first, at the config's search settings; then the settings for that checkpoint.
+    valid_scores = {name: score(model, cfg.decode.beam, cfg.decode.lenpen)[0] for name, (model, _, _) in models.items()}
+    for name, s in valid_scores.items():
+        log.info("finish: valid %s: %s", name, describe(s))
+    chosen = max(valid_scores, key=lambda n: valid_scores[n]["bleu"])
+    model = models[chosen][0]
+    beam, lenpen, grid = _search_settings(score, model, cfg, valid_scores[chosen])
+
+    tuned = replace(cfg, decode=replace(cfg.decode, beam=beam, lenpen=lenpen))
+    save_checkpoint(weights_checkpoint(to_dict(tuned), candidates[chosen]["vocab"], candidates[chosen]["model"],
+                                       made_from=chosen), run_dir / FINAL)
+    save_config(tuned, run_dir / "config.yaml")
+
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL), "made_from": chosen,
+               "decode": {"beam": beam, "lenpen": lenpen}, "valid_grid_bleu": grid,
+               "valid": {n: {"bleu": round(s["bleu"], 2), "length_ratio": round(length_ratio(s), 3)}
+                         for n, s in valid_scores.items()},
+               **_training_record(run_dir, cfg)}
+    test = _score_test(cfg, vocab, model, beam, lenpen, device, run_dir)
+    if test is not None:
+        summary["test"] = test
+    summary["finish_seconds"] = round(time.perf_counter() - started, 1)
+    text = json.dumps(summary, indent=2) + "\n"
+    atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode("utf-8")))
+    _log_summary(summary)
+    return summary
+
+
+def _score_test(cfg: Config, vocab, model, beam: int, lenpen: float, device, run_dir: Path) -> Optional[dict]:
+    try:
+        resolve_split(cfg.data, cfg.data.test_split)
+    except UserError:
+        log.info("finish: no test split %r: skipped", cfg.data.test_split)
+        return None
+    sources, references = load_split(cfg.data, cfg.data.test_split)
+    score = _Scorer(cfg, vocab.encode(sources), references, vocab, device)
+    scores, hypotheses = score(model, beam, lenpen)
+    (run_dir / "eval").mkdir(exist_ok=True)
+    hyp_path = run_dir / "eval" / f"{cfg.data.test_split}.final.hyp"
+    hyp_path.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+    return {"split": cfg.data.test_split, "bleu": round(scores["bleu"], 2), "chrf": round(scores["chrf"], 2),
+            "length_ratio": round(length_ratio(scores), 3), "bleu_signature": scores["bleu_signature"],
+            "chrf_signature": scores["chrf_signature"], "hypotheses": str(hyp_path)}
+
+
+def _log_summary(s: dict) -> None:
+    minutes = (s["training_seconds"] or 0) / 60
+    lines = [f"summary: {s['updates']} updates, {s['epochs']} epochs, {minutes:.1f} min of training"
+             + (f", {s['tokens_per_s']:,} tokens/s" if s.get("tokens_per_s") else "")]
+    if s.get("best_valid_loss") is not None:
+        best = f"best valid loss {s['best_valid_loss']:.4f}"
+        if s.get("best_valid_bleu") is not None:
+            best += f", best valid BLEU {s['best_valid_bleu']:.2f}"
+        if s.get("seconds_to_best") is not None:
+            best += f" (best checkpoint at step {s['best_step']}, {s['seconds_to_best'] / 60:.1f} min)"
+        lines.append("summary: " + best)
+    if "test" in s:
+        t = s["test"]
+        lines.append(f"summary: test BLEU {t['bleu']:.2f} (length ratio {t['length_ratio']:.3f}), chrF {t['chrf']:.2f}"
+                     f" with {s['made_from']}, beam {s['decode']['beam']}, lenpen {s['decode']['lenpen']:g}")
+        lines.append(f"summary:   {t['bleu_signature']}")
+        lines.append(f"summary:   {t['chrf_signature']}")
+    lines.append(f"summary: use {s['checkpoint']} (`transformer translate {s['run_dir']}` picks it); "
+                 f"details in {s['run_dir']}/summary.json")
+    for line in lines:
+        log.info(line)
