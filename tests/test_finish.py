@@ -10,7 +10,7 @@ import torch
 
 from tests.trainutil import cli, read_metrics, tiny_config, write_config, write_corpus
 from transformer import device as device_module
-from transformer import train as train_module
+from transformer import runlog
 from transformer.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.config import ModelConfig, from_dict, load_config
 from transformer.device import pick_precision
@@ -95,7 +95,7 @@ def test_without_a_terminal_progress_shows_early_and_at_least_every_30_seconds(t
     steps = [int(line.split()[1].rstrip(":")) for line in capsys.readouterr().err.splitlines()
              if line.startswith("step ") and ": loss" in line]
     assert steps == [5, 9]  # after the first few updates, and the last
-    monkeypatch.setattr(train_module, "PROGRESS_SECONDS", 0.0)  # every update is "30 seconds later"
+    monkeypatch.setattr(runlog, "PROGRESS_SECONDS", 0.0)  # every update is "30 seconds later"
     raw = tiny_config(tmp_path, "timed", train={"max_steps": 4, "log_every": 1000, "valid_every": 1000})
     train(from_dict(raw), quiet=True)
     steps = [int(line.split()[1].rstrip(":")) for line in capsys.readouterr().err.splitlines()

@@ -3,6 +3,7 @@ matmul rate that model FLOPs utilisation (MFU) divides by."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -57,6 +58,14 @@ def pick_precision(name: str, device: torch.device) -> tuple[str, str]:
         return name, "train.precision"
     native, why = native_bf16(device)
     return ("bf16" if native else "fp32"), f"auto: {why}"
+
+
+def autocast_context(device: torch.device, precision: str):
+    """Mixed precision for the forward pass and loss (bf16/fp16 autocast); fp32 runs as it is."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def matmul_tflops(device: torch.device, precision: str, size: int = 0, repeats: int = 5) -> float:

@@ -1,16 +1,29 @@
-"""Scoring with sacreBLEU (BLEU and chrF, with signatures) and the `evaluate` command; training's validation
-BLEU uses the same scoring."""
+"""Scoring: sacreBLEU (BLEU and chrF, with signatures, and the length ratio), the `evaluate` command, and the
+validation loss and BLEU that training logs."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+
 from transformer.atomic import atomic_write
+from transformer.device import autocast_context
+from transformer.distributed import DistInfo, all_reduce_sum
 from transformer.errors import UserError
+from transformer.model import evaluating
+from transformer.optim import label_smoothed_loss
+
+
+def length_ratio(scores: dict) -> float:
+    """Hypothesis length over reference length, as sacreBLEU counts them (below 1: translations too short, and
+    the brevity penalty takes its share of BLEU)."""
+    return scores["sys_len"] / max(scores["ref_len"], 1)
 
 
 def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
@@ -28,6 +41,36 @@ def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
         "bleu_detail": str(b), "chrf_detail": str(c),
         "bp": b.bp, "sys_len": b.sys_len, "ref_len": b.ref_len, "sentences": len(hypotheses),
     }
+
+
+@torch.no_grad()
+def evaluate_loss(model, batches, device, precision: str, smoothing: float, info: DistInfo = DistInfo()) -> dict:
+    """Label-smoothed loss and NLL per target token, summed over all ranks' shares; ppl = exp(NLL)."""
+    total = torch.zeros(3, device=device, dtype=torch.float64)  # loss, nll, tokens
+    with evaluating(model):
+        for batch in batches[info.rank::info.world_size]:
+            batch = batch.to(device)
+            with autocast_context(device, precision):
+                logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+            logits = logits.float()
+            total[0] += label_smoothed_loss(logits, batch.tgt_out, smoothing)
+            total[1] += label_smoothed_loss(logits, batch.tgt_out, 0.0)
+            total[2] += batch.n_tgt_tokens
+    loss, nll, tokens = all_reduce_sum(total, info).tolist()
+    nll = nll / max(tokens, 1)
+    return {"loss": loss / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50.0))}
+
+
+def validation_bleu(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
+    """sacreBLEU of the model's translations of (a slice of) the validation set, and their length ratio."""
+    from transformer.translate import translate_ids
+
+    t, d = cfg.train, cfg.decode
+    n = min(t.valid_bleu_pairs or len(corpus), len(corpus))
+    ids = translate_ids(model, [corpus.source(i) for i in range(n)], beam=t.valid_bleu_beam, lenpen=d.lenpen,
+                        max_len_offset=d.max_len_offset, max_tokens=d.max_tokens, device=device, stop=d.stop)
+    scores = bleu_chrf(vocab.decode(ids), refs[:n])
+    return {"bleu": scores["bleu"], "length_ratio": length_ratio(scores)}
 
 
 def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], beam: Optional[int],

@@ -18,7 +18,7 @@ from transformer.checkpoint import load_checkpoint, model_from_checkpoint, save_
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data import load_split, resolve_split
 from transformer.errors import UserError
-from transformer.evaluate import bleu_chrf
+from transformer.evaluate import bleu_chrf, length_ratio
 from transformer.store import Store
 from transformer.translate import translate_ids
 
@@ -26,11 +26,6 @@ log = logging.getLogger("transformer")
 
 FINAL = "final.pt"  # what `translate RUN_DIR` uses once a run has finished
 LENPENS = (0.6, 0.8, 1.0, 1.2)
-
-
-def length_ratio(scores: dict) -> float:
-    """Hypothesis length over reference length, as sacreBLEU counts them (below 1: translations too short)."""
-    return scores["sys_len"] / max(scores["ref_len"], 1)
 
 
 def describe(scores: dict) -> str:

@@ -14,8 +14,12 @@ from tqdm import tqdm
 
 from transformer.distributed import DistInfo
 from transformer.errors import UserError
+from transformer.model import training_flops
 
 log = logging.getLogger("transformer")
+
+PROGRESS_SECONDS = 30.0   # a training line at least this often, so a job without a terminal always shows life
+FIRST_LINE_AFTER = 5      # ... and one after the first few updates
 
 
 class _TqdmHandler(logging.StreamHandler):
@@ -104,3 +108,49 @@ class MetricsLog:
             self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+class Progress:
+    """Training lines: every train.log_every updates, after the first few, and at least every 30 seconds. Each
+    goes to metrics.jsonl and train.log, and to the console when no progress bar shows it."""
+
+    def __init__(self, metrics: MetricsLog, bar: tqdm, prefetch, model, log_every: int, max_steps: int,
+                 first_step: int, peak_tflops: float):
+        self.metrics, self.bar, self.prefetch, self.model = metrics, bar, prefetch, model
+        self.log_every, self.max_steps, self.first_step, self.peak_tflops = log_every, max_steps, first_step, peak_tflops
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss = self.flops = 0.0
+        self.tgt_tokens = self.src_tokens = 0
+        self.since, self.wait_before = time.perf_counter(), self.prefetch.wait_seconds
+
+    def add(self, update, loss: float) -> None:
+        """Count a successful update (data.Update) whose summed loss over all ranks was `loss`."""
+        self.loss += loss
+        self.tgt_tokens += update.n_tgt_tokens
+        self.src_tokens += update.n_src_tokens
+        # MFU counts this rank's share: its own batches' real tokens and padded shapes.
+        shapes = [(b.src.size(0), b.src.size(1), b.tgt_in.size(1)) for b in update.batches]
+        self.flops += training_flops(self.model.cfg, self.model.vocab_size, sum(b.n_src_tokens for b in update.batches),
+                                     sum(b.n_tgt_tokens for b in update.batches), shapes)
+        self.bar.update(1)
+
+    def due(self, step: int) -> bool:
+        return (step % self.log_every == 0 or step == self.max_steps or step == self.first_step + FIRST_LINE_AFTER
+                or time.perf_counter() - self.since >= PROGRESS_SECONDS)
+
+    def write(self, step: int, epoch: int, lr: float, grad_norm: float) -> None:
+        seconds = time.perf_counter() - self.since
+        entry = {"step": step, "split": "train", "loss": self.loss / max(self.tgt_tokens, 1), "lr": lr,
+                 "tgt_tokens_per_s": self.tgt_tokens / seconds,
+                 "tokens_per_s": (self.tgt_tokens + self.src_tokens) / seconds, "epoch": epoch,
+                 "grad_norm": grad_norm, "mfu": self.flops / seconds / (self.peak_tflops * 1e12),
+                 "data_wait": (self.prefetch.wait_seconds - self.wait_before) / seconds}
+        self.metrics.record(entry)
+        log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s, MFU %.1f%%, grad norm %.3g, epoch %d, waiting for "
+                 "data %.1f%%", step, entry["loss"], lr, entry["tokens_per_s"], 100 * entry["mfu"], grad_norm, epoch,
+                 100 * entry["data_wait"], extra={"console": bool(self.bar.disable)})
+        self.bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{entry['tokens_per_s']:.0f}",
+                             epoch=epoch)
+        self._reset()

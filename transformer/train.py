@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
 import resource
 import time
@@ -22,61 +21,22 @@ from transformer.batch import Batch
 from transformer.checkpoint import load_checkpoint, load_resumable, restore_training, save_checkpoint, training_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data import BatchStream, Prefetcher, Update, eval_batches
-from transformer.device import matmul_tflops, pick_precision
+from transformer.device import autocast_context, matmul_tflops, pick_precision
 from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
                                      shutdown_distributed)
 from transformer.errors import UserError, first_line, is_out_of_memory
-from transformer.model import Transformer, build_model, count_parameters, evaluating, training_flops
+from transformer.evaluate import evaluate_loss, validation_bleu
+from transformer.model import Transformer, build_model, count_parameters
 from transformer.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
 from transformer.resume import (ConfigChange, RunLock, RunState, StopRequested, check_resume_config, check_run_dir,
                                 make_run_dir, resume_command, rng_state, set_rng_state, stop_at_once)
-from transformer.runlog import MetricsLog, setup_logging
+from transformer.runlog import MetricsLog, Progress, setup_logging
 from transformer.store import Store, open_prepared, prepare
 from transformer.vocab import Vocab
 
 log = logging.getLogger("transformer")
 
 MAX_SKIPPED_IN_A_ROW = 20
-PROGRESS_SECONDS = 30.0   # a training line at least this often, so a job without a terminal always shows life
-FIRST_LINE_AFTER = 5      # ... and one after the first few updates
-
-
-def autocast_context(device: torch.device, precision: str):
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-@torch.no_grad()
-def evaluate_loss(model, batches, device, precision: str, smoothing: float, info: DistInfo = DistInfo()) -> dict:
-    """Label-smoothed loss and NLL per target token, summed over all ranks' shares; ppl = exp(NLL)."""
-    total = torch.zeros(3, device=device, dtype=torch.float64)  # loss, nll, tokens
-    with evaluating(model):
-        for batch in batches[info.rank::info.world_size]:
-            batch = batch.to(device)
-            with autocast_context(device, precision):
-                logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-            logits = logits.float()
-            total[0] += label_smoothed_loss(logits, batch.tgt_out, smoothing)
-            total[1] += label_smoothed_loss(logits, batch.tgt_out, 0.0)
-            total[2] += batch.n_tgt_tokens
-    loss, nll, tokens = all_reduce_sum(total, info).tolist()
-    nll = nll / max(tokens, 1)
-    return {"loss": loss / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50.0))}
-
-
-def validation_bleu(model: Transformer, vocab: Vocab, corpus, refs: list[str], cfg: Config, device) -> dict:
-    """sacreBLEU of the model's translations of (a slice of) the validation set, and their length ratio."""
-    from transformer.evaluate import bleu_chrf
-    from transformer.translate import translate_ids
-
-    t, d = cfg.train, cfg.decode
-    n = min(t.valid_bleu_pairs or len(corpus), len(corpus))
-    ids = translate_ids(model, [corpus.source(i) for i in range(n)], beam=t.valid_bleu_beam, lenpen=d.lenpen,
-                        max_len_offset=d.max_len_offset, max_tokens=d.max_tokens, device=device, stop=d.stop)
-    scores = bleu_chrf(vocab.decode(ids), refs[:n])
-    return {"bleu": scores["bleu"], "length_ratio": scores["sys_len"] / max(scores["ref_len"], 1)}
 
 
 @dataclass
@@ -369,53 +329,6 @@ def validate_and_save(run: Run) -> bool:
     return False
 
 
-class Progress:
-    """Training lines: every train.log_every updates, after the first few, and at least every 30 seconds. Each
-    goes to metrics.jsonl and train.log, and to the console when no progress bar shows it."""
-
-    def __init__(self, run: Run, bar: tqdm, prefetch: Prefetcher):
-        self.run, self.bar, self.prefetch = run, bar, prefetch
-        self.first_step = run.state.step
-        self._reset()
-
-    def _reset(self) -> None:
-        self.loss = self.flops = 0.0
-        self.tgt_tokens = self.src_tokens = 0
-        self.since, self.wait_before = time.perf_counter(), self.prefetch.wait_seconds
-
-    def add(self, update: Update, result: StepResult) -> None:
-        """Count a successful update."""
-        m = self.run.model
-        self.loss += result.loss
-        self.tgt_tokens += update.n_tgt_tokens
-        self.src_tokens += update.n_src_tokens
-        shapes = [(b.src.size(0), b.src.size(1), b.tgt_in.size(1)) for b in update.batches]  # this rank's share
-        self.flops += training_flops(m.cfg, m.vocab_size, sum(b.n_src_tokens for b in update.batches),
-                                     sum(b.n_tgt_tokens for b in update.batches), shapes)
-        self.bar.update(1)
-
-    def due(self, step: int) -> bool:
-        t = self.run.cfg.train
-        return (step % t.log_every == 0 or step == t.max_steps or step == self.first_step + FIRST_LINE_AFTER
-                or time.perf_counter() - self.since >= PROGRESS_SECONDS)
-
-    def write(self, result: StepResult) -> None:
-        run, seconds = self.run, time.perf_counter() - self.since
-        epoch = run.data_position["epoch"]
-        entry = {"step": run.state.step, "split": "train", "loss": self.loss / max(self.tgt_tokens, 1),
-                 "lr": result.lr, "tgt_tokens_per_s": self.tgt_tokens / seconds,
-                 "tokens_per_s": (self.tgt_tokens + self.src_tokens) / seconds, "epoch": epoch,
-                 "grad_norm": float(result.grad_norm), "mfu": self.flops / seconds / (run.peak_tflops * 1e12),
-                 "data_wait": (self.prefetch.wait_seconds - self.wait_before) / seconds}
-        run.metrics.record(entry)
-        log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s, MFU %.1f%%, grad norm %.3g, epoch %d, waiting for "
-                 "data %.1f%%", entry["step"], entry["loss"], entry["lr"], entry["tokens_per_s"], 100 * entry["mfu"],
-                 entry["grad_norm"], epoch, 100 * entry["data_wait"], extra={"console": bool(self.bar.disable)})
-        self.bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}",
-                             tok_s=f"{entry['tokens_per_s']:.0f}", epoch=epoch)
-        self._reset()
-
-
 def update_loop(run: Run, quiet: bool) -> None:
     """Updates until train.max_steps or train.max_epochs (or early stopping), validating and saving every
     train.valid_every updates and at the end; SIGINT/SIGTERM save last.pt after the current update and exit."""
@@ -429,7 +342,8 @@ def update_loop(run: Run, quiet: bool) -> None:
     bar = tqdm(total=t.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
                disable=True if (quiet or not info.is_main) else None)
     prefetch = Prefetcher(stream, pin_memory=run.device.type == "cuda")
-    progress, skipped_in_a_row, stopped_early = Progress(run, bar, prefetch), 0, False
+    progress = Progress(run.metrics, bar, prefetch, run.model, t.log_every, t.max_steps, state.step, run.peak_tflops)
+    skipped_in_a_row, stopped_early = 0, False
     with StopRequested() as stop, contextlib.closing(prefetch), contextlib.closing(bar):
         while state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs):
             update = prefetch.next()
@@ -445,11 +359,11 @@ def update_loop(run: Run, quiet: bool) -> None:
                                     f"loss or gradient; stopping without saving them ({held})")
             else:
                 skipped_in_a_row = 0
-                progress.add(update, result)
+                progress.add(update, result.loss)
                 if progress.first_step + 1 == state.step:  # how long a start or resume takes before training proper
                     first_update(run, bar)
                 if progress.due(state.step):
-                    progress.write(result)
+                    progress.write(state.step, run.data_position["epoch"], result.lr, float(result.grad_norm))
                 if state.step % t.valid_every == 0 and validate_and_save(run):
                     stopped_early = True
                     break
