@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from transformer.batch import prepare_sources
-from transformer.data import read_lines
+from transformer.corpus import read_lines
 from transformer.evaluate import bleu_chrf
 from transformer.search import STOP_RULES, search
 from transformer.translate import CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_ids, \

@@ -12,8 +12,8 @@ import torch
 
 from transformer.batch import Batch, causal_mask, pad_sequences, padding_mask
 from transformer.config import DataConfig
-from transformer.data import (BatchStream, Prefetcher, count_lines, eval_batches, iter_lines, load_split,
-                              make_batches, pack_by_size, read_lines, read_parallel, resolve_split, split_paths)
+from transformer.corpus import load_split, read_lines, read_parallel, split_paths
+from transformer.data import BatchStream, Prefetcher, eval_batches, make_batches, pack_by_size
 from transformer.store import Corpus
 from transformer.errors import UserError
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab

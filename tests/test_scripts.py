@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from tests.trainutil import ROOT
-from transformer.data import read_parallel
+from transformer.corpus import read_parallel
 
 
 def test_fetch_multi30k_writes_plain_text_splits(tmp_path):

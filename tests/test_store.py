@@ -13,7 +13,7 @@ import pytest
 from tests.trainutil import cli, tiny_config, write_corpus
 from transformer import store as store_module
 from transformer.config import from_dict
-from transformer.data import count_lines, iter_lines, open_split, read_lines
+from transformer.corpus import count_lines, iter_lines, open_split, read_lines
 from transformer.errors import UserError
 from transformer.store import Store, prepare, problem
 from transformer.vocab import Vocab

@@ -77,7 +77,7 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
                  lenpen: Optional[float], max_tokens: Optional[int], device: str, dtype: str = "fp32",
                  stop: Optional[str] = None, engine: str = "ours") -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files), score, write .hyp and .json."""
-    from transformer.data import load_split, read_parallel
+    from transformer.corpus import load_split, read_parallel
     from transformer.translate import Translator
 
     if (src is None) != (ref is None):

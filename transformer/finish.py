@@ -16,7 +16,7 @@ from transformer.atomic import atomic_write
 from transformer.average import average_checkpoints, step_checkpoints
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
-from transformer.data import load_split, resolve_split
+from transformer.corpus import load_split, resolve_split
 from transformer.errors import UserError
 from transformer.evaluate import bleu_chrf, length_ratio
 from transformer.store import Store

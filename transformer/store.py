@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 from transformer.atomic import atomic_write
 from transformer.config import Config
-from transformer.data import RawSplit, chain_lines, keep_mask, open_split
+from transformer.corpus import RawSplit, chain_lines, open_split
+from transformer.data import keep_mask
 from transformer.errors import UserError
 from transformer.vocab import Vocab, train_vocab
 

@@ -273,7 +273,7 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
                   device: str, dtype: str = "fp32", stop: Optional[str] = None, engine: str = "ours") -> None:
     """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line."""
     from transformer.atomic import check_output_path
-    from transformer.data import read_lines
+    from transformer.corpus import read_lines
 
     if sentences and input:
         raise UserError("translate: give sentences as arguments or --input FILE, not both")

@@ -1,0 +1,248 @@
+"""Raw parallel corpora: local files streamed line by line (UTF-8 checked, line numbers in errors), Hugging Face
+`datasets` splits, split names and their aliases; what the store encodes and `evaluate` reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import chain, islice
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from transformer.config import DataConfig
+from transformer.errors import UserError
+
+Chunk = tuple[list[str], list[str]]  # source lines, target lines
+
+CHUNK_LINES = 50_000  # pairs read and encoded at a time: memory stays flat whatever the corpus size
+# Where a config says "valid", a dataset may call the split "validation" or "dev" (and so on).
+SPLIT_ALIASES = {"valid": ("validation", "dev", "val"), "validation": ("valid", "dev", "val"),
+                 "dev": ("validation", "valid"), "test": ("testing",)}
+
+
+# --------------------------------------------------------------------------- reading local files
+
+def _decode(raw: bytes, path: Path, first_line: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + raw.count(b"\n", 0, e.start)
+        raise UserError(f"data: {path} line {line} is not valid UTF-8 (byte {raw[e.start]:#04x})") from None
+
+
+def iter_lines(path: str | Path, block_bytes: int = 1 << 24) -> Iterator[str]:
+    """The lines of a UTF-8 file, streamed. Only '\\n' ends a line (str.splitlines would also split on U+2028,
+    form feeds and other characters that occur inside real sentences); a final '\\r' and a leading BOM go."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"data: no such file: {path}")
+    line_no, pending, first = 1, b"", True
+    with path.open("rb") as f:
+        while True:
+            block = f.read(block_bytes)
+            if not block:
+                break
+            data = pending + block
+            cut = data.rfind(b"\n")
+            if cut < 0:
+                pending = data
+                continue
+            complete, pending = data[:cut], data[cut + 1:]
+            text = _decode(complete, path, line_no)
+            if first and text.startswith("\ufeff"):
+                text = text[1:]
+            first = False
+            lines = text.split("\n")
+            line_no += len(lines)
+            yield from (line[:-1] if line.endswith("\r") else line for line in lines)
+    if pending:
+        text = _decode(pending, path, line_no)
+        if first and text.startswith("\ufeff"):
+            text = text[1:]
+        if text:
+            yield text[:-1] if text.endswith("\r") else text
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """All lines of a (small) UTF-8 file: translation inputs, test sets."""
+    return list(iter_lines(path))
+
+
+def count_lines(path: str | Path) -> int:
+    """Lines of a file as iter_lines yields them, counted on bytes (fast: no decoding)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"data: no such file: {path}")
+    count, last = 0, b"\n"
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
+    """Both sides of a (small) parallel file pair, checked like a training corpus."""
+    _check_parallel(src_path, tgt_path)
+    return read_lines(src_path), read_lines(tgt_path)
+
+
+def _check_parallel(src_path: str | Path, tgt_path: str | Path) -> int:
+    n_src, n_tgt = count_lines(src_path), count_lines(tgt_path)
+    if n_src != n_tgt:
+        raise UserError(f"data: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
+                        "line N of one side must translate line N of the other")
+    if not n_src:
+        raise UserError(f"data: {src_path} and {tgt_path} are empty")
+    return n_src
+
+
+def _chunks_of(pairs: Iterator[tuple[str, str]], size: int) -> Iterator[Chunk]:
+    while batch := list(islice(pairs, size)):
+        src, tgt = zip(*batch)
+        yield list(src), list(tgt)
+
+
+# --------------------------------------------------------------------------- splits: local or hub
+
+@dataclass(frozen=True)
+class RawSplit:
+    """One split of a parallel corpus, ready to be streamed (possibly more than once) in chunks of pairs."""
+
+    name: str                                  # the split's name in the corpus ("validation" for a "valid" key)
+    chunks: Callable[[], Iterator[Chunk]]      # a new stream of (source lines, target lines) chunks per call
+    fingerprint: dict                          # what identifies the input: paths, sizes, mtimes / dataset files
+    count: Callable[[], int]                   # pairs the stream yields; checks that the sides agree (reads
+                                               # the files: called before streaming, never for a reused store)
+
+    @cached_property
+    def n_pairs(self) -> int:
+        return self.count()
+
+
+def split_paths(cfg: DataConfig, split: str) -> tuple[Path, Path]:
+    base = Path(cfg.dir)
+    return base / f"{split}.{cfg.src_lang}", base / f"{split}.{cfg.tgt_lang}"
+
+
+def _candidates(split: str) -> tuple[str, ...]:
+    return (split,) + SPLIT_ALIASES.get(split, ())
+
+
+def resolve_split(cfg: DataConfig, split: str, log: Optional[Callable[[str], None]] = None) -> str:
+    """The corpus's own name for `split`: the name itself, else an alias ("valid" -> "validation" or "dev").
+    Cheap (no data is read), so every split can be checked before any expensive work."""
+    if cfg.source == "hub":
+        available = _hub_split_names(cfg)
+    else:
+        available = [s for s in _candidates(split) if all(p.is_file() for p in split_paths(cfg, s))]
+    for name in _candidates(split):
+        if name in available:
+            if name != split and log is not None:
+                log(f"data: split '{split}' not found; using '{name}'")
+            return name
+    if cfg.source == "hub":
+        raise UserError(f"data: {cfg.hub_name!r} has no split {split!r} (its splits: {', '.join(available)}); "
+                        "set data.train_split / data.valid_split / data.test_split")
+    src, tgt = split_paths(cfg, split)
+    missing = src if not src.is_file() else tgt
+    raise UserError(f"data: no such file: {missing} (split {split!r} in data.dir {cfg.dir!r})")
+
+
+def open_split(cfg: DataConfig, split: str, limit: int = 0, log: Optional[Callable[[str], None]] = None) -> RawSplit:
+    """A split by its config name (resolved through aliases), its first `limit` pairs when limit > 0."""
+    name = resolve_split(cfg, split, log)
+    if cfg.source == "hub":
+        return _open_hub_split(cfg, name, limit)
+    src_path, tgt_path = split_paths(cfg, name)
+
+    def count() -> int:
+        n = _check_parallel(src_path, tgt_path)
+        return min(n, limit) if limit else n
+
+    def chunks() -> Iterator[Chunk]:
+        src_lines, tgt_lines = iter_lines(src_path), iter_lines(tgt_path)
+        pairs = zip(src_lines, tgt_lines)
+        yield from _chunks_of(islice(pairs, limit) if limit else pairs, CHUNK_LINES)
+
+    files = [{"path": str(p.resolve()), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+             for p in (src_path, tgt_path)]
+    return RawSplit(name, chunks, {"source": "local", "files": files, "limit": limit}, count)
+
+
+def load_split(cfg: DataConfig, split: str) -> tuple[list[str], list[str]]:
+    """All raw sentences of a (small) split, e.g. the test set that `evaluate` translates."""
+    raw = open_split(cfg, split)
+    src, tgt = [], []
+    for s, t in raw.chunks():
+        src += s
+        tgt += t
+    return src, tgt
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("data.source 'hub' needs the `datasets` package: pip install 'transformer[hub]' "
+                        "(or pip install datasets)") from None
+    return datasets
+
+
+def _hub_error(cfg: DataConfig, what: str, e: Exception) -> UserError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UserError(f"data: cannot load {what} of {cfg.hub_name!r} through `datasets`: {first}")
+
+
+def _hub_split_names(cfg: DataConfig) -> list[str]:
+    datasets = _datasets()
+    try:
+        return list(datasets.get_dataset_split_names(cfg.hub_name, cfg.hub_config))
+    except Exception as e:  # network, unknown name or config: all reach the user as one line
+        raise _hub_error(cfg, "the split names", e) from None
+
+
+def _open_hub_split(cfg: DataConfig, name: str, limit: int) -> RawSplit:
+    """A `datasets` split (rows {src: .., tgt: ..} or {"translation": {..}}); `datasets` caches it on disk as
+    memory-mapped Arrow, which is streamed here in chunks."""
+    datasets = _datasets()
+    try:
+        ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=name)
+    except Exception as e:
+        raise _hub_error(cfg, f"split {name!r}", e) from None
+    columns = ds.column_names
+    if "translation" not in columns and not {cfg.src_lang, cfg.tgt_lang} <= set(columns):
+        raise UserError(f"data: {cfg.hub_name!r} has columns {columns}; expected '{cfg.src_lang}' and "
+                        f"'{cfg.tgt_lang}' or a 'translation' column")
+    if "translation" in columns and len(ds):
+        languages = set(ds[0]["translation"])
+        if not {cfg.src_lang, cfg.tgt_lang} <= languages:
+            raise UserError(f"data: {cfg.hub_name!r} translations have languages {sorted(languages)}, not "
+                            f"{cfg.src_lang!r} and {cfg.tgt_lang!r}; check data.src_lang, data.tgt_lang and "
+                            "data.hub_config")
+    if not len(ds):
+        raise UserError(f"data: {cfg.hub_name!r} split {name!r} is empty")
+    n = min(len(ds), limit) if limit else len(ds)
+
+    def chunks() -> Iterator[Chunk]:
+        part = ds.select(range(n)) if n < len(ds) else ds
+        for rows in part.iter(batch_size=CHUNK_LINES):
+            if "translation" in rows:
+                pairs = rows["translation"]
+                src, tgt = [p[cfg.src_lang] for p in pairs], [p[cfg.tgt_lang] for p in pairs]
+            else:
+                src, tgt = rows[cfg.src_lang], rows[cfg.tgt_lang]
+            yield [s or "" for s in src], [t or "" for t in tgt]  # a missing side counts as blank
+
+    files = []
+    for entry in ds.cache_files:
+        p = Path(entry["filename"])
+        files.append({"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns})
+    fingerprint = {"source": "hub", "hub_name": cfg.hub_name, "hub_config": cfg.hub_config, "split": name,
+                   "rows": len(ds), "files": files, "limit": limit}
+    return RawSplit(name, chunks, fingerprint, lambda: n)
+
+
+def chain_lines(chunks: Iterator[Chunk]) -> Iterator[str]:
+    """Every sentence of a stream of chunks, source and target of a pair in turn (SentencePiece's input)."""
+    return chain.from_iterable(chain.from_iterable(zip(src, tgt)) for src, tgt in chunks)
