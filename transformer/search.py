@@ -168,7 +168,7 @@ def _new_step(rows: int) -> TraceStep:
 
 
 def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int, use_cache: bool,
-                   trace: Optional[list[TraceStep]]) -> SearchResult:
+                   trace: Optional[list[TraceStep]] = None) -> SearchResult:
     """Most probable next token at each step; finished sentences leave the batch."""
     decoder = _Decoder(model, src, use_cache)
     max_len = _max_lengths(model, src, max_len_offset)  # (B,)
@@ -216,7 +216,7 @@ def _greedy_step(rows: int, alive: list[int], prefix: torch.Tensor, scores: torc
 
 
 def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_offset: int, nbest: int,
-                 stop: StopRule, use_cache: bool, trace: Optional[list[TraceStep]]) -> SearchResult:
+                 stop: StopRule, use_cache: bool, trace: Optional[list[TraceStep]] = None) -> SearchResult:
     device, k = src.device, beam
     inf = float("-inf")
     # Encoded once per sentence; rows are copied per beam after the first step.
