@@ -6,10 +6,11 @@
 
 TEST_SET defaults to $TRANSFORMER_DATA/multi30k/test.de (else data/multi30k/test.de): Multi30k test sentences,
 sent in file order (cycling), --sentences per request. For each --windows value a fresh server is started
-(`transformer serve --port 0 --batch-window-ms W`, on 127.0.0.1 only), warmed up with a few requests, and loaded
-by --clients threads that each send one request at a time until --requests have been sent or --time-limit
+(`transformer serve --port 0 --batch-window-ms W`, on 127.0.0.1 only), warmed up with a short burst of the same
+load (2 requests per client), and loaded by --clients threads that each send one request at a time until --requests have been sent or --time-limit
 seconds have passed. Reports requests/s, sentences/s, p50/p99 latency, the mean sentences per batched search,
-errors (must be 0: the script exits 1 otherwise) and the server's RSS before and after the load.
+errors (warm-up included; must be 0: the script exits 1 otherwise) and the server's RSS before and after the
+load (after the warm-up; it should stay flat).
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def request(conn: http.client.HTTPConnection, method: str, path: str, body=None)
     conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
     response = conn.getresponse()
     return response.status, json.loads(response.read() or b"{}")
+
+
+def health(port: int) -> dict:
+    """GET /health on a new connection (a kept-alive one may have been closed by the server while idle)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        return request(conn, "GET", "/health")[1]
+    finally:
+        conn.close()
 
 
 def load(port: int, sentences: list[str], clients: int, total: int, per_request: int, beam: int,
@@ -95,19 +105,18 @@ def run_one(args, sentences: list[str], window: float) -> dict:
                         "--max-sentences", str(max(64, args.sentences)))
     port = urlsplit(url).port
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        for i in range(3):  # warm-up: first-call allocations are not what a running service costs
-            request(conn, "POST", "/translate", {"text": sentences[i:i + args.sentences], "beam": args.beam})
-        _, warm = request(conn, "GET", "/health")
-        before = rss_mb(server.pid)
+        # Warm-up, a short burst of the same load: first-call allocations and the allocator's growth to the
+        # batch sizes this load makes are not what a running service keeps adding.
+        warmup = load(port, sentences, args.clients, 2 * args.clients, args.sentences, args.beam, args.time_limit)
+        warm, before = health(port), rss_mb(server.pid)
         result = load(port, sentences, args.clients, args.requests, args.sentences, args.beam, args.time_limit)
-        after = rss_mb(server.pid)
-        _, health = request(conn, "GET", "/health")
-        conn.close()
-        batches, searched = health["batches"] - warm["batches"], health["sentences"] - warm["sentences"]
+        after, done = rss_mb(server.pid), health(port)
+        batches, searched = done["batches"] - warm["batches"], done["sentences"] - warm["sentences"]
     finally:
         server.terminate()
         server.wait(timeout=60)
+    result["errors"] += warmup["errors"]
+    result["first_errors"] = (warmup["first_errors"] + result["first_errors"])[:5]
     return {"window_ms": window, **result, "rss_before_mb": before, "rss_after_mb": after,
             "batches": batches, "sentences_per_batch": searched / max(1, batches)}
 
