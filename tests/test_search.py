@@ -331,3 +331,42 @@ def test_length_penalty_is_gnmt():
     assert length_penalty(1, 0.6) == pytest.approx(1.0)
     assert length_penalty(7, 1.0) == pytest.approx(2.0)
     assert length_penalty(100, 0.0) == 1.0
+
+
+# ----------------------------------------------------------------------------- trace
+
+@pytest.mark.parametrize("stop", ["exact", "early"])
+@pytest.mark.parametrize("beam,nbest", [(1, 1), (3, 2), (4, 4)])
+def test_trace_leaves_outputs_alone_and_ends_in_the_nbest(model, beam, nbest, stop):
+    src = as_batch(make_sources(seed=21, n=5))
+    plain = search(model, src, beam, 0.6, 5, nbest, stop)
+    trace = []
+    traced = search(model, src, beam, 0.6, 5, nbest, stop, trace=trace)
+    assert_same(traced.hypotheses, plain.hypotheses)
+    assert (traced.steps, traced.sentence_steps) == (plain.steps, plain.sentence_steps)
+    assert len(trace) == plain.steps  # one entry per decoder step
+    for row, hyps in enumerate(plain.hypotheses):
+        # Every hypothesis the search finished is in the trace; the best nbest of them are what it returned.
+        finished = [h for step in trace for h in step.finished[row]]
+        assert_same([sorted(finished, key=lambda h: h.score, reverse=True)[:nbest]], [hyps])
+        # The row takes part until its last step and no longer; live hypotheses grow by one token a step.
+        last = plain.sentence_steps[row]
+        assert not any(step.alive[row] or step.finished[row] for step in trace[last:])
+        assert not trace[last - 1].alive[row]
+        for t, step in enumerate(trace[:last - 1]):
+            assert 1 <= len(step.alive[row]) <= beam
+            assert all(len(h.tokens) == t + 1 for h in step.alive[row])
+            scores = [h.score for h in step.alive[row]]
+            assert scores == sorted(scores, reverse=True) and all(s <= 0 for s in scores)
+
+
+def test_trace_steps_extend_earlier_live_hypotheses(trained):
+    """Each live hypothesis (and each finished one) continues one that was alive the step before."""
+    src = as_batch(make_sources(seed=22, n=3))
+    trace = []
+    search(trained, src, beam=3, lenpen=0.6, max_len_offset=5, nbest=2, trace=trace)
+    for before, after in zip(trace, trace[1:]):
+        for row in range(src.size(0)):
+            prefixes = {tuple(h.tokens) for h in before.alive[row]}
+            assert all(tuple(h.tokens[:-1]) in prefixes for h in after.alive[row])
+            assert all(tuple(h.tokens) in prefixes for h in after.finished[row])

@@ -126,9 +126,10 @@ def inspect_attention(
     beam: int = 1,
     lenpen: float = 0.6,
     max_len_offset: int = 50,
+    stop: str = "exact",
 ) -> AttentionMaps:
     """Attention weights for `source` while the decoder reads `target`, or the model's own
-    translation (greedy, or beam search with beam > 1) when no target is given."""
+    translation (greedy, or beam search with beam > 1 and stop rule `stop`) when no target is given."""
     if not source.strip():
         raise UserError("the source sentence is empty")
     device = next(model.parameters()).device
@@ -141,7 +142,7 @@ def inspect_attention(
     src_ids = src[0].tolist()
     translated = target is None
     if translated:
-        found = search(model, src, beam=beam, lenpen=lenpen, max_len_offset=max_len_offset)
+        found = search(model, src, beam=beam, lenpen=lenpen, max_len_offset=max_len_offset, stop=stop)
         tgt_ids = found.hypotheses[0][0].tokens
         target = vocab.decode([tgt_ids])[0]
     else:

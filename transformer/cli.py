@@ -79,7 +79,7 @@ def cmd_attention(args: argparse.Namespace) -> None:
     beam = cfg.decode.beam if args.beam is None else args.beam
     with out_of_memory_names(f"the attention maps with beam {beam} (lower --beam)"):
         maps = inspect_attention(model, vocab, args.source, args.target, beam=beam, lenpen=cfg.decode.lenpen,
-                                 max_len_offset=cfg.decode.max_len_offset)
+                                 max_len_offset=cfg.decode.max_len_offset, stop=cfg.decode.stop)
     if args.target is None:
         print(f"translation: {maps.target}", file=sys.stderr)
     kinds = KINDS if args.kind == "all" else (args.kind,)
@@ -122,6 +122,26 @@ def cmd_export(args: argparse.Namespace) -> None:
     from transformer.export import run_export
 
     run_export(args.checkpoint, args.out, args.quantization, args.force)
+
+
+SERVE_MODULES = ("fastapi", "uvicorn", "starlette", "pydantic")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    _check_search_args(args)
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be between 0 and 65535, got {args.port}")
+    try:
+        from transformer.serve import ServeSettings, run_serve
+    except ModuleNotFoundError as e:
+        if e.name not in SERVE_MODULES:
+            raise
+        raise UserError(f"serve needs the 'serve' extra ({e.name} is not installed): "
+                        "pip install 'transformer[serve]'") from None
+    settings = ServeSettings(batch_window_ms=args.batch_window_ms, max_sentences=args.max_sentences,
+                             max_chars=args.max_chars, max_beam=args.max_beam, max_pending=args.max_pending)
+    run_serve(args.checkpoint, args.host, args.port, settings, args.device, args.dtype, args.beam, args.lenpen,
+              args.stop, args.max_tokens)
 
 
 def cmd_average(args: argparse.Namespace) -> None:
@@ -309,6 +329,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--src", metavar="FILE", help="source sentences to translate instead of a split (with --ref)")
     p.add_argument("--ref", metavar="FILE", help="reference translations of --src, line by line")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser(
+        "serve", help="serve a model: a JSON API and a page that shows its attention and beam search",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve one checkpoint over HTTP (pip install 'transformer[serve]'): POST /translate,\n"
+                    "/attention and /beam, GET /positions, /health and /info take and give JSON; GET / is a\n"
+                    "page that translates what you type and draws every attention head, the beam search step by\n"
+                    "step and the positional encoding. Requests that arrive within --batch-window-ms are\n"
+                    "translated in one batched search on one model worker. Binds to 127.0.0.1 unless --host\n"
+                    "says otherwise; there is no authentication, and no request can name a file.",
+    )
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--beam", type=int, metavar="N", help="beam size when a request gives none (default: decode.beam)")
+    p.add_argument("--lenpen", type=float, metavar="A", help="GNMT length penalty alpha (default: decode.lenpen)")
+    p.add_argument("--stop", choices=("exact", "early"), help="beam search stop rule (default: decode.stop)")
+    p.add_argument("--max-tokens", type=int, metavar="N",
+                   help="source tokens per batched search; also ends a batching window early (default: decode.max_tokens)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (default auto)")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"), default="auto",
+                   help="number format, as for translate (default auto)")
+    p.add_argument("--batch-window-ms", type=float, default=5.0, metavar="MS",
+                   help="how long a /translate request waits for others to share its search (default 5; 0: only "
+                        "requests that queued while the model was busy are merged)")
+    p.add_argument("--max-sentences", type=int, default=64, metavar="N", help="sentences per request (default 64)")
+    p.add_argument("--max-chars", type=int, default=10_000, metavar="N",
+                   help="characters per request, all sentences together (default 10000)")
+    p.add_argument("--max-beam", type=int, default=16, metavar="N", help="largest beam a request may ask for (default 16)")
+    p.add_argument("--max-pending", type=int, default=1024, metavar="N",
+                   help="sentences that may wait for the model; more are refused with 503 (default 1024)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
         "average", help="average the weights of several checkpoints into one",

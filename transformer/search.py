@@ -28,6 +28,9 @@ Stop rules (beam > 1; `stop`):
   are fairseq's and the steps never more than either rule's alone.
 Greedy search (beam 1) ends a sentence at its first EOS under either rule: with one hypothesis the first
 to finish is the answer, as the early rule says.
+
+Tracing (`trace`, a list): search() appends one TraceStep per decoder step, for showing the search at work
+(`transformer serve`'s page). It only reads what the search computed; without a trace nothing extra is done.
 """
 
 from __future__ import annotations
@@ -64,19 +67,29 @@ class SearchResult:
         return [hyps[0] for hyps in self.hypotheses]
 
 
+@dataclass
+class TraceStep:
+    """One decoder step of a traced search, per source row (an empty list for a row with nothing to show)."""
+
+    alive: list[list[Hypothesis]]     # hypotheses that go on after this step, best first; score = summed log-prob
+    finished: list[list[Hypothesis]]  # hypotheses that ended with EOS at this step; score as in the n-best lists
+
+
 def length_penalty(length, alpha: float):
     """GNMT (Wu et al. 2016): lp = ((5 + length) / 6) ** alpha; works on floats and tensors."""
     return ((5.0 + length) / 6.0) ** alpha
 
 
 def search(model, src: torch.Tensor, beam: int = 4, lenpen: float = 0.6, max_len_offset: int = 50,
-           nbest: int = 1, stop: StopRule = "exact", use_cache: bool = True) -> SearchResult:
+           nbest: int = 1, stop: StopRule = "exact", use_cache: bool = True,
+           trace: Optional[list[TraceStep]] = None) -> SearchResult:
     """Translate source rows `src` (B, S): per row its `nbest` best hypotheses, best first.
 
     beam 1 is greedy search (the most probable token at each step). Beam search ranks 2*beam candidates
     per sentence at each step: the best `beam` that do not end in EOS stay alive, and an EOS candidate
     finishes only when it ranks within the top `beam`. `stop` picks when a sentence is done (module
-    docstring). use_cache=False recomputes every step from scratch (for tests).
+    docstring). use_cache=False recomputes every step from scratch (for tests). `trace`, when given, receives
+    a TraceStep per decoder step; a sentence has no live hypotheses at the step it is done.
     """
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
@@ -84,8 +97,8 @@ def search(model, src: torch.Tensor, beam: int = 4, lenpen: float = 0.6, max_len
         raise ValueError(f"stop must be one of {', '.join(STOP_RULES)}, got {stop!r}")
     with _eval_mode(model):
         if beam == 1:
-            return _greedy_search(model, src, lenpen, max_len_offset, use_cache)
-        return _beam_search(model, src, beam, lenpen, max_len_offset, nbest, stop, use_cache)
+            return _greedy_search(model, src, lenpen, max_len_offset, use_cache, trace)
+        return _beam_search(model, src, beam, lenpen, max_len_offset, nbest, stop, use_cache, trace)
 
 
 @contextlib.contextmanager
@@ -150,7 +163,12 @@ def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
     return lprobs.masked_fill(at_limit[:, None] & not_eos[None, :], float("-inf"))
 
 
-def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int, use_cache: bool) -> SearchResult:
+def _new_step(rows: int) -> TraceStep:
+    return TraceStep([[] for _ in range(rows)], [[] for _ in range(rows)])
+
+
+def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int, use_cache: bool,
+                   trace: Optional[list[TraceStep]] = None) -> SearchResult:
     """Most probable next token at each step; finished sentences leave the batch."""
     decoder = _Decoder(model, src, use_cache)
     max_len = _max_lengths(model, src, max_len_offset)  # (B,)
@@ -166,6 +184,8 @@ def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int,
         scores = scores + best
         prefix = torch.cat([prefix, token[:, None]], dim=1)
         done = token == EOS_ID
+        if trace is not None:
+            trace.append(_greedy_step(src.size(0), alive, prefix, scores, done, length_penalty(t + 1, lenpen)))
         if done.any():
             rows = done.nonzero().view(-1)
             penalty = length_penalty(t + 1, lenpen)
@@ -183,8 +203,20 @@ def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int,
     return SearchResult(out, decoder.steps, sentence_steps)  # type: ignore[arg-type]
 
 
+def _greedy_step(rows: int, alive: list[int], prefix: torch.Tensor, scores: torch.Tensor, done: torch.Tensor,
+                 penalty: float) -> TraceStep:
+    """The trace of one greedy step: each row's one hypothesis, alive or finished (prefix (R, t+2) from BOS)."""
+    step = _new_step(rows)
+    for row, row_tokens, total, ended in zip(alive, prefix[:, 1:].tolist(), scores.tolist(), done.tolist()):
+        if ended:
+            step.finished[row].append(Hypothesis(row_tokens[:-1], total / penalty))
+        else:
+            step.alive[row].append(Hypothesis(row_tokens, total))
+    return step
+
+
 def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_offset: int, nbest: int,
-                 stop: StopRule, use_cache: bool) -> SearchResult:
+                 stop: StopRule, use_cache: bool, trace: Optional[list[TraceStep]] = None) -> SearchResult:
     device, k = src.device, beam
     inf = float("-inf")
     # Encoded once per sentence; rows are copied per beam after the first step.
@@ -202,6 +234,7 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
     t = 0
     while alive:
         b = len(alive)
+        step = _new_step(src.size(0)) if trace is not None else None
         lprobs = decoder.log_probs(prefix)  # (B*n, V)
         vocab = lprobs.size(1)
         at_limit = (t >= max_len).repeat_interleave(n)  # (B,) -> (B*n,)
@@ -220,7 +253,10 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
             rows = sent * n + origin[sent, pos]
             penalty = length_penalty(t + 1, lenpen)
             for s, row_tokens, total in zip(sent.tolist(), prefix[rows, 1:].tolist(), top_scores[sent, pos].tolist()):
-                finished[alive[s]].append(Hypothesis(row_tokens, total / penalty))
+                hyp = Hypothesis(row_tokens, total / penalty)
+                finished[alive[s]].append(hyp)
+                if step is not None:
+                    step.finished[alive[s]].append(hyp)
 
         # The k best non-EOS candidates stay alive (there are at least k: each beam adds one EOS at most).
         order = (is_eos.long() * (2 * k) + rank).argsort(dim=1)[:, :k]  # (B, k) positions among the 2k
@@ -243,6 +279,11 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
                 sentence_steps[alive[s]] = t + 1
             else:
                 keep.append(s)
+        if step is not None:
+            for s in keep:  # (k, t+1): each kept hypothesis's tokens so far, without BOS
+                tokens = torch.cat([prefix[parent[s], 1:], new_token[s, :, None]], dim=1)
+                step.alive[alive[s]] = [Hypothesis(h, total) for h, total in zip(tokens.tolist(), scores[s].tolist())]
+            trace.append(step)
         if not keep:
             break
         sentence_set_changed = len(keep) < b
