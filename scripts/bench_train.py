@@ -182,20 +182,23 @@ def main() -> None:
     device = torch.device(args.device)
     peak = (args.peak_tflops * 1e12 if args.peak_tflops
             else measure_peak(device, torch.bfloat16 if args.precision == "bf16" else torch.float32))
-    results = []
+    results, failed = [], []
     for impl in args.impls.split(","):
         command = [sys.executable, __file__, "--impl", impl] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
             if k not in ("impl", "impls", "json", "peak_tflops") and v is not None]
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
-            print(f"{impl}: failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+            reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
+            print(f"{impl}: failed: {reason}")
+            failed.append({"impl": impl, "error": reason})  # in the JSON too, so a missing row has its reason
             continue
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         result["mfu"] = result["tflops_per_s"] * 1e12 / peak
         results.append(result)
     ours = next((r for r in results if r["impl"] == "ours"), None)
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu'}), "
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"device {device} ({device_name}), "
           f"torch {torch.__version__}, {args.precision}, {args.tokens} target tokens/update, "
           f"peak {peak / 1e12:.1f} TFLOP/s ({'given' if args.peak_tflops else 'measured'})")
     print(f"{'impl':14} {'step s':>8} {'tgt tok/s':>10} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'ours x':>7}")
@@ -206,9 +209,10 @@ def main() -> None:
         print(f"{name:14} {r['step_s_median']:8.3f} {r['tgt_tokens_per_s']:10.0f} {r['tokens_per_s']:10.0f} "
               f"{r['tflops_per_s']:8.2f} {r['mfu']:6.1%} {r['peak_mem_gib']:8.2f} {ratio:7.2f}")
     Path(args.json).write_text(json.dumps({
-        "device": str(device), "torch": torch.__version__, "precision": args.precision, "peak_flops": peak,
+        "device": str(device), "device_name": device_name, "torch": torch.__version__, "precision": args.precision,
+        "peak_flops": peak, "peak_measured": not args.peak_tflops,
         "config": args.config, "compile": args.compile, "vocab": args.vocab, "tokens": args.tokens, "length": args.length,
-        "results": results}, indent=2))
+        "results": results, "failed": failed}, indent=2))
     print(f"wrote {args.json}")
 
 

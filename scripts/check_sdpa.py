@@ -78,7 +78,10 @@ def main() -> None:
             rows.append({"mask": mask_name, "backend": name, "ms": ms})
             print(f"{mask_name:28} {name:10} {shown}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": str(device), "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({
+            "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "shape": [b, h, t, d],
+            "reps": args.reps, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

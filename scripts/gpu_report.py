@@ -1,0 +1,709 @@
+#!/usr/bin/env python
+"""Every CUDA path and benchmark in one command: the CUDA tests, check_sdpa.py, bench_train.py (eager and compiled),
+a one-GPU torchrun training, bench_decode.py (ours against Marian, and CTranslate2 where it imports) and the Multi30k
+recipe to its end. Each step is a subprocess with a time limit; a failing step is recorded and the next one runs.
+Writes one JSON (every step's command, exit status, wall time and the figures read from the step's own JSON) and
+the generated block of docs/PERFORMANCE.md between its marker comments.
+
+    mkdir -p data/gpu && cp -rL ../shared/data/multi30k data/gpu/      # a copy inside the repo (git-ignored)
+    PYTHONPATH=. python3 scripts/gpu_report.py --data data/gpu/multi30k                  # everything, on CUDA
+    PYTHONPATH=. python3 scripts/gpu_report.py --data data/gpu/multi30k --device cpu     # dry run at toy sizes
+    PYTHONPATH=. python3 scripts/gpu_report.py --data data/gpu/multi30k --skip recipe --budget 560 --json A.json
+    PYTHONPATH=. python3 scripts/gpu_report.py --data data/gpu/multi30k --steps recipe --budget 560 --json B.json
+    python3 scripts/gpu_report.py --render A.json B.json --json docs/gpu_report.json    # merge; write the block
+
+Steps, in order: cuda_tests, check_sdpa, bench_train, bench_train_compile, torchrun, bench_decode,
+bench_decode_ct2, recipe. bench_decode decodes the model the torchrun step trained (or --checkpoint), so it
+runs after it; the recipe runs last, as the longest. --device cpu runs every step at toy sizes on the first
+lines of --data (the CUDA tests then report themselves skipped): it checks the pipeline, not the speed.
+The recipe's training stops at its limit less 90 s (SIGTERM: it saves last.pt), and `transformer finish`
+then scores what it has. Nothing on this script's path imports `datasets`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- gpu_report:begin", "<!-- gpu_report:end -->"
+SPLITS = [f"{split}.{lang}" for split in ("train", "valid", "test") for lang in ("de", "en")]
+TOY_LINES = {"train": 400, "valid": 16, "test": 16}
+TOY_MODEL = ["model.d_model=32", "model.n_heads=2", "model.n_encoder_layers=1", "model.n_decoder_layers=1",
+             "model.d_ff=64", "data.vocab_size=200", "train.warmup_steps=2", "train.log_every=1",
+             "decode.max_len_offset=10"]
+GRACE_S = 30            # after SIGTERM at a limit: time to save a checkpoint before SIGKILL
+FINISH_RESERVE_S = 90   # of the recipe's limit, kept for `transformer finish` when training hits the limit
+MIN_STEP_S = 20         # a step with less time than this left in --budget is skipped
+
+
+def fail(message: str) -> None:
+    """A usage error: one line, exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def datasheet_peak_tflops(name: str) -> Optional[float]:
+    """Dense bf16 tensor-core peak of the GPUs this report is meant for: NVIDIA's datasheets give 1,979 TFLOP/s
+    "with sparsity" for the H100 SXM and the H200 SXM, half of it dense. MFU against it is the issue's target."""
+    if "NVL" in name or "PCIe" in name:
+        return None
+    if "H200" in name or ("H100" in name and ("HBM3" in name or "SXM" in name)):
+        return 989.4
+    return None
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    device: str             # cuda or cpu
+    toy: bool               # toy sizes (the dry run)
+    data: Path              # the corpus the steps read: --data, or a slice of it in toy mode
+    out: Path               # scratch space: the steps' JSON, logs and run directories
+    device_name: str
+
+    def py(self, *argv: str) -> list[str]:
+        return [sys.executable, *argv]
+
+    def sets(self, *items: str) -> list[str]:
+        return [a for item in items for a in ("--set", item)]
+
+    def dir(self, step: str) -> Path:
+        """Where a step writes: its own folder, emptied before it runs (no figure is read from an earlier run)."""
+        return self.out / step
+
+
+@dataclass
+class Step:
+    name: str
+    title: str
+    limits: tuple[int, int]                                     # seconds: (full size, toy size)
+    command: Callable[[Context], Union[list[str], str]]         # argv, or why the step is skipped
+    parse: Callable[[Context, dict], dict]                      # the step's figures, from its own output files
+    rescue: Optional[Callable[[Context], Optional[list[str]]]] = None  # run after a timeout, in the reserve
+
+
+# --------------------------------------------------------------------------- the steps
+
+def cuda_tests(ctx: Context):
+    return ctx.py("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
+                  f"--junitxml={ctx.dir('cuda_tests') / 'junit.xml'}")
+
+
+def parse_cuda_tests(ctx: Context, record: dict) -> dict:
+    suite = ET.parse(ctx.dir("cuda_tests") / "junit.xml").getroot().find("testsuite")
+    cases = []
+    for case in suite.iter("testcase"):
+        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        message = next((c.get("message") or "" for c in case if c.tag in ("failure", "error", "skipped")), "")
+        cases.append({"name": case.get("name"), "outcome": outcome, "message": message.splitlines()[0][:200]
+                      if message else ""})
+    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
+    if record["status"] == "ok" and cases and counts["skipped"] == len(cases):
+        record["status"], record["reason"] = "skipped", "every test skipped itself: " + cases[0]["message"]
+    return {"tests": len(cases), "passed": counts["passed"], "failed": counts["failure"], "errors": counts["error"],
+            "skipped": counts["skipped"], "cases": cases}
+
+
+def check_sdpa(ctx: Context):
+    toy = ["--batch", "2", "--length", "8", "--reps", "1"] if ctx.toy else []
+    return ctx.py("scripts/check_sdpa.py", "--device", ctx.device, *toy, "--json",
+                  str(ctx.dir("check_sdpa") / "check_sdpa.json"))
+
+
+def parse_check_sdpa(ctx: Context, record: dict) -> dict:
+    report = json.loads((ctx.dir("check_sdpa") / "check_sdpa.json").read_text())
+    masks: dict = {}
+    for row in report["rows"]:
+        masks.setdefault(row["mask"], {})[row["backend"]] = row["ms"]
+    return {"dtype": report.get("dtype"), "shape": report.get("shape"), "ms": masks}
+
+
+def bench_train(ctx: Context, compile_: bool = False):
+    json_path = ctx.dir("bench_train_compile" if compile_ else "bench_train") / "bench_train.json"
+    if ctx.toy:
+        size = ["--config", "configs/tiny.yaml", "--vocab", "128", "--tokens", "64", "--length", "8", "--steps", "2",
+                "--warmup", "1", "--precision", "fp32"]
+        impls = "ours" if compile_ else "ours,marian,torch"  # compiling on a CPU takes ~30 s an implementation
+    else:
+        size = ["--config", "configs/base.yaml", "--vocab", "37000", "--tokens", "25000", "--length", "32",
+                "--steps", "10", "--warmup", "3", "--precision", "bf16"]
+        impls = "ours,marian,torch"
+    # bench_train measures the matmul rate; the datasheet's peak (--peak-tflops or known) is applied when parsing
+    return ctx.py("scripts/bench_train.py", "--device", ctx.device, *size, "--impls", impls,
+                  *(["--compile", "all"] if compile_ else []), "--json", str(json_path))
+
+
+def parse_bench_train(ctx: Context, record: dict, compile_: bool = False) -> dict:
+    step = "bench_train_compile" if compile_ else "bench_train"
+    report = json.loads((ctx.dir(step) / "bench_train.json").read_text())
+    datasheet = ctx.args.peak_tflops or datasheet_peak_tflops(ctx.device_name)
+    keep = ("impl", "compiled", "step_s_median", "tgt_tokens_per_s", "tokens_per_s", "tflops_per_s", "mfu",
+            "peak_mem_gib", "params", "sentences", "ours_speedup")
+    rows = [{k: r.get(k) for k in keep} for r in report["results"]]
+    for row in rows:
+        row["mfu_datasheet"] = row["tflops_per_s"] / datasheet if datasheet and ctx.device == "cuda" else None
+    return {"config": report["config"], "compile": report["compile"], "precision": report["precision"],
+            "tokens": report["tokens"], "length": report["length"], "vocab": report["vocab"],
+            "peak_tflops_measured": report["peak_flops"] / 1e12, "results": rows, "failed": report.get("failed", []),
+            "peak_tflops_datasheet": datasheet if ctx.device == "cuda" else None}
+
+
+def torchrun(ctx: Context):
+    run_dir = ctx.dir("torchrun") / "run"
+    size = (["train.max_steps=4", "train.valid_every=2", *TOY_MODEL] if ctx.toy else
+            ["train.max_steps=1000", "train.valid_every=500", "train.log_every=100", "train.warmup_steps=800",
+             "train.lr=1.0", "train.precision=bf16"])
+    return ctx.py("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "transformer", "train",
+                  "configs/multi30k.yaml", *ctx.sets(f"data.dir={ctx.data}", f"train.run_dir={run_dir}",
+                                                     f"train.device={ctx.device}", "train.finish=false", *size))
+
+
+def parse_torchrun(ctx: Context, record: dict) -> dict:
+    metrics = (ctx.dir("torchrun") / "run" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in metrics if line]
+    train = [r for r in rows if r.get("split") == "train"]
+    valid = [r for r in rows if r.get("split") == "valid"]
+    done = next((r for r in rows if r.get("event") == "done"), {})
+    first = next((r for r in rows if r.get("event") == "first_update"), {})
+    last = train[-1] if train else {}
+    return {"processes": 1, "updates": done.get("step"), "training_seconds": done.get("elapsed"),
+            "first_update_seconds": first.get("seconds"), "tokens_per_s": last.get("tokens_per_s"),
+            "mfu": last.get("mfu"), "train_loss": last.get("loss"),
+            "valid_loss": valid[-1]["loss"] if valid else None, "peak_rss_mib": done.get("peak_rss_mib")}
+
+
+def decode_checkpoint(ctx: Context) -> Union[str, None]:
+    if ctx.args.checkpoint:
+        return ctx.args.checkpoint
+    run_dir = ctx.dir("torchrun") / "run"
+    return str(run_dir) if (run_dir / "best.pt").is_file() else None
+
+
+def bench_decode(ctx: Context, ct2: bool = False):
+    checkpoint = decode_checkpoint(ctx)
+    if checkpoint is None:
+        return "no model to decode: the torchrun step left no best.pt (or pass --checkpoint)"
+    if ct2 and not ctranslate2_imports():
+        return "ctranslate2 does not import here (carry its wheel to run this step)"
+    common = ["--device", ctx.device, "--beam", "1", "4", "--limit", "8" if ctx.toy else "500",
+              "--repeats", "1" if ctx.toy else "3"]
+    if ct2:
+        what = ["--stop", "exact", "--dtype", "fp32", "--no-hf", "--ctranslate2", "--ct2-dtype",
+                *(["fp32"] if ctx.toy else ["fp32", "bf16", "int8"])]
+    else:
+        what = ["--stop", "exact", "early", "--dtype", *(["fp32"] if ctx.device == "cpu" else ["fp32", "bf16"])]
+    return ctx.py("scripts/bench_decode.py", str(ctx.data / "test.de"), "--ref", str(ctx.data / "test.en"),
+                  "--checkpoint", checkpoint, *common, *what, "--json",
+                  str(ctx.dir("bench_decode_ct2" if ct2 else "bench_decode") / "bench_decode.json"))
+
+
+def ctranslate2_imports() -> bool:
+    try:
+        importlib.import_module("ctranslate2")
+    except (ImportError, OSError):  # absent, or its shared libraries do not load
+        return False
+    return True
+
+
+def parse_bench_decode(ctx: Context, record: dict, ct2: bool = False) -> dict:
+    report = json.loads((ctx.dir("bench_decode_ct2" if ct2 else "bench_decode") / "bench_decode.json").read_text())
+    keep = ("beam", "impl", "stop", "dtype", "sentences", "batches", "steps_per_sentence", "median_s",
+            "sentences_per_s", "tokens_per_s", "bleu", "chrf", "same_as_first", "vs_ct2_fp32", "vs_ct2_int8")
+    rows = [{k: r[k] for k in keep if k in r} for r in report["results"]]
+    for row in rows:
+        marian = next((m for m in rows if m["impl"] == "hf_marian" and m["beam"] == row["beam"]), None)
+        if marian is not None and row["impl"] == "ours":
+            row["vs_marian"] = row["sentences_per_s"] / marian["sentences_per_s"]
+    return {"checkpoint": report["checkpoint"], "transformers": report.get("transformers"),
+            "ctranslate2": report.get("ctranslate2"), "marian": any(r["impl"] == "hf_marian" for r in rows),
+            "results": rows}
+
+
+def recipe(ctx: Context):
+    run_dir = ctx.dir("recipe") / "run"
+    size = (["train.max_steps=6", "train.valid_every=3", "train.keep_last=2", *TOY_MODEL] if ctx.toy else
+            ["train.precision=bf16", "data.pad_to_multiple=8"])
+    return ctx.py("-m", "transformer", "train", "configs/multi30k.yaml",
+                  *ctx.sets(f"data.dir={ctx.data}", f"train.run_dir={run_dir}", f"train.device={ctx.device}",
+                            *size, *ctx.args.recipe_set))
+
+
+def recipe_rescue(ctx: Context) -> Optional[list[str]]:
+    """Stopped at its limit: score the best checkpoint so far, as the end of training would have."""
+    run_dir = ctx.dir("recipe") / "run"
+    if not (run_dir / "best.pt").is_file() or (run_dir / "summary.json").is_file():
+        return None
+    return ctx.py("-m", "transformer", "finish", str(run_dir), "--device", ctx.device)
+
+
+def parse_recipe(ctx: Context, record: dict) -> dict:
+    import yaml  # the package's own dependency, like everything the steps run
+
+    run_dir = ctx.dir("recipe") / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    max_steps = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"]
+    test = summary.get("test", {})
+    return {"test_bleu": test.get("bleu"), "test_chrf": test.get("chrf"), "bleu_signature": test.get("bleu_signature"),
+            "length_ratio": test.get("length_ratio"), "updates": summary["updates"], "max_steps": max_steps,
+            "reached_end": summary["updates"] >= max_steps, "epochs": summary["epochs"],
+            "training_seconds": summary["training_seconds"], "finish_seconds": summary.get("finish_seconds"),
+            "tokens_per_s": summary.get("tokens_per_s"), "best_valid_loss": summary.get("best_valid_loss"),
+            "made_from": summary.get("made_from"), "decode": summary.get("decode"),
+            "wall_s": record["wall_s"] + record.get("rescue", {}).get("wall_s", 0.0)}
+
+
+# Limits (seconds, at full size and at toy size): at full size they add up to under 25 minutes.
+STEPS = [
+    Step("cuda_tests", "CUDA tests", (150, 60), cuda_tests, parse_cuda_tests),
+    Step("check_sdpa", "SDPA kernels", (60, 60), check_sdpa, parse_check_sdpa),
+    Step("bench_train", "training step, eager", (150, 120), bench_train, parse_bench_train),
+    Step("bench_train_compile", "training step, torch.compile", (270, 180), lambda c: bench_train(c, True),
+         lambda c, r: parse_bench_train(c, r, True)),
+    Step("torchrun", "torchrun, one process", (120, 60), torchrun, parse_torchrun),
+    Step("bench_decode", "decoding, ours and Marian", (150, 60), bench_decode, parse_bench_decode),
+    Step("bench_decode_ct2", "decoding, ours and CTranslate2", (90, 60), lambda c: bench_decode(c, True),
+         lambda c, r: parse_bench_decode(c, r, True)),
+    Step("recipe", "Multi30k recipe", (500, 120), recipe, parse_recipe, rescue=recipe_rescue),
+]
+NAMES = [s.name for s in STEPS]
+
+
+# --------------------------------------------------------------------------- running
+
+def shown(argv: list[str]) -> str:
+    """The command as a person types it from the repository root (python3, relative paths)."""
+    text = shlex.join(["python3" if a == sys.executable else a for a in argv])
+    return text.replace(f"{ROOT}{os.sep}", "")
+
+
+def execute(argv: list[str], log_path: Path, limit: float) -> tuple[int, float, bool]:
+    """Run argv in its own process group, output to log_path; at the limit SIGTERM the group, SIGKILL after
+    GRACE_S. -> (exit status, wall seconds, whether the limit was hit)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    start = time.perf_counter()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=max(limit, 1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:  # also when this script is interrupted: never leave a step running
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    return proc.returncode, round(time.perf_counter() - start, 1), timed_out
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    """The end of a log, progress-bar redraws ('\\r') reduced to their last state."""
+    text = path.read_text(encoding="utf-8", errors="replace")[-4 * chars:]
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines())[-chars:]
+
+
+def run_step(ctx: Context, step: Step, deadline: Optional[float]) -> dict:
+    record = {"name": step.name, "title": step.title, "selected": True, "device_name": ctx.device_name,
+              "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "figures": {}}
+    limit = ctx.args.limit.get(step.name, step.limits[1] if ctx.toy else step.limits[0])
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left < MIN_STEP_S:
+            return {**record, "status": "skipped", "reason": f"--budget spent ({left:.0f} s left)"}
+        limit = min(limit, left)
+    shutil.rmtree(ctx.dir(step.name), ignore_errors=True)
+    argv = step.command(ctx)
+    if isinstance(argv, str):
+        return {**record, "status": "skipped", "reason": argv}
+    ctx.dir(step.name).mkdir(parents=True)
+    cap = limit - FINISH_RESERVE_S if step.rescue and limit > 2 * FINISH_RESERVE_S else limit
+    log = ctx.dir(step.name) / "output.log"
+    print(f"gpu_report: {step.name} (limit {cap:.0f} s): {shown(argv)}", flush=True)
+    rc, wall, timed_out = execute(argv, log, cap)
+    record.update(argv=argv, command=shown(argv), returncode=rc, wall_s=wall, limit_s=round(cap, 1), log=str(log),
+                  status="timeout" if timed_out else ("ok" if rc == 0 else "failed"))
+    record["output_tail"] = tail(log)
+    if timed_out and step.rescue and (rescue := step.rescue(ctx)) is not None:
+        rescue_log = ctx.dir(step.name) / "rescue.log"
+        left = FINISH_RESERVE_S if deadline is None else max(deadline - time.monotonic(), 1)
+        rrc, rwall, rtimed_out = execute(rescue, rescue_log, min(FINISH_RESERVE_S, left))
+        record["rescue"] = {"argv": rescue, "command": shown(rescue), "returncode": rrc, "wall_s": rwall,
+                            "timed_out": rtimed_out, "output_tail": tail(rescue_log, 1500)}
+    try:
+        record["figures"] = step.parse(ctx, record)
+    except Exception as e:  # a step that failed early wrote nothing to read: its status and output say why
+        record["parse_error"] = f"{type(e).__name__}: {e}"
+    print(f"gpu_report: {step.name}: {record['status']} in {wall:.1f} s", flush=True)
+    return record
+
+
+def machine(device: str, device_name: str) -> dict:
+    import torch
+
+    versions = {}
+    for package in ("torch", "transformers", "ctranslate2", "sentencepiece", "sacrebleu", "numpy"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    info = {"device": device, "device_name": device_name, "python": platform.python_version(),
+            "python_executable": sys.executable, "platform": platform.platform(), "packages": versions,
+            "cuda": torch.version.cuda, "datasets_installed": importlib.util.find_spec("datasets") is not None}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu_memory_gib=round(props.total_memory / 2 ** 30, 1), multiprocessors=props.multi_processor_count)
+    return info
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def toy_slice(data: Path, out: Path) -> Path:
+    """The first lines of each split: what the dry run trains, validates and decodes."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in SPLITS:
+        with (data / name).open(encoding="utf-8") as f:
+            lines = [line for _, line in zip(range(TOY_LINES[name.split(".")[0]]), f)]
+        (out / name).write_text("".join(lines), encoding="utf-8")
+    return out
+
+
+def write_json(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("no CUDA device here; --device cpu runs the dry run at toy sizes")
+    data = Path(args.data)
+    missing = [name for name in SPLITS if not (data / name).is_file()]
+    if missing:
+        fail(f"{data} lacks {', '.join(missing)}: copy Multi30k into the repository first, e.g. mkdir -p data/gpu "
+             "&& cp -rL ../shared/data/multi30k data/gpu/ (then --data data/gpu/multi30k)")
+    toy = args.toy or args.device == "cpu"
+    out = Path(args.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_name()
+    corpus = toy_slice(data, out / "toy_data") if toy else data.resolve()
+    ctx = Context(args, args.device, toy, corpus, out, device_name)
+    selected = [n for n in (args.steps or NAMES) if n not in args.skip]
+    json_path = Path(args.json) if args.json else out / "gpu_report.json"
+    report = {"script": "scripts/gpu_report.py", "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "toy": toy, "data": args.data, "out_dir": str(out), "budget_s": args.budget,
+              "machine": machine(args.device, device_name), "steps": []}
+    deadline = time.monotonic() + args.budget if args.budget else None
+    start = time.perf_counter()
+    # A SIGTERM (a limit outside this script) raises SystemExit: the running step is stopped, the JSON written.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    for step in STEPS:
+        if step.name not in selected:
+            report["steps"].append({"name": step.name, "title": step.title, "selected": False, "status": "skipped",
+                                    "reason": "not selected (--steps / --skip)", "figures": {}})
+            continue
+        try:
+            report["steps"].append(run_step(ctx, step, deadline))
+        except BaseException:  # SIGTERM or Ctrl-C: keep what was measured, say which step was cut
+            report["steps"].append({"name": step.name, "title": step.title, "selected": True,
+                                    "status": "interrupted", "figures": {}})
+            write_json(json_path, report)
+            raise
+        report["wall_s"] = round(time.perf_counter() - start, 1)
+        write_json(json_path, report)
+    report["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    write_json(json_path, report)
+    print(f"gpu_report: wrote {json_path}")
+    return report
+
+
+def merge(reports: list[dict]) -> dict:
+    """Several partial reports (one per device call) as one: for each step, the last report that ran it."""
+    merged = {**reports[-1], "parts": [{k: r.get(k) for k in ("started", "finished", "toy", "machine")}
+                                       for r in reports]}
+    steps = []
+    for step in STEPS:
+        found = [s for r in reports for s in r["steps"] if s["name"] == step.name]
+        ran = [s for s in found if s.get("selected", True)]
+        steps.append((ran or found or [{"name": step.name, "title": step.title, "selected": False,
+                                        "status": "skipped", "reason": "in none of the reports", "figures": {}}])[-1])
+    merged["steps"] = steps
+    merged["toy"] = any(r.get("toy") for r in reports)
+    return merged
+
+
+# --------------------------------------------------------------------------- the generated block
+
+def fmt(value, spec: str = ".1f", none: str = "—") -> str:
+    return none if value is None else format(value, spec)
+
+
+def render(report: dict) -> str:
+    """The markdown block: what ran where, the exact commands, each step's figures and the issue's targets. It
+    shows only what the JSON holds (and ratios of it)."""
+    steps = {s["name"]: s for s in report["steps"]}
+    parts = report.get("parts") or [report]
+    names = sorted({p["machine"]["device_name"] for p in parts if p.get("machine")})
+    m = parts[-1].get("machine") or {}
+    pk = m.get("packages", {})
+    when = max(p.get("finished") or p.get("started") or "" for p in parts)
+    out = [f"{BEGIN}: written by scripts/gpu_report.py; running it again replaces everything down to the end "
+           "marker -->", "", f"### Report: {', '.join(names) or '?'} ({when[:10]})", ""]
+    if report.get("toy"):
+        out += ["**Dry run at toy sizes** (`--device cpu` or `--toy`): it checks that every step, the JSON and "
+                "this block work. None of its figures measures anything.", ""]
+    if len(names) > 1:
+        out += [f"**The steps ran on different devices ({', '.join(names)}): compare figures within a step only.**",
+                ""]
+    out += [f"Written {when} by `scripts/gpu_report.py`: torch {pk.get('torch')} (CUDA {m.get('cuda')}), Python "
+            f"{m.get('python')}, transformers {pk.get('transformers')}, ctranslate2 {pk.get('ctranslate2')}, "
+            f"sacrebleu {pk.get('sacrebleu')}, sentencepiece {pk.get('sentencepiece')}; `datasets` "
+            f"{'installed' if m.get('datasets_installed') else 'not installed'}. Each command below ran from the "
+            "repository root with `PYTHONPATH=.`, one after the other.", "",
+            "| step | status | wall s | limit s |", "| --- | --- | ---: | ---: |"]
+    for s in report["steps"]:
+        status = s["status"] + (f": {s['reason']}" if s.get("reason") else "")
+        if s.get("returncode") not in (None, 0):
+            status += f" (exit {s['returncode']})"
+        out.append(f"| {s['name']} | {status} | {fmt(s.get('wall_s'))} | {fmt(s.get('limit_s'), '.0f')} |")
+    out += ["", "```sh"]
+    for s in report["steps"]:
+        if s.get("command"):
+            out.append(f"# {s['name']}\n{s['command']}")
+        if s.get("rescue"):
+            out.append(f"# {s['name']}: stopped at its limit, then\n{s['rescue']['command']}")
+    out += ["```", ""]
+    for name, section in (("cuda_tests", md_cuda_tests), ("check_sdpa", md_sdpa), ("bench_train", md_train),
+                          ("bench_decode", md_decode), ("torchrun", md_torchrun), ("recipe", md_recipe)):
+        if any(s["name"].startswith(name) and s.get("figures") for s in report["steps"]):
+            out += section(steps) + [""]
+    out += md_targets(steps, bool(report.get("toy"))) + ["", END]
+    return "\n".join(out)
+
+
+def md_cuda_tests(steps: dict) -> list[str]:
+    f = steps["cuda_tests"]["figures"]
+    lines = [f"**CUDA tests** (`tests/test_cuda.py`): {f['tests']} tests, {f['passed']} passed, {f['failed']} failed, "
+             f"{f['errors']} errors, {f['skipped']} skipped."]
+    return lines + [f"- `{c['name']}`: {c['outcome']}: {c['message']}" for c in f["cases"] if c["outcome"] != "passed"]
+
+
+def md_sdpa(steps: dict) -> list[str]:
+    f = steps["check_sdpa"]["figures"]
+    backends = list(next(iter(f["ms"].values())))
+    lines = [f"**SDPA kernels** (`scripts/check_sdpa.py`): forward + backward ms per call, q/k/v {f['shape']} "
+             f"{f['dtype']}; — = the backend cannot serve the call.", "",
+             "| mask | " + " | ".join(backends) + " |", "| --- |" + " ---: |" * len(backends)]
+    return lines + [f"| {mask} | " + " | ".join(fmt(ms.get(b), ".3f") for b in backends) + " |"
+                    for mask, ms in f["ms"].items()]
+
+
+def md_train(steps: dict) -> list[str]:
+    runs = [steps[n]["figures"] for n in ("bench_train", "bench_train_compile") if steps[n].get("figures")]
+    f = runs[0]
+    lines = [f"**Training step** (`scripts/bench_train.py`, {f['config']}, vocabulary {f['vocab']}): "
+             f"{f['tokens']} target tokens per update ({f['tokens'] // f['length']} sentences of {f['length']}), "
+             f"{f['precision']}; MFU against the matmul rate measured in each run ("
+             f"{' and '.join(fmt(r['peak_tflops_measured']) for r in runs)} TFLOP/s) and "
+             f"the datasheet's dense bf16 peak ({fmt(f['peak_tflops_datasheet'])} TFLOP/s).", "",
+             "| impl | compiled | step s | target tok/s | TFLOP/s | MFU measured | MFU datasheet | peak GiB "
+             "| ours × |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for run in runs:
+        for r in run["results"]:
+            lines.append(f"| {r['impl']} | {'yes' if r['compiled'] else 'no'} | {fmt(r['step_s_median'], '.4f')} | "
+                         f"{fmt(r['tgt_tokens_per_s'], ',.0f')} | {fmt(r['tflops_per_s'])} | {fmt(r['mfu'], '.1%')} | "
+                         f"{fmt(r['mfu_datasheet'], '.1%')} | {fmt(r['peak_mem_gib'], '.2f')} | "
+                         f"{fmt(r['ours_speedup'], '.2f')} |")
+        compiled = "no" if run["compile"] == "none" else "yes"
+        lines += [f"| {x['impl']} | {compiled} | failed: {x['error'][:120]} | | | | | | |" for x in run["failed"]]
+    return lines
+
+
+def md_decode(steps: dict) -> list[str]:
+    lines = []
+    for name, versus in (("bench_decode", "Marian"), ("bench_decode_ct2", "CTranslate2")):
+        f = steps[name].get("figures")
+        if not f:
+            continue
+        rows, key = sorted(f["results"], key=lambda r: r["beam"]), "vs_marian" if versus == "Marian" else "vs_ct2_fp32"
+        lines += [f"**Decoding, ours and {versus}** (`scripts/bench_decode.py`, checkpoint "
+                  f"`{shown([f['checkpoint']])}`, {rows[0]['sentences']} test sentences, median of the timed passes"
+                  + ("; Marian has random weights and runs exactly our number of decoder steps, so it has no BLEU)"
+                     if versus == "Marian" else "; CTranslate2 runs our weights)"), "",
+                  f"| beam | impl | stop | dtype | steps/sentence | sentences/s | tokens/s | BLEU | ours / {versus} |",
+                  "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {r['beam']} | {r['impl']} | {r['stop']} | {r['dtype']} | {fmt(r.get('steps_per_sentence'))} | "
+                  f"{fmt(r['sentences_per_s'])} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('bleu'), '.2f')} | "
+                  f"{fmt(r.get(key), '.2f') if r['impl'] == 'ours' else ''} |" for r in rows]
+        lines.append("")
+    return lines[:-1]
+
+
+def md_torchrun(steps: dict) -> list[str]:
+    f = steps["torchrun"]["figures"]
+    return [f"**torchrun, one process**: {f['updates']} updates in {fmt(f['training_seconds'])} s (first update "
+            f"{fmt(f['first_update_seconds'])} s after start), {fmt(f['tokens_per_s'], ',.0f')} tokens/s and MFU "
+            f"{fmt(f['mfu'], '.1%')} (against the measured matmul rate) at the last log line, valid loss "
+            f"{fmt(f['valid_loss'], '.3f')}. With one process torchrun sets WORLD_SIZE=1, so no process group or "
+            "DDP is set up (transformer/distributed.py): NCCL needs two GPUs."]
+
+
+def md_recipe(steps: dict) -> list[str]:
+    f = steps["recipe"]["figures"]
+    decode = f["decode"] or {}
+    end = ("to its end" if f["reached_end"] else f"**stopped at its time limit** after {f['updates']} of "
+           f"{f['max_steps']} updates, then `transformer finish`")
+    return [f"**Multi30k recipe** (`configs/multi30k.yaml`), {end}: test BLEU **{fmt(f['test_bleu'], '.2f')}** "
+            f"(chrF {fmt(f['test_chrf'], '.2f')}, length ratio {fmt(f['length_ratio'], '.3f')}, "
+            f"`{f['bleu_signature']}`) with {f['made_from']}, beam {decode.get('beam')}, "
+            f"lenpen {decode.get('lenpen')}; "
+            f"{f['updates']} updates, {f['epochs']} epochs, {fmt(f['tokens_per_s'], ',')} tokens/s; wall clock "
+            f"{fmt(f['wall_s'])} s for the whole command, of which training {fmt(f['training_seconds'])} s and the "
+            f"end of training (averaging, choosing, test) {fmt(f['finish_seconds'])} s (`summary.json`)."]
+
+
+def md_targets(steps: dict, toy: bool) -> list[str]:
+    def verdict(ok: Optional[bool]) -> str:
+        return "dry run" if toy else ("not measured" if ok is None else ("met" if ok else "**not met**"))
+
+    rows = []
+    train = [r for n in ("bench_train", "bench_train_compile") for r in steps[n].get("figures", {}).get("results", [])]
+    ours = [r for r in train if r["impl"] == "ours"]
+    datasheet = all(r["mfu_datasheet"] is not None for r in ours)  # else only against the measured matmul rate
+    mfu = [(r["mfu_datasheet"] if datasheet else r["mfu"], r["compiled"]) for r in ours]
+    rows.append(("training at base dims: ≥ 45 % MFU in bf16 (datasheet peak)",
+                 ", ".join(f"{'compiled' if c else 'eager'} {v:.1%}" for v, c in mfu) + ("" if datasheet or not mfu
+                 else " (against the measured matmul rate: no datasheet peak, see --peak-tflops)") or "—",
+                 verdict(max(v for v, _ in mfu) >= 0.45 if mfu and datasheet else None)))
+    # bench_train's ours_speedup on Marian's row: our target tokens/s over Marian's, same compile setting
+    marian = [(r["ours_speedup"], r["compiled"]) for r in train if r["impl"] == "marian" and r["ours_speedup"]]
+    rows.append(("training: ≥ 2× MarianMTModel's tokens/s", ", ".join(f"{'compiled' if c else 'eager'} {v:.2f}×"
+                 for v, c in marian) or "—", verdict(max(v for v, _ in marian) >= 2 if marian else None)))
+    decode = [r for n in ("bench_decode", "bench_decode_ct2") for r in steps[n].get("figures", {}).get("results", [])]
+    beam4 = [r for r in decode if r["beam"] == 4 and r["impl"] == "ours" and r["dtype"] == "fp32"]
+    vs_marian = [(r["vs_marian"], r["stop"]) for r in beam4 if r.get("vs_marian")]
+    rows.append(("beam-4 decoding: ≥ 3× MarianMTModel.generate's sentences/s (both fp32)",
+                 ", ".join(f"stop {s} {v:.2f}×" for v, s in vs_marian) or "—",
+                 verdict(max(v for v, _ in vs_marian) >= 3 if vs_marian else None)))
+    vs_ct2 = [r["vs_ct2_fp32"] for r in beam4 if r.get("vs_ct2_fp32")]
+    rows.append(("beam-4 decoding beside CTranslate2 (fp32)", ", ".join(f"ours {v:.2f}× CT2" for v in vs_ct2) or "—",
+                 "dry run" if toy else ("reported" if vs_ct2 else "not measured")))
+    r = steps["recipe"].get("figures")
+    rows.append(("Multi30k recipe: test BLEU ≥ 40 in ≤ 5 min wall clock",
+                 f"BLEU {r['test_bleu']:.2f} in {r['wall_s'] / 60:.1f} min" if r else "—",
+                 verdict(r["test_bleu"] >= 40 and r["wall_s"] <= 300 and r["reached_end"] if r else None)))
+    return (["**Targets** (issue 14; same run, same device, same precision for every implementation)", "",
+             "| target | measured | status |", "| --- | --- | --- |"] + [f"| {a} | {b} | {c} |" for a, b, c in rows])
+
+
+def write_block(path: Path, block: str) -> None:
+    """Replace the generated block in path (or append it; or create the file)."""
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    begin, end = text.find(BEGIN), text.find(END)
+    if begin >= 0 and end > begin:
+        text = text[:begin] + block + text[end + len(END):]
+    elif begin >= 0 or end >= 0:
+        fail(f"{path} has only one of the markers {BEGIN} ... {END}: fix it by hand")
+    else:
+        text = text + ("\n" if text and not text.endswith("\n") else "") + ("\n" if text else "") + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="data/gpu/multi30k",
+                    help="directory with Multi30k's {train,valid,test}.{de,en}, inside the repository on the GPU "
+                         "machine (default data/gpu/multi30k)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cuda (default); cpu: the dry run, every step at toy sizes")
+    ap.add_argument("--toy", action="store_true", help="toy sizes on CUDA too (a quick check that every step runs)")
+    ap.add_argument("--steps", type=lambda s: s.split(","), help="run only these steps (comma-separated): "
+                    + ", ".join(NAMES))
+    ap.add_argument("--skip", type=lambda s: s.split(","), default=[], help="skip these steps (comma-separated)")
+    ap.add_argument("--limit", action="append", default=[], metavar="STEP=SECONDS",
+                    help="a step's time limit instead of its default (repeatable)")
+    ap.add_argument("--budget", type=float, help="seconds for the whole command: steps get at most what is left, "
+                    "and are skipped with less than 20 s (560 fits a 10-minute device call)")
+    ap.add_argument("--checkpoint", help="the model bench_decode decodes (default: the torchrun step's run)")
+    ap.add_argument("--peak-tflops", type=float, default=0.0,
+                    help="the GPU's dense bf16 peak for MFU (default: the datasheet's, for the H100 SXM and H200)")
+    ap.add_argument("--recipe-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="another --set for the recipe's training (repeatable)")
+    ap.add_argument("--out-dir", default="runs/gpu_report",
+                    help="scratch space: step logs and JSON, run directories (replaced on each run)")
+    ap.add_argument("--json", help="the report (default OUT_DIR/gpu_report.json)")
+    ap.add_argument("--out-md", help="the markdown file whose generated block is replaced (default "
+                    "docs/PERFORMANCE.md; for the dry run OUT_DIR/gpu_report.md)")
+    ap.add_argument("--render", nargs="+", metavar="JSON",
+                    help="run nothing: merge these reports (later ones win per step) and write the block")
+    args = ap.parse_args()
+    limits = {}
+    for item in args.limit:
+        name, _, seconds = item.partition("=")
+        try:
+            limits[name] = float(seconds)
+        except ValueError:
+            fail(f"--limit takes STEP=SECONDS, e.g. --limit recipe=400, got {item!r}")
+    args.limit = limits
+    for name in [*(args.steps or []), *args.skip, *limits]:
+        if name not in NAMES:
+            fail(f"unknown step {name!r}; the steps are {', '.join(NAMES)}")
+    if args.render:
+        reports = []
+        for path in args.render:
+            try:
+                reports.append(json.loads(Path(path).read_text(encoding="utf-8")))
+            except (OSError, ValueError) as e:
+                fail(f"cannot read the report {path}: {e}")
+        report = merge(reports)
+        if args.json:
+            write_json(Path(args.json), report)
+        out_md = Path(args.out_md or ROOT / "docs" / "PERFORMANCE.md")
+        failed = False
+    else:
+        report = measure(args)
+        out_md = Path(args.out_md or (Path(args.out_dir) / "gpu_report.md" if report["toy"]
+                                      else ROOT / "docs" / "PERFORMANCE.md"))
+        failed = any(s["status"] in ("failed", "timeout", "interrupted") or s.get("reason", "").startswith("--budget")
+                     for s in report["steps"])  # exit status 1: something to look at, or to run again
+    write_block(out_md, render(report))
+    print(f"gpu_report: wrote the generated block of {out_md}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
