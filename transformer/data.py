@@ -7,9 +7,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
+import torch
 
 from transformer.batch import Batch, round_up
 from transformer.config import DataConfig
@@ -223,17 +224,21 @@ class Prefetcher:
     """Builds the next updates in a background thread while the current one computes, so the training loop
     waits for data only when the host falls behind; `wait_seconds` says how long it waited in total."""
 
-    def __init__(self, stream: BatchStream, pin_memory: bool = False, depth: int = 2):
+    def __init__(self, stream: BatchStream, pin_memory: bool = False, depth: int = 2,
+                 device: Optional[torch.device] = None):
+        """pin_memory: pin each batch for an asynchronous copy to `device` (CUDA), in the thread."""
         self.epochs_done = stream.epochs_done  # of the last update handed out (the stream itself runs ahead)
         self.wait_seconds = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(stream, pin_memory), daemon=True,
+        self._thread = threading.Thread(target=self._work, args=(stream, pin_memory, device), daemon=True,
                                         name="batch-prefetch")
         self._thread.start()
 
-    def _work(self, stream: BatchStream, pin_memory: bool) -> None:
+    def _work(self, stream: BatchStream, pin_memory: bool, device) -> None:
         try:
+            if pin_memory and device is not None:  # the current CUDA device is per thread: not GPU 0 on every rank
+                torch.cuda.set_device(device)
             while not self._stop.is_set():
                 update = stream.next_update()
                 if pin_memory:  # pinned host memory lets the copy to the GPU overlap its kernels

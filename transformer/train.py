@@ -341,7 +341,7 @@ def update_loop(run: Run, quiet: bool) -> None:
     run.model.train()
     bar = tqdm(total=t.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
                disable=True if (quiet or not info.is_main) else None)
-    prefetch = Prefetcher(stream, pin_memory=run.device.type == "cuda")
+    prefetch = Prefetcher(stream, pin_memory=run.device.type == "cuda", device=run.device)
     progress = Progress(run.metrics, bar, prefetch, run.model, t.log_every, t.max_steps, state.step, run.peak_tflops)
     skipped_in_a_row, stopped_early = 0, False
     with StopRequested() as stop, contextlib.closing(prefetch), contextlib.closing(bar):
