@@ -2,7 +2,7 @@
 
 Tensors are batch-first: (B, T, C). Masks are boolean with True = "may attend" and have
 shape (B or 1, 1, T_query or 1, T_key) so they broadcast over heads; they are built in
-transformer/batch.py (`padding_mask`, `causal_mask`) and nowhere else.
+transformer/batch.py (`padding_mask`, `causal_mask`, `target_mask`) and nowhere else.
 """
 
 from __future__ import annotations
