@@ -11,7 +11,7 @@ import torch
 
 from transformer.batch import causal_mask, padding_mask, prepare_sources, source_limit, target_mask
 from transformer.errors import UserError
-from transformer.model import Transformer
+from transformer.model import Transformer, evaluating
 from transformer.search import search
 from transformer.vocab import BOS_ID, Vocab
 
@@ -69,13 +69,9 @@ def collect_attention(
     Padded keys get weight 0; padded query rows are whatever the model computed there.
     """
     src_mask, tgt_mask = padding_mask(src, model.pad_id), target_mask(tgt_in, model.pad_id)
-    was_training = model.training
-    model.eval()  # dropout off: the recorded probabilities are exactly the ones applied to V
-    try:
-        with recording(model) as records:
-            logits = model(src, tgt_in, src_mask, tgt_mask)
-    finally:
-        model.train(was_training)
+    # Dropout off: the recorded probabilities are exactly the ones applied to V.
+    with evaluating(model, inference=False), recording(model) as records:
+        logits = model(src, tgt_in, src_mask, tgt_mask)
     weights = {}
     for kind, layers in records.items():
         # Exactly one call per module in a teacher-forced pass; anything else means the model changed.

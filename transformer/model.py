@@ -7,10 +7,11 @@ transformer/batch.py (`padding_mask`, `causal_mask`, `target_mask`) and nowhere 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -287,6 +288,21 @@ class Transformer(nn.Module):
             "decoder": [layer.self_attn for layer in self.decoder_layers],
             "cross": [layer.cross_attn for layer in self.decoder_layers],
         }
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module, inference: bool = True) -> Iterator[nn.Module]:
+    """Eval mode (dropout off) inside the block and the caller's mode back after it, also on an error: for
+    validating, searching or inspecting a model that may be in the middle of training. inference=True also
+    runs the block under torch.inference_mode (no autograd; tensors made inside can never join a backward
+    pass); False leaves autograd to the caller."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode() if inference else contextlib.nullcontext():
+            yield model
+    finally:
+        model.train(was_training)
 
 
 def count_parameters(model: nn.Module) -> int:

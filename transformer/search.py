@@ -32,14 +32,14 @@ to finish is the answer, as the early rule says.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
 from transformer.batch import causal_mask, padding_mask
+from transformer.model import evaluating
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 StopRule = Literal["exact", "early"]
@@ -82,22 +82,10 @@ def search(model, src: torch.Tensor, beam: int = 4, lenpen: float = 0.6, max_len
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if stop not in STOP_RULES:
         raise ValueError(f"stop must be one of {', '.join(STOP_RULES)}, got {stop!r}")
-    with _eval_mode(model):
+    with evaluating(model):  # dropout off while searching; the trainer decodes mid-training
         if beam == 1:
             return _greedy_search(model, src, lenpen, max_len_offset, use_cache)
         return _beam_search(model, src, beam, lenpen, max_len_offset, nbest, stop, use_cache)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Dropout off while searching, then the caller's mode back (the trainer decodes mid-training)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            yield
-    finally:
-        model.train(was_training)
 
 
 class _Decoder:
