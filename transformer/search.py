@@ -123,10 +123,16 @@ class _Decoder:
             self.memory_mask = self.memory_mask.index_select(0, index)
 
 
+def max_output_lengths(src_lengths: torch.Tensor, max_len_offset: int, max_positions: int) -> torch.Tensor:
+    """(B,) source lengths (non-PAD positions, EOS included) -> (B,) output-length limits in tokens (EOS
+    excluded): max_len_offset more than the source, capped so that BOS + max_len tokens, the decoder positions
+    that get embedded, fit in max_positions. Every engine's limit (module docstring)."""
+    return (src_lengths + max_len_offset).clamp(max=max_positions - 1)
+
+
 def _max_lengths(model, src: torch.Tensor, max_len_offset: int) -> torch.Tensor:
-    """(B,) output-length limits; BOS + max_len tokens are the decoder positions that get embedded."""
     src_len = padding_mask(src).view(src.size(0), -1).sum(dim=1)  # (B, 1, 1, S) -> (B,)
-    return (src_len + max_len_offset).clamp(max=model.cfg.max_positions - 1)
+    return max_output_lengths(src_len, max_len_offset, model.cfg.max_positions)
 
 
 def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
