@@ -35,11 +35,13 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict:
     if not paths:
         raise UserError("average: no checkpoints given")
     first: Optional[dict] = None
+    newest_run: Optional[dict] = None  # the training progress of the last input, for the record
     sums: dict[str, torch.Tensor] = {}
     for path in paths:
         state = load_checkpoint(path)
         if not all(k in state for k in ("config", "vocab", "model")):
             raise UserError(f"average: {path} lacks its config, vocabulary or weights")
+        newest_run = state.get("run")
         if first is None:
             first, first_path = state, path
             sums = {k: v.to(torch.float64) for k, v in state["model"].items()}
@@ -61,8 +63,8 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict:
     averaged = {k: (sums[k] / len(paths)).to(v.dtype) for k, v in first["model"].items()}
     out = {"config": first["config"], "vocab": first["vocab"], "model": averaged,
            "averaged_from": [str(p) for p in paths]}
-    if "run" in state:  # progress of the newest input, for the record
-        out["averaged_at_step"] = state["run"]["step"]
+    if newest_run is not None:
+        out["averaged_at_step"] = newest_run["step"]
     return out
 
 
