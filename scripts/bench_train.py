@@ -22,14 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from transformer.batch import padding_mask, target_mask  # noqa: E402
-from transformer.config import load_config  # noqa: E402
-from transformer.model import Transformer  # noqa: E402
+from transformer.batch import padding_mask, target_mask
+from transformer.config import load_config
+from transformer.model import Transformer
 
 IMPLS = ("ours", "marian", "torch")
 
