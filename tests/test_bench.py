@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import random
 import subprocess
 import sys
 
-import pytest
-
-from tests.test_translate import raw_config, synthetic, write_checkpoint
-from tests.trainutil import ROOT
-from transformer.vocab import train_vocab
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+from tests.conftest import ROOT, sentences, subprocess_env
 
 
 def test_bench_train_runs_and_writes_json(tmp_path):
@@ -22,7 +14,7 @@ def test_bench_train_runs_and_writes_json(tmp_path):
     result = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/tiny.yaml", "--vocab", "100",
                              "--tokens", "64", "--length", "8", "--steps", "2", "--warmup", "1", "--device", "cpu",
                              "--impls", "ours,torch", "--peak-tflops", "0.1", "--json", str(out)],
-                            capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert [r["impl"] for r in report["results"]] == ["ours", "torch"]
@@ -31,23 +23,22 @@ def test_bench_train_runs_and_writes_json(tmp_path):
     assert "ours" in result.stdout and "MFU" in result.stdout
 
 
-def _run_bench_decode(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _run_bench_decode(checkpoint, tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
     """bench_decode.py on a 12-sentence toy set with an untrained toy model; -> (process, its JSON)."""
-    vocab = train_vocab(synthetic(random.Random(0), 300), vocab_size=80)
-    write_checkpoint(tmp_path / "model.pt", raw_config(tmp_path, tmp_path), vocab, seed=1)
-    (tmp_path / "test.de").write_text("\n".join(synthetic(random.Random(1), 12)) + "\n", encoding="utf-8")
-    (tmp_path / "test.en").write_text("\n".join(synthetic(random.Random(2), 12)) + "\n", encoding="utf-8")
+    (tmp_path / "test.de").write_text("\n".join(sentences(1, 12)) + "\n", encoding="utf-8")
+    (tmp_path / "test.en").write_text("\n".join(sentences(2, 12)) + "\n", encoding="utf-8")
     out = tmp_path / "decode.json"
     result = subprocess.run([sys.executable, "scripts/bench_decode.py", str(tmp_path / "test.de"), "--checkpoint",
-                             str(tmp_path / "model.pt"), "--ref", str(tmp_path / "test.en"), "--device", "cpu",
+                             str(checkpoint), "--ref", str(tmp_path / "test.en"), "--device", "cpu",
                              "--repeats", "1", "--no-hf", *options, "--json", str(out)],
-                            capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     return result, json.loads(out.read_text())
 
 
-def test_bench_decode_grid_of_stop_rules_and_dtypes(tmp_path):
-    _, report = _run_bench_decode(tmp_path, "--beam", "1", "3", "--stop", "exact", "early", "--dtype", "fp32", "int8")
+def test_bench_decode_grid_of_stop_rules_and_dtypes(untrained_checkpoint, tmp_path):
+    _, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "3", "--stop", "exact", "early",
+                                  "--dtype", "fp32", "int8")
     rows = {(r["beam"], r["stop"], r["dtype"]): r for r in report["results"]}
     # Greedy has no stop rule to vary; beam 3 runs the whole grid.
     assert sorted(rows) == sorted([(1, "exact", "fp32"), (1, "exact", "int8")] +
@@ -60,9 +51,9 @@ def test_bench_decode_grid_of_stop_rules_and_dtypes(tmp_path):
         assert rows[3, "early", dtype]["steps_per_sentence"] <= rows[3, "exact", dtype]["steps_per_sentence"]
 
 
-def test_bench_decode_times_ctranslate2_on_our_weights(tmp_path):
-    pytest.importorskip("ctranslate2")
-    result, report = _run_bench_decode(tmp_path, "--beam", "1", "2", "--stop", "early", "--ctranslate2")
+def test_bench_decode_times_ctranslate2_on_our_weights(ctranslate2, untrained_checkpoint, tmp_path):
+    result, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "2", "--stop", "early",
+                                       "--ctranslate2")
     assert report["ctranslate2"]
     for beam in (1, 2):
         rows = {(r["impl"], r["dtype"]): r for r in report["results"] if r["beam"] == beam}

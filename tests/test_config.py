@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import ROOT
 from transformer.config import (Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig, apply_overrides,
                                 from_dict, load_config, save_config, to_dict)
 from transformer.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 

@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 
-from tests.trainutil import ROOT, cli, read_metrics, tiny_config, write_config, write_corpus
+from tests.conftest import (ROOT, assert_same_training_state, cli, read_metrics, subprocess_env, tiny_config,
+                            write_config, write_corpus)
 from transformer.checkpoint import load_checkpoint
 
 
 def _start_training(config, *extra):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "transformer", "train", str(config), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
 
 
 def _wait_for_step(proc, run_dir, step, timeout=120):
@@ -46,16 +46,6 @@ def _metrics_so_far(path):
     return out
 
 
-def _assert_identical(a_path, b_path):
-    a, b = load_checkpoint(a_path), load_checkpoint(b_path)
-    assert a["run"]["step"] == b["run"]["step"]
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), f"{key} differs"
-    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
-        for key in sa:
-            assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), key
-
-
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
     corpus = write_corpus(tmp_path / "c")
     # Dropout on, several epochs (the epoch boundary is inside the run), checkpoints every 3 updates.
@@ -75,7 +65,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
 
     resumed = cli("train", str(killed), "--resume")
     assert resumed.returncode == 0, f"killed after step {kill_after}: {resumed.stderr}"
-    _assert_identical(tmp_path / "straight" / "last.pt", tmp_path / "killed" / "last.pt")
+    assert_same_training_state(tmp_path / "straight" / "last.pt", tmp_path / "killed" / "last.pt")
     assert (tmp_path / "straight" / "best.pt").read_bytes() and (tmp_path / "killed" / "best.pt").exists()
 
 
@@ -113,11 +103,11 @@ for i in itertools.count():
     save_checkpoint({{"run": {{"step": i}}, "model": {{"w": torch.full((4_000_000,), float(i))}}}}, {str(target)!r})
     print(i, flush=True)
 """
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     last_seen = -1
     rng = random.Random()
     for attempt in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                                env=subprocess_env())
         proc.stdout.readline()  # at least one complete write
         time.sleep(rng.uniform(0.0, 0.3))  # then die somewhere inside a later write
         proc.kill()
@@ -179,14 +169,6 @@ main(sys.argv[3:])
 """
 
 
-def _same_checkpoint(a_path, b_path):
-    a, b = load_checkpoint(a_path), load_checkpoint(b_path)
-    wall_clock = {"elapsed"}  # the one thing two runs never share
-    assert {k: v for k, v in a["run"].items() if k not in wall_clock} == \
-        {k: v for k, v in b["run"].items() if k not in wall_clock}, (a_path, a["run"], b["run"])
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), a_path
-
-
 def test_sigkill_between_the_checkpoint_writes_of_a_validation_step(tmp_path):
     """Killed after best.pt of the last validation (before last.pt), and after step_8 (before best.pt and
     last.pt): --resume redoes the step, and every file ends as in a run that was never killed."""
@@ -211,7 +193,7 @@ def _kill_between_writes_then_resume(tmp_path, corpus, common, straight):
     names = sorted(p.name for p in (tmp_path / "straight").glob("*.pt"))
     assert names == ["best.pt", "last.pt", "step_00000008.pt", "step_00000010.pt"]
     assert load_checkpoint(tmp_path / "straight" / "best.pt")["run"]["step"] == 10  # so best.pt is written at 10
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     for name, step in (("best.pt", 10), ("step_00000008.pt", 8)):
         run = f"killed_{step}"
         config = write_config(tmp_path / f"{run}.yaml", tiny_config(tmp_path, run, corpus, **common))
@@ -224,15 +206,7 @@ def _kill_between_writes_then_resume(tmp_path, corpus, common, straight):
         main(["train", "--resume", str(killed)])
         assert sorted(p.name for p in killed.glob("*.pt")) == names
         for file in names:
-            _same_checkpoint(tmp_path / "straight" / file, killed / file)
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+            assert_same_training_state(tmp_path / "straight" / file, killed / file)
 
 
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

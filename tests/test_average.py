@@ -1,0 +1,28 @@
+"""Checkpoint averaging: the mean of the weights, a checkpoint translate loads, RUN_DIR --last N."""
+
+import torch
+
+from tests.conftest import SENTENCES
+from transformer.checkpoint import load_model
+
+
+def test_average_two_files_is_the_mean_and_loads(run, tmp_path, call):
+    a, b = run / "step_00000100.pt", run / "step_00000200.pt"
+    status, _, _ = call("average", a, b, "--output", tmp_path / "avg.pt")
+    assert status == 0
+    avg = torch.load(tmp_path / "avg.pt", weights_only=True)
+    wa, wb = (torch.load(p, weights_only=True)["model"] for p in (a, b))
+    assert avg["model"].keys() == wa.keys()
+    for k in wa:
+        torch.testing.assert_close(avg["model"][k], (wa[k] + wb[k]) / 2)
+    assert "optimizer" not in avg
+    load_model(tmp_path / "avg.pt")
+    status, out, _ = call("translate", tmp_path / "avg.pt", SENTENCES[0])
+    assert status == 0 and len(out.splitlines()) == 1
+
+
+def test_average_last_n_of_run_dir(run, call):
+    status, out, _ = call("average", run, "--last", "2")
+    assert status == 0 and (run / "averaged.pt").is_file()
+    status, _, err = call("average", run, "--last", "3")
+    assert status == 2 and "holds 2" in err
