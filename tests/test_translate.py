@@ -90,12 +90,17 @@ def test_long_and_odd_inputs_do_not_crash(run, call):
 
 def test_translate_ids_keeps_order_and_matches_translator(run):
     model, vocab, cfg = load_model(run)
-    ids = vocab.encode(SENTENCES)
-    reordered = [ids[2], [], ids[0], ids[1]]
+    lines = [SENTENCES[2], "", SENTENCES[0], SENTENCES[1]]
+    reordered = vocab.encode(lines)
     out = translate_ids(model, reordered, beam=2, lenpen=0.6, max_len_offset=4, max_tokens=16, device="cpu")
     alone = [translate_ids(model, [s], beam=2, lenpen=0.6, max_len_offset=4, max_tokens=16, device="cpu")[0]
              for s in reordered]
     assert out == alone and out[1] == []
+    assert len({tuple(o) for o in out}) > 2  # different translations: a mix-up of the order would show
+    # The Translator (the decode settings of the checkpoint: max_len_offset 4) finds the same, as ids and as text.
+    translator = Translator(run, device="cpu", beam=2, lenpen=0.6, max_tokens=16)
+    assert [hyps[0].tokens for hyps in translator.search(reordered)] == out
+    assert translator.translate(lines) == vocab.decode(out)
 
 
 def test_int8_translation_runs_and_mostly_agrees(run, call):
