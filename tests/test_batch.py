@@ -1,12 +1,16 @@
-"""Batch tensors (padding, the teacher-forcing shift, counts) and the masks."""
+"""Batch tensors (padding, the teacher-forcing shift, counts), every mask, and source preparation."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tests.conftest import batches_equal, random_pairs
-from transformer.batch import Batch, causal_mask, pad_sequences, padding_mask
+from transformer.batch import (Batch, causal_mask, pad_sequences, padding_mask, prepare_sources, round_up,
+                               source_limit)
+from transformer.config import from_dict
+from transformer.errors import UserError
 from transformer.store import Corpus
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
@@ -73,3 +77,20 @@ def test_batch_from_corpus_equals_batch_from_pairs():
             b = Batch.from_pairs([pairs[i] for i in indices], multiple)
             assert batches_equal(a, b) and a.src.dtype == b.src.dtype == torch.long
             assert (a.n_src_tokens, a.n_tgt_tokens) == (b.n_src_tokens, b.n_tgt_tokens)
+
+
+def test_round_up():
+    assert [round_up(n, 8) for n in (0, 1, 8, 9)] == [0, 8, 8, 16]
+    assert round_up(np.array([1, 4, 5]), 4).tolist() == [4, 4, 8]
+    assert round_up(7, 1) == 7
+
+
+def test_prepare_sources_cuts_to_the_limit_training_enforces_appends_eos_and_pads():
+    limit = source_limit(max_positions=8)
+    src, truncated = prepare_sources([[5] * 9, [6, 7], [8] * limit], max_positions=8)
+    assert truncated == [True, False, False]
+    assert src.tolist() == [[5] * limit + [EOS_ID], [6, 7, EOS_ID] + [PAD_ID] * (limit - 2), [8] * limit + [EOS_ID]]
+    # The limit is the longest source a model of max_positions 8 can have been trained on.
+    from_dict({"model": {"max_positions": 8}, "data": {"max_len": limit}})
+    with pytest.raises(UserError, match="max_len"):
+        from_dict({"model": {"max_positions": 8}, "data": {"max_len": limit + 1}})

@@ -10,7 +10,7 @@ import torch
 from tests.conftest import ROOT, random_pairs
 from transformer.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.config import ModelConfig, load_config
-from transformer.model import MultiHeadAttention, PositionalEncoding, Transformer, count_parameters
+from transformer.model import MultiHeadAttention, PositionalEncoding, Transformer, count_parameters, evaluating
 from transformer.vocab import PAD_ID
 
 VOCAB = 50
@@ -368,3 +368,23 @@ def test_attention_dropout_only_in_training():
     mha.eval()
     expected, _ = reference_attention(mha, query, key_value, None)
     torch.testing.assert_close(mha(query, key_value, None), expected, **TOL)
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_evaluating_turns_dropout_off_and_gives_the_mode_back(inference):
+    model = make_model(dropout=0.3, attention_dropout=0.3, activation_dropout=0.3).train()
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 5), (3, 6)], vocab=VOCAB))
+    args = (batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+    with evaluating(model, inference=inference):
+        assert not any(m.training for m in model.modules())
+        assert torch.equal(model(*args), model(*args))  # no dropout
+        assert torch.is_inference_mode_enabled() == inference and torch.is_grad_enabled() != inference
+    assert all(m.training for m in model.modules())
+    with pytest.raises(RuntimeError, match="boom"):
+        with evaluating(model, inference=inference):
+            raise RuntimeError("boom")
+    assert model.training  # also after an error
+    model.eval()
+    with evaluating(model, inference=inference):
+        pass
+    assert not model.training  # a model in eval mode stays there
