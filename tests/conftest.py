@@ -35,14 +35,13 @@ WORDS = ("der die das ein eine mann frau kind hund katze haus auf dem im spielt 
 # --------------------------------------------------------------------------- processes
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    """Every model here is tiny: a second intra-op thread only adds spin-waiting, badly so on a loaded 2-core
-    machine. Children get the same from subprocess_env()."""
-    before = torch.get_num_threads()
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """One intra-op thread for every test and the fixtures it sets up: every model here is tiny, and a second
+    thread only adds spin-waiting, badly so on a loaded 2-core machine. Set before each test, not once, because
+    a library may change it for the whole process (a ctranslate2.Translator with its default intra_threads sets
+    it to the number of cores). Children get the same from subprocess_env()."""
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def subprocess_env(**extra: str) -> dict:

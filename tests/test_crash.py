@@ -216,7 +216,7 @@ def _kill_between_writes_then_resume(tmp_path, corpus, common, straight):
 
 
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_during_the_final_validation_saves_and_says_so(tmp_path, monkeypatch, one_thread, sig, status):
+def test_a_signal_during_the_final_validation_saves_and_says_so(tmp_path, monkeypatch, sig, status):
     """In-process: the process signals itself while the last validation runs (validations at 2, 4, then 5)."""
     from transformer import train as train_module
     from transformer.cli import main
@@ -244,7 +244,7 @@ def test_a_signal_during_the_final_validation_saves_and_says_so(tmp_path, monkey
     assert [m["step"] for m in read_metrics(run) if m.get("split") == "valid"] == [2, 4, 5]
 
 
-def test_sigterm_before_training_starts_says_so(tmp_path, monkeypatch, capsys, one_thread):
+def test_sigterm_before_training_starts_says_so(tmp_path, monkeypatch, capsys):
     from transformer import train as train_module
     from transformer.config import from_dict
 
@@ -263,7 +263,7 @@ def test_sigterm_before_training_starts_says_so(tmp_path, monkeypatch, capsys, o
     assert not (run / "train.lock").exists()
 
 
-def test_printed_resume_command_keeps_the_overrides_and_continues_the_same_run(tmp_path, monkeypatch, one_thread):
+def test_printed_resume_command_keeps_the_overrides_and_continues_the_same_run(tmp_path, monkeypatch):
     """The run directory has a space in its name: the command is quoted for a shell, and running it (or
     `train --resume RUN_DIR`) continues that run, not a fresh one elsewhere."""
     import shlex

@@ -30,7 +30,7 @@ def test_exported_model_scores_and_translates_like_ours(tmp_path, model_override
     model, vocab, _ = load_model(run_dir)
     model.eval()
     out = export_ctranslate2(run_dir, tmp_path / "ct2")
-    translator = ctranslate2.Translator(str(out), device="cpu", compute_type="float32")
+    translator = ctranslate2.Translator(str(out), device="cpu", compute_type="float32", intra_threads=1)
     src_ids = vocab.encode(SOURCES)
     src, _ = prepare_sources(src_ids, model.cfg.max_positions)  # (B, S)
 
@@ -63,7 +63,8 @@ def test_export_command(tmp_path, call):
     status, stdout, _ = call("export", "ctranslate2", run_dir, out, "--quantization", "int8")
     assert status == 0 and stdout == f"wrote {out}\n"
     assert {"model.bin", "config.json", "spm.model"} <= {p.name for p in out.iterdir()}
-    ctranslate2.Translator(str(out), device="cpu").translate_batch([["▁der"]], max_decoding_length=5)  # it loads
+    loaded = ctranslate2.Translator(str(out), device="cpu", intra_threads=1)
+    loaded.translate_batch([["▁der"]], max_decoding_length=5)  # it loads and runs
     status, _, err = call("export", "ctranslate2", run_dir, out)
     assert status == 2 and err.startswith("error:") and "--force" in err
     assert call("export", "ctranslate2", run_dir, out, "--force")[0] == 0
