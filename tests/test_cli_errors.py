@@ -1,4 +1,4 @@
-"""Bad input of every kind: one line, an exit status, no traceback, and nothing lost. A table, run in-process."""
+"""Bad input of every kind: one line, an exit status, no traceback, and nothing lost. Mostly a table, in-process."""
 
 from __future__ import annotations
 
