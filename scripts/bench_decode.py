@@ -33,9 +33,9 @@ import torch
 from transformer.batch import prepare_sources
 from transformer.corpus import read_lines
 from transformer.evaluate import bleu_chrf
-from transformer.search import STOP_RULES, search
-from transformer.translate import CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_ids, \
-    source_batches
+from transformer.search import STOP_RULES
+from transformer.translate import (CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_batches,
+                                   search_ids, source_batches)
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -57,13 +57,11 @@ def timed(warm_up, timed_pass, device: torch.device, repeats: int):
     return times, result
 
 
-def count_steps(model, batches, src_ids, beam, lenpen, offset, stop, device):
-    """The same search as search_ids, batch by batch, keeping what it reports: -> (outputs by sentence,
-    decoder steps per batch, decoder steps per sentence)."""
+def count_steps(model, src_ids, beam, lenpen, offset, max_tokens, stop, device):
+    """search_ids' search, keeping what it reports: -> (outputs by sentence, decoder steps per batch, decoder
+    steps per sentence)."""
     outputs, batch_steps, sentence_steps = [None] * len(src_ids), [], [0] * len(src_ids)
-    for batch in batches:
-        src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
-        result = search(model, src.to(device), beam, lenpen, offset, 1, stop)
+    for batch, result in search_batches(model, src_ids, beam, lenpen, offset, max_tokens, device, 1, stop):
         batch_steps.append(result.steps)
         for i, hyp, steps in zip(batch, result.best(), result.sentence_steps):
             outputs[i], sentence_steps[i] = hyp.tokens, steps
@@ -139,7 +137,8 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
         for stop in stops:
             for dtype, model in models.items():
                 times, (outputs, batch_steps, sentence_steps) = timed(
-                    lambda: count_steps(model, batches, src_ids, beam, dec.lenpen, dec.max_len_offset, stop, device),
+                    lambda: count_steps(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, stop,
+                                        device),
                     lambda: search_ids(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, device,
                                        1, stop),
                     device, args.repeats)

@@ -22,15 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from transformer.batch import causal_mask, padding_mask  # noqa: E402
-from transformer.config import load_config  # noqa: E402
-from transformer.device import matmul_tflops  # noqa: E402
-from transformer.model import Transformer, training_flops  # noqa: E402
+from transformer.batch import padding_mask, target_mask
+from transformer.config import load_config
+from transformer.device import matmul_tflops
+from transformer.model import Transformer, training_flops
 
 IMPLS = ("ours", "marian", "torch")
 
@@ -58,7 +56,7 @@ def build(impl: str, m, vocab: int, device, compile: bool = False):
         fwd = torch.compile(model) if compile else model
 
         def loss_fn(src, tgt_in, tgt_out):
-            logits = fwd(src, tgt_in, padding_mask(src), padding_mask(tgt_in) & causal_mask(tgt_in.size(1), device))
+            logits = fwd(src, tgt_in, padding_mask(src), target_mask(tgt_in))
             return F.cross_entropy(logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1, ignore_index=0)
         return model, loss_fn
     if impl == "marian":

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-from transformer.batch import causal_mask  # noqa: E402
+from transformer.batch import padding_mask, target_mask
+from transformer.vocab import PAD_ID
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
@@ -55,8 +53,8 @@ def main() -> None:
     b, h, t, d = args.batch, args.heads, args.length, args.head_dim
     q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     lengths = torch.randint(t // 2, t + 1, (b,), device=device)
-    key_padding = (torch.arange(t, device=device)[None, :] < lengths[:, None])[:, None, None, :]  # (B,1,1,T)
-    masks = {"encoder (padding)": key_padding, "decoder (causal & padding)": key_padding & causal_mask(t, device),
+    ids = torch.where(torch.arange(t, device=device)[None, :] < lengths[:, None], 4, PAD_ID)  # (B, T): padded rows
+    masks = {"encoder (padding)": padding_mask(ids), "decoder (causal & padding)": target_mask(ids),
              "no mask": None}
     print(f"device {device}, {dtype}, q/k/v {tuple(q.shape)}, torch {torch.__version__}")
     print(f"{'mask':28} {'backend':10} {'fwd+bwd ms':>11}")

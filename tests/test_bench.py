@@ -1,20 +1,19 @@
-"""The benchmark scripts run end to end at toy size and write their JSON (no timing is asserted)."""
+"""The benchmark scripts run end to end at toy size and write their JSON (no timing is asserted): the counts they
+report and the rates derived from them agree."""
 
 from __future__ import annotations
 
 import json
-import os
-import random
+import statistics
 import subprocess
 import sys
 
 import pytest
 
-from tests.test_translate import raw_config, synthetic, write_checkpoint
-from tests.trainutil import ROOT
-from transformer.vocab import train_vocab
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+from tests.conftest import ROOT, sentences, subprocess_env
+from transformer.batch import source_limit
+from transformer.config import load_config
+from transformer.model import Transformer, count_parameters
 
 
 def test_bench_train_runs_and_writes_json(tmp_path):
@@ -22,52 +21,84 @@ def test_bench_train_runs_and_writes_json(tmp_path):
     result = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/tiny.yaml", "--vocab", "100",
                              "--tokens", "64", "--length", "8", "--steps", "2", "--warmup", "1", "--device", "cpu",
                              "--impls", "ours,torch", "--peak-tflops", "0.1", "--json", str(out)],
-                            capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert [r["impl"] for r in report["results"]] == ["ours", "torch"]
-    for r in report["results"]:
-        assert r["tgt_tokens_per_s"] > 0 and 0 < r["mfu"] and len(r["step_s_all"]) == 2
-    assert "ours" in result.stdout and "MFU" in result.stdout
+    assert report["peak_flops"] == 0.1e12 and report["tokens"] == 64 and report["length"] == 8
+    rows = {r["impl"]: r for r in report["results"]}
+    assert list(rows) == ["ours", "torch"]
+    for r in rows.values():
+        assert r["sentences"] == 64 // 8 and len(r["step_s_all"]) == 2
+        assert r["step_s_median"] == statistics.median(r["step_s_all"])
+        assert r["tgt_tokens_per_s"] == pytest.approx(64 / r["step_s_median"])
+        assert r["tokens_per_s"] == pytest.approx(2 * r["tgt_tokens_per_s"])  # source tokens as many as target
+        assert r["mfu"] == pytest.approx(r["tflops_per_s"] / 0.1)
+    # The same work per update for both (FLOPs depend on the dimensions only); ours is the package's model.
+    assert rows["ours"]["tflops_per_s"] * rows["ours"]["step_s_median"] == \
+        pytest.approx(rows["torch"]["tflops_per_s"] * rows["torch"]["step_s_median"])
+    assert rows["ours"]["params"] == count_parameters(Transformer(load_config(ROOT / "configs/tiny.yaml").model, 100))
+    assert rows["ours"]["ours_speedup"] == 1.0
+    assert rows["torch"]["ours_speedup"] == pytest.approx(rows["ours"]["tgt_tokens_per_s"] /
+                                                          rows["torch"]["tgt_tokens_per_s"])
+    table = result.stdout.splitlines()
+    assert any(line.startswith("ours ") for line in table) and any(line.startswith("torch ") for line in table)
+    assert "MFU" in result.stdout
 
 
-def _run_bench_decode(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _run_bench_decode(checkpoint, tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
     """bench_decode.py on a 12-sentence toy set with an untrained toy model; -> (process, its JSON)."""
-    vocab = train_vocab(synthetic(random.Random(0), 300), vocab_size=80)
-    write_checkpoint(tmp_path / "model.pt", raw_config(tmp_path, tmp_path), vocab, seed=1)
-    (tmp_path / "test.de").write_text("\n".join(synthetic(random.Random(1), 12)) + "\n", encoding="utf-8")
-    (tmp_path / "test.en").write_text("\n".join(synthetic(random.Random(2), 12)) + "\n", encoding="utf-8")
+    (tmp_path / "test.de").write_text("\n".join(sentences(1, 12)) + "\n", encoding="utf-8")
+    (tmp_path / "test.en").write_text("\n".join(sentences(2, 12)) + "\n", encoding="utf-8")
     out = tmp_path / "decode.json"
     result = subprocess.run([sys.executable, "scripts/bench_decode.py", str(tmp_path / "test.de"), "--checkpoint",
-                             str(tmp_path / "model.pt"), "--ref", str(tmp_path / "test.en"), "--device", "cpu",
+                             str(checkpoint), "--ref", str(tmp_path / "test.en"), "--device", "cpu",
                              "--repeats", "1", "--no-hf", *options, "--json", str(out)],
-                            capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     return result, json.loads(out.read_text())
 
 
-def test_bench_decode_grid_of_stop_rules_and_dtypes(tmp_path):
-    _, report = _run_bench_decode(tmp_path, "--beam", "1", "3", "--stop", "exact", "early", "--dtype", "fp32", "int8")
+def _check_rates(row: dict) -> None:
+    """What a row's rates are made of: its timed passes, its sentences and their output tokens."""
+    assert len(row["times_s"]) == 1 and row["median_s"] == statistics.median(row["times_s"])
+    assert row["sentences_per_s"] == pytest.approx(row["sentences"] / row["median_s"])
+    assert row["tokens_per_s"] == pytest.approx(row["target_tokens"] / row["median_s"])
+    # Every output ends with EOS and holds at most source length (with EOS) + max_len_offset (4) tokens.
+    longest = source_limit(max_positions=40) + 1 + 4
+    assert row["sentences"] <= row["target_tokens"] <= row["sentences"] * (longest + 1)
+
+
+def test_bench_decode_grid_of_stop_rules_and_dtypes(untrained_checkpoint, tmp_path):
+    _, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "3", "--stop", "exact", "early",
+                                  "--dtype", "fp32", "int8")
     rows = {(r["beam"], r["stop"], r["dtype"]): r for r in report["results"]}
     # Greedy has no stop rule to vary; beam 3 runs the whole grid.
     assert sorted(rows) == sorted([(1, "exact", "fp32"), (1, "exact", "int8")] +
                                   [(3, s, d) for s in ("exact", "early") for d in ("fp32", "int8")])
     for (beam, stop, dtype), r in rows.items():
-        assert r["impl"] == "ours" and r["sentences"] == 12 and r["sentences_per_s"] > 0
-        assert r["steps_per_sentence"] >= 1 and 0 <= r["bleu"] <= 100 and 0 <= r["same_as_first"] <= 1
+        assert r["impl"] == "ours" and r["sentences"] == 12
+        _check_rates(r)
+        # A batch runs as long as its longest sentence: the steps of all batches are at least one sentence's.
+        assert r["decoder_steps"] >= r["steps_per_sentence"] >= 1
+        assert 0 <= r["bleu"] <= 100 and 0 <= r["same_as_first"] <= 1
     assert rows[1, "exact", "fp32"]["same_as_first"] == 1.0 and rows[3, "exact", "fp32"]["same_as_first"] == 1.0
+    assert rows[1, "exact", "fp32"]["batches"] == rows[3, "early", "int8"]["batches"] >= 1
     for dtype in ("fp32", "int8"):  # the early rule never takes more steps
         assert rows[3, "early", dtype]["steps_per_sentence"] <= rows[3, "exact", dtype]["steps_per_sentence"]
 
 
-def test_bench_decode_times_ctranslate2_on_our_weights(tmp_path):
-    pytest.importorskip("ctranslate2")
-    result, report = _run_bench_decode(tmp_path, "--beam", "1", "2", "--stop", "early", "--ctranslate2")
-    assert report["ctranslate2"]
+def test_bench_decode_times_ctranslate2_on_our_weights(ctranslate2, untrained_checkpoint, tmp_path):
+    result, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "2", "--stop", "early",
+                                       "--ctranslate2")
+    assert report["ctranslate2"] == ctranslate2.__version__
     for beam in (1, 2):
         rows = {(r["impl"], r["dtype"]): r for r in report["results"] if r["beam"] == beam}
         assert set(rows) == {("ours", "fp32"), ("ctranslate2", "fp32"), ("ctranslate2", "int8")}
-        assert rows["ours", "fp32"]["vs_ct2_fp32"] > 0 and rows["ctranslate2", "fp32"]["vs_ct2_fp32"] == 1.0
+        for row in rows.values():
+            _check_rates(row)
+            for dtype in ("fp32", "int8"):
+                assert row[f"vs_ct2_{dtype}"] == pytest.approx(row["sentences_per_s"] /
+                                                               rows["ctranslate2", dtype]["sentences_per_s"])
     greedy = {r["dtype"]: r for r in report["results"] if r["beam"] == 1 and r["impl"] == "ctranslate2"}
     assert greedy["fp32"]["same_as_first"] == 1.0  # greedy outputs agree with ours, limits included
     assert "ctranslate2" in result.stdout

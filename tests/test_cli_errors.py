@@ -1,4 +1,4 @@
-"""Bad input of every kind: one line, an exit status, no traceback, and nothing lost. A table, run in-process."""
+"""Bad input of every kind: one line, an exit status, no traceback, and nothing lost. Mostly a table, in-process."""
 
 from __future__ import annotations
 
@@ -13,34 +13,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
-import torch
 import yaml
 
-from tests.trainutil import ROOT, tiny_config, write_config
-from transformer import cli
+from tests.conftest import cli, subprocess_env, tiny_config, write_config
 from transformer.average import average_checkpoints
 from transformer.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import from_dict
 from transformer.train import train
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def call(capsys, *argv) -> tuple[int, str, str]:
-    """`transformer ARGV` in this process -> (exit status, stdout, stderr)."""
-    status = 0
-    try:
-        cli.main([str(a) for a in argv])
-    except SystemExit as e:
-        status = e.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def alias_bomb(levels: int = 8) -> str:
@@ -54,11 +33,8 @@ def alias_bomb(levels: int = 8) -> str:
 def env(tmp_path_factory) -> dict:
     """A trained run and the files the bad inputs point at, made once."""
     root = tmp_path_factory.mktemp("bad")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     raw = tiny_config(root, "run", train={"max_steps": 2, "valid_every": 1, "keep_last": 2})
     run = train(from_dict(raw), quiet=True)
-    torch.set_num_threads(before)
     tiny = write_config(root / "tiny.yaml", raw)
     (root / "same.txt").write_text("ein hund\nzwei katzen\n", encoding="utf-8")
     shutil.copy(run / "last.pt", root / "copy.pt")  # a training checkpoint outside its run directory
@@ -211,9 +187,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_input_is_one_line_and_loses_nothing(env, case, capsys):
+def test_bad_input_is_one_line_and_loses_nothing(env, case, call):
     root, run = env["root"], env["run"]
-    status, _, err = call(capsys, *case.argv(root, run))
+    status, _, err = call(*case.argv(root, run))
     lines = err.strip().splitlines()
     assert status == case.status, err
     assert "Traceback" not in err
@@ -225,29 +201,29 @@ def test_bad_input_is_one_line_and_loses_nothing(env, case, capsys):
         case.after(root, run)
 
 
-def test_average_may_replace_an_earlier_average(env, capsys):
+def test_average_may_replace_an_earlier_average(env, call):
     root, run = env["root"], env["run"]
     target = root / "again.pt"
     for _ in range(2):
-        status, _, err = call(capsys, "average", run, "--last", "2", "--output", target)
+        status, _, err = call("average", run, "--last", "2", "--output", target)
         assert status == 0, err
     assert "optimizer" not in load_checkpoint(target)
 
 
-def test_closed_standard_streams_in_process(env, capsys, monkeypatch):
+def test_closed_standard_streams_in_process(env, monkeypatch, call):
     monkeypatch.setattr(sys, "stdin", None)  # what Python sets for `<&-`
-    status, _, err = call(capsys, "translate", env["run"])
+    status, _, err = call("translate", env["run"])
     assert status == 2
     assert err == "error: translate: standard input is closed; give sentences as arguments or --input FILE\n"
     monkeypatch.setattr(sys, "stdout", None)  # `>&-`
-    status, _, err = call(capsys, "translate", env["run"], "x")
+    status, _, err = call("translate", env["run"], "x")
     assert (status, err) == (2, "error: translate: standard output is closed; give --output FILE\n")
 
 
 def test_closed_standard_streams_for_real(env):
     """Real closed descriptors: `<&-` and `>&-` in a shell."""
     run = env["run"]
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    environ = subprocess_env()
     shell = f"{sys.executable} -m transformer translate {run} <&- ; echo status $? >&2"
     result = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, env=environ, timeout=120)
     assert result.stderr == ("error: translate: standard input is closed; give sentences as arguments or "
@@ -257,13 +233,13 @@ def test_closed_standard_streams_for_real(env):
     assert result.stderr == "error: translate: standard output is closed; give --output FILE\nstatus 2\n"
 
 
-def test_a_reader_that_goes_away_ends_quietly(env, capsys, monkeypatch):
+def test_a_reader_that_goes_away_ends_quietly(env, monkeypatch, call):
     """`translate ... | head -1`: the pipe's reader is gone; exit 141 (128 + SIGPIPE) without a word."""
     read_end, write_end = os.pipe()
     os.close(read_end)
     with open(write_end, "w", encoding="utf-8") as pipe:
         monkeypatch.setattr(sys, "stdout", pipe)
-        status, _, err = call(capsys, "translate", env["run"], "ein hund", "zwei katzen", "--dtype", "fp32")
+        status, _, err = call("translate", env["run"], "ein hund", "zwei katzen", "--dtype", "fp32")
         assert (status, err) == (141, "")
         monkeypatch.undo()
 
@@ -281,13 +257,13 @@ def test_config_from_a_pipe_like_dev_stdin(env, capsys):
     assert cfg.train.run_dir == str(env["run"])
 
 
-def test_a_full_disk_names_the_file_and_leaves_no_temporary(env, capsys, monkeypatch, tmp_path):
+def test_a_full_disk_names_the_file_and_leaves_no_temporary(env, monkeypatch, tmp_path, call):
     def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full)
     run = env["run"]
-    status, _, err = call(capsys, "average", run, "--last", "2", "--output", tmp_path / "avg.pt")
+    status, _, err = call("average", run, "--last", "2", "--output", tmp_path / "avg.pt")
     assert (status, err) == (2, f"error: {tmp_path}/avg.pt: No space left on device\n")
     assert list(tmp_path.iterdir()) == []
 
@@ -313,7 +289,7 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def test_run_directory_lock(env, capsys, tmp_path):
+def test_run_directory_lock(env, tmp_path, call):
     from transformer.resume import RunLock
 
     run_dir = tmp_path / "run"
@@ -322,21 +298,21 @@ def test_run_directory_lock(env, capsys, tmp_path):
     run_dir.mkdir()
     host = socket.gethostname()
     with RunLock(run_dir):  # a live training process owns it
-        status, _, err = call(capsys, "train", config)
+        status, _, err = call("train", config)
     assert status == 2
     assert err == (f"error: train: {run_dir} is in use by pid {os.getpid()} on host {host} (lock file "
                    f"{run_dir}/train.lock); wait for that run to end, or stop it\n")
     assert sorted(p.name for p in run_dir.iterdir()) == []  # released, and nothing written
 
     (run_dir / "train.lock").write_text('{"pid": 1, "host": "elsewhere"}\n')
-    status, _, err = call(capsys, "train", config)
+    status, _, err = call("train", config)
     assert (status, err) == (2, f"error: train: {run_dir} is in use by pid 1 on host elsewhere (lock file "
                                 f"{run_dir}/train.lock); if no run is going on there any more, delete the lock "
                                 "file\n")
 
     dead = _dead_pid()  # a killed run's lock: taken over, with a log line
     (run_dir / "train.lock").write_text(f'{{"pid": {dead}, "host": "{host}"}}\n')
-    status, _, err = call(capsys, "train", config)
+    status, _, err = call("train", config)
     assert status == 0, err
     assert (f"lock: {run_dir}/train.lock was left by pid {dead} on {host}, which is gone; taking it over"
             in (run_dir / "train.log").read_text())
@@ -379,13 +355,54 @@ def test_allocation_failure_names_the_setting(monkeypatch):
         model_module.build_model(ModelConfig(d_model=32, n_heads=2, max_positions=BIG), 64)
 
 
-def test_torchrun_failure_summary_shows_our_line(env, capsys, monkeypatch, tmp_path):
+def test_torchrun_failure_summary_shows_our_line(env, monkeypatch, tmp_path, call):
     """torchrun reads a worker's error file for its failure summary: ours holds the one-line error."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    status, _, err = call(capsys, "train", env["tiny"], "--set", f"train.run_dir={env['root']}/afile")
+    status, _, err = call("train", env["tiny"], "--set", f"train.run_dir={env['root']}/afile")
     assert status == 2
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     assert failure.message == err.strip() == f"error: train.run_dir {env['root']}/afile is a file, not a directory"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "no/such.yaml"], "error: config: no such file: no/such.yaml"),
+    (["train", "configs/tiny.yaml", "--set", "model.d_modle=3"],
+     "unknown key 'd_modle' in section 'model' (did you mean 'd_model'?"),
+    (["train", "configs/tiny.yaml", "--set", "model.d_model=big"], "model.d_model must be an integer"),
+])
+def test_cli_errors_are_one_line(args, message):
+    result = cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_unwritable_output_is_a_one_line_error(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    result = cli("plot-positions", "--d-model", "16", "--length", "8", "--out", str(tmp_path / "a_file" / "x.png"))
+    assert result.returncode == 2 and result.stderr.startswith("error: ")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unreadable_checkpoints_in_translate_evaluate_and_average(run, tmp_path, call):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"\x00not a checkpoint" * 10)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes((run / "best.pt").read_bytes()[:1000])
+    cases = [
+        (("translate", tmp_path / "missing.pt", "x"), "no such file"),
+        (("translate", corrupt, "x"), "not a checkpoint"),
+        (("evaluate", truncated), "truncated"),
+        (("average", run / "best.pt", tmp_path / "missing.pt", "--output", tmp_path / "o.pt"), "no such file"),
+        (("average", run / "best.pt", corrupt, "--output", tmp_path / "o.pt"), "not a checkpoint"),
+        (("average", run / "best.pt", run.parent / "other_shape.pt", "--output", tmp_path / "o.pt"),
+         "different model configs (differing: d_ff)"),
+    ]
+    for argv, message in cases:
+        status, _, err = call(*argv)
+        assert status == 2, argv
+        assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "o.pt").exists()

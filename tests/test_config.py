@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from transformer.config import (Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig, apply_overrides,
-                                from_dict, load_config, save_config, to_dict)
+from tests.conftest import ROOT
+from transformer.config import (SECTIONS, Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig,
+                                apply_overrides, from_dict, load_config, save_config, to_dict)
 from transformer.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
@@ -54,6 +54,11 @@ def test_paper_base_config_values():
     assert m.dropout == 0.1 and t.label_smoothing == 0.1
     assert t.adam_betas == (0.9, 0.98) and t.adam_eps == 1e-9
     assert t.lr_schedule == "noam" and t.warmup_steps == 4000
+
+
+def test_sections_are_the_config_dataclasses():
+    assert SECTIONS == {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "decode": DecodeConfig}
+    assert list(SECTIONS) == [f.name for f in dataclasses.fields(Config)]
 
 
 def test_empty_file_gives_defaults(tmp_path):

@@ -12,14 +12,15 @@ import time
 import pytest
 import torch
 
-from tests.trainutil import ROOT, cli, read_metrics, tiny_config, write_config, write_corpus
+from tests.conftest import (ROOT, assert_same_training_state, cli, read_metrics, subprocess_env, tiny_config,
+                            write_config, write_corpus)
+from transformer.atomic import remove_stale_temporaries
 from transformer.checkpoint import load_checkpoint
 
 
 def _start_training(config, *extra):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "transformer", "train", str(config), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
 
 
 def _wait_for_step(proc, run_dir, step, timeout=120):
@@ -46,17 +47,7 @@ def _metrics_so_far(path):
     return out
 
 
-def _assert_identical(a_path, b_path):
-    a, b = load_checkpoint(a_path), load_checkpoint(b_path)
-    assert a["run"]["step"] == b["run"]["step"]
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), f"{key} differs"
-    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
-        for key in sa:
-            assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), key
-
-
-def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, random_seed):
     corpus = write_corpus(tmp_path / "c")
     # Dropout on, several epochs (the epoch boundary is inside the run), checkpoints every 3 updates.
     common = {"train": {"max_steps": 16, "valid_every": 3}, "data": {"max_tokens": 120}}
@@ -66,7 +57,8 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
     reference = cli("train", str(straight))
     assert reference.returncode == 0, reference.stderr
 
-    kill_after = random.Random().randint(1, 14)  # random on purpose: any step must be safe, even before the first save
+    # Random on purpose: any step must be safe, even before the first save.
+    kill_after = random.Random(random_seed).randint(1, 14)
     proc = _start_training(killed)
     _wait_for_step(proc, tmp_path / "killed", kill_after)
     proc.send_signal(signal.SIGKILL)
@@ -74,8 +66,8 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
     assert proc.returncode == -signal.SIGKILL
 
     resumed = cli("train", str(killed), "--resume")
-    assert resumed.returncode == 0, f"killed after step {kill_after}: {resumed.stderr}"
-    _assert_identical(tmp_path / "straight" / "last.pt", tmp_path / "killed" / "last.pt")
+    assert resumed.returncode == 0, f"seed {random_seed}: killed after step {kill_after}: {resumed.stderr}"
+    assert_same_training_state(tmp_path / "straight" / "last.pt", tmp_path / "killed" / "last.pt")
     assert (tmp_path / "straight" / "best.pt").read_bytes() and (tmp_path / "killed" / "best.pt").exists()
 
 
@@ -103,7 +95,7 @@ def test_sigterm_saves_last_and_tells_how_to_resume(tmp_path, capsys):
     assert state["run"]["step"] == logged >= 3  # saved where it stopped, not at an old validation
 
 
-def test_kill_during_checkpoint_write_leaves_previous_checkpoint_loadable(tmp_path):
+def test_kill_during_checkpoint_write_leaves_previous_checkpoint_loadable(tmp_path, random_seed):
     """A child rewrites a large checkpoint in a loop; SIGKILL it mid-write several times."""
     target = tmp_path / "last.pt"
     script = f"""
@@ -113,25 +105,29 @@ for i in itertools.count():
     save_checkpoint({{"run": {{"step": i}}, "model": {{"w": torch.full((4_000_000,), float(i))}}}}, {str(target)!r})
     print(i, flush=True)
 """
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     last_seen = -1
-    rng = random.Random()
+    rng = random.Random(random_seed)
     for attempt in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                                env=subprocess_env())
         proc.stdout.readline()  # at least one complete write
-        time.sleep(rng.uniform(0.0, 0.3))  # then die somewhere inside a later write
+        wait = rng.uniform(0.0, 0.3)
+        time.sleep(wait)  # then die somewhere inside a later write
         proc.kill()
         proc.wait()
         state = load_checkpoint(target)
         step = state["run"]["step"]
         # The file is one whole write: its tensor is complete and agrees with its own step.
-        assert state["model"]["w"].numel() == 4_000_000
-        assert torch.equal(state["model"]["w"], torch.full((4_000_000,), float(step)))
+        where = f"seed {random_seed}: kill {attempt} after {wait:.3f} s"
+        assert state["model"]["w"].numel() == 4_000_000, where
+        assert torch.equal(state["model"]["w"], torch.full((4_000_000,), float(step))), where
         last_seen = max(last_seen, step)
     assert last_seen >= 0
-    # Stale temporary files may remain from the kills; the trainer removes them at start.
-    leftovers = list(tmp_path.glob(".last.pt.*"))
-    assert all(p.name.endswith(".transformer-tmp") for p in leftovers)
+    # Besides last.pt, the kills leave at most atomic_write's own temporaries, which the trainer's start removes.
+    assert all(p.name == "last.pt" or p.name.startswith(".last.pt.") for p in tmp_path.iterdir())
+    remove_stale_temporaries(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"], f"seed {random_seed}"
+    assert load_checkpoint(target)["run"]["step"] == step
 
 
 def test_bad_checkpoints_are_one_line_errors(tmp_path):
@@ -179,14 +175,6 @@ main(sys.argv[3:])
 """
 
 
-def _same_checkpoint(a_path, b_path):
-    a, b = load_checkpoint(a_path), load_checkpoint(b_path)
-    wall_clock = {"elapsed"}  # the one thing two runs never share
-    assert {k: v for k, v in a["run"].items() if k not in wall_clock} == \
-        {k: v for k, v in b["run"].items() if k not in wall_clock}, (a_path, a["run"], b["run"])
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), a_path
-
-
 def test_sigkill_between_the_checkpoint_writes_of_a_validation_step(tmp_path):
     """Killed after best.pt of the last validation (before last.pt), and after step_8 (before best.pt and
     last.pt): --resume redoes the step, and every file ends as in a run that was never killed."""
@@ -211,7 +199,7 @@ def _kill_between_writes_then_resume(tmp_path, corpus, common, straight):
     names = sorted(p.name for p in (tmp_path / "straight").glob("*.pt"))
     assert names == ["best.pt", "last.pt", "step_00000008.pt", "step_00000010.pt"]
     assert load_checkpoint(tmp_path / "straight" / "best.pt")["run"]["step"] == 10  # so best.pt is written at 10
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     for name, step in (("best.pt", 10), ("step_00000008.pt", 8)):
         run = f"killed_{step}"
         config = write_config(tmp_path / f"{run}.yaml", tiny_config(tmp_path, run, corpus, **common))
@@ -224,19 +212,11 @@ def _kill_between_writes_then_resume(tmp_path, corpus, common, straight):
         main(["train", "--resume", str(killed)])
         assert sorted(p.name for p in killed.glob("*.pt")) == names
         for file in names:
-            _same_checkpoint(tmp_path / "straight" / file, killed / file)
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+            assert_same_training_state(tmp_path / "straight" / file, killed / file)
 
 
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_during_the_final_validation_saves_and_says_so(tmp_path, monkeypatch, one_thread, sig, status):
+def test_a_signal_during_the_final_validation_saves_and_says_so(tmp_path, monkeypatch, sig, status):
     """In-process: the process signals itself while the last validation runs (validations at 2, 4, then 5)."""
     from transformer import train as train_module
     from transformer.cli import main
@@ -264,7 +244,7 @@ def test_a_signal_during_the_final_validation_saves_and_says_so(tmp_path, monkey
     assert [m["step"] for m in read_metrics(run) if m.get("split") == "valid"] == [2, 4, 5]
 
 
-def test_sigterm_before_training_starts_says_so(tmp_path, monkeypatch, capsys, one_thread):
+def test_sigterm_before_training_starts_says_so(tmp_path, monkeypatch, capsys):
     from transformer import train as train_module
     from transformer.config import from_dict
 
@@ -283,7 +263,7 @@ def test_sigterm_before_training_starts_says_so(tmp_path, monkeypatch, capsys, o
     assert not (run / "train.lock").exists()
 
 
-def test_printed_resume_command_keeps_the_overrides_and_continues_the_same_run(tmp_path, monkeypatch, one_thread):
+def test_printed_resume_command_keeps_the_overrides_and_continues_the_same_run(tmp_path, monkeypatch):
     """The run directory has a space in its name: the command is quoted for a shell, and running it (or
     `train --resume RUN_DIR`) continues that run, not a fresh one elsewhere."""
     import shlex

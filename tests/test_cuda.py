@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_translate import LINES, copy_model  # noqa: F401 (copy_model is a fixture)
-from tests.trainutil import read_metrics, tiny_config
+from tests.conftest import LINES, read_metrics, tiny_config
 from transformer import train as train_module
 from transformer.checkpoint import load_checkpoint
 from transformer.config import from_dict
@@ -44,7 +43,7 @@ def test_cuda_training_learns(tmp_path, precision):
     assert valid[-1] < valid[0]
 
 
-def test_auto_dtype_on_cuda_is_bf16_and_close_to_fp32(copy_model):  # noqa: F811
+def test_auto_dtype_on_cuda_is_bf16_and_close_to_fp32(copy_model):
     auto = Translator(copy_model, device="cuda", beam=3, dtype="auto")
     assert auto.dtype == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32")
     assert next(auto.model.parameters()).dtype == (torch.bfloat16 if auto.dtype == "bf16" else torch.float32)

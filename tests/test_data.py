@@ -1,41 +1,19 @@
-"""Reading corpora, encoding, filtering, token batching, resumable streams, Batch tensors, vocabulary, hub loading."""
+"""Reading corpora, split names, token batching on numpy lengths, resumable streams and prefetching, hub loading."""
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from transformer.batch import Batch, causal_mask, pad_sequences, padding_mask
+from tests.conftest import batches_equal, random_pairs, write_hub_folder
+from transformer.batch import Batch
 from transformer.config import DataConfig
 from transformer.corpus import load_split, read_lines, read_parallel, split_paths
 from transformer.data import BatchStream, Prefetcher, eval_batches, make_batches, pack_by_size
-from transformer.store import Corpus
 from transformer.errors import UserError
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab
-
-WORDS = ("der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
-         "the a man woman child dog cat house on in plays runs sits red blue green big small").split()
-
-
-def synthetic_sentences(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def vocab() -> Vocab:
-    return train_vocab(synthetic_sentences(400), vocab_size=100)
-
-
-def random_pairs(n: int, seed: int = 0, max_len: int = 30) -> list[tuple[list[int], list[int]]]:
-    rng = random.Random(seed)
-    return [([rng.randint(4, 99) for _ in range(rng.randint(1, max_len))],
-             [rng.randint(4, 99) for _ in range(rng.randint(1, max_len))]) for _ in range(n)]
+from transformer.store import Corpus
 
 
 # --------------------------------------------------------------------------- reading
@@ -123,34 +101,6 @@ def test_load_split_local(tmp_path):
         load_split(cfg, "test")
 
 
-# --------------------------------------------------------------------------- vocabulary and encoding
-
-
-def test_vocab_special_ids_and_round_trip(vocab, tmp_path):
-    assert (PAD_ID, UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2, 3)
-    assert vocab.sp.pad_id() == PAD_ID and vocab.sp.unk_id() == UNK_ID
-    assert vocab.sp.bos_id() == BOS_ID and vocab.sp.eos_id() == EOS_ID
-    assert 30 <= len(vocab) <= 100
-    texts = synthetic_sentences(20, seed=7)
-    ids = vocab.encode(texts)
-    assert all(len(seq) > 0 for seq in ids)
-    assert all(4 <= i < len(vocab) for seq in ids for i in seq)  # no specials inside text
-    assert vocab.decode(ids) == texts
-    # Special ids are dropped when decoding.
-    assert vocab.decode([[BOS_ID] + ids[0] + [EOS_ID, PAD_ID, PAD_ID]]) == [texts[0]]
-    # Save / load gives the same model.
-    vocab.save(tmp_path / "spm.model")
-    again = Vocab.load(tmp_path / "spm.model")
-    assert again.encode(texts) == ids and len(again) == len(vocab)
-
-
-def test_vocab_errors(tmp_path):
-    with pytest.raises(UserError, match="no SentencePiece model"):
-        Vocab.load(tmp_path / "missing.model")
-    with pytest.raises(UserError, match="SentencePiece"):
-        Vocab(b"definitely not a model")
-
-
 # --------------------------------------------------------------------------- batching
 
 
@@ -231,21 +181,6 @@ def test_eval_batches_cover_all_in_order_of_length():
 
 def stream_cfg(**kw) -> DataConfig:
     return DataConfig(max_tokens=kw.pop("max_tokens", 128), max_len=kw.pop("max_len", 40), **kw)
-
-
-def batches_equal(a: Batch, b: Batch) -> bool:
-    return torch.equal(a.src, b.src) and torch.equal(a.tgt_in, b.tgt_in) and torch.equal(a.tgt_out, b.tgt_out)
-
-
-def test_batch_from_corpus_equals_batch_from_pairs():
-    pairs = random_pairs(40, max_len=25)
-    for dtype in (np.uint16, np.int32):
-        corpus = Corpus.from_pairs(pairs, dtype=dtype)
-        for indices, multiple in (([3, 1, 4, 1, 5], 1), ([0], 8), (list(range(40)), 3)):
-            a = Batch.from_corpus(corpus, np.array(indices), multiple)
-            b = Batch.from_pairs([pairs[i] for i in indices], multiple)
-            assert batches_equal(a, b) and a.src.dtype == b.src.dtype == torch.long
-            assert (a.n_src_tokens, a.n_tgt_tokens) == (b.n_src_tokens, b.n_tgt_tokens)
 
 
 def test_batch_stream_covers_epoch_then_reshuffles():
@@ -337,77 +272,7 @@ def test_batch_stream_too_few_batches_for_ranks():
         BatchStream(Corpus.from_pairs(random_pairs(1, max_len=5)), stream_cfg(), seed=1, rank=0, world_size=2)
 
 
-# --------------------------------------------------------------------------- Batch
-
-
-def test_batch_from_pairs_shift_and_counts():
-    pairs = [([5, 6, 7], [8, 9]), ([10], [11, 12, 13, 14])]
-    b = Batch.from_pairs(pairs)
-    assert len(b) == 2
-    assert b.src.shape == (2, 4) and b.tgt_in.shape == (2, 5) and b.tgt_out.shape == (2, 5)
-    for row, (s, t) in enumerate(pairs):
-        n = len(t) + 1
-        assert b.src[row, : len(s) + 1].tolist() == s + [EOS_ID]
-        assert b.tgt_in[row, 0] == BOS_ID and b.tgt_in[row, :n].tolist() == [BOS_ID] + t
-        assert b.tgt_out[row, :n].tolist() == t + [EOS_ID] and b.tgt_out[row, n - 1] == EOS_ID
-        assert b.tgt_in[row, 1:n].tolist() == b.tgt_out[row, : n - 1].tolist()  # shifted by one
-        assert torch.all(b.tgt_in[row, n:] == PAD_ID) and torch.all(b.tgt_out[row, n:] == PAD_ID)
-        assert torch.all(b.src[row, len(s) + 1:] == PAD_ID)
-    assert b.n_src_tokens == int((b.src != PAD_ID).sum())
-    assert b.n_tgt_tokens == int((b.tgt_out != PAD_ID).sum()) == int((b.tgt_in != PAD_ID).sum())
-
-
-def test_batch_pad_to_multiple():
-    pairs = [([5] * 6, [8] * 2), ([10] * 2, [11] * 9)]
-    b = Batch.from_pairs(pairs, pad_to_multiple=8)
-    assert b.src.size(1) == 8 and b.tgt_in.size(1) == 16 and b.tgt_out.size(1) == 16
-    assert b.n_tgt_tokens == 2 + 1 + 9 + 1
-
-
-def test_batch_masks():
-    pairs = [([5, 6, 7], [8, 9]), ([10], [11, 12, 13, 14])]
-    b = Batch.from_pairs(pairs)
-    src_mask, tgt_mask = b.src_mask, b.tgt_mask
-    assert src_mask.dtype == torch.bool and src_mask.shape == (2, 1, 1, 4)
-    assert src_mask[:, 0, 0].tolist() == [[True] * 4, [True, True, False, False]]
-    T = b.tgt_in.size(1)
-    assert tgt_mask.dtype == torch.bool and tgt_mask.shape == (2, 1, T, T)
-    for row in range(2):
-        m = tgt_mask[row, 0]
-        key_real = b.tgt_in[row] != PAD_ID
-        for i in range(T):
-            for j in range(T):
-                assert bool(m[i, j]) == (j <= i and bool(key_real[j]))
-        assert torch.equal(m, m.tril())
-    assert torch.equal(causal_mask(3)[0, 0], torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool))
-    assert torch.equal(padding_mask(torch.tensor([[4, 0]]))[0, 0, 0], torch.tensor([True, False]))
-
-
-def test_pad_sequences():
-    out = pad_sequences([[4, 5], [6]], pad_to_multiple=4)
-    assert out.dtype == torch.long and out.tolist() == [[4, 5, 0, 0], [6, 0, 0, 0]]
-
-
-def test_batch_to_keeps_counts():
-    b = Batch.from_pairs([([5, 6], [7])]).to("cpu")
-    assert b.n_src_tokens == 3 and b.n_tgt_tokens == 2
-
-
 # --------------------------------------------------------------------------- Hugging Face datasets
-
-
-@pytest.fixture
-def offline_hub(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    datasets = pytest.importorskip("datasets")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache", raising=False)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
-    return tmp_path
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
 
 
 HUB_TRAIN = [("Ein Hund läuft.", "A dog runs."), ("Zwei Männer.", "Two men."), ("Eine Katze.", "A cat.")]
@@ -416,14 +281,7 @@ HUB_VALID = [("Ein Kind spielt.", "A child plays."), ("Ein Haus.", "A house.")]
 
 @pytest.mark.parametrize("layout", ["columns", "translation"])
 def test_hub_split_from_local_files(offline_hub, layout):
-    data = offline_hub / f"hub-{layout}"
-    data.mkdir()
-    for name, pairs in (("train", HUB_TRAIN), ("validation", HUB_VALID)):
-        if layout == "columns":
-            rows = [{"de": de, "en": en} for de, en in pairs]
-        else:
-            rows = [{"translation": {"de": de, "en": en}} for de, en in pairs]
-        write_jsonl(data / f"{name}.jsonl", rows)
+    data = write_hub_folder(offline_hub / f"hub-{layout}", layout, {"train": HUB_TRAIN, "validation": HUB_VALID})
     cfg = DataConfig(source="hub", hub_name=str(data), hub_config=None, src_lang="de", tgt_lang="en",
                      valid_split="validation")
     src, tgt = load_split(cfg, "train")
@@ -441,9 +299,8 @@ def test_hub_split_from_local_files(offline_hub, layout):
 
 
 def test_hub_split_wrong_columns(offline_hub):
-    data = offline_hub / "hub-fr"
-    data.mkdir()
-    write_jsonl(data / "train.jsonl", [{"fr": "Un chien.", "en": "A dog."}])
+    data = write_hub_folder(offline_hub / "hub-fr", "columns", {"train": [("Un chien.", "A dog.")]},
+                            languages=("fr", "en"))
     cfg = DataConfig(source="hub", hub_name=str(data), src_lang="de", tgt_lang="en")
     with pytest.raises(UserError, match="columns"):
         load_split(cfg, "train")

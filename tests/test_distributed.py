@@ -11,17 +11,16 @@ import time
 import pytest
 import torch
 
-from tests.trainutil import ROOT, cli, read_metrics, tiny_config, write_config, write_corpus
+from tests.conftest import ROOT, cli, read_metrics, subprocess_env, tiny_config, write_config, write_corpus
 from transformer.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "transformer", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=ROOT)
 
 
 def weights(path):
@@ -76,10 +75,10 @@ def start_long_ddp_run(tmp_path):
     """A 2-rank torchrun training that would run for ever; returns (launcher, config) once 3 updates are logged."""
     raw = tiny_config(tmp_path, train={"max_steps": 100000, "valid_every": 100000, "log_every": 1})
     config = write_config(tmp_path / "c.yaml", raw)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                  "-m", "transformer", "train", str(config)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                                cwd=ROOT)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from transformer.batch import Batch, causal_mask, padding_mask
+from tests.conftest import ROOT, random_pairs
+from transformer.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.config import ModelConfig, load_config
-from transformer.model import MultiHeadAttention, PositionalEncoding, Transformer, count_parameters
+from transformer.model import MultiHeadAttention, PositionalEncoding, Transformer, count_parameters, evaluating
 from transformer.vocab import PAD_ID
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 50
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a thread pool only adds synchronisation, which is very slow on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def small_cfg(**kw) -> ModelConfig:
@@ -43,10 +33,6 @@ def random_ids(*shape: int) -> torch.Tensor:
     return torch.randint(4, VOCAB, shape)  # never a special id
 
 
-def random_pairs(lengths: list[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
-    return [(random_ids(s).tolist(), random_ids(t).tolist()) for s, t in lengths]
-
-
 # --------------------------------------------------------------------------- shapes
 
 
@@ -54,7 +40,7 @@ def test_shapes_of_encode_decode_forward():
     model = make_model()
     src, tgt = random_ids(3, 7), random_ids(3, 5)
     src_mask = padding_mask(src)
-    tgt_mask = padding_mask(tgt) & causal_mask(5)
+    tgt_mask = target_mask(tgt)
     memory = model.encode(src, src_mask)
     assert memory.shape == (3, 7, 32)
     logits = model.decode(tgt, memory, src_mask, tgt_mask)
@@ -96,9 +82,8 @@ def test_decoder_is_causal(norm):
 def test_padding_invariance(norm):
     """A pair alone gives the same encoder output and logits as inside a batch padded by longer pairs."""
     model = make_model(norm=norm)
-    torch.manual_seed(1)
     # The first pair is short on both sides; the others force source and target padding.
-    pairs = random_pairs([(3, 4), (9, 2), (2, 10), (6, 6)])
+    pairs = random_pairs(lengths=[(3, 4), (9, 2), (2, 10), (6, 6)], seed=1, vocab=VOCAB)
     batch = Batch.from_pairs(pairs)
     assert batch.src.size(1) == 10 and batch.tgt_in.size(1) == 11
     memory = model.encode(batch.src, batch.src_mask)
@@ -176,7 +161,7 @@ def test_attention_record_path(mask_kind):
 
 def test_model_record_path_matches_fused():
     model = make_model()
-    batch = Batch.from_pairs(random_pairs([(4, 5), (7, 3)]))
+    batch = Batch.from_pairs(random_pairs(lengths=[(4, 5), (7, 3)], vocab=VOCAB))
     fused = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
     modules = [m for ms in model.attention_modules().values() for m in ms]
     assert len(modules) == 6
@@ -195,8 +180,7 @@ def test_model_record_path_matches_fused():
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_cached_decoding_matches_full(norm):
     model = make_model(norm=norm)
-    torch.manual_seed(5)
-    batch = Batch.from_pairs(random_pairs([(5, 6), (3, 2), (8, 4)]))
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 6), (3, 2), (8, 4)], seed=5, vocab=VOCAB))
     memory = model.encode(batch.src, batch.src_mask)
     full = model.decode(batch.tgt_in, memory, batch.src_mask, batch.tgt_mask)
     cache = model.new_cache(memory, batch.src_mask)
@@ -214,7 +198,7 @@ def test_cached_decoding_matches_full(norm):
 
 def test_decode_with_a_cache_takes_no_memory():
     model = make_model()
-    batch = Batch.from_pairs(random_pairs([(5, 3), (4, 3)]))
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 3), (4, 3)], vocab=VOCAB))
     memory = model.encode(batch.src, batch.src_mask)
     cache = model.new_cache(memory, batch.src_mask)
     with pytest.raises(ValueError, match="takes no memory"):
@@ -224,8 +208,8 @@ def test_decode_with_a_cache_takes_no_memory():
 def test_cache_keep_rows_selects_rows():
     """Dropping and reordering rows moves self- and cross-attention K/V and the memory mask together."""
     model = make_model()
-    torch.manual_seed(6)
-    batch = Batch.from_pairs(random_pairs([(5, 3), (2, 3), (6, 3)]))  # different lengths: masks differ
+    # Different source lengths: the rows' masks differ.
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 3), (2, 3), (6, 3)], seed=6, vocab=VOCAB))
     memory = model.encode(batch.src, batch.src_mask)
     cache = model.new_cache(memory, batch.src_mask)
     model.decode(batch.tgt_in[:, :2], None, None, causal_mask(2), cache)
@@ -241,7 +225,7 @@ def test_cache_keep_rows_within_a_source_leaves_cross_kv_in_place():
     """Rows sharing a source (the beams of a sentence) reorder with cross=False: no cross K/V copy, same result."""
     model = make_model()
     torch.manual_seed(7)
-    (src, _), (src2, _) = random_pairs([(5, 3), (4, 3)])
+    (src, _), (src2, _) = random_pairs(lengths=[(5, 3), (4, 3)], seed=7, vocab=VOCAB)
     pairs = [(src, random_ids(3).tolist()), (src, random_ids(3).tolist()), (src2, random_ids(3).tolist())]
     batch = Batch.from_pairs(pairs)  # rows 0 and 1: one source, two hypotheses
     memory = model.encode(batch.src, batch.src_mask)
@@ -308,7 +292,7 @@ def test_weight_sharing(share, tie):
     # Parameters are counted once however they are shared.
     assert count_parameters(model) == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     # A tied matrix receives gradient from all its uses.
-    batch = Batch.from_pairs(random_pairs([(4, 4)]))
+    batch = Batch.from_pairs(random_pairs(lengths=[(4, 4)], vocab=VOCAB))
     model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask).sum().backward()
     assert model.output.weight.grad is not None
 
@@ -348,7 +332,7 @@ def test_small_parameter_count_formula(kw):
 
 def test_dropout_train_vs_eval():
     model = make_model(dropout=0.3, attention_dropout=0.3, activation_dropout=0.3)
-    batch = Batch.from_pairs(random_pairs([(5, 5), (3, 6)]))
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 5), (3, 6)], vocab=VOCAB))
     args = (batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
     model.train()
     a, b = model(*args), model(*args)
@@ -368,7 +352,7 @@ def test_each_dropout_is_used_in_training(which):
     kw = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     kw[which] = 0.5
     model = make_model(**kw)
-    batch = Batch.from_pairs(random_pairs([(5, 5)]))
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 5)], vocab=VOCAB))
     args = (batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
     model.train()
     assert not torch.allclose(model(*args), model(*args))
@@ -384,3 +368,23 @@ def test_attention_dropout_only_in_training():
     mha.eval()
     expected, _ = reference_attention(mha, query, key_value, None)
     torch.testing.assert_close(mha(query, key_value, None), expected, **TOL)
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_evaluating_turns_dropout_off_and_gives_the_mode_back(inference):
+    model = make_model(dropout=0.3, attention_dropout=0.3, activation_dropout=0.3).train()
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 5), (3, 6)], vocab=VOCAB))
+    args = (batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+    with evaluating(model, inference=inference):
+        assert not any(m.training for m in model.modules())
+        assert torch.equal(model(*args), model(*args))  # no dropout
+        assert torch.is_inference_mode_enabled() == inference and torch.is_grad_enabled() != inference
+    assert all(m.training for m in model.modules())
+    with pytest.raises(RuntimeError, match="boom"):
+        with evaluating(model, inference=inference):
+            raise RuntimeError("boom")
+    assert model.training  # also after an error
+    model.eval()
+    with evaluating(model, inference=inference):
+        pass
+    assert not model.training  # a model in eval mode stays there

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_translate import raw_config, synthetic, write_checkpoint
 from transformer.translate import Translator
-from transformer.vocab import train_vocab
 
 
 @pytest.fixture(scope="module")
-def translator(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fuzz")
-    vocab = train_vocab(synthetic(random.Random(0), 300), vocab_size=80)
-    write_checkpoint(root / "model.pt", raw_config(root, root), vocab, seed=1)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Translator(root / "model.pt", device="cpu", beam=2)
-    torch.set_num_threads(before)
+def translator(untrained_checkpoint):
+    return Translator(untrained_checkpoint, device="cpu", beam=2)
 
 
 # Any Unicode text a file line can hold: every code point but the line break, surrogates excluded.

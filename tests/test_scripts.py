@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 
-from tests.trainutil import ROOT
+from tests.conftest import ROOT, subprocess_env, write_hub_folder
 from transformer.corpus import read_parallel
 
 
 def test_fetch_multi30k_writes_plain_text_splits(tmp_path):
-    hub = tmp_path / "hub"
-    hub.mkdir()
-    rows = {"train": [("Ein Hund.", "A dog."), ("Zwei\nKatzen.", "Two cats.")],
-            "validation": [("Ein Mann.", "A man.")], "test": [("Eine Frau.", "A woman.")]}
-    for split, pairs in rows.items():
-        (hub / f"{split}.jsonl").write_text("".join(json.dumps({"de": d, "en": e}) + "\n" for d, e in pairs))
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    hub = write_hub_folder(tmp_path / "hub", "columns", {
+        "train": [("Ein Hund.", "A dog."), ("Zwei\nKatzen.", "Two cats.")],
+        "validation": [("Ein Mann.", "A man.")], "test": [("Eine Frau.", "A woman.")]})
+    env = subprocess_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_multi30k.py"), str(out),
                              "--name", str(hub)], capture_output=True, text=True, env=env, timeout=300)

@@ -16,15 +16,6 @@ CFG = ModelConfig(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
                   dropout=0.0, max_positions=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: a second intra-op thread only adds spin-waiting, badly so on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_sources(seed: int, n: int = 6, lo: int = 2, hi: int = 9) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi, (n,), generator=g).tolist()

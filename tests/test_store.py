@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.trainutil import cli, tiny_config, write_corpus
+from tests.conftest import cli, tiny_config, write_corpus, write_hub_folder
 from transformer import store as store_module
 from transformer.config import from_dict
 from transformer.corpus import count_lines, iter_lines, open_split, read_lines
@@ -164,28 +163,6 @@ def test_mismatched_sides_fail_before_any_encoding(tmp_path, corpus):
 
 
 # --------------------------------------------------------------------------- the hub source, offline
-
-@pytest.fixture
-def offline_hub(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    datasets = pytest.importorskip("datasets")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache", raising=False)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
-    return tmp_path
-
-
-def write_hub_folder(directory: Path, layout: str, pairs: dict[str, list[tuple[str, str]]]) -> Path:
-    directory.mkdir()
-    for name, rows in pairs.items():
-        if layout == "columns":
-            lines = [{"de": de, "en": en} for de, en in rows]
-        else:
-            lines = [{"translation": {"de": de, "en": en}} for de, en in rows]
-        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines),
-                                                 encoding="utf-8")
-    return directory
-
 
 @pytest.mark.parametrize("layout", ["columns", "translation"])
 def test_hub_source_goes_through_the_same_store_with_default_split_names(offline_hub, tmp_path, corpus, layout,

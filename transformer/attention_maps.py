@@ -9,9 +9,9 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from transformer.batch import causal_mask, padding_mask, prepare_sources, source_limit
+from transformer.batch import causal_mask, padding_mask, prepare_sources, source_limit, target_mask
 from transformer.errors import UserError
-from transformer.model import Transformer
+from transformer.model import Transformer, evaluating
 from transformer.search import search
 from transformer.vocab import BOS_ID, Vocab
 
@@ -68,15 +68,10 @@ def collect_attention(
 
     Padded keys get weight 0; padded query rows are whatever the model computed there.
     """
-    src_mask = padding_mask(src, model.pad_id)
-    tgt_mask = padding_mask(tgt_in, model.pad_id) & causal_mask(tgt_in.size(1), tgt_in.device)
-    was_training = model.training
-    model.eval()  # dropout off: the recorded probabilities are exactly the ones applied to V
-    try:
-        with recording(model) as records:
-            logits = model(src, tgt_in, src_mask, tgt_mask)
-    finally:
-        model.train(was_training)
+    src_mask, tgt_mask = padding_mask(src, model.pad_id), target_mask(tgt_in, model.pad_id)
+    # Dropout off: the recorded probabilities are exactly the ones applied to V.
+    with evaluating(model, inference=False), recording(model) as records:
+        logits = model(src, tgt_in, src_mask, tgt_mask)
     weights = {}
     for kind, layers in records.items():
         # Exactly one call per module in a teacher-forced pass; anything else means the model changed.
@@ -110,8 +105,7 @@ class AttentionMaps:
         """(Tq, Tk) True where the mask forbids attention (future target positions), else None."""
         if kind != "decoder":
             return None  # one unpadded sentence: every source position is visible
-        n = len(self.target_pieces)
-        return np.triu(np.ones((n, n), dtype=bool), k=1)
+        return ~causal_mask(len(self.target_pieces))[0, 0].numpy()  # (1, 1, T, T) -> (T, T)
 
     def shape(self, kind: str) -> tuple[int, int]:
         """(layers, heads) of one kind."""

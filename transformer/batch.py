@@ -34,6 +34,11 @@ def causal_mask(length: int, device=None) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
 
 
+def target_mask(tgt_in: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
+    """(B, T) decoder input ids -> (B, 1, T, T): causal and key padding together, what a teacher-forced pass uses."""
+    return padding_mask(tgt_in, pad_id) & causal_mask(tgt_in.size(1), tgt_in.device)
+
+
 def pad_sequences(seqs: Sequence[Sequence[int]], pad_to_multiple: int = 1, pad_id: int = PAD_ID) -> torch.Tensor:
     """Right-pad lists of ids into a (B, T) LongTensor, T rounded up to a multiple."""
     longest = round_up(max(len(s) for s in seqs), pad_to_multiple)
@@ -72,15 +77,11 @@ class Batch:
         src = pad_sequences([list(s) + [EOS_ID] for s, _ in pairs], pad_to_multiple)
         # Shift by one: the decoder reads BOS y1 .. yn and must predict y1 .. yn EOS. (Built
         # separately, not as slices of one BOS..EOS row, which would leave EOS in shorter tgt_in rows.)
-        tgt_in = pad_sequences([[BOS_ID] + list(t) for _, t in pairs], 1)
-        tgt_out = pad_sequences([list(t) + [EOS_ID] for _, t in pairs], 1)
-        if pad_to_multiple > 1:
-            extra = -tgt_in.size(1) % pad_to_multiple
-            tgt_in = torch.nn.functional.pad(tgt_in, (0, extra), value=PAD_ID)
-            tgt_out = torch.nn.functional.pad(tgt_out, (0, extra), value=PAD_ID)
+        tgt_in = pad_sequences([[BOS_ID] + list(t) for _, t in pairs], pad_to_multiple)
+        tgt_out = pad_sequences([list(t) + [EOS_ID] for _, t in pairs], pad_to_multiple)
         n_src = sum(len(s) + 1 for s, _ in pairs)
         n_tgt = sum(len(t) + 1 for _, t in pairs)
-        return cls(src, tgt_in.contiguous(), tgt_out.contiguous(), n_src, n_tgt)
+        return cls(src, tgt_in, tgt_out, n_src, n_tgt)
 
     @classmethod
     def from_corpus(cls, corpus: "Corpus", indices: np.ndarray, pad_to_multiple: int = 1) -> "Batch":
@@ -108,7 +109,7 @@ class Batch:
     @property
     def tgt_mask(self) -> torch.Tensor:
         """Causal and key padding together: (B, 1, T, T)."""
-        return padding_mask(self.tgt_in) & causal_mask(self.tgt_in.size(1), self.tgt_in.device)
+        return target_mask(self.tgt_in)
 
     def __len__(self) -> int:
         return self.src.size(0)

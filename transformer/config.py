@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Tuple
 import yaml
 
 from transformer.atomic import atomic_write
+from transformer.batch import round_up
 from transformer.errors import UserError
 
 
@@ -105,7 +106,9 @@ class Config:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+# Section name -> its dataclass. Under `from __future__ import annotations` the fields' types are strings:
+# resolved once, here.
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 
 INT64 = 2 ** 63
 SEED_LIMIT = 2 ** 32          # SentencePiece and NumPy take 32-bit unsigned seeds (torch takes 64-bit)
@@ -199,7 +202,7 @@ def validate(cfg: Config) -> None:
         (d.max_len >= 1, "data.max_len must be positive"),
         (d.max_len + 2 <= m.max_positions,
          f"data.max_len ({d.max_len}) + 2 special tokens exceeds model.max_positions ({m.max_positions})"),
-        (d.pad_to_multiple < 1 or -(-(d.max_len + 1) // d.pad_to_multiple) * d.pad_to_multiple <= m.max_positions,
+        (d.pad_to_multiple < 1 or round_up(d.max_len + 1, d.pad_to_multiple) <= m.max_positions,
          f"data.max_len ({d.max_len}) + 1, padded to a multiple of data.pad_to_multiple ({d.pad_to_multiple}), "
          f"exceeds model.max_positions ({m.max_positions})"),
         (d.max_tokens >= d.max_len + 2,
@@ -249,9 +252,7 @@ def from_dict(raw: Any) -> Config:
     for name in raw:
         if name not in SECTIONS:
             raise UserError(f"config: unknown section '{name}' (known sections: {', '.join(SECTIONS)})")
-    sections = {name: _build_section(name, cls, raw.get(name)) for name, cls in
-                ((f.name, typing.get_type_hints(Config)[f.name]) for f in dataclasses.fields(Config))}
-    cfg = Config(**sections)
+    cfg = Config(**{name: _build_section(name, cls, raw.get(name)) for name, cls in SECTIONS.items()})
     validate(cfg)
     return cfg
 

@@ -2,7 +2,7 @@
 
 Tensors are batch-first: (B, T, C). Masks are boolean with True = "may attend" and have
 shape (B or 1, 1, T_query or 1, T_key) so they broadcast over heads; they are built in
-transformer/batch.py (`padding_mask`, `causal_mask`) and nowhere else.
+transformer/batch.py (`padding_mask`, `causal_mask`, `target_mask`) and nowhere else.
 """
 
 from __future__ import annotations
@@ -291,13 +291,16 @@ class Transformer(nn.Module):
 
 
 @contextlib.contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
-    """Dropout off inside the block, and the caller's mode back after it (the trainer validates and decodes
-    mid-training)."""
+def evaluating(model: nn.Module, inference: bool = True) -> Iterator[nn.Module]:
+    """Eval mode (dropout off) inside the block and the caller's mode back after it, also on an error: for
+    validating, searching or inspecting a model that may be in the middle of training. inference=True also
+    runs the block under torch.inference_mode (no autograd; tensors made inside can never join a backward
+    pass); False leaves autograd to the caller."""
     was_training = model.training
     model.eval()
     try:
-        yield
+        with torch.inference_mode() if inference else contextlib.nullcontext():
+            yield model
     finally:
         model.train(was_training)
 

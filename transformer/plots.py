@@ -21,7 +21,6 @@ MAX_TABLE_VALUES = 50_000_000  # plot-positions: 200 MB of float32, far past wha
 def _matplotlib():
     """Import matplotlib on first use: it is an optional dependency (the `plot` extra)."""
     try:
-        import matplotlib  # noqa: F401
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:

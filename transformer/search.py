@@ -35,14 +35,14 @@ Tracing (`trace`, a list): search() appends one TraceStep per decoder step, for 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
 from transformer.batch import causal_mask, padding_mask
+from transformer.model import evaluating
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 StopRule = Literal["exact", "early"]
@@ -95,22 +95,10 @@ def search(model, src: torch.Tensor, beam: int = 4, lenpen: float = 0.6, max_len
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if stop not in STOP_RULES:
         raise ValueError(f"stop must be one of {', '.join(STOP_RULES)}, got {stop!r}")
-    with _eval_mode(model):
+    with evaluating(model):  # dropout off while searching; the trainer decodes mid-training
         if beam == 1:
             return _greedy_search(model, src, lenpen, max_len_offset, use_cache, trace)
         return _beam_search(model, src, beam, lenpen, max_len_offset, nbest, stop, use_cache, trace)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Dropout off while searching, then the caller's mode back (the trainer decodes mid-training)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            yield
-    finally:
-        model.train(was_training)
 
 
 class _Decoder:
@@ -148,10 +136,16 @@ class _Decoder:
             self.memory_mask = self.memory_mask.index_select(0, index)
 
 
+def max_output_lengths(src_lengths: torch.Tensor, max_len_offset: int, max_positions: int) -> torch.Tensor:
+    """(B,) source lengths (non-PAD positions, EOS included) -> (B,) output-length limits in tokens (EOS
+    excluded): max_len_offset more than the source, capped so that BOS + max_len tokens, the decoder positions
+    that get embedded, fit in max_positions. Every engine's limit (module docstring)."""
+    return (src_lengths + max_len_offset).clamp(max=max_positions - 1)
+
+
 def _max_lengths(model, src: torch.Tensor, max_len_offset: int) -> torch.Tensor:
-    """(B,) output-length limits; BOS + max_len tokens are the decoder positions that get embedded."""
     src_len = padding_mask(src).view(src.size(0), -1).sum(dim=1)  # (B, 1, 1, S) -> (B,)
-    return (src_len + max_len_offset).clamp(max=model.cfg.max_positions - 1)
+    return max_output_lengths(src_len, max_len_offset, model.cfg.max_positions)
 
 
 def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from transformer.config import DecodeConfig
 from transformer.data import pack_by_size
 from transformer.device import native_bf16, pick_device
 from transformer.errors import UserError
-from transformer.search import STOP_RULES, Hypothesis, length_penalty, search
+from transformer.search import STOP_RULES, Hypothesis, SearchResult, length_penalty, max_output_lengths, search
 from transformer.vocab import Vocab
 
 DTYPES = ("auto", "fp32", "bf16", "int8")
@@ -50,14 +50,24 @@ def source_batches(src_ids: Sequence[Sequence[int]], max_positions: int, max_tok
     return [[todo[j] for j in batch] for batch in length_batches(lengths, max_tokens)]
 
 
+def search_batches(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
+                   max_tokens: int, device, nbest: int = 1,
+                   stop: str = DecodeConfig.stop) -> Iterator[tuple[list[int], SearchResult]]:
+    """search() over the non-empty sources (subword ids, no EOS) in length batches: per batch, the indices of
+    its sources and what search() found for them (hypotheses in that order, and the decoder steps it took).
+    Sources are cut as batch.prepare_sources says."""
+    for batch in source_batches(src_ids, model.cfg.max_positions, max_tokens):
+        src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
+        yield batch, search(model, src.to(device), beam, lenpen, max_len_offset, nbest, stop)
+
+
 def search_ids(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
                max_tokens: int, device, nbest: int = 1, stop: str = DecodeConfig.stop) -> list[list[Hypothesis]]:
     """Per source (subword ids, no EOS), its n-best hypotheses, input order kept. An empty source gives
-    nbest empty hypotheses without running the model; sources are cut as batch.prepare_sources says."""
+    nbest empty hypotheses without running the model."""
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
-    for batch in source_batches(src_ids, model.cfg.max_positions, max_tokens):
-        src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
-        found = search(model, src.to(device), beam, lenpen, max_len_offset, nbest, stop)
+    for batch, found in search_batches(model, src_ids, beam, lenpen, max_len_offset, max_tokens, device, nbest,
+                                       stop):
         for i, hyps in zip(batch, found.hypotheses):
             out[i] = hyps
     return out
@@ -86,7 +96,8 @@ def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]
     limit = source_limit(max_positions)
     for batch in source_batches(src_ids, max_positions, max_tokens):
         sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
-        max_lens = [min(len(s) + 1 + max_len_offset, max_positions - 1) for s in sources]  # as search.py's
+        max_lens = max_output_lengths(torch.tensor([len(s) + 1 for s in sources]), max_len_offset,  # + 1: EOS
+                                      max_positions).tolist()
         results = translator.translate_batch(
             sources, beam_size=beam, num_hypotheses=nbest, length_penalty=lenpen, return_scores=True,
             max_decoding_length=max(max_lens) + 1,  # + 1: room for the EOS after max_len tokens

@@ -1,0 +1,286 @@
+"""Shared fixtures and helpers: one thread for tiny models, synthetic sentences and pairs, a tiny corpus and
+config, checkpoints for translation, the command line in this process and in a child, training-state checks.
+
+Fixtures reach tests by name; helpers are imported: `from tests.conftest import tiny_config`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pytest
+import torch
+import yaml
+
+from transformer import cli as cli_module
+from transformer.batch import Batch
+from transformer.checkpoint import load_checkpoint, save_checkpoint
+from transformer.config import from_dict, to_dict
+from transformer.model import Transformer
+from transformer.vocab import PAD_ID, train_vocab
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
+         "the a man woman child dog cat house on in plays runs sits red blue green big small").split()
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """One intra-op thread for every test and the fixtures it sets up: every model here is tiny, and a second
+    thread only adds spin-waiting, badly so on a loaded 2-core machine. Set before each test, not once, because
+    a library may change it for the whole process (a ctranslate2.Translator with its default intra_threads sets
+    it to the number of cores). Children get the same from subprocess_env()."""
+    torch.set_num_threads(1)
+
+
+def subprocess_env(**extra: str) -> dict:
+    """The environment of a child Python: single-threaded, so that parallel runs do not fight over 2 cores, and
+    importing this checkout's package."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
+def cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m transformer ARGS` in a child process (each costs ~2 s of importing torch: prefer `call`)."""
+    return subprocess.run([sys.executable, "-m", "transformer", *args], capture_output=True, text=True,
+                          timeout=timeout, env=subprocess_env(), cwd=ROOT, **kwargs)
+
+
+@pytest.fixture
+def call(capsys, monkeypatch):
+    """`transformer ARGV` in this process -> (exit status, stdout, stderr); stdin="..." feeds standard input."""
+    def run(*argv, stdin: Optional[str] = None) -> tuple[int, str, str]:
+        if stdin is not None:
+            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        status = 0
+        try:
+            cli_module.main([str(a) for a in argv])
+        except SystemExit as e:
+            status = e.code
+        out, err = capsys.readouterr()
+        return status, out, err
+    return run
+
+
+@pytest.fixture
+def random_seed() -> int:
+    """A new seed every run, for a test meant to explore (a kill at any step). It is printed, so a failure's
+    report shows it; TEST_SEED=N gives it again."""
+    seed = int(os.environ.get("TEST_SEED") or random.SystemRandom().randrange(2 ** 32))
+    print(f"random seed {seed}: TEST_SEED={seed} repeats this run")
+    return seed
+
+
+# --------------------------------------------------------------------------- data
+
+
+def sentences(rng: random.Random | int, n: int, lo: int = 2, hi: int = 8) -> list[str]:
+    """n sentences of lo..hi words from WORDS; rng is a random.Random to draw from, or a seed."""
+    rng = rng if isinstance(rng, random.Random) else random.Random(rng)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
+
+
+def random_pairs(n: int = 0, seed: int = 0, max_len: int = 30, vocab: int = 100,
+                 lengths: Optional[Sequence[tuple[int, int]]] = None) -> list[tuple[list[int], list[int]]]:
+    """Pairs of random ids in [4, vocab) (never a special id): n pairs of 1..max_len ids a side, or one pair per
+    (source, target) length given in `lengths`."""
+    rng = random.Random(seed)
+
+    def ids(length: int) -> list[int]:
+        return [rng.randint(4, vocab - 1) for _ in range(length)]
+
+    if lengths is not None:
+        return [(ids(s), ids(t)) for s, t in lengths]
+    return [(ids(rng.randint(1, max_len)), ids(rng.randint(1, max_len))) for _ in range(n)]
+
+
+def batches_equal(a: Batch, b: Batch) -> bool:
+    return torch.equal(a.src, b.src) and torch.equal(a.tgt_in, b.tgt_in) and torch.equal(a.tgt_out, b.tgt_out)
+
+
+def write_corpus(directory: Path, n_train: int = 200, n_valid: int = 20, seed: int = 0) -> Path:
+    """{train,valid}.{de,en}: a reversal task over WORDS (the target is the source's words reversed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, n in (("train", n_train), ("valid", n_valid)):
+        src = sentences(rng, n)
+        (directory / f"{split}.de").write_text("".join(s + "\n" for s in src), encoding="utf-8")
+        (directory / f"{split}.en").write_text("".join(" ".join(reversed(s.split())) + "\n" for s in src),
+                                               encoding="utf-8")
+    return directory
+
+
+def shared_data_dir() -> Path:
+    """The real corpora: $TRANSFORMER_DATA (set by the Makefile) or ../shared/data beside the repo."""
+    return Path(os.environ.get("TRANSFORMER_DATA", ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture
+def offline_hub(monkeypatch, tmp_path):
+    """`datasets` without a network: folders of jsonl files stand in for hub datasets."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    return tmp_path
+
+
+def write_hub_folder(directory: Path, layout: str, pairs: dict[str, list[tuple[str, str]]],
+                     languages: tuple[str, str] = ("de", "en")) -> Path:
+    """A folder that `datasets.load_dataset` reads as a dataset: {split}.jsonl with rows {"de": .., "en": ..}
+    (layout "columns") or {"translation": {"de": .., "en": ..}} (layout "translation")."""
+    directory.mkdir()
+    for name, rows in pairs.items():
+        if layout == "columns":
+            lines = [dict(zip(languages, pair)) for pair in rows]
+        else:
+            lines = [{"translation": dict(zip(languages, pair))} for pair in rows]
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines),
+                                                 encoding="utf-8")
+    return directory
+
+
+# --------------------------------------------------------------------------- training runs
+
+
+def tiny_config(tmp_path: Path, run: str = "run", data_dir: Path | None = None, **sections) -> dict:
+    """A model of a few thousand parameters that trains in seconds; sections override key by key."""
+    cfg = {
+        "model": {"d_model": 32, "n_heads": 2, "n_encoder_layers": 1, "n_decoder_layers": 1, "d_ff": 64,
+                  "dropout": 0.1, "max_positions": 64},
+        "data": {"dir": str(data_dir or write_corpus(tmp_path / "corpus")), "vocab_size": 64, "max_len": 20,
+                 "max_tokens": 200},
+        "train": {"run_dir": str(tmp_path / run), "max_steps": 12, "lr_schedule": "noam", "lr": 2.0,
+                  "warmup_steps": 10, "log_every": 1, "valid_every": 4, "seed": 3},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_training_state(a_path: Path, b_path: Path) -> None:
+    """Two checkpoints hold the same run, bit for bit: counters and data position (wall-clock time aside),
+    weights, and the optimizer's state where they have one."""
+    a, b = load_checkpoint(a_path), load_checkpoint(b_path)
+    wall_clock = {"elapsed"}  # the one thing two runs never share
+    assert {k: v for k, v in a["run"].items() if k not in wall_clock} == \
+        {k: v for k, v in b["run"].items() if k not in wall_clock}, (a_path, a["run"], b["run"])
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), f"{a_path}: {key} differs"
+    assert ("optimizer" in a) == ("optimizer" in b)
+    optimizer_states = (state.get("optimizer", {}).get("state", {}).values() for state in (a, b))
+    for sa, sb in zip(*optimizer_states):
+        for key in sa:
+            assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), f"{a_path}: optimizer {key}"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels of a PNG file, read from its header."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+# --------------------------------------------------------------------------- checkpoints for translation
+
+SENTENCES = ["ein hund spielt im park", "zwei katzen", "der mann sitzt auf einem roten haus vor dem baum"]
+LINES = sentences(random.Random(5), 40)
+
+
+def translation_config(data_dir: Path, run_dir: Path, d_ff: int = 64) -> dict:
+    """The config of the translation tests' checkpoints: a tiny model, short outputs (max_len_offset 4)."""
+    return {
+        "model": {"d_model": 32, "n_heads": 4, "n_encoder_layers": 1, "n_decoder_layers": 2, "d_ff": d_ff,
+                  "dropout": 0.0, "max_positions": 40},
+        "data": {"dir": str(data_dir), "src_lang": "de", "tgt_lang": "en", "vocab_size": 80,
+                 "max_len": 30, "max_tokens": 64},
+        "train": {"run_dir": str(run_dir)},
+        "decode": {"beam": 3, "lenpen": 0.6, "max_len_offset": 4, "max_tokens": 64},
+    }
+
+
+def write_checkpoint(path: Path, raw: dict, vocab, seed: int) -> None:
+    """An untrained model with peaky outputs (so that sentences get different translations), weights only."""
+    cfg = from_dict(raw)
+    torch.manual_seed(seed)
+    model = Transformer(cfg.model, len(vocab))
+    with torch.no_grad():
+        model.output.weight.mul_(3.0)
+    # Deliberately only what translation needs: no optimizer, scheduler or step.
+    save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, path)
+
+
+@pytest.fixture(scope="session")
+def run(tmp_path_factory) -> Path:
+    """A run directory as translate, evaluate and average see it: best.pt, two step checkpoints (untrained,
+    different seeds) and a 12-pair test split in data.dir; beside it other_shape.pt (another d_ff)."""
+    root = tmp_path_factory.mktemp("translate")
+    rng = random.Random(0)
+    data_dir, run_dir = root / "data", root / "run"
+    data_dir.mkdir()
+    (data_dir / "test.de").write_text("\n".join(sentences(rng, 12)) + "\n", encoding="utf-8")
+    (data_dir / "test.en").write_text("\n".join(sentences(rng, 12)) + "\n", encoding="utf-8")
+    vocab = train_vocab(sentences(rng, 300), vocab_size=80)
+    raw = translation_config(data_dir, run_dir)
+    write_checkpoint(run_dir / "best.pt", raw, vocab, seed=1)
+    write_checkpoint(run_dir / "step_00000100.pt", raw, vocab, seed=2)
+    write_checkpoint(run_dir / "step_00000200.pt", raw, vocab, seed=3)
+    write_checkpoint(root / "other_shape.pt", translation_config(data_dir, run_dir, d_ff=48), vocab, seed=4)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def untrained_checkpoint(tmp_path_factory) -> Path:
+    """model.pt: an untrained model (as in `run`) with a vocabulary of WORDS."""
+    root = tmp_path_factory.mktemp("untrained")
+    vocab = train_vocab(sentences(0, 300), vocab_size=80)
+    write_checkpoint(root / "model.pt", translation_config(root, root), vocab, seed=1)
+    return root / "model.pt"
+
+
+@pytest.fixture(scope="session")
+def copy_model(tmp_path_factory) -> Path:
+    """A checkpoint briefly trained to copy its input: peaky enough that most argmaxes are not near-ties."""
+    root = tmp_path_factory.mktemp("copy")
+    vocab = train_vocab(sentences(0, 300), vocab_size=80)
+    cfg = from_dict(translation_config(root, root))
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, len(vocab))
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    data = vocab.encode(sentences(2, 3200))
+    for step in range(100):
+        batch = Batch.from_pairs([(s, s) for s in data[step * 32: step * 32 + 32]])
+        logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=PAD_ID)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, root / "model.pt")
+    return root / "model.pt"
+
+
+@pytest.fixture(scope="session")
+def ctranslate2():
+    """The ctranslate2 module; the test is skipped where it is not installed (an optional extra)."""
+    return pytest.importorskip("ctranslate2")

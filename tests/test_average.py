@@ -1,0 +1,40 @@
+"""Checkpoint averaging: the mean of the weights, a checkpoint translate loads, RUN_DIR --last N."""
+
+import torch
+
+from tests.conftest import SENTENCES
+from transformer.average import average_checkpoints
+from transformer.checkpoint import load_checkpoint, load_model, save_checkpoint
+
+
+def test_average_two_files_is_the_mean_and_loads(run, tmp_path, call):
+    a, b = run / "step_00000100.pt", run / "step_00000200.pt"
+    status, _, _ = call("average", a, b, "--output", tmp_path / "avg.pt")
+    assert status == 0
+    avg = torch.load(tmp_path / "avg.pt", weights_only=True)
+    wa, wb = (torch.load(p, weights_only=True)["model"] for p in (a, b))
+    assert avg["model"].keys() == wa.keys()
+    for k in wa:
+        torch.testing.assert_close(avg["model"][k], (wa[k] + wb[k]) / 2)
+    assert "optimizer" not in avg
+    load_model(tmp_path / "avg.pt")
+    status, out, _ = call("translate", tmp_path / "avg.pt", SENTENCES[0])
+    assert status == 0 and len(out.splitlines()) == 1
+
+
+def test_average_last_n_of_run_dir(run, call):
+    status, out, _ = call("average", run, "--last", "2")
+    assert status == 0 and (run / "averaged.pt").is_file()
+    status, _, err = call("average", run, "--last", "3")
+    assert status == 2 and "holds 2" in err
+
+
+def test_average_records_the_step_of_the_last_input(run, tmp_path):
+    paths = []
+    for step, name in ((200, "step_00000200.pt"), (100, "step_00000100.pt")):  # the order given counts
+        state = load_checkpoint(run / name)
+        state["run"] = {"step": step}
+        save_checkpoint(state, tmp_path / name)
+        paths.append(tmp_path / name)
+    assert average_checkpoints(paths)["averaged_at_step"] == 100
+    assert "averaged_at_step" not in average_checkpoints([run / "step_00000100.pt", run / "step_00000200.pt"])

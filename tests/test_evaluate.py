@@ -1,0 +1,48 @@
+"""Scoring with sacreBLEU and the `evaluate` command: hypotheses and scores written per setting, splits and files."""
+
+import json
+
+import pytest
+
+from tests.conftest import SENTENCES
+from transformer.evaluate import bleu_chrf
+
+
+def test_evaluate_writes_hypotheses_and_scores(run, call):
+    status, out, _ = call("evaluate", run, "--split", "test", "--beam", "2")
+    assert status == 0
+    hyp = (run / "eval" / "test.beam2.lp0.6.hyp").read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(hyp) == len((run.parent / "data" / "test.de").read_text(encoding="utf-8").splitlines())
+    scores = json.loads((run / "eval" / "test.beam2.lp0.6.json").read_text())
+    assert 0 <= scores["bleu"] <= 100 and 0 <= scores["chrf"] <= 100 and scores["beam"] == 2
+    assert "tok:13a" in scores["bleu_signature"] and "case:mixed" in scores["chrf_signature"]
+    assert "BLEU" in out and "chrF" in out and scores["bleu_signature"] in out
+    # Another beam writes beside it instead of over it.
+    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "1", "--lenpen", "0")
+    assert status == 0 and json.loads((run / "eval" / "test.beam1.lp0.json").read_text())["beam"] == 1
+    assert json.loads((run / "eval" / "test.beam2.lp0.6.json").read_text())["beam"] == 2
+
+
+def test_evaluate_src_ref_files(run, tmp_path, call):
+    (tmp_path / "a.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    (tmp_path / "a.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
+    status, _, _ = call("evaluate", run, "--src", tmp_path / "a.de", "--ref", tmp_path / "a.en")
+    assert status == 0 and len(list((run / "eval").glob("a.de.beam*.lp*.json"))) == 1
+
+
+def test_evaluate_unknown_split(run, call):
+    status, out, err = call("evaluate", run, "--split", "nosuch")
+    assert status == 2 and err.startswith("error:") and "unknown split 'nosuch'" in err and "Traceback" not in err
+
+
+def test_bleu_chrf_identity_is_perfect():
+    scores = bleu_chrf(["A dog runs .", "Two cats"], ["A dog runs .", "Two cats"])
+    assert scores["bleu"] == pytest.approx(100) and scores["chrf"] == pytest.approx(100)
+    assert bleu_chrf(["a dog runs ."], ["A dog runs ."])["bleu"] < 100  # cased
+
+
+def test_evaluate_with_ctranslate2(ctranslate2, run, call):
+    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "2", "--engine", "ctranslate2",
+                        "--dtype", "int8")
+    record = json.loads((run / "eval" / "test.beam2.lp0.6.int8.ct2.json").read_text())
+    assert status == 0 and record["engine"] == "ctranslate2" and record["dtype"] == "int8" and record["stop"] is None
