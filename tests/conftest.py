@@ -162,7 +162,8 @@ def tiny_config(tmp_path: Path, run: str = "run", data_dir: Path | None = None, 
         "data": {"dir": str(data_dir or write_corpus(tmp_path / "corpus")), "vocab_size": 64, "max_len": 20,
                  "max_tokens": 200},
         "train": {"run_dir": str(tmp_path / run), "max_steps": 12, "lr_schedule": "noam", "lr": 2.0,
-                  "warmup_steps": 10, "log_every": 1, "valid_every": 4, "seed": 3},
+                  "warmup_steps": 10, "log_every": 1, "valid_every": 4, "seed": 3,
+                  "finish": False},  # the end-of-training summary has tests of its own (test_finish.py)
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)

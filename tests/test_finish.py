@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
 import pytest
 import torch
 
-from tests.trainutil import cli, read_metrics, tiny_config, write_config, write_corpus
+from tests.conftest import cli, read_metrics, tiny_config, write_config, write_corpus
 from transformer import device as device_module
 from transformer import runlog
 from transformer.checkpoint import load_checkpoint, resolve_checkpoint
@@ -123,9 +124,7 @@ def test_training_flops_count_the_matmuls():
 
 def test_tensorboard_gets_the_scalars_or_a_one_line_error(tmp_path, monkeypatch):
     raw = tiny_config(tmp_path, train={"max_steps": 4, "tensorboard": True})
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("tensorboard") is None:
         with pytest.raises(UserError, match=r"pip install 'transformer\[tensorboard\]'"):
             train(from_dict(raw), quiet=True)
         return

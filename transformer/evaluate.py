@@ -47,7 +47,7 @@ def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
 def evaluate_loss(model, batches, device, precision: str, smoothing: float, info: DistInfo = DistInfo()) -> dict:
     """Label-smoothed loss and NLL per target token, summed over all ranks' shares; ppl = exp(NLL)."""
     total = torch.zeros(3, device=device, dtype=torch.float64)  # loss, nll, tokens
-    with evaluating(model):
+    with evaluating(model, inference=False):  # no_grad above; total is updated in place
         for batch in batches[info.rank::info.world_size]:
             batch = batch.to(device)
             with autocast_context(device, precision):

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
