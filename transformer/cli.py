@@ -1,154 +1,16 @@
-"""The `transformer` command line: one subcommand per step of the pipeline, errors as one line."""
+"""The `transformer` command line: one subcommand per step of the pipeline, errors as one line.
+
+Each verb's options are built by its `_add_<verb>` function here; what the verb does is `commands.cmd_<verb>`."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
-from transformer.errors import UserError, out_of_memory_names
-
-
-def cmd_train(args: argparse.Namespace) -> None:
-    from transformer.config import load_config
-    from transformer.resume import run_config
-    from transformer.train import train
-
-    config, resume = args.config, args.resume
-    if isinstance(resume, str) and config is None and Path(resume).is_file():
-        config, resume = resume, True  # `train --resume CONFIG` is `train CONFIG --resume`
-    if isinstance(resume, str):  # --resume RUN_DIR: the run's own config.yaml, --set on top
-        if config is not None:
-            raise UserError("train: give CONFIG --resume (the run in the config's train.run_dir) or --resume "
-                            "RUN_DIR (the run's own config.yaml), not both")
-        train(run_config(resume, args.set), resume=True, overrides=args.set)
-        return
-    if config is None:
-        raise UserError("train: give a config file, or --resume RUN_DIR to continue a run")
-    train(load_config(config, args.set), resume=resume, config_path=config, overrides=args.set)
-
-
-def _check_beam(beam: Optional[int]) -> None:
-    if beam is not None and beam < 1:
-        raise UserError(f"--beam must be at least 1 (1 = greedy), got {beam}")
-
-
-def _check_search_args(args: argparse.Namespace) -> None:
-    """Ranges argparse's types do not check, reported in one line like every other error."""
-    _check_beam(args.beam)
-    if args.lenpen is not None and not (math.isfinite(args.lenpen) and args.lenpen >= 0):
-        raise UserError(f"--lenpen must be a finite number >= 0, got {args.lenpen}")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-
-
-def cmd_prepare(args: argparse.Namespace) -> None:
-    from transformer.config import load_config
-    from transformer.train import prepare_only
-
-    cfg = load_config(args.config, args.set)
-    print(prepare_only(cfg))
-
-
-def cmd_finish(args: argparse.Namespace) -> None:
-    from transformer.device import pick_device
-    from transformer.finish import finish
-    from transformer.resume import RunLock
-    from transformer.runlog import setup_logging
-    from transformer.distributed import DistInfo
-
-    run_dir = Path(args.run)
-    if not (run_dir / "last.pt").is_file():
-        raise UserError(f"finish: {run_dir} is not a run directory with a last.pt")
-    with RunLock(run_dir):  # not while a training process owns the directory
-        setup_logging(run_dir, DistInfo())
-        finish(run_dir, pick_device(args.device))
-
-
-def cmd_attention(args: argparse.Namespace) -> None:
-    from transformer.checkpoint import load_model
-    from transformer.attention_maps import KINDS, inspect_attention
-    from transformer.plots import output_path, write_attention_figures
-
-    output_path(args.out)  # a bad suffix fails before the model is loaded
-    _check_beam(args.beam)
-    model, vocab, cfg = load_model(args.checkpoint)
-    beam = cfg.decode.beam if args.beam is None else args.beam
-    with out_of_memory_names(f"the attention maps with beam {beam} (lower --beam)"):
-        maps = inspect_attention(model, vocab, args.source, args.target, beam=beam, lenpen=cfg.decode.lenpen,
-                                 max_len_offset=cfg.decode.max_len_offset, stop=cfg.decode.stop)
-    if args.target is None:
-        print(f"translation: {maps.target}", file=sys.stderr)
-    kinds = KINDS if args.kind == "all" else (args.kind,)
-    for path in write_attention_figures(maps, args.out, kinds, args.layer, args.head):
-        print(path)
-
-
-def cmd_plot_positions(args: argparse.Namespace) -> None:
-    from transformer.plots import positional_encoding, save
-
-    print(save(positional_encoding(args.d_model, args.length), args.out))
-
-
-def cmd_plot(args: argparse.Namespace) -> None:
-    from transformer.plots import read_metrics, save, training_curves
-
-    x = "elapsed" if args.x == "time" else "step"
-    print(save(training_curves(read_metrics(args.run), title=f"Training: {args.run}", x=x), args.out))
-
-
-def cmd_translate(args: argparse.Namespace) -> None:
-    from transformer.translate import run_translate
-
-    _check_search_args(args)
-    with out_of_memory_names("the search (lower --beam or --max-tokens)"):
-        run_translate(args.checkpoint, args.sentences, args.input, args.output, args.beam, args.lenpen, args.nbest,
-                      args.max_tokens, args.device, args.dtype, args.stop, args.engine)
-
-
-def cmd_evaluate(args: argparse.Namespace) -> None:
-    from transformer.evaluate import run_evaluate
-
-    _check_search_args(args)
-    with out_of_memory_names("the search (lower --beam or --max-tokens)"):
-        run_evaluate(args.run, args.split, args.src, args.ref, args.beam, args.lenpen, args.max_tokens, args.device,
-                     args.dtype, args.stop, args.engine)
-
-
-def cmd_export(args: argparse.Namespace) -> None:
-    from transformer.export import run_export
-
-    run_export(args.checkpoint, args.out, args.quantization, args.force)
-
-
-SERVE_MODULES = ("fastapi", "uvicorn", "starlette", "pydantic")
-
-
-def cmd_serve(args: argparse.Namespace) -> None:
-    _check_search_args(args)
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be between 0 and 65535, got {args.port}")
-    try:
-        from transformer.serve import ServeSettings, run_serve
-    except ModuleNotFoundError as e:
-        if e.name not in SERVE_MODULES:
-            raise
-        raise UserError(f"serve needs the 'serve' extra ({e.name} is not installed): "
-                        "pip install 'transformer[serve]'") from None
-    settings = ServeSettings(batch_window_ms=args.batch_window_ms, max_sentences=args.max_sentences,
-                             max_chars=args.max_chars, max_beam=args.max_beam, max_pending=args.max_pending)
-    run_serve(args.checkpoint, args.host, args.port, settings, args.device, args.dtype, args.beam, args.lenpen,
-              args.stop, args.max_tokens)
-
-
-def cmd_average(args: argparse.Namespace) -> None:
-    from transformer.average import average
-
-    target, paths = average(args.inputs, args.last, args.output)
-    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) into {target}")
+from transformer import commands
+from transformer.errors import UserError
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -166,15 +28,7 @@ class _IntermixedParser(argparse.ArgumentParser):
             self._inside = False
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="transformer",
-        description="Train encoder-decoder Transformer translation models from YAML configs, "
-                    "translate with beam search, and score with sacreBLEU.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
+def _add_train(sub) -> None:
     p = sub.add_parser(
         "train", help="train a model from a YAML config",
         description="Train a model from a YAML config. The run directory (train.run_dir) receives the "
@@ -194,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
                    help="continue the run in train.run_dir (or in RUN_DIR, with its own config.yaml) from its "
                         "last.pt at the saved step")
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=commands.cmd_train)
 
+def _add_prepare(sub) -> None:
     p = sub.add_parser(
         "prepare", help="build the vocabulary and the memory-mapped token store, without training",
         description="Train (or reuse) the run's SentencePiece model and encode the training and validation splits "
@@ -207,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file, e.g. configs/base.yaml")
     p.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
                    help="override one config value (repeatable), e.g. --set data.dir=data/wmt14")
-    p.set_defaults(func=cmd_prepare)
+    p.set_defaults(func=commands.cmd_prepare)
 
+def _add_finish(sub) -> None:
     p = sub.add_parser(
         "finish", help="the end of training again: average, choose on validation, score the test split",
         description="What `train` does when training ends, for a run directory: average the last train.keep_last "
@@ -220,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN_DIR", help="a run directory holding last.pt and best.pt")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to translate (default auto: CUDA when available)")
-    p.set_defaults(func=cmd_finish)
+    p.set_defaults(func=commands.cmd_finish)
 
+def _add_attention(sub) -> None:
     p = sub.add_parser(
         "attention", help="plot the attention weights of every layer and head for one sentence",
         description="Run one sentence through a trained model and plot its attention weights: encoder "
@@ -246,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE",
                    help="image file; .png (default) or .svg/.pdf. With several kinds the files are FILE's stem "
                         "+ _encoder, _decoder, _cross; the written paths are printed")
-    p.set_defaults(func=cmd_attention)
+    p.set_defaults(func=commands.cmd_attention)
 
+def _add_plot_positions(sub) -> None:
     p = sub.add_parser(
         "plot-positions", help="plot the sinusoidal positional-encoding table",
         description="Plot the sinusoidal positional encodings as a heat map: one row per position, "
@@ -256,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=512, help="model width (even; default 512)")
     p.add_argument("--length", type=int, default=100, help="number of positions (default 100)")
     p.add_argument("--out", required=True, metavar="FILE", help="image file: .png (default), .svg or .pdf")
-    p.set_defaults(func=cmd_plot_positions)
+    p.set_defaults(func=commands.cmd_plot_positions)
 
+def _add_plot(sub) -> None:
     p = sub.add_parser(
         "plot", help="plot training curves from a run's metrics.jsonl",
         description="Plot a run's training curves from its metrics.jsonl: train and valid loss, valid "
@@ -268,9 +127,115 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE", help="image file: .png (default), .svg or .pdf")
     p.add_argument("--x", choices=("step", "time"), default="step",
                    help="against optimizer updates (default) or training wall time in minutes (time to quality)")
-    p.set_defaults(func=cmd_plot)
+    p.set_defaults(func=commands.cmd_plot)
 
-    decode = argparse.ArgumentParser(add_help=False)  # search options shared by translate and evaluate
+def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "translate", parents=[decode], help="translate sentences with a trained model",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Translate sentences given as arguments, read from --input FILE, or read from stdin\n"
+                    "line by line (each line is translated as soon as it arrives, so interactive use works).\n"
+                    "Prints one translation per input line, in input order; an empty input line gives an\n"
+                    "empty output line; a source longer than model.max_positions - 2 subwords is truncated\n"
+                    "with a warning on stderr.\n\n"
+                    "n-best format: with --nbest N > 1, prints N lines per input line, best first, each\n"
+                    "  SCORE<TAB>TRANSLATION\n"
+                    "where SCORE is the sum of the token log-probabilities (EOS included) divided by the\n"
+                    "length penalty ((5 + length) / 6)^lenpen, length counting EOS; an empty input gives N\n"
+                    "lines '0.0000<TAB>'.",
+    )
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
+    p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to translate (default: --input or stdin)")
+    p.add_argument("--input", metavar="FILE", help="UTF-8 file, one sentence per line")
+    p.add_argument("--output", metavar="FILE", help="write translations here instead of stdout")
+    p.add_argument("--nbest", type=int, default=1, metavar="N", help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)")
+    p.set_defaults(func=commands.cmd_translate)
+    p.__class__ = _IntermixedParser  # same parser, intermixed positionals
+
+def _add_evaluate(sub, decode: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "evaluate", parents=[decode], help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
+        description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
+                    "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
+                    "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
+                    "and .json (.early, .bf16, .int8 or .ct2 added for those settings; for a checkpoint file: eval/ "
+                    "next to it, named after it).",
+    )
+    p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
+    p.add_argument("--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)")
+    p.add_argument("--src", metavar="FILE", help="source sentences to translate instead of a split (with --ref)")
+    p.add_argument("--ref", metavar="FILE", help="reference translations of --src, line by line")
+    p.set_defaults(func=commands.cmd_evaluate)
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a model: a JSON API and a page that shows its attention and beam search",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve one checkpoint over HTTP (pip install 'transformer[serve]'): POST /translate,\n"
+                    "/attention and /beam, GET /positions, /health and /info take and give JSON; GET / is a\n"
+                    "page that translates what you type and draws every attention head, the beam search step by\n"
+                    "step and the positional encoding. Requests that arrive within --batch-window-ms are\n"
+                    "translated in one batched search on one model worker. Binds to 127.0.0.1 unless --host\n"
+                    "says otherwise; there is no authentication, and no request can name a file.",
+    )
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--beam", type=int, metavar="N", help="beam size when a request gives none (default: decode.beam)")
+    p.add_argument("--lenpen", type=float, metavar="A", help="GNMT length penalty alpha (default: decode.lenpen)")
+    p.add_argument("--stop", choices=("exact", "early"), help="beam search stop rule (default: decode.stop)")
+    p.add_argument("--max-tokens", type=int, metavar="N",
+                   help="source tokens per batched search; also ends a batching window early (default: decode.max_tokens)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (default auto)")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"), default="auto",
+                   help="number format, as for translate (default auto)")
+    p.add_argument("--batch-window-ms", type=float, default=5.0, metavar="MS",
+                   help="how long a /translate request waits for others to share its search (default 5; 0: only "
+                        "requests that queued while the model was busy are merged)")
+    p.add_argument("--max-sentences", type=int, default=64, metavar="N", help="sentences per request (default 64)")
+    p.add_argument("--max-chars", type=int, default=10_000, metavar="N",
+                   help="characters per request, all sentences together (default 10000)")
+    p.add_argument("--max-beam", type=int, default=16, metavar="N", help="largest beam a request may ask for (default 16)")
+    p.add_argument("--max-pending", type=int, default=1024, metavar="N",
+                   help="sentences that may wait for the model; more are refused with 503 (default 1024)")
+    p.set_defaults(func=commands.cmd_serve)
+
+def _add_average(sub) -> None:
+    p = sub.add_parser(
+        "average", help="average the weights of several checkpoints into one",
+        description="Average model weights (float mean) into a new checkpoint that translate and evaluate accept; "
+                    "config and vocabulary are kept, optimizer state is dropped. Either a run directory and "
+                    "--last N (its N latest step_*.pt, written by the trainer when train.keep_last > 0; output "
+                    "RUN_DIR/averaged.pt by default), or checkpoint files and --output FILE. All inputs must share "
+                    "the model config and the vocabulary.",
+    )
+    p.add_argument("inputs", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT", help="one run directory (with --last) or checkpoint files")
+    p.add_argument("--last", type=int, metavar="N", help="average the N latest step checkpoints of RUN_DIR")
+    p.add_argument("--output", metavar="FILE", help="where to write the averaged checkpoint")
+    p.set_defaults(func=commands.cmd_average)
+
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export", help="write a checkpoint as a CTranslate2 model directory",
+        description="Write a checkpoint as a CTranslate2 model directory (model.bin, vocabularies and the "
+                    "SentencePiece model spm.model) for serving with CTranslate2 (pip install "
+                    "'transformer[ctranslate2]'). CTranslate2 takes SentencePiece pieces and appends </s> to the "
+                    "source itself. `translate --engine ctranslate2` does this for you, once per checkpoint.",
+    )
+    p.add_argument("format", choices=("ctranslate2",), help="the target format")
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
+    p.add_argument("out", metavar="OUT_DIR", help="the model directory to write")
+    p.add_argument("--quantization", choices=("int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"),
+                   help="store the weights quantized (default: float32; CTranslate2 can also convert when it loads "
+                        "a model, with compute_type)")
+    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    p.set_defaults(func=commands.cmd_export)
+
+
+def _search_options() -> argparse.ArgumentParser:
+    """The search options translate and evaluate share (argparse parents)."""
+    decode = argparse.ArgumentParser(add_help=False)
     decode.add_argument("--beam", type=int, metavar="N", help="beam size; 1 = greedy (default: decode.beam of the checkpoint's config)")
     decode.add_argument("--lenpen", type=float, metavar="A",
                         help="GNMT length penalty alpha: score = log p / ((5 + len) / 6)^A (default: decode.lenpen)")
@@ -293,104 +258,29 @@ def build_parser() -> argparse.ArgumentParser:
                              "CTranslate2 (pip install 'transformer[ctranslate2]'), with its own stop rule (like "
                              "--stop early) and length penalty (length^A rather than GNMT's; scores are still "
                              "reported in ours)")
+    return decode
 
-    p = sub.add_parser(
-        "translate", parents=[decode], help="translate sentences with a trained model",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Translate sentences given as arguments, read from --input FILE, or read from stdin\n"
-                    "line by line (each line is translated as soon as it arrives, so interactive use works).\n"
-                    "Prints one translation per input line, in input order; an empty input line gives an\n"
-                    "empty output line; a source longer than model.max_positions - 2 subwords is truncated\n"
-                    "with a warning on stderr.\n\n"
-                    "n-best format: with --nbest N > 1, prints N lines per input line, best first, each\n"
-                    "  SCORE<TAB>TRANSLATION\n"
-                    "where SCORE is the sum of the token log-probabilities (EOS included) divided by the\n"
-                    "length penalty ((5 + length) / 6)^lenpen, length counting EOS; an empty input gives N\n"
-                    "lines '0.0000<TAB>'.",
-    )
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
-    p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to translate (default: --input or stdin)")
-    p.add_argument("--input", metavar="FILE", help="UTF-8 file, one sentence per line")
-    p.add_argument("--output", metavar="FILE", help="write translations here instead of stdout")
-    p.add_argument("--nbest", type=int, default=1, metavar="N", help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)")
-    p.set_defaults(func=cmd_translate)
-    p.__class__ = _IntermixedParser  # same parser, intermixed positionals
 
-    p = sub.add_parser(
-        "evaluate", parents=[decode], help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
-        description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
-                    "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
-                    "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
-                    "and .json (.early, .bf16, .int8 or .ct2 added for those settings; for a checkpoint file: eval/ "
-                    "next to it, named after it).",
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="transformer",
+        description="Train encoder-decoder Transformer translation models from YAML configs, "
+                    "translate with beam search, and score with sacreBLEU.",
     )
-    p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
-    p.add_argument("--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)")
-    p.add_argument("--src", metavar="FILE", help="source sentences to translate instead of a split (with --ref)")
-    p.add_argument("--ref", metavar="FILE", help="reference translations of --src, line by line")
-    p.set_defaults(func=cmd_evaluate)
-
-    p = sub.add_parser(
-        "serve", help="serve a model: a JSON API and a page that shows its attention and beam search",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve one checkpoint over HTTP (pip install 'transformer[serve]'): POST /translate,\n"
-                    "/attention and /beam, GET /positions, /health and /info take and give JSON; GET / is a\n"
-                    "page that translates what you type and draws every attention head, the beam search step by\n"
-                    "step and the positional encoding. Requests that arrive within --batch-window-ms are\n"
-                    "translated in one batched search on one model worker. Binds to 127.0.0.1 unless --host\n"
-                    "says otherwise; there is no authentication, and no request can name a file.",
-    )
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its best.pt, else last.pt) or a .pt file")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    p.add_argument("--beam", type=int, metavar="N", help="beam size when a request gives none (default: decode.beam)")
-    p.add_argument("--lenpen", type=float, metavar="A", help="GNMT length penalty alpha (default: decode.lenpen)")
-    p.add_argument("--stop", choices=("exact", "early"), help="beam search stop rule (default: decode.stop)")
-    p.add_argument("--max-tokens", type=int, metavar="N",
-                   help="source tokens per batched search; also ends a batching window early (default: decode.max_tokens)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (default auto)")
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"), default="auto",
-                   help="number format, as for translate (default auto)")
-    p.add_argument("--batch-window-ms", type=float, default=5.0, metavar="MS",
-                   help="how long a /translate request waits for others to share its search (default 5; 0: only "
-                        "requests that queued while the model was busy are merged)")
-    p.add_argument("--max-sentences", type=int, default=64, metavar="N", help="sentences per request (default 64)")
-    p.add_argument("--max-chars", type=int, default=10_000, metavar="N",
-                   help="characters per request, all sentences together (default 10000)")
-    p.add_argument("--max-beam", type=int, default=16, metavar="N", help="largest beam a request may ask for (default 16)")
-    p.add_argument("--max-pending", type=int, default=1024, metavar="N",
-                   help="sentences that may wait for the model; more are refused with 503 (default 1024)")
-    p.set_defaults(func=cmd_serve)
-
-    p = sub.add_parser(
-        "average", help="average the weights of several checkpoints into one",
-        description="Average model weights (float mean) into a new checkpoint that translate and evaluate accept; "
-                    "config and vocabulary are kept, optimizer state is dropped. Either a run directory and "
-                    "--last N (its N latest step_*.pt, written by the trainer when train.keep_last > 0; output "
-                    "RUN_DIR/averaged.pt by default), or checkpoint files and --output FILE. All inputs must share "
-                    "the model config and the vocabulary.",
-    )
-    p.add_argument("inputs", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT", help="one run directory (with --last) or checkpoint files")
-    p.add_argument("--last", type=int, metavar="N", help="average the N latest step checkpoints of RUN_DIR")
-    p.add_argument("--output", metavar="FILE", help="where to write the averaged checkpoint")
-    p.set_defaults(func=cmd_average)
-
-    p = sub.add_parser(
-        "export", help="write a checkpoint as a CTranslate2 model directory",
-        description="Write a checkpoint as a CTranslate2 model directory (model.bin, vocabularies and the "
-                    "SentencePiece model spm.model) for serving with CTranslate2 (pip install "
-                    "'transformer[ctranslate2]'). CTranslate2 takes SentencePiece pieces and appends </s> to the "
-                    "source itself. `translate --engine ctranslate2` does this for you, once per checkpoint.",
-    )
-    p.add_argument("format", choices=("ctranslate2",), help="the target format")
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
-    p.add_argument("out", metavar="OUT_DIR", help="the model directory to write")
-    p.add_argument("--quantization", choices=("int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"),
-                   help="store the weights quantized (default: float32; CTranslate2 can also convert when it loads "
-                        "a model, with compute_type)")
-    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
-    p.set_defaults(func=cmd_export)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    decode = _search_options()
+    _add_train(sub)
+    _add_prepare(sub)
+    _add_finish(sub)
+    _add_attention(sub)
+    _add_plot_positions(sub)
+    _add_plot(sub)
+    _add_translate(sub, decode)
+    _add_evaluate(sub, decode)
+    _add_serve(sub)
+    _add_average(sub)
+    _add_export(sub)
     return parser
 
 

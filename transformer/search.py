@@ -209,6 +209,26 @@ def _greedy_step(rows: int, alive: list[int], prefix: torch.Tensor, scores: torc
     return step
 
 
+def _still_searching(alive: list[int], finished: list[list[Hypothesis]], best_live: list[float],
+                     limit_hit: list[bool], best_lp: list[float], k: int, nbest: int, lenpen: float,
+                     stop: StopRule) -> list[int]:
+    """Positions in `alive` of the sentences that search on; a sentence stops at its length limit or when its
+    stop rule says so, and then keeps its `nbest` best finished hypotheses, best first."""
+    keep = []
+    for s, index in enumerate(alive):
+        hyps = finished[index]
+        done = limit_hit[s] or (stop == "early" and len(hyps) >= k)
+        if not done and len(hyps) >= nbest:  # the exact bound, which can settle "early" sooner too
+            kth = sorted((h.score for h in hyps), reverse=True)[nbest - 1]
+            done = kth >= best_live[s] / (best_lp[index] if lenpen > 0 else 1.0)
+        if done:
+            hyps.sort(key=lambda h: h.score, reverse=True)
+            del hyps[nbest:]
+        else:
+            keep.append(s)
+    return keep
+
+
 def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_offset: int, nbest: int,
                  stop: StopRule, use_cache: bool, trace: Optional[list[TraceStep]] = None) -> SearchResult:
     device, k = src.device, beam
@@ -258,21 +278,10 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
         parent = torch.arange(b, device=device)[:, None] * n + origin.gather(1, order)  # (B, k) row indices
         new_token = token.gather(1, order)  # (B, k)
 
-        # Stop a sentence at its length limit, or when its stop rule says so.
-        best_live, limit_hit = scores[:, 0].tolist(), (t >= max_len).tolist()
-        keep = []
-        for s in range(b):
-            hyps = finished[alive[s]]
-            done = limit_hit[s] or (stop == "early" and len(hyps) >= k)
-            if not done and len(hyps) >= nbest:  # the exact bound, which can settle "early" sooner too
-                kth = sorted((h.score for h in hyps), reverse=True)[nbest - 1]
-                done = kth >= best_live[s] / (best_lp[alive[s]] if lenpen > 0 else 1.0)
-            if done:
-                hyps.sort(key=lambda h: h.score, reverse=True)
-                del hyps[nbest:]
-                sentence_steps[alive[s]] = t + 1
-            else:
-                keep.append(s)
+        keep = _still_searching(alive, finished, scores[:, 0].tolist(), (t >= max_len).tolist(), best_lp, k, nbest,
+                                lenpen, stop)
+        for s in set(range(b)) - set(keep):
+            sentence_steps[alive[s]] = t + 1
         if step is not None:
             for s in keep:  # (k, t+1): each kept hypothesis's tokens so far, without BOS
                 tokens = torch.cat([prefix[parent[s], 1:], new_token[s, :, None]], dim=1)

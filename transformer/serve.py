@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 from transformer.attention_maps import KINDS, inspect_attention
 from transformer.batch import prepare_sources, source_limit
+from transformer.batcher import Batcher
 from transformer.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.model import PositionalEncoding
@@ -109,94 +110,6 @@ class BeamBody(_Body):
     text: str
     beam: Optional[int] = None
     nbest: int = 1
-
-
-# ----------------------------------------------------------------------------- batching
-
-@dataclass
-class _Job:
-    lines: list[str]
-    beam: int
-    nbest: int
-    tokens: int                       # source tokens with EOS: what decode.max_tokens bounds
-    done: asyncio.Future
-    arrived: float = field(default_factory=time.monotonic)
-
-
-class Batcher:
-    """/translate requests that arrive within the window go to the model worker as one call (bounded by
-    decode.max_tokens); requests that arrive while it works wait and form the next batch."""
-
-    def __init__(self, translator: Translator, worker: ThreadPoolExecutor, window_s: float):
-        self.translator, self.worker, self.window = translator, worker, window_s
-        self.pending: list[_Job] = []
-        self.arrived = asyncio.Event()
-        self.stats = {"requests": 0, "sentences": 0, "batches": 0, "largest_batch": 0}
-
-    def pending_sentences(self) -> int:
-        return sum(len(job.lines) for job in self.pending)
-
-    async def translate(self, lines: list[str], beam: int, nbest: int, tokens: int) -> list:
-        job = _Job(lines, beam, nbest, tokens, asyncio.get_running_loop().create_future())
-        self.pending.append(job)
-        self.arrived.set()
-        return await job.done
-
-    async def run(self) -> None:
-        while True:
-            jobs = await self._collect()
-            groups: dict[tuple[int, int], list[_Job]] = {}
-            for job in jobs:  # one search per setting: a batched search runs one beam size
-                groups.setdefault((job.beam, job.nbest), []).append(job)
-            for (beam, nbest), group in groups.items():
-                lines = [line for job in group for line in job.lines]
-                try:
-                    found = await asyncio.get_running_loop().run_in_executor(
-                        self.worker, self._translate, lines, beam, nbest)
-                except Exception as e:  # the requests fail; the service goes on
-                    for job in group:
-                        if not job.done.done():  # done already: its client went away
-                            job.done.set_exception(e)
-                    continue
-                self.stats["batches"] += 1
-                self.stats["largest_batch"] = max(self.stats["largest_batch"], len(lines))
-                for job in group:
-                    if not job.done.done():
-                        job.done.set_result(found[:len(job.lines)])
-                    found = found[len(job.lines):]
-
-    async def _collect(self) -> list[_Job]:
-        """Wait for a request, then until its window closes or the waiting sources fill decode.max_tokens."""
-        while not self.pending:
-            self.arrived.clear()
-            await self.arrived.wait()
-        deadline = self.pending[0].arrived + self.window
-        while sum(job.tokens for job in self.pending) < self.translator.max_tokens:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            self.arrived.clear()
-            try:
-                await asyncio.wait_for(self.arrived.wait(), left)
-            except asyncio.TimeoutError:
-                break
-        taken, tokens = 0, 0
-        while taken < len(self.pending) and (taken == 0 or tokens + self.pending[taken].tokens
-                                             <= self.translator.max_tokens):
-            tokens += self.pending[taken].tokens
-            taken += 1
-        jobs, self.pending = self.pending[:taken], self.pending[taken:]
-        return jobs
-
-    def _translate(self, lines: list[str], beam: int, nbest: int) -> list:
-        self.translator.beam = beam  # this worker thread is the translator's only user
-        return self.translator.translate_nbest(lines, nbest)
-
-    def fail_pending(self) -> None:
-        for job in self.pending:
-            if not job.done.done():
-                job.done.set_exception(ApiError(503, "the server is shutting down"))
-        self.pending = []
 
 
 # ----------------------------------------------------------------------------- the service
@@ -327,49 +240,63 @@ def create_app(service: Service) -> FastAPI:
             yield
         finally:
             task.cancel()
-            service.batcher.fail_pending()
+            service.batcher.fail_pending(ApiError(503, "the server is shutting down"))
 
     app = FastAPI(title="transformer serve", lifespan=lifespan, docs_url=None, redoc_url=None)  # docs need a CDN
-    settings = service.settings
+    _add_guards(app, service.settings)
+    _add_routes(app, service)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status, headers=HEADERS)
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=HEADERS)
+
+
+def _add_guards(app: FastAPI, settings: ServeSettings) -> None:
+    """Size and type limits before a body is read, and every error as {"error": message}."""
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
         """Bodies past the size limit are refused before they are read; every response gets HEADERS."""
         if request.method == "POST":
             if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-                return error(415, "send the body as JSON, with the header Content-Type: application/json")
+                return _error(415, "send the body as JSON, with the header Content-Type: application/json")
             length = request.headers.get("content-length")
             if length is None:
-                return error(411, "a POST needs a Content-Length header")
+                return _error(411, "a POST needs a Content-Length header")
             if not length.isdigit() or int(length) > settings.max_body_bytes:
-                return error(413, f"the body is larger than {settings.max_body_bytes} bytes")
+                return _error(413, f"the body is larger than {settings.max_body_bytes} bytes")
         response = await call_next(request)
         response.headers.update(HEADERS)
         return response
 
     @app.exception_handler(ApiError)
     async def refused(request: Request, e: ApiError):
-        return error(e.status, e.message)
+        return _error(e.status, e.message)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
         first = e.errors()[0]
         if first["type"] == "json_invalid":
-            return error(400, "the body is not valid JSON")
+            return _error(400, "the body is not valid JSON")
         if len(first["loc"]) < 2:
-            return error(422, 'the body must be a JSON object, e.g. {"text": ["Ein Satz."]}')
-        return error(422, f"{'.'.join(str(part) for part in first['loc'][1:])}: {first['msg']}")
+            return _error(422, 'the body must be a JSON object, e.g. {"text": ["Ein Satz."]}')
+        return _error(422, f"{'.'.join(str(part) for part in first['loc'][1:])}: {first['msg']}")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        return error(e.status_code, str(e.detail))
+        return _error(e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):  # a bug: JSON for the client, a traceback in the log
-        return error(500, f"internal error: {type(e).__name__}")
+        return _error(500, f"internal error: {type(e).__name__}")
+
+
+
+def _add_routes(app: FastAPI, service: Service) -> None:
+    """The JSON API and the page."""
+    settings = service.settings
 
     @app.post("/translate")
     async def translate(body: TranslateBody) -> dict:
@@ -420,9 +347,6 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/", include_in_schema=False)
     async def page():
         return FileResponse(STATIC / "index.html")
-
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    return app
 
 
 def listen(host: str, port: int) -> socket.socket:
