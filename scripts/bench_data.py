@@ -133,6 +133,7 @@ def train_run(args, data_dir: Path, run_dir: Path, steps: int, resume: bool, ran
     overrides = [f"data.dir={data_dir}", f"train.run_dir={run_dir}", "data.max_train_pairs=0",
                  f"data.vocab_size={args.vocab_size}", f"data.max_len={args.max_len}",
                  f"train.max_steps={steps}", "train.valid_every=1000000", "train.log_every=1", "train.device=cpu",
+                 "train.finish=false",  # the start is timed, not the end-of-training translations
                  *args.set]
     tail = [args.config, *(x for o in overrides for x in ("--set", o)), *(["--resume"] if resume else [])]
     if ranks == 1:
