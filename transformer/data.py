@@ -109,11 +109,12 @@ def make_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, seed
     if n == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Batches(empty, empty, empty)
-    src_len, tgt_len = np.asarray(src_len, dtype=np.int64), np.asarray(tgt_len, dtype=np.int64)
-    size = round_up(np.maximum(src_len, tgt_len) + 1, pad_to_multiple)
+    src_len, tgt_len = np.asarray(src_len), np.asarray(tgt_len)
+    size = round_up(np.maximum(src_len, tgt_len).astype(np.int64) + 1, pad_to_multiple)
     rng = np.random.Generator(np.random.PCG64([seed, epoch]))
     tie = rng.permutation(n) if shuffle else np.arange(n)
-    order = _length_sorted(size, src_len, tgt_len, tie)
+    # The order lives for a whole epoch: int32 halves it (4.5M pairs: 18 MB instead of 36) where it fits.
+    order = _length_sorted(size, src_len, tgt_len, tie).astype(np.int32 if n < 1 << 31 else np.int64)
     starts = _cut(size[order], max_tokens)
     ends = np.r_[starts[1:], n]
     if shuffle:
