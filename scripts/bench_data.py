@@ -113,10 +113,11 @@ def _env(pythonpath: Path | None = None) -> dict:
 
 
 def timed(command: list[str], pythonpath: Path | None = None) -> dict:
-    """Run under /usr/bin/time: wall seconds, peak RSS of the process (MiB), its stderr, launch time."""
+    """Run under /usr/bin/time: wall seconds, peak RSS of the process (MiB), its stderr, launch time.
+    With `pythonpath` the command also runs there: `python -m` puts the working directory first on sys.path."""
     launched = time.time()
     proc = subprocess.run(["/usr/bin/time", "-f", "MAXRSS_KB=%M", *command], capture_output=True, text=True,
-                          env=_env(pythonpath), cwd=ROOT)
+                          env=_env(pythonpath), cwd=pythonpath or ROOT)
     wall = time.time() - launched
     if proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(command)}\n{proc.stderr[-3000:]}")
@@ -185,7 +186,11 @@ def baseline(args, data_dir: Path, work: Path) -> dict:
     overrides = [f"data.dir={data_dir}", f"train.run_dir={run_dir}", "data.max_train_pairs=0",
                  f"data.vocab_size={args.vocab_size}", f"data.max_len={args.max_len}", "train.valid_every=1000000",
                  "train.device=cpu", *args.set]
-    out = {}
+    package = subprocess.run([sys.executable, "-c", "import transformer; print(transformer.__file__)"],
+                             capture_output=True, text=True, env=_env(args.baseline), cwd=args.baseline).stdout.strip()
+    if not Path(package).resolve().is_relative_to(args.baseline.resolve()):
+        raise SystemExit(f"--baseline {args.baseline}: python -m transformer there imports {package}, not that checkout")
+    out = {"package": package}
     for name, steps, resume in (("first", 2, False), ("resume", 4, True)):
         command = [sys.executable, "-m", "transformer", "train", args.config,
                    *(x for o in [*overrides, f"train.max_steps={steps}"] for x in ("--set", o)),
@@ -213,7 +218,7 @@ def bench_size(args, corpus: Path, pairs: int, work: Path) -> dict:
     print(f"2 ranks: {result['ranks2']}", flush=True)
     result["stream"] = stream_rate(args, work / "run")
     print(f"stream: {result['stream']}", flush=True)
-    if args.baseline:
+    if args.baseline and pairs <= args.baseline_max_pairs:
         result["baseline"] = baseline(args, data_dir, work)
         print(f"baseline: {result['baseline']}", flush=True)
     if not args.keep:
@@ -254,11 +259,16 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="more config overrides for every run")
     parser.add_argument("--baseline", type=Path, help="a checkout whose package to time for before/after")
+    parser.add_argument("--baseline-max-pairs", type=int, default=10 ** 12, metavar="N",
+                        help="run the baseline only at sizes up to N pairs (an old checkout holds the corpus in "
+                             "Python lists: gigabytes at millions of pairs)")
     parser.add_argument("--workdir", type=Path, help="where to generate (default: a new temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the generated corpus and runs")
     parser.add_argument("--json", default="bench_data.json")
     args = parser.parse_args()
 
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_data_", dir=args.workdir))
     try:
         start = time.perf_counter()
