@@ -101,6 +101,15 @@ def test_load_split_local(tmp_path):
         load_split(cfg, "test")
 
 
+def test_load_split_refuses_sides_of_different_lengths(tmp_path):
+    """A test set whose sides disagree is an error, as for training data, not silently cut to the shorter side."""
+    cfg = DataConfig(dir=str(tmp_path), src_lang="de", tgt_lang="en")
+    (tmp_path / "test.de").write_text("a\nb\nc\n", encoding="utf-8")
+    (tmp_path / "test.en").write_text("x\ny\n", encoding="utf-8")
+    with pytest.raises(UserError, match="has 3 lines but .* has 2"):
+        load_split(cfg, "test")
+
+
 # --------------------------------------------------------------------------- batching
 
 

@@ -9,7 +9,7 @@ import torch
 
 from transformer.atomic import atomic_write
 from transformer.config import Config, from_dict
-from transformer.errors import UserError
+from transformer.errors import UserError, first_line
 from transformer.model import Transformer
 from transformer.vocab import Vocab
 
@@ -101,8 +101,7 @@ def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise UserError(f"checkpoint: weights do not match its own config ({first[:200]})") from None
+        raise UserError(f"checkpoint: weights do not match its own config ({first_line(e)})") from None
     return model.to(device).eval(), vocab, cfg
 
 

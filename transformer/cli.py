@@ -50,6 +50,7 @@ def _add_train(sub) -> None:
                         "last.pt at the saved step")
     p.set_defaults(func=commands.cmd_train)
 
+
 def _add_prepare(sub) -> None:
     p = sub.add_parser(
         "prepare", help="build the vocabulary and the memory-mapped token store, without training",
@@ -64,6 +65,7 @@ def _add_prepare(sub) -> None:
                    help="override one config value (repeatable), e.g. --set data.dir=data/wmt14")
     p.set_defaults(func=commands.cmd_prepare)
 
+
 def _add_finish(sub) -> None:
     p = sub.add_parser(
         "finish", help="the end of training again: average, choose on validation, score the test split",
@@ -77,6 +79,7 @@ def _add_finish(sub) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to translate (default auto: CUDA when available)")
     p.set_defaults(func=commands.cmd_finish)
+
 
 def _add_attention(sub) -> None:
     p = sub.add_parser(
@@ -105,6 +108,7 @@ def _add_attention(sub) -> None:
                         "+ _encoder, _decoder, _cross; the written paths are printed")
     p.set_defaults(func=commands.cmd_attention)
 
+
 def _add_plot_positions(sub) -> None:
     p = sub.add_parser(
         "plot-positions", help="plot the sinusoidal positional-encoding table",
@@ -115,6 +119,7 @@ def _add_plot_positions(sub) -> None:
     p.add_argument("--length", type=int, default=100, help="number of positions (default 100)")
     p.add_argument("--out", required=True, metavar="FILE", help="image file: .png (default), .svg or .pdf")
     p.set_defaults(func=commands.cmd_plot_positions)
+
 
 def _add_plot(sub) -> None:
     p = sub.add_parser(
@@ -128,6 +133,7 @@ def _add_plot(sub) -> None:
     p.add_argument("--x", choices=("step", "time"), default="step",
                    help="against optimizer updates (default) or training wall time in minutes (time to quality)")
     p.set_defaults(func=commands.cmd_plot)
+
 
 def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
@@ -152,6 +158,7 @@ def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
     p.set_defaults(func=commands.cmd_translate)
     p.__class__ = _IntermixedParser  # same parser, intermixed positionals
 
+
 def _add_evaluate(sub, decode: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "evaluate", parents=[decode], help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
@@ -166,6 +173,7 @@ def _add_evaluate(sub, decode: argparse.ArgumentParser) -> None:
     p.add_argument("--src", metavar="FILE", help="source sentences to translate instead of a split (with --ref)")
     p.add_argument("--ref", metavar="FILE", help="reference translations of --src, line by line")
     p.set_defaults(func=commands.cmd_evaluate)
+
 
 def _add_serve(sub) -> None:
     p = sub.add_parser(
@@ -201,6 +209,7 @@ def _add_serve(sub) -> None:
                    help="sentences that may wait for the model; more are refused with 503 (default 1024)")
     p.set_defaults(func=commands.cmd_serve)
 
+
 def _add_average(sub) -> None:
     p = sub.add_parser(
         "average", help="average the weights of several checkpoints into one",
@@ -214,6 +223,7 @@ def _add_average(sub) -> None:
     p.add_argument("--last", type=int, metavar="N", help="average the N latest step checkpoints of RUN_DIR")
     p.add_argument("--output", metavar="FILE", help="where to write the averaged checkpoint")
     p.set_defaults(func=commands.cmd_average)
+
 
 def _add_export(sub) -> None:
     p = sub.add_parser(

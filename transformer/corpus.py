@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from transformer.config import DataConfig
-from transformer.errors import UserError
+from transformer.errors import UserError, first_line
 
 Chunk = tuple[list[str], list[str]]  # source lines, target lines
 
@@ -173,6 +173,7 @@ def open_split(cfg: DataConfig, split: str, limit: int = 0, log: Optional[Callab
 def load_split(cfg: DataConfig, split: str) -> tuple[list[str], list[str]]:
     """All raw sentences of a (small) split, e.g. the test set that `evaluate` translates."""
     raw = open_split(cfg, split)
+    raw.n_pairs  # refuses sides of different lengths before anything is read
     src, tgt = [], []
     for s, t in raw.chunks():
         src += s
@@ -190,8 +191,7 @@ def _datasets():
 
 
 def _hub_error(cfg: DataConfig, what: str, e: Exception) -> UserError:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return UserError(f"data: cannot load {what} of {cfg.hub_name!r} through `datasets`: {first}")
+    return UserError(f"data: cannot load {what} of {cfg.hub_name!r} through `datasets`: {first_line(e, None)}")
 
 
 def _hub_split_names(cfg: DataConfig) -> list[str]:

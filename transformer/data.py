@@ -16,7 +16,6 @@ from transformer.batch import Batch, round_up
 from transformer.config import DataConfig
 from transformer.errors import UserError
 
-Pair = tuple[list[int], list[int]]
 
 
 # --------------------------------------------------------------------------- filtering and batching on lengths

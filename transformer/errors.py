@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 
 class UserError(Exception):
@@ -26,7 +26,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, (RuntimeError, ValueError, OverflowError)) and any(k in text for k in _OUT_OF_MEMORY)
 
 
-def first_line(error: BaseException, limit: int = 200) -> str:
+def first_line(error: BaseException, limit: Optional[int] = 200) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:limit] if text else type(error).__name__
 

@@ -78,8 +78,8 @@ def _search_settings(score, model, cfg: Config, at_config: dict) -> tuple[int, f
     return chosen[0], chosen[1], {f"beam{b}_lp{a:g}": round(s["bleu"], 2) for (b, a), s in sorted(tried.items())}
 
 
-def _training_record(run_dir: Path, cfg: Config) -> dict:
-    """Wall time, updates, epochs, throughput and the best validation from metrics.jsonl and last.pt."""
+def _training_record(run_dir: Path, cfg: Config, run: dict) -> dict:
+    """Wall time, updates, epochs, throughput and the best validation from metrics.jsonl and last.pt's run state."""
     rows = []
     for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
         try:
@@ -87,7 +87,6 @@ def _training_record(run_dir: Path, cfg: Config) -> dict:
         except ValueError:
             continue
     valid = [r for r in rows if r.get("split") == "valid"]
-    run = load_checkpoint(run_dir / "last.pt")["run"]
     by = "bleu" if cfg.train.valid_bleu and all("bleu" in r for r in valid) else "loss"
     best = (max if by == "bleu" else min)(valid, key=lambda r: r[by]) if valid else {}
     elapsed = run.get("elapsed", 0.0)
@@ -104,7 +103,8 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
     """Choose and score the run's final model; write final.pt (weights + tuned decode settings) and summary.json."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
-    cfg = from_dict(load_checkpoint(run_dir / "last.pt")["config"])
+    last = load_checkpoint(run_dir / "last.pt")
+    cfg = from_dict(last["config"])
     candidates = _candidates(run_dir, cfg)
     store = Store(run_dir / "store")
     valid = store.corpus("valid")
@@ -129,7 +129,7 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
                "decode": {"beam": beam, "lenpen": lenpen}, "valid_grid_bleu": grid,
                "valid": {n: {"bleu": round(s["bleu"], 2), "length_ratio": round(length_ratio(s), 3)}
                          for n, s in valid_scores.items()},
-               **_training_record(run_dir, cfg)}
+               **_training_record(run_dir, cfg, last["run"])}
     test = _score_test(cfg, vocab, model, beam, lenpen, device, run_dir)
     if test is not None:
         summary["test"] = test

@@ -211,9 +211,9 @@ def _greedy_step(rows: int, alive: list[int], prefix: torch.Tensor, scores: torc
 
 def _still_searching(alive: list[int], finished: list[list[Hypothesis]], best_live: list[float],
                      limit_hit: list[bool], best_lp: list[float], k: int, nbest: int, lenpen: float,
-                     stop: StopRule) -> list[int]:
+                     stop: StopRule, sentence_steps: list[int], steps: int) -> list[int]:
     """Positions in `alive` of the sentences that search on; a sentence stops at its length limit or when its
-    stop rule says so, and then keeps its `nbest` best finished hypotheses, best first."""
+    stop rule says so, and then keeps its `nbest` best finished hypotheses, best first, and records `steps`."""
     keep = []
     for s, index in enumerate(alive):
         hyps = finished[index]
@@ -224,6 +224,7 @@ def _still_searching(alive: list[int], finished: list[list[Hypothesis]], best_li
         if done:
             hyps.sort(key=lambda h: h.score, reverse=True)
             del hyps[nbest:]
+            sentence_steps[index] = steps
         else:
             keep.append(s)
     return keep
@@ -279,9 +280,7 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
         new_token = token.gather(1, order)  # (B, k)
 
         keep = _still_searching(alive, finished, scores[:, 0].tolist(), (t >= max_len).tolist(), best_lp, k, nbest,
-                                lenpen, stop)
-        for s in set(range(b)) - set(keep):
-            sentence_steps[alive[s]] = t + 1
+                                lenpen, stop, sentence_steps, t + 1)
         if step is not None:
             for s in keep:  # (k, t+1): each kept hypothesis's tokens so far, without BOS
                 tokens = torch.cat([prefix[parent[s], 1:], new_token[s, :, None]], dim=1)

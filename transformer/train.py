@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from transformer.atomic import remove_stale_temporaries
+from transformer.average import step_checkpoints
 from transformer.batch import Batch
 from transformer.checkpoint import load_checkpoint, load_resumable, restore_training, save_checkpoint, training_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
@@ -59,7 +60,6 @@ class Run:
     state: RunState
     metrics: MetricsLog
     peak_tflops: float              # what MFU divides by
-    data_position: dict             # the stream after the last update taken: what a checkpoint saves
     saved_step: Optional[int]       # the step last.pt holds
 
     @property
@@ -208,7 +208,7 @@ def build(cfg: Config, info: DistInfo, device: torch.device, run_dir: Path, comm
     valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple)
     return Run(cfg, info, device, precision, run_dir, command, vocab, store, valid, model, forward,
                build_optimizer(model, cfg), torch.amp.GradScaler(device.type, enabled=precision == "fp16"), state,
-               MetricsLog(run_dir, info.is_main, state.elapsed, started, t.tensorboard), peak, dict(state.data),
+               MetricsLog(run_dir, info.is_main, state.elapsed, started, t.tensorboard), peak,
                state.step if saved is not None else None)
 
 
@@ -230,7 +230,6 @@ def restore(run: Run, saved: Optional[dict], changes: list[ConfigChange]) -> Non
                     f"{state.data['batches_done']} batches done do not split into updates of {group_size}",
                     state.data["epoch"])
         state.data = {"epoch": state.data["epoch"], "batches_done": 0}
-        run.data_position = dict(state.data)
     rngs = saved["rng"]
     if len(rngs) == run.info.world_size:
         set_rng_state(rngs[run.info.rank])
@@ -284,7 +283,7 @@ def train_update(run: Run, update: Update, stop: StopRequested) -> StepResult:
 def save(run: Run, path: Path, rngs: list) -> None:
     run.state.elapsed = run.metrics.elapsed()
     save_checkpoint(training_checkpoint(to_dict(run.cfg), run.vocab.proto, run.model, run.optimizer, run.scaler,
-                                        rngs, {**asdict(run.state), "data": run.data_position}), path)
+                                        rngs, asdict(run.state)), path)
 
 
 def validate_and_save(run: Run) -> bool:
@@ -316,7 +315,7 @@ def validate_and_save(run: Run) -> bool:
             save(run, run.run_dir / "best.pt", rngs)
         save(run, run.last_path, rngs)
         if t.keep_last:
-            for old in sorted(run.run_dir.glob("step_*.pt"))[: -t.keep_last]:
+            for old in step_checkpoints(run.run_dir)[: -t.keep_last]:
                 old.unlink()
     run.saved_step = state.step
     bleu = f" bleu {result['bleu']:.2f} (length ratio {result['length_ratio']:.3f})" if "bleu" in result else ""
@@ -347,7 +346,7 @@ def update_loop(run: Run, quiet: bool) -> None:
     with StopRequested() as stop, contextlib.closing(prefetch), contextlib.closing(bar):
         while state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs):
             update = prefetch.next()
-            run.data_position = update.data_state
+            state.data = update.data_state  # the stream after this update: what a checkpoint saves
             result = train_update(run, update, stop)
             if result.nonfinite:
                 skipped_in_a_row += 1
@@ -363,7 +362,7 @@ def update_loop(run: Run, quiet: bool) -> None:
                 if progress.first_step + 1 == state.step:  # how long a start or resume takes before training proper
                     first_update(run, bar)
                 if progress.due(state.step):
-                    progress.write(state.step, run.data_position["epoch"], result.lr, float(result.grad_norm))
+                    progress.write(state.step, state.data["epoch"], result.lr, float(result.grad_norm))
                 if state.step % t.valid_every == 0 and validate_and_save(run):
                     stopped_early = True
                     break
