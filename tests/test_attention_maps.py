@@ -79,7 +79,7 @@ def test_weights_reproduce_the_fast_path_output(model, vocab):
     def hook(name):
         def fn(module, args, kwargs, output):
             key_value = args[1] if len(args) > 1 else kwargs["key_value"]
-            calls[name] = (key_value.detach(), output.detach())
+            calls[name] = (key_value.detach(), output.detach(), kwargs.get("packing"))
         return fn
 
     handles = [m.register_forward_hook(hook((kind, i)), with_kwargs=True)
@@ -92,13 +92,14 @@ def test_weights_reproduce_the_fast_path_output(model, vocab):
         for h in handles:
             h.remove()
     torch.testing.assert_close(logits, fast_logits, atol=1e-5, rtol=1e-5)
-    for (kind, i), (key_value, output) in calls.items():
+    for (kind, i), (key_value, output, packing) in calls.items():
         m = modules[kind][i]
         with torch.no_grad():
-            v = m._split(m.v_proj(key_value))                            # (B, H, Tk, Dh)
+            v = m._project(m.v_proj, key_value, packing)                  # (B, H, Tk, Dh)
             mixed = weights[kind][i] @ v                                  # (B, H, Tq, Dh)
             b, _, tq, _ = mixed.shape
-            rebuilt = m.out_proj(mixed.transpose(1, 2).reshape(b, tq, -1))
+            mixed = mixed.transpose(1, 2).reshape(b, tq, -1)              # (B, Tq, C)
+            rebuilt = m.out_proj(packing.pack(mixed) if packing is not None else mixed)
         torch.testing.assert_close(rebuilt, output, atol=1e-5, rtol=1e-4, msg=lambda m: f"{kind} {i}: {m}")
     assert len(calls) == 2 + 3 + 3
 

@@ -10,7 +10,8 @@ import torch
 from tests.conftest import ROOT, random_pairs
 from transformer.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.config import ModelConfig, load_config
-from transformer.model import MultiHeadAttention, PositionalEncoding, Transformer, count_parameters, evaluating
+from transformer.model import (MultiHeadAttention, PositionalEncoding, TokenPacking, Transformer, count_parameters,
+                               evaluating)
 from transformer.vocab import PAD_ID
 
 VOCAB = 50
@@ -96,6 +97,28 @@ def test_padding_invariance(norm):
         logits_alone = model(alone.src, alone.tgt_in, alone.src_mask, alone.tgt_mask)
         torch.testing.assert_close(memory[i: i + 1, :s], mem_alone, **TOL)
         torch.testing.assert_close(logits[i: i + 1, :t], logits_alone, **TOL)
+
+
+def test_encoder_skips_padding_with_the_same_result(monkeypatch):
+    """On a CPU the encoder runs its position-wise layers on the real tokens only (TokenPacking): outputs and
+    gradients at real positions are those of the padded computation, and memory is zero at padding."""
+    batch = Batch.from_pairs(random_pairs(lengths=[(3, 4), (9, 2), (6, 6)], seed=2, vocab=VOCAB))
+    assert TokenPacking.of(batch.src_mask) is not None
+    real = batch.src_mask[:, 0, 0, :, None]  # (B, S, 1)
+
+    def run():
+        model = make_model(seed=3)  # dropout 0: training mode is deterministic
+        memory = model.encode(batch.src, batch.src_mask)
+        (memory * real).square().sum().backward()
+        return memory, [p.grad for p in model.parameters()]
+
+    packed, packed_grads = run()
+    monkeypatch.setattr(TokenPacking, "of", staticmethod(lambda mask: None))  # every position computed
+    padded, padded_grads = run()
+    torch.testing.assert_close(packed * real, padded * real, **TOL)
+    assert torch.count_nonzero(packed * ~real) == 0
+    for a, b in zip(packed_grads, padded_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------- attention
@@ -206,7 +229,7 @@ def test_decode_with_a_cache_takes_no_memory():
 
 
 def test_cache_keep_rows_selects_rows():
-    """Dropping and reordering rows moves self- and cross-attention K/V and the memory mask together."""
+    """Dropping and reordering sentences moves self- and cross-attention K/V and the memory mask together."""
     model = make_model()
     # Different source lengths: the rows' masks differ.
     batch = Batch.from_pairs(random_pairs(lengths=[(5, 3), (2, 3), (6, 3)], seed=6, vocab=VOCAB))
@@ -214,30 +237,49 @@ def test_cache_keep_rows_selects_rows():
     cache = model.new_cache(memory, batch.src_mask)
     model.decode(batch.tgt_in[:, :2], None, None, causal_mask(2), cache)
     index = torch.tensor([2, 1])
-    cache.keep_rows(index)
+    cache.keep_rows(index, sources=index)
     assert torch.equal(cache.memory_mask, batch.src_mask[index])
     step = model.decode(batch.tgt_in[index, 2:3], cache=cache)
     full = model.decode(batch.tgt_in[index, :3], memory[index], batch.src_mask[index], causal_mask(3))
     torch.testing.assert_close(step[:, 0], full[:, 2], **TOL)
 
 
-def test_cache_keep_rows_within_a_source_leaves_cross_kv_in_place():
-    """Rows sharing a source (the beams of a sentence) reorder with cross=False: no cross K/V copy, same result."""
+def test_cache_groups_of_rows_share_their_source():
+    """Beams of one sentence read its encoder K/V, held once per source: growing a sentence to several rows,
+    reordering rows within sentences and dropping a sentence give what a copy of the memory per row gives."""
     model = make_model()
-    torch.manual_seed(7)
-    (src, _), (src2, _) = random_pairs(lengths=[(5, 3), (4, 3)], seed=7, vocab=VOCAB)
-    pairs = [(src, random_ids(3).tolist()), (src, random_ids(3).tolist()), (src2, random_ids(3).tolist())]
-    batch = Batch.from_pairs(pairs)  # rows 0 and 1: one source, two hypotheses
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 4), (2, 4), (6, 4)], seed=7, vocab=VOCAB))
     memory = model.encode(batch.src, batch.src_mask)
     cache = model.new_cache(memory, batch.src_mask)
-    model.decode(batch.tgt_in[:, :2], None, None, causal_mask(2), cache)
+    model.decode(batch.tgt_in[:, :1], cache=cache)  # one row per source
+    rows = torch.tensor([0, 0, 1, 1, 2, 2])  # each sentence grows to two rows (its source, by row)
+    cache.keep_rows(rows)
     cross_k, mask = cache.cross_attn[0].k, cache.memory_mask
-    index = torch.tensor([1, 0, 2])
-    cache.keep_rows(index, cross=False)
-    assert cache.cross_attn[0].k is cross_k and cache.memory_mask is mask  # not copied
-    step = model.decode(batch.tgt_in[index, 2:3], cache=cache)
-    full = model.decode(batch.tgt_in[index, :3], memory[index], batch.src_mask[index], causal_mask(3))
+    tgt = batch.tgt_in[rows].clone()
+    tgt[:, 1] = torch.randint(4, VOCAB, (6,))  # the two rows of a sentence differ from here on
+    model.decode(tgt[:, 1:2], cache=cache)
+    assert cache.cross_attn[0].k is cross_k and cache.memory_mask is mask  # per source: never copied per row
+    within = torch.tensor([1, 0, 2, 3, 5, 4])  # beams swap inside their sentences
+    cache.keep_rows(within)
+    tgt, rows = tgt[within], rows[within]
+    step = model.decode(tgt[:, 2:3], cache=cache)
+    full = model.decode(tgt[:, :3], memory[rows], batch.src_mask[rows], causal_mask(3))
     torch.testing.assert_close(step[:, 0], full[:, 2], **TOL)
+    keep = torch.tensor([0, 1, 4, 5])  # sentence 1 is done: its rows and its source leave
+    cache.keep_rows(keep, sources=torch.tensor([0, 2]))
+    tgt, rows = tgt[keep], rows[keep]
+    step = model.decode(tgt[:, 3:4], cache=cache)
+    full = model.decode(tgt[:, :4], memory[rows], batch.src_mask[rows], causal_mask(4))
+    torch.testing.assert_close(step[:, 0], full[:, 3], **TOL)
+
+
+def test_cache_refuses_rows_that_do_not_group_by_source():
+    model = make_model()
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 3), (2, 3)], seed=8, vocab=VOCAB))
+    cache = model.new_cache(model.encode(batch.src, batch.src_mask), batch.src_mask)
+    cache.keep_rows(torch.tensor([0, 0, 1]))
+    with pytest.raises(ValueError, match="do not split into groups"):
+        model.decode(batch.tgt_in[[0, 0, 1], :1], cache=cache)
 
 
 # --------------------------------------------------------------------------- embeddings

@@ -126,12 +126,11 @@ class _Decoder:
         lprobs[:, BOS_ID] = float("-inf")
         return lprobs
 
-    def keep_rows(self, index: torch.Tensor, sources_changed: bool = True) -> None:
-        """Keep rows `index`. sources_changed=False: only rows sharing a source were reordered (the beams of
-        one sentence), so the encoder K/V and mask stay where they are."""
+    def keep_rows(self, index: torch.Tensor, sources: Optional[torch.Tensor] = None) -> None:
+        """Keep rows `index`; `sources`: the sentences that stay when some leave (DecoderCache.keep_rows)."""
         if self.cache is not None:
-            self.cache.keep_rows(index, cross=sources_changed)
-        elif sources_changed:
+            self.cache.keep_rows(index, sources)
+        else:
             self.memory = self.memory.index_select(0, index)
             self.memory_mask = self.memory_mask.index_select(0, index)
 
@@ -192,7 +191,7 @@ def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int,
             keep = torch.tensor(keep_list, dtype=torch.long, device=src.device)
             alive = [alive[row] for row in keep_list]
             prefix, scores, max_len = prefix[keep], scores[keep], max_len[keep]
-            decoder.keep_rows(keep)
+            decoder.keep_rows(keep, keep)
         t += 1
     return SearchResult(out, decoder.steps, sentence_steps)  # type: ignore[arg-type]
 
@@ -251,14 +250,19 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
         b = len(alive)
         step = _new_step(src.size(0)) if trace is not None else None
         lprobs = decoder.log_probs(prefix)  # (B*n, V)
-        vocab = lprobs.size(1)
         at_limit = (t >= max_len).repeat_interleave(n)  # (B,) -> (B*n,)
-        cand = (scores[:, None] + _force_eos(lprobs, at_limit)).view(b, n * vocab)  # (B*n, V) -> (B, n*V)
+        # A sentence's 2k best (row, token) candidates are among each of its rows' 2k best tokens: rank
+        # those, rather than adding every row's score to all V log-probabilities and ranking n*V per sentence.
+        per_row = min(2 * k, lprobs.size(1))
+        row_lprobs, row_tokens = _force_eos(lprobs, at_limit).topk(per_row, dim=1)  # (B*n, c)
+        cand = (scores[:, None] + row_lprobs).view(b, n * per_row)  # (B*n, c) -> (B, n*c)
+        row_tokens = row_tokens.view(b, n * per_row)
         if cand.size(1) < 2 * k:  # vocabulary smaller than 2*beam: pad with impossible candidates
             cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=inf)
+            row_tokens = F.pad(row_tokens, (0, 2 * k - row_tokens.size(1)), value=PAD_ID)
         top_scores, top_idx = cand.topk(2 * k, dim=1)  # (B, 2k), best first
-        origin = (top_idx // vocab).clamp(max=n - 1)  # the beam each candidate extends
-        token = top_idx % vocab
+        origin = (top_idx // per_row).clamp(max=n - 1)  # the beam each candidate extends
+        token = row_tokens.gather(1, top_idx)
         is_eos = token == EOS_ID
 
         # Finish EOS candidates ranked within the top k (host side: only these few rows are copied).
@@ -296,8 +300,8 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
         index = parent.reshape(-1)  # (B', k) -> (B'*k,)
         prefix = torch.cat([prefix.index_select(0, index), new_token.reshape(-1, 1)], dim=1)  # (B'*k, t+2)
         scores = scores.reshape(-1)
-        # Rows of one sentence share its source: move encoder K/V only when sentences or rows per sentence change.
-        decoder.keep_rows(index, sources_changed=sentence_set_changed or n != k)
+        # Rows of one sentence share its source: the encoder K/V move only when sentences leave.
+        decoder.keep_rows(index, keep_t if sentence_set_changed else None)
         n = k
         t += 1
     return SearchResult(finished, decoder.steps, sentence_steps)
