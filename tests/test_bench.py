@@ -102,3 +102,21 @@ def test_bench_decode_times_ctranslate2_on_our_weights(ctranslate2, untrained_ch
     greedy = {r["dtype"]: r for r in report["results"] if r["beam"] == 1 and r["impl"] == "ctranslate2"}
     assert greedy["fp32"]["same_as_first"] == 1.0  # greedy outputs agree with ours, limits included
     assert "ctranslate2" in result.stdout
+
+
+def test_compare_decode_runs_revisions_side_by_side(untrained_checkpoint, tmp_path):
+    """Two copies of the working tree and the last commit load as separate packages in one process; a revision
+    compared with itself has identical outputs, and the first revision's paired ratio is 1."""
+    test_set = tmp_path / "test.txt"
+    test_set.write_text("\n".join(sentences(5, 6)) + "\n")
+    out = tmp_path / "compare.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_decode.py"), str(test_set),
+                             "--checkpoint", str(untrained_checkpoint), "--rev", ".", "--rev", ".", "--rev", "HEAD",
+                             "--beam", "2", "--rounds", "2", "--threads", "1", "--json", str(out)],
+                            capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [r["rev"] for r in rows] == [".", ".", "HEAD"]
+    assert rows[0]["time_vs_first"] == 1.0 and rows[1]["same_outputs_as_first"] == 1.0
+    for r in rows:
+        assert len(r["times_s"]) == 2 and r["min_s"] <= r["median_s"] and 0 <= r["same_outputs_as_first"] <= 1

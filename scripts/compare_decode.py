@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Our search at several revisions of the package, timed in one process with the runs interleaved: for
+before/after figures on a machine whose speed drifts between processes (this project's 2-core CPUs: the same
+setting measured 1.3 s in one process and 1.9 s in the next).
+
+    python scripts/compare_decode.py data/multi30k/test.de --checkpoint runs/multi30k --rev 2ebcc63 --rev . \
+        [--beam 4] [--stop early] [--dtype fp32] [--limit 500] [--rounds 5] [--threads 2] [--json out.json]
+
+Each --rev is a git revision, or "." for the working tree. Its `transformer/` is copied to a temporary folder
+as a package of another name (t_0, t_1, ...; the package imports only itself by absolute imports), so every
+revision loads side by side; then round after round, each revision translates the same sentences once.
+Reported per revision: the fastest and the median pass, the median of its per-round time ratio to the first
+revision (paired rounds: drift cancels), and whether its outputs equal the first revision's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def package_copy(rev: str, name: str, into: Path) -> None:
+    """`transformer/` at `rev` ("." = working tree) as package `name` under `into`."""
+    target = into / name
+    if rev == ".":
+        shutil.copytree(ROOT / "transformer", target, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "transformer"], capture_output=True)
+        if archive.returncode != 0:
+            sys.exit(f"compare_decode: git archive {rev}: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+        (into / "transformer").rename(target)
+    for path in target.rglob("*.py"):
+        text = path.read_text()
+        path.write_text(re.sub(r"\b(from|import) transformer\b", rf"\1 {name}", text))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("test_set", help="source sentences, one per line")
+    ap.add_argument("--checkpoint", required=True, help="run directory or .pt file")
+    ap.add_argument("--rev", action="append", required=True, help="git revision, or . for the working tree")
+    ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--stop", default="exact", choices=("exact", "early"))
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "int8"))
+    ap.add_argument("--lenpen", type=float, default=None, help="default: the checkpoint's decode.lenpen")
+    ap.add_argument("--limit", type=int, default=500, help="first N sentences (0 = all)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed passes per revision, interleaved")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", metavar="PATH", help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lines = Path(args.test_set).read_text(encoding="utf-8").splitlines()
+    lines = lines[: args.limit] if args.limit else lines
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.path.insert(0, tmp)
+        runs, outputs = [], []
+        for i, rev in enumerate(args.rev):
+            package_copy(rev, f"t_{i}", Path(tmp))
+            translate = importlib.import_module(f"t_{i}.translate")
+            tr = translate.Translator(args.checkpoint, device="cpu", dtype=args.dtype)
+            src = tr.vocab.encode(lines)
+            dec = tr.cfg.decode
+            lenpen = dec.lenpen if args.lenpen is None else args.lenpen
+
+            def run(translate=translate, tr=tr, src=src, lenpen=lenpen, dec=dec):
+                return translate.search_ids(tr.model, src, args.beam, lenpen, dec.max_len_offset, dec.max_tokens,
+                                            torch.device("cpu"), 1, args.stop)
+            outputs.append([hyps[0].tokens for hyps in run()])  # untimed: warms up, and the outputs to compare
+            runs.append(run)
+        times: list[list[float]] = [[] for _ in runs]
+        for _ in range(args.rounds):
+            for i, run in enumerate(runs):
+                start = time.perf_counter()
+                run()
+                times[i].append(time.perf_counter() - start)
+
+    rows = []
+    print(f"{len(lines)} sentences, beam {args.beam}, stop {args.stop}, {args.dtype}, {args.rounds} rounds")
+    print(f"{'revision':>12} {'min s':>7} {'median s':>9} {'time / first':>13} {'same outputs':>13}")
+    for rev, ts, out in zip(args.rev, times, outputs):
+        ratio = statistics.median(a / b for a, b in zip(ts, times[0]))
+        same = sum(a == b for a, b in zip(out, outputs[0])) / len(out) if out else 1.0
+        rows.append({"rev": rev, "times_s": ts, "min_s": min(ts), "median_s": statistics.median(ts),
+                     "time_vs_first": ratio, "same_outputs_as_first": same})
+        print(f"{rev:>12} {min(ts):7.3f} {statistics.median(ts):9.3f} {ratio:12.3f}x {same:12.1%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "test_set": args.test_set, "checkpoint": args.checkpoint, "beam": args.beam, "stop": args.stop,
+            "dtype": args.dtype, "sentences": len(lines), "threads": args.threads, "torch": torch.__version__,
+            "results": rows}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
