@@ -204,7 +204,21 @@ def test_validation_bleu_picks_best_and_early_stopping_follows_patience(tmp_path
     assert [(m["step"], m["bleu"]) for m in valid] == [(2, 10.0), (4, 12.0), (6, 11.0), (8, 12.0)]
     assert load_checkpoint(run_dir / "best.pt")["run"]["step"] == 4
     assert load_checkpoint(run_dir / "last.pt")["run"]["step"] == 8
+    # Saved as chosen by BLEU: a resume that read "loss" here used to forget the best score and the patience count.
+    assert load_checkpoint(run_dir / "last.pt")["run"]["best_metric"] == "bleu"
     assert "early stopping: 2 validations without improvement" in (run_dir / "train.log").read_text()
+
+    # Resumed, a run that stopped early stays stopped: no update, and last.pt is left as it was.
+    before = (run_dir / "last.pt").read_bytes()
+    train(from_dict(raw), resume=True, quiet=True)
+    assert max(m["step"] for m in read_metrics(run_dir) if m.get("split") == "train") == 8
+    assert (run_dir / "last.pt").read_bytes() == before
+    assert "this run stopped at step 8 after 2 validations" in (run_dir / "train.log").read_text()
+    # With more patience it trains on from step 8 (the next scripted BLEU, 13, is an improvement).
+    raw["train"]["patience"] = 3
+    train(from_dict(raw), resume=True, quiet=True)
+    valid = [m for m in read_metrics(run_dir) if m.get("split") == "valid"]
+    assert len(valid) > 4 and valid[4]["step"] == 10
 
 
 def test_resume_with_other_update_freq_and_adam_settings(tmp_path):

@@ -201,7 +201,8 @@ def build(cfg: Config, info: DistInfo, device: torch.device, run_dir: Path, comm
                                       broadcast_buffers=False) if info.enabled else model
     if t.compile:
         forward = torch.compile(forward, dynamic=True)
-    state = RunState(**saved["run"]) if saved is not None else RunState()
+    state = RunState(**saved["run"]) if saved is not None else \
+        RunState(best_metric="bleu" if cfg.train.valid_bleu else "loss")
     peak = t.peak_tflops or matmul_tflops(device, precision)
     log.info("precision: %s (%s); MFU below is against %.3g TFLOP/s (%s)", precision, why, peak,
              "train.peak_tflops" if t.peak_tflops else f"measured {precision} matmuls on {device}")
@@ -332,6 +333,10 @@ def update_loop(run: Run, quiet: bool) -> None:
     """Updates until train.max_steps or train.max_epochs (or early stopping), validating and saving every
     train.valid_every updates and at the end; SIGINT/SIGTERM save last.pt after the current update and exit."""
     t, state, info = run.cfg.train, run.state, run.info
+    if t.patience and state.bad_validations >= t.patience:  # resuming a run that stopped early: it stays stopped
+        log.info("early stopping: this run stopped at step %d after %d validations without improvement; raise "
+                 "train.patience to train on", state.step, state.bad_validations)
+        return
     stream = BatchStream(run.store.corpus("train"), run.cfg.data, t.seed, **state.data, rank=info.rank,
                          world_size=info.world_size, update_freq=t.update_freq)
     log.info("model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
