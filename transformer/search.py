@@ -254,8 +254,8 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
         # A sentence's 2k best (row, token) candidates are among each of its rows' 2k best tokens: rank
         # those, rather than adding every row's score to all V log-probabilities and ranking n*V per sentence.
         per_row = min(2 * k, lprobs.size(1))
-        row_lprobs, row_tokens = _force_eos(lprobs, at_limit).topk(per_row, dim=1)  # (B*n, c)
-        cand = (scores[:, None] + row_lprobs).view(b, n * per_row)  # (B*n, c) -> (B, n*c)
+        row_lprobs, row_tokens = _force_eos(lprobs, at_limit).topk(per_row, dim=1)  # (B*n, per_row)
+        cand = (scores[:, None] + row_lprobs).view(b, n * per_row)  # -> (B, n*per_row)
         row_tokens = row_tokens.view(b, n * per_row)
         if cand.size(1) < 2 * k:  # vocabulary smaller than 2*beam: pad with impossible candidates
             cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=inf)
