@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from transformer.corpus import read_lines
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -63,7 +65,7 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lines = Path(args.test_set).read_text(encoding="utf-8").splitlines()
+    lines = read_lines(args.test_set)  # as bench_decode reads it
     lines = lines[: args.limit] if args.limit else lines
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -323,17 +323,22 @@ def validate_and_save(run: Run) -> bool:
     best = f" (best, {run.metrics.elapsed() / 60:.1f} min into training)" if improved else ""
     log.info("step %d: valid loss %.4f nll %.4f ppl %.2f%s%s", state.step, result["loss"], result["nll"],
              result["ppl"], bleu, best)
-    if t.patience and state.bad_validations >= t.patience:
+    if out_of_patience(run):
         log.info("early stopping: %d validations without improvement", state.bad_validations)
         return True
     return False
+
+
+def out_of_patience(run: Run) -> bool:
+    """train.patience validations in a row without improvement: early stopping ends the run."""
+    return bool(run.cfg.train.patience) and run.state.bad_validations >= run.cfg.train.patience
 
 
 def update_loop(run: Run, quiet: bool) -> None:
     """Updates until train.max_steps or train.max_epochs (or early stopping), validating and saving every
     train.valid_every updates and at the end; SIGINT/SIGTERM save last.pt after the current update and exit."""
     t, state, info = run.cfg.train, run.state, run.info
-    if t.patience and state.bad_validations >= t.patience:  # resuming a run that stopped early: it stays stopped
+    if out_of_patience(run):  # resuming a run that stopped early: it stays stopped
         log.info("early stopping: this run stopped at step %d after %d validations without improvement; raise "
                  "train.patience to train on", state.step, state.bad_validations)
         return
