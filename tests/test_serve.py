@@ -268,6 +268,23 @@ def test_info(client):
     assert info["limits"]["max_sentences"] == 8 and info["dtype"] == "fp32"
 
 
+def test_checkpoint_is_read_once_and_each_request_encoded_once(run, monkeypatch):
+    """The service reads its checkpoint once (the model and /info's run state come from one load), and a
+    /translate request's sentences go through SentencePiece once (batch sizing and search share the ids)."""
+    import transformer.translate as translate_module
+    from transformer.vocab import Vocab
+
+    loads, encoded = [], []
+    real_load, real_encode = translate_module.load_checkpoint, Vocab.encode
+    monkeypatch.setattr(translate_module, "load_checkpoint", lambda path: loads.append(path) or real_load(path))
+    monkeypatch.setattr(Vocab, "encode", lambda self, lines: encoded.append(list(lines)) or real_encode(self, lines))
+    with TestClient(create_app(Service(run, SETTINGS, device="cpu", dtype="fp32"))) as c:
+        assert len(loads) == 1 and c.get("/info").json()["step"] == 120
+        result = post(c, "/translate", {"text": SENTENCES[:3], "beam": 2})
+    assert len(result["translations"]) == 3
+    assert encoded == [SENTENCES[:3]]
+
+
 def test_page_is_self_contained(client):
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")

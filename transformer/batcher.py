@@ -12,12 +12,15 @@ from transformer.translate import Translator
 
 @dataclass
 class _Job:
-    lines: list[str]
+    ids: list[list[int]]              # the sources, encoded once by the request's handler
     beam: int
     nbest: int
-    tokens: int                       # source tokens with EOS: what decode.max_tokens bounds
     done: asyncio.Future
     arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) + 1 for ids in self.ids)  # source tokens with EOS: what decode.max_tokens bounds
 
 
 class Batcher:
@@ -31,10 +34,12 @@ class Batcher:
         self.stats = {"requests": 0, "sentences": 0, "batches": 0, "largest_batch": 0}
 
     def pending_sentences(self) -> int:
-        return sum(len(job.lines) for job in self.pending)
+        return sum(len(job.ids) for job in self.pending)
 
-    async def translate(self, lines: list[str], beam: int, nbest: int, tokens: int) -> list:
-        job = _Job(lines, beam, nbest, tokens, asyncio.get_running_loop().create_future())
+    async def translate(self, ids: list[list[int]], beam: int, nbest: int) -> list:
+        """Per source (subword ids), its n-best (score, translation) pairs, searched with whatever arrives
+        within the window."""
+        job = _Job(ids, beam, nbest, asyncio.get_running_loop().create_future())
         self.pending.append(job)
         self.arrived.set()
         return await job.done
@@ -46,21 +51,21 @@ class Batcher:
             for job in jobs:  # one search per setting: a batched search runs one beam size
                 groups.setdefault((job.beam, job.nbest), []).append(job)
             for (beam, nbest), group in groups.items():
-                lines = [line for job in group for line in job.lines]
+                ids = [source for job in group for source in job.ids]
                 try:
                     found = await asyncio.get_running_loop().run_in_executor(
-                        self.worker, self._translate, lines, beam, nbest)
+                        self.worker, self._translate, ids, beam, nbest)
                 except Exception as e:  # the requests fail; the service goes on
                     for job in group:
                         if not job.done.done():  # done already: its client went away
                             job.done.set_exception(e)
                     continue
                 self.stats["batches"] += 1
-                self.stats["largest_batch"] = max(self.stats["largest_batch"], len(lines))
+                self.stats["largest_batch"] = max(self.stats["largest_batch"], len(ids))
                 for job in group:
                     if not job.done.done():
-                        job.done.set_result(found[:len(job.lines)])
-                    found = found[len(job.lines):]
+                        job.done.set_result(found[:len(job.ids)])
+                    found = found[len(job.ids):]
 
     async def _collect(self) -> list[_Job]:
         """Wait for a request, then until its window closes or the waiting sources fill decode.max_tokens."""
@@ -85,9 +90,9 @@ class Batcher:
         jobs, self.pending = self.pending[:taken], self.pending[taken:]
         return jobs
 
-    def _translate(self, lines: list[str], beam: int, nbest: int) -> list:
+    def _translate(self, ids: list[list[int]], beam: int, nbest: int) -> list:
         self.translator.beam = beam  # this worker thread is the translator's only user
-        return self.translator.translate_nbest(lines, nbest)
+        return self.translator.texts(self.translator.search(ids, nbest))
 
     def fail_pending(self, error: Exception) -> None:
         """Answer every waiting request with `error` (the server is shutting down)."""

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 from transformer.attention_maps import KINDS, inspect_attention
 from transformer.batch import prepare_sources, source_limit
 from transformer.batcher import Batcher
-from transformer.checkpoint import load_checkpoint, resolve_checkpoint
+from transformer.checkpoint import resolve_checkpoint
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.model import PositionalEncoding
 from transformer.search import TraceStep, search
@@ -133,8 +133,7 @@ class Service:
         self.batcher: Optional[Batcher] = None
 
     def _describe(self, path: Path) -> dict:
-        run = load_checkpoint(path).get("run") or {}  # only the small run state is kept
-        m, d = self.cfg.model, self.translator
+        m, d, run = self.cfg.model, self.translator, self.translator.run
         return {
             "checkpoint": path.name, "step": run.get("step"),
             "validation": {"best": run.get("best"), "metric": run.get("best_metric"),
@@ -305,9 +304,9 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         beam = service.check_beam(body.beam, body.nbest)
         if service.batcher.pending_sentences() + len(lines) > settings.max_pending:
             raise ApiError(503, "too many sentences are waiting; try again shortly")
-        tokens = sum(len(ids) + 1 for ids in service.vocab.encode(lines))
+        ids = service.translator.encode(lines)  # once: the batcher sizes batches by it and searches it
         try:
-            found = await service.batcher.translate(lines, beam, body.nbest, tokens) if lines else []
+            found = await service.batcher.translate(ids, beam, body.nbest) if lines else []
         except Exception as e:
             raise api_error(e, "translate") from None
         service.batcher.stats["requests"] += 1

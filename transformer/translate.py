@@ -11,7 +11,7 @@ from typing import Iterator, Optional, Sequence, TextIO
 import torch
 
 from transformer.batch import prepare_sources, source_limit
-from transformer.checkpoint import load_model
+from transformer.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from transformer.config import DecodeConfig
 from transformer.data import pack_by_size
 from transformer.device import native_bf16, pick_device
@@ -146,7 +146,10 @@ class Translator:
         self.device = pick_device(device)
         self.dtype, why = pick_dtype(dtype, self.device)
         self.engine = engine
-        self.model, self.vocab, self.cfg = load_model(checkpoint, self.device if engine == "ours" else "cpu")
+        state = load_checkpoint(resolve_checkpoint(checkpoint))
+        self.model, self.vocab, self.cfg = model_from_checkpoint(state, self.device if engine == "ours" else "cpu")
+        self.run: dict = state.get("run") or {}  # the training state it was saved at (step, best), for serve's /info
+        del state
         dec = self.cfg.decode
         self.beam = dec.beam if beam is None else beam
         self.lenpen = dec.lenpen if lenpen is None else lenpen
@@ -211,7 +214,10 @@ class Translator:
         """Per line, up to `nbest` (score, translation) pairs, best first."""
         if nbest > self.beam:
             raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({self.beam})")
-        found = self.search(self.encode(lines), nbest)
+        return self.texts(self.search(self.encode(lines), nbest))
+
+    def texts(self, found: Sequence[Sequence[Hypothesis]]) -> list[list[tuple[float, str]]]:
+        """search()'s hypotheses as (score, translation) pairs, one line each."""
         return [[(h.score, _one_line(text)) for h, text in zip(hyps, self.vocab.decode([h.tokens for h in hyps]))]
                 for hyps in found]
 
