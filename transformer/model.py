@@ -123,12 +123,7 @@ class MultiHeadAttention(nn.Module):
         if group > 1:
             q = by_source(q, group)  # (B*g, H, Tq, Dh) -> (B, H, g*Tq, Dh)
         dropout = self.attention_dropout if self.training else 0.0
-        if self.record is None and group > 1 and q.device.type == "cpu":
-            # Beam search's cross-attention: g queries per source against a few dozen keys. SDPA's CPU kernel
-            # runs tiny matrix products per (source, head) there; two batched matmuls took 0.94x the time at
-            # beam 4 (paired, docs/PERFORMANCE.md). With one query per row (greedy) SDPA stays faster.
-            out, _ = attention_reference(q, k, v, mask, dropout, self.training)
-        elif self.record is None:
+        if self.record is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         else:
             out, probs = attention_reference(q, k, v, mask, dropout, self.training)
