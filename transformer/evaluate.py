@@ -61,15 +61,22 @@ def evaluate_loss(model, batches, device, precision: str, smoothing: float, info
     return {"loss": loss / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50.0))}
 
 
-def validation_bleu(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
-    """sacreBLEU of the model's translations of (a slice of) the validation set, and their length ratio."""
+def translate_and_score(model, vocab, sources: Sequence[Sequence[int]], references: Sequence[str], beam: int,
+                        lenpen: float, decode, device) -> tuple[dict, list[str]]:
+    """BLEU and chrF (bleu_chrf) of a model in memory translating `sources` (subword ids) with the search
+    settings of `decode` (a DecodeConfig) but `beam` and `lenpen`; and the translations."""
     from transformer.translate import translate_ids
 
-    t, d = cfg.train, cfg.decode
-    n = min(t.valid_bleu_pairs or len(corpus), len(corpus))
-    ids = translate_ids(model, [corpus.source(i) for i in range(n)], beam=t.valid_bleu_beam, lenpen=d.lenpen,
-                        max_len_offset=d.max_len_offset, max_tokens=d.max_tokens, device=device, stop=d.stop)
-    scores = bleu_chrf(vocab.decode(ids), refs[:n])
+    ids = translate_ids(model, sources, beam, lenpen, decode.max_len_offset, decode.max_tokens, device, decode.stop)
+    hypotheses = vocab.decode(ids)
+    return bleu_chrf(hypotheses, references), hypotheses
+
+
+def validation_bleu(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
+    """sacreBLEU of the model's translations of (a slice of) the validation set, and their length ratio."""
+    n = min(cfg.train.valid_bleu_pairs or len(corpus), len(corpus))
+    scores, _ = translate_and_score(model, vocab, [corpus.source(i) for i in range(n)], refs[:n],
+                                    cfg.train.valid_bleu_beam, cfg.decode.lenpen, cfg.decode, device)
     return {"bleu": scores["bleu"], "length_ratio": length_ratio(scores)}
 
 

@@ -18,9 +18,8 @@ from transformer.checkpoint import load_checkpoint, model_from_checkpoint, save_
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.corpus import load_split, resolve_split
 from transformer.errors import UserError
-from transformer.evaluate import bleu_chrf, length_ratio
+from transformer.evaluate import length_ratio, translate_and_score
 from transformer.store import Store
-from transformer.translate import translate_ids
 
 log = logging.getLogger("transformer")
 
@@ -40,10 +39,8 @@ class _Scorer:
         self.cfg, self.sources, self.references, self.vocab, self.device = cfg, sources, references, vocab, device
 
     def __call__(self, model, beam: int, lenpen: float) -> tuple[dict, list[str]]:
-        d = self.cfg.decode
-        ids = translate_ids(model, self.sources, beam, lenpen, d.max_len_offset, d.max_tokens, self.device, d.stop)
-        hypotheses = self.vocab.decode(ids)
-        return bleu_chrf(hypotheses, self.references), hypotheses
+        return translate_and_score(model, self.vocab, self.sources, self.references, beam, lenpen, self.cfg.decode,
+                                   self.device)
 
 
 def _candidates(run_dir: Path, cfg: Config) -> dict[str, dict]:
