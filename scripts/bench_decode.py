@@ -9,7 +9,9 @@ running our own weights (fp32, int8), and Hugging Face MarianMTModel.generate at
 Per setting it reports decoder steps per sentence (how long each sentence stayed in the search), sentences/s
 and target tokens/s (median of --repeats timed passes after an untimed one), test BLEU and chrF with --ref,
 the share of outputs identical to the first setting of the same beam (ours, first --stop, first --dtype),
-and the ratio to CTranslate2 float32 / int8 at the same beam.
+and the speed ratio to CTranslate2 float32 / int8 at the same beam. The timed passes of a beam's settings run
+in rounds, interleaved (every setting once per round), and a ratio is the median over rounds of the ratio
+within a round: the figures are paired against the machine's drift (timed_rounds).
 
 Both engines are timed through the package's entry points on the same subword ids (tokenisation excluded):
 `translate.search_ids` (ours) and `translate.ctranslate2_search` (CTranslate2 through `translate
@@ -44,17 +46,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(warm_up, timed_pass, device: torch.device, repeats: int):
-    """-> (seconds of each timed pass, what the untimed warm-up pass returned)."""
-    result = warm_up()  # allocator, kernels, lazy initialisation; and the outputs and step counts
-    times = []
+def timed_rounds(settings: list, device: torch.device, repeats: int, clock_zero: float) -> None:
+    """Each setting's untimed warm-up pass (allocator, kernels, lazy initialisation; and the outputs and step
+    counts), then `repeats` rounds that time every setting once, in turn. Interleaved because this project's
+    2-core CPUs drift by 30 % over minutes: one engine timed after the other gave the same code 0.66x and
+    0.91x CTranslate2 in two runs an hour apart; within a round every setting meets the same drift.
+
+    settings: dicts with "warm_up" and "timed_pass" (callables); this adds "result" (what the warm-up returned),
+    "times" (seconds of each timed pass) and "started" (each pass's start, seconds since clock_zero)."""
+    for setting in settings:
+        setting["result"] = setting["warm_up"]()
+        setting["times"], setting["started"] = [], []
     for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        timed_pass()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return times, result
+        for setting in settings:
+            sync(device)
+            start = time.perf_counter()
+            setting["timed_pass"]()
+            sync(device)
+            setting["times"].append(time.perf_counter() - start)
+            setting["started"].append(start - clock_zero)
 
 
 def count_steps(model, src_ids, beam, lenpen, offset, max_tokens, stop, device):
@@ -130,45 +140,59 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
             print("transformers is not installed: no Marian comparison (pip install -e '.[bench]')", file=sys.stderr)
     tensors = [prepare_sources([src_ids[i] for i in b], cfg.model.max_positions)[0].to(device) for b in batches]
 
-    rows = []
+    rows, clock_zero = [], time.perf_counter()
     for beam in args.beam:
-        group, first = [], None
+        settings, first = [], {}  # first: outputs and batch steps of this beam's first setting (ours)
         stops = args.stop if beam > 1 else args.stop[:1]  # greedy ignores the stop rule
         for stop in stops:
             for dtype, model in models.items():
-                times, (outputs, batch_steps, sentence_steps) = timed(
-                    lambda: count_steps(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, stop,
-                                        device),
-                    lambda: search_ids(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, device,
-                                       1, stop),
-                    device, args.repeats)
-                first = first or (outputs, batch_steps)
-                row = {"device": device_name, "beam": beam, "impl": "ours", "stop": stop, "dtype": dtype,
-                       "decoder_steps": sum(batch_steps), "steps_per_sentence": statistics.mean(sentence_steps)}
-                group.append((row, times, outputs))
+                def warm_up(model=model, stop=stop):
+                    found = count_steps(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, stop, device)
+                    first.setdefault("outputs", found[0])
+                    first.setdefault("steps", found[1])
+                    return found
+
+                def ours_pass(model=model, stop=stop):
+                    search_ids(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, device, 1, stop)
+                settings.append({"row": {"device": device_name, "beam": beam, "impl": "ours", "stop": stop,
+                                         "dtype": dtype}, "warm_up": warm_up, "timed_pass": ours_pass})
         for dtype, translator in ct2.items():
-            def ct2_pass():
+            def ct2_pass(translator=translator):
                 found = ctranslate2_search(translator, vocab, src_ids, beam, dec.lenpen, dec.max_len_offset,
                                            max_tokens, cfg.model.max_positions)
                 return [hyps[0].tokens for hyps in found]
-            times, outputs = timed(ct2_pass, ct2_pass, device, args.repeats)
-            group.append(({"device": device_name, "beam": beam, "impl": "ctranslate2", "stop": "ctranslate2",
-                           "dtype": dtype}, times, outputs))
-        if marian is not None:
-            times, _ = timed(lambda: run_marian(marian, tensors, first[1], beam),
-                             lambda: run_marian(marian, tensors, first[1], beam), device, args.repeats)
-            group.append(({"device": device_name, "beam": beam, "impl": "hf_marian", "stop": "forced",
-                           "dtype": "fp32", "decoder_steps": sum(first[1])}, times, first[0]))
-        for row, times, outputs in group:
-            row.update(sentences=len(src_ids), batches=len(batches), times_s=times, median_s=statistics.median(times))
+            settings.append({"row": {"device": device_name, "beam": beam, "impl": "ctranslate2",
+                                     "stop": "ctranslate2", "dtype": dtype}, "warm_up": ct2_pass,
+                             "timed_pass": ct2_pass})
+        if marian is not None:  # as many steps per batch as our first setting took (warmed up before it)
+            def marian_pass():
+                run_marian(marian, tensors, first["steps"], beam)
+            settings.append({"row": {"device": device_name, "beam": beam, "impl": "hf_marian", "stop": "forced",
+                                     "dtype": "fp32"}, "warm_up": marian_pass, "timed_pass": marian_pass})
+        timed_rounds(settings, device, args.repeats, clock_zero)
+
+        for setting in settings:
+            row, times, result = setting["row"], setting["times"], setting["result"]
+            row.update(sentences=len(src_ids), batches=len(batches), times_s=times, started_s=setting["started"],
+                       median_s=statistics.median(times))
             row["sentences_per_s"] = len(src_ids) / row["median_s"]
-            if row["impl"] != "hf_marian":  # Marian has random weights: no outputs worth scoring
-                score(row, outputs, first[0], vocab, refs)
-        for row, _, _ in group:
+            if row["impl"] == "ours":
+                outputs, batch_steps, sentence_steps = result
+                row.update(decoder_steps=sum(batch_steps), steps_per_sentence=statistics.mean(sentence_steps))
+            elif row["impl"] == "ctranslate2":
+                outputs = result
+            else:  # Marian has random weights: no outputs worth scoring
+                row["decoder_steps"] = sum(first["steps"])
+                outputs = None
+            if outputs is not None:
+                score(row, outputs, first["outputs"], vocab, refs)
+        for setting in settings:
+            row = setting["row"]
             for dtype in ("fp32", "int8"):
-                base_row = next((r for r, _, _ in group if r["impl"] == "ctranslate2" and r["dtype"] == dtype), None)
-                if base_row is not None:
-                    row[f"vs_ct2_{dtype}"] = row["sentences_per_s"] / base_row["sentences_per_s"]
+                base = next((b for b in settings if b["row"]["impl"] == "ctranslate2" and b["row"]["dtype"] == dtype),
+                            None)
+                if base is not None:  # paired: this setting's pass against CTranslate2's of the same round
+                    row[f"vs_ct2_{dtype}"] = statistics.median(b / t for t, b in zip(setting["times"], base["times"]))
             rows.append(row)
             print_row(row)
     return rows

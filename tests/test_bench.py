@@ -45,14 +45,14 @@ def test_bench_train_runs_and_writes_json(tmp_path):
     assert "MFU" in result.stdout
 
 
-def _run_bench_decode(checkpoint, tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _run_bench_decode(checkpoint, tmp_path, *options: str, repeats: int = 1) -> tuple[subprocess.CompletedProcess, dict]:
     """bench_decode.py on a 12-sentence toy set with an untrained toy model; -> (process, its JSON)."""
     (tmp_path / "test.de").write_text("\n".join(sentences(1, 12)) + "\n", encoding="utf-8")
     (tmp_path / "test.en").write_text("\n".join(sentences(2, 12)) + "\n", encoding="utf-8")
     out = tmp_path / "decode.json"
     result = subprocess.run([sys.executable, "scripts/bench_decode.py", str(tmp_path / "test.de"), "--checkpoint",
                              str(checkpoint), "--ref", str(tmp_path / "test.en"), "--device", "cpu",
-                             "--repeats", "1", "--no-hf", *options, "--json", str(out)],
+                             "--repeats", str(repeats), "--no-hf", *options, "--json", str(out)],
                             capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     return result, json.loads(out.read_text())
@@ -60,7 +60,7 @@ def _run_bench_decode(checkpoint, tmp_path, *options: str) -> tuple[subprocess.C
 
 def _check_rates(row: dict) -> None:
     """What a row's rates are made of: its timed passes, its sentences and their output tokens."""
-    assert len(row["times_s"]) == 1 and row["median_s"] == statistics.median(row["times_s"])
+    assert len(row["times_s"]) == len(row["started_s"]) and row["median_s"] == statistics.median(row["times_s"])
     assert row["sentences_per_s"] == pytest.approx(row["sentences"] / row["median_s"])
     assert row["tokens_per_s"] == pytest.approx(row["target_tokens"] / row["median_s"])
     # Every output ends with EOS and holds at most source length (with EOS) + max_len_offset (4) tokens.
@@ -70,8 +70,10 @@ def _check_rates(row: dict) -> None:
 
 def test_bench_decode_grid_of_stop_rules_and_dtypes(untrained_checkpoint, tmp_path):
     _, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "3", "--stop", "exact", "early",
-                                  "--dtype", "fp32", "int8")
+                                  "--dtype", "fp32", "int8", repeats=2)
     rows = {(r["beam"], r["stop"], r["dtype"]): r for r in report["results"]}
+    for beam in (1, 3):
+        _check_rounds([r for r in report["results"] if r["beam"] == beam], 2)
     # Greedy has no stop rule to vary; beam 3 runs the whole grid.
     assert sorted(rows) == sorted([(1, "exact", "fp32"), (1, "exact", "int8")] +
                                   [(3, s, d) for s in ("exact", "early") for d in ("fp32", "int8")])
@@ -87,18 +89,29 @@ def test_bench_decode_grid_of_stop_rules_and_dtypes(untrained_checkpoint, tmp_pa
         assert rows[3, "early", dtype]["steps_per_sentence"] <= rows[3, "exact", dtype]["steps_per_sentence"]
 
 
+def _check_rounds(rows: list[dict], repeats: int) -> None:
+    """A beam's settings are timed in interleaved rounds: every setting's pass r starts before any pass r+1."""
+    for row in rows:
+        assert len(row["times_s"]) == repeats and row["started_s"] == sorted(row["started_s"])
+    for r in range(repeats - 1):
+        assert max(row["started_s"][r] for row in rows) < min(row["started_s"][r + 1] for row in rows)
+
+
 def test_bench_decode_times_ctranslate2_on_our_weights(ctranslate2, untrained_checkpoint, tmp_path):
     result, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "2", "--stop", "early",
-                                       "--ctranslate2")
+                                       "--ctranslate2", repeats=3)
     assert report["ctranslate2"] == ctranslate2.__version__
     for beam in (1, 2):
         rows = {(r["impl"], r["dtype"]): r for r in report["results"] if r["beam"] == beam}
         assert set(rows) == {("ours", "fp32"), ("ctranslate2", "fp32"), ("ctranslate2", "int8")}
+        _check_rounds(list(rows.values()), 3)
         for row in rows.values():
             _check_rates(row)
-            for dtype in ("fp32", "int8"):
-                assert row[f"vs_ct2_{dtype}"] == pytest.approx(row["sentences_per_s"] /
-                                                               rows["ctranslate2", dtype]["sentences_per_s"])
+            for dtype in ("fp32", "int8"):  # paired: the median of the per-round speed ratios
+                base = rows["ctranslate2", dtype]["times_s"]
+                assert row[f"vs_ct2_{dtype}"] == pytest.approx(
+                    statistics.median(b / t for t, b in zip(row["times_s"], base)))
+        assert rows["ctranslate2", "fp32"]["vs_ct2_fp32"] == 1.0
     greedy = {r["dtype"]: r for r in report["results"] if r["beam"] == 1 and r["impl"] == "ctranslate2"}
     assert greedy["fp32"]["same_as_first"] == 1.0  # greedy outputs agree with ours, limits included
     assert "ctranslate2" in result.stdout
