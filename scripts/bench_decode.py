@@ -34,6 +34,7 @@ import torch
 
 from transformer.batch import prepare_sources
 from transformer.corpus import read_lines
+from transformer.device import cpu_description
 from transformer.evaluate import bleu_chrf
 from transformer.search import STOP_RULES
 from transformer.translate import (CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_batches,
@@ -262,7 +263,7 @@ def main() -> None:
         versions[name] = getattr(module, "__version__", None)
     report = {"checkpoint": args.checkpoint, "test_set": args.test_set, "ref": args.ref, "torch": torch.__version__,
               **versions, "device_names": {d: (torch.cuda.get_device_name(0) if d == "cuda" else "cpu") for d in devices},
-              "cpu_threads": torch.get_num_threads(), "results": results}
+              "cpu_threads": torch.get_num_threads(), "cpu": cpu_description(), "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")

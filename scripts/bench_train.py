@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from transformer.batch import padding_mask, target_mask
 from transformer.config import load_config
-from transformer.device import matmul_tflops
+from transformer.device import cpu_description, matmul_tflops
 from transformer.model import Transformer, training_flops
 
 IMPLS = ("ours", "marian", "torch")
@@ -207,7 +207,8 @@ def main() -> None:
         print(f"{name:14} {r['step_s_median']:8.3f} {r['tgt_tokens_per_s']:10.0f} {r['tokens_per_s']:10.0f} "
               f"{r['tflops_per_s']:8.2f} {r['mfu']:6.1%} {r['peak_mem_gib']:8.2f} {ratio:7.2f}")
     Path(args.json).write_text(json.dumps({
-        "device": str(device), "device_name": device_name, "torch": torch.__version__, "precision": args.precision,
+        "device": str(device), "device_name": device_name, "cpu": cpu_description(), "torch": torch.__version__,
+        "precision": args.precision,
         "peak_flops": peak, "peak_measured": not args.peak_tflops,
         "config": args.config, "compile": args.compile, "vocab": args.vocab, "tokens": args.tokens, "length": args.length,
         "results": results, "failed": failed}, indent=2))

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from transformer.corpus import read_lines
+from transformer.device import cpu_description
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,7 +105,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "test_set": args.test_set, "checkpoint": args.checkpoint, "beam": args.beam, "stop": args.stop,
             "dtype": args.dtype, "sentences": len(lines), "threads": args.threads, "torch": torch.__version__,
-            "results": rows}, indent=1) + "\n")
+            "cpu": cpu_description(), "results": rows}, indent=1) + "\n")
         print(f"wrote {args.json}")
 
 

@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import ROOT, sentences, subprocess_env
 from transformer.batch import source_limit
 from transformer.config import load_config
+from transformer.device import cpu_description
 from transformer.model import Transformer, count_parameters
 
 
@@ -72,6 +73,7 @@ def test_bench_decode_grid_of_stop_rules_and_dtypes(untrained_checkpoint, tmp_pa
     _, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "3", "--stop", "exact", "early",
                                   "--dtype", "fp32", "int8", repeats=2)
     rows = {(r["beam"], r["stop"], r["dtype"]): r for r in report["results"]}
+    assert report["cpu"] == cpu_description()
     for beam in (1, 3):
         _check_rounds([r for r in report["results"] if r["beam"] == beam], 2)
     # Greedy has no stop rule to vary; beam 3 runs the whole grid.
@@ -128,7 +130,9 @@ def test_compare_decode_runs_revisions_side_by_side(untrained_checkpoint, tmp_pa
                              "--beam", "2", "--rounds", "2", "--threads", "1", "--json", str(out)],
                             capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert report["cpu"] == cpu_description()  # which machine: ratios differ between CPUs of one model name
     assert [r["rev"] for r in rows] == [".", ".", "HEAD"]
     assert rows[0]["time_vs_first"] == 1.0 and rows[1]["same_outputs_as_first"] == 1.0
     for r in rows:

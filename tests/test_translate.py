@@ -12,7 +12,7 @@ import torch
 from tests.conftest import LINES, SENTENCES, sentences, subprocess_env
 from transformer.checkpoint import load_model, save_checkpoint
 from transformer import device as device_module
-from transformer.device import cpu_bf16_flags
+from transformer.device import cpu_bf16_flags, cpu_description
 from transformer.translate import Translator, pick_dtype, search_ids, translate_ids
 
 
@@ -126,6 +126,17 @@ def test_cpu_bf16_flags_reads_cpuinfo(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 amx_tile amx_bf16\n")
     assert cpu_bf16_flags(info) == ["avx512_bf16", "amx_bf16"]
     assert cpu_bf16_flags(tmp_path / "missing") == []
+
+
+def test_cpu_description_names_the_generation_and_vector_units(tmp_path):
+    info = tmp_path / "cpuinfo"
+    core = ("vendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+            "cache size\t: 512 KB\nflags\t\t: fpu sse2 avx2 {extra}\n\n")
+    info.write_text("processor\t: 0\n" + core.format(family=25, extra="avx512f avx512_bf16") +
+                    "processor\t: 1\n" + core.format(family=99, extra=""))
+    assert cpu_description(info) == {"model_name": "AMD EPYC", "family": "25", "model": "1", "processors": 2,
+                                     "cache_size": "512 KB", "flags": ["avx2", "avx512f", "avx512_bf16"]}
+    assert cpu_description(tmp_path / "missing") == {}
 
 
 def test_auto_dtype_is_bf16_only_where_native(monkeypatch):

@@ -24,18 +24,44 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
-    """The native bf16 instruction sets this CPU reports (avx512_bf16, amx_bf16); none where it reports none
-    or there is no /proc/cpuinfo to read. Without them torch emulates bf16 matmuls, far slower than fp32."""
+def _cpuinfo_fields(cpuinfo: str | Path) -> dict[str, str]:
+    """The first processor's `key: value` lines of /proc/cpuinfo, and how many processors it lists ("processors");
+    empty where there is none to read."""
     try:
         text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return []
-    flags = set()
+        return {}
+    fields: dict[str, str] = {}
+    processors = 0
     for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "processor":
+            processors += 1
+        if key and processors <= 1:
+            fields.setdefault(key, value.strip())
+    fields["processors"] = str(processors)
+    return fields
+
+
+def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
+    """The native bf16 instruction sets this CPU reports (avx512_bf16, amx_bf16); none where it reports none
+    or there is no /proc/cpuinfo to read. Without them torch emulates bf16 matmuls, far slower than fp32."""
+    flags = set(_cpuinfo_fields(cpuinfo).get("flags", "").split())
     return [f for f in NATIVE_BF16_FLAGS if f in flags]
+
+
+def cpu_description(cpuinfo: str | Path = "/proc/cpuinfo") -> dict:
+    """Which CPU a benchmark ran on, for its JSON: machines that share a model name ("AMD EPYC") differ in
+    generation (family/model), vector units and cache, and so in speed ratios against other engines. The cache
+    size is what /proc/cpuinfo reports (per core L2 on AMD, L3 on Intel)."""
+    fields = _cpuinfo_fields(cpuinfo)
+    if not fields.get("flags"):
+        return {}
+    flags = set(fields["flags"].split())
+    return {"model_name": fields.get("model name"), "family": fields.get("cpu family"), "model": fields.get("model"),
+            "processors": int(fields["processors"]), "cache_size": fields.get("cache size"),
+            "flags": [f for f in ("avx2", "avx512f", *NATIVE_BF16_FLAGS) if f in flags]}
 
 
 def native_bf16(device: torch.device) -> tuple[bool, str]:
