@@ -17,7 +17,6 @@ from transformer.config import DataConfig
 from transformer.errors import UserError
 
 
-
 # --------------------------------------------------------------------------- filtering and batching on lengths
 
 def keep_mask(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
