@@ -4,12 +4,13 @@ running our own weights (fp32, int8), and Hugging Face MarianMTModel.generate at
 
     python scripts/bench_decode.py data/multi30k/test.de --checkpoint runs/multi30k --ref data/multi30k/test.en \
         [--device cpu|cuda|auto|all] [--beam 1 4 5] [--stop exact early] [--dtype fp32 bf16 int8] \
-        [--ctranslate2] [--no-hf] [--threads 2] [--limit 500] [--repeats 3] [--json bench.json]
+        [--ctranslate2] [--no-hf] [--threads 2] [--workers 1 2] [--limit 500] [--repeats 3] [--json bench.json]
 
 Per setting it reports decoder steps per sentence (how long each sentence stayed in the search), sentences/s
 and target tokens/s (median of --repeats timed passes after an untimed one), test BLEU and chrF with --ref,
 the share of outputs identical to the first setting of the same beam (ours, first --stop, first --dtype),
-and the speed ratio to CTranslate2 float32 / int8 at the same beam. The timed passes of a beam's settings run
+and the speed ratio to CTranslate2 float32 / int8 at the same beam and the same --workers (searches side by side,
+each on threads / workers threads: decode.workers for ours, inter_threads for CTranslate2). The timed passes of a beam's settings run
 in rounds, interleaved (every setting once per round), and a ratio is the median over rounds of the ratio
 within a round: the figures are paired against the machine's drift (timed_rounds).
 
@@ -38,7 +39,7 @@ from transformer.device import cpu_description
 from transformer.evaluate import bleu_chrf
 from transformer.search import STOP_RULES
 from transformer.translate import (CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_batches,
-                                   search_ids, source_batches)
+                                   search_ids, search_workers, source_batches)
 from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -68,11 +69,11 @@ def timed_rounds(settings: list, device: torch.device, repeats: int, clock_zero:
             setting["started"].append(start - clock_zero)
 
 
-def count_steps(model, src_ids, beam, lenpen, offset, max_tokens, stop, device):
+def count_steps(model, src_ids, beam, lenpen, offset, max_tokens, stop, device, workers):
     """search_ids' search, keeping what it reports: -> (outputs by sentence, decoder steps per batch, decoder
     steps per sentence)."""
     outputs, batch_steps, sentence_steps = [None] * len(src_ids), [], [0] * len(src_ids)
-    for batch, result in search_batches(model, src_ids, beam, lenpen, offset, max_tokens, device, 1, stop):
+    for batch, result in search_batches(model, src_ids, beam, lenpen, offset, max_tokens, device, 1, stop, workers):
         batch_steps.append(result.steps)
         for i, hyp, steps in zip(batch, result.best(), result.sentence_steps):
             outputs[i], sentence_steps[i] = hyp.tokens, steps
@@ -123,7 +124,11 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
     src_ids = [encoded[i] for i in keep]
     refs = [refs[i] for i in keep] if refs is not None else None
     max_tokens = args.max_tokens or dec.max_tokens
-    batches = source_batches(src_ids, cfg.model.max_positions, max_tokens)
+    workers = args.workers or [dec.workers]
+    # Each worker takes batches of max_tokens / workers (search_batches); Marian runs the first setting's.
+    batches_for = {w: source_batches(src_ids, cfg.model.max_positions, max(1, max_tokens // search_workers(w, device)))
+                   for w in workers}
+    batches = batches_for[workers[0]]
     print(f"{device_name}: {len(src_ids)} sentences in {len(batches)} batches; --dtype auto would pick "
           "{} ({})".format(*pick_dtype("auto", device)), file=sys.stderr)
     dtypes = [d for d in args.dtype if not (d == "int8" and device.type == "cuda")]  # int8 is a CPU path here
@@ -131,8 +136,8 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
               for d in dtypes}
     ct2 = {}
     if args.ctranslate2:
-        ct2 = {d: Translator(args.checkpoint, device=device_name, dtype=d, engine="ctranslate2").ct2
-               for d in args.ct2_dtype}
+        ct2 = {(d, w): Translator(args.checkpoint, device=device_name, dtype=d, engine="ctranslate2", workers=w).ct2
+               for w in workers for d in args.ct2_dtype}
     marian = None
     if not args.no_hf:
         try:
@@ -146,35 +151,38 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
         settings, first = [], {}  # first: outputs and batch steps of this beam's first setting (ours)
         stops = args.stop if beam > 1 else args.stop[:1]  # greedy ignores the stop rule
         for stop in stops:
-            for dtype, model in models.items():
-                def warm_up(model=model, stop=stop):
-                    found = count_steps(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, stop, device)
-                    first.setdefault("outputs", found[0])
-                    first.setdefault("steps", found[1])
-                    return found
+            for w in workers:
+                for dtype, model in models.items():
+                    def warm_up(model=model, stop=stop, w=w):
+                        found = count_steps(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, stop,
+                                            device, w)
+                        first.setdefault("outputs", found[0])
+                        first.setdefault("steps", found[1])
+                        return found
 
-                def ours_pass(model=model, stop=stop):
-                    search_ids(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, device, 1, stop)
-                settings.append({"row": {"device": device_name, "beam": beam, "impl": "ours", "stop": stop,
-                                         "dtype": dtype}, "warm_up": warm_up, "timed_pass": ours_pass})
-        for dtype, translator in ct2.items():
+                    def ours_pass(model=model, stop=stop, w=w):
+                        search_ids(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, device, 1, stop, w)
+                    settings.append({"row": {"device": device_name, "beam": beam, "impl": "ours", "stop": stop,
+                                             "dtype": dtype, "workers": w}, "warm_up": warm_up, "timed_pass": ours_pass})
+        for (dtype, w), translator in ct2.items():
             def ct2_pass(translator=translator):
                 found = ctranslate2_search(translator, vocab, src_ids, beam, dec.lenpen, dec.max_len_offset,
                                            max_tokens, cfg.model.max_positions)
                 return [hyps[0].tokens for hyps in found]
             settings.append({"row": {"device": device_name, "beam": beam, "impl": "ctranslate2",
-                                     "stop": "ctranslate2", "dtype": dtype}, "warm_up": ct2_pass,
+                                     "stop": "ctranslate2", "dtype": dtype, "workers": w}, "warm_up": ct2_pass,
                              "timed_pass": ct2_pass})
         if marian is not None:  # as many steps per batch as our first setting took (warmed up before it)
             def marian_pass():
                 run_marian(marian, tensors, first["steps"], beam)
             settings.append({"row": {"device": device_name, "beam": beam, "impl": "hf_marian", "stop": "forced",
-                                     "dtype": "fp32"}, "warm_up": marian_pass, "timed_pass": marian_pass})
+                                     "dtype": "fp32", "workers": 1}, "warm_up": marian_pass,
+                             "timed_pass": marian_pass})
         timed_rounds(settings, device, args.repeats, clock_zero)
 
         for setting in settings:
             row, times, result = setting["row"], setting["times"], setting["result"]
-            row.update(sentences=len(src_ids), batches=len(batches), times_s=times, started_s=setting["started"],
+            row.update(sentences=len(src_ids), batches=len(batches_for[row["workers"]]), times_s=times, started_s=setting["started"],
                        median_s=statistics.median(times))
             row["sentences_per_s"] = len(src_ids) / row["median_s"]
             if row["impl"] == "ours":
@@ -190,8 +198,8 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
         for setting in settings:
             row = setting["row"]
             for dtype in ("fp32", "int8"):
-                base = next((b for b in settings if b["row"]["impl"] == "ctranslate2" and b["row"]["dtype"] == dtype),
-                            None)
+                base = next((b for b in settings if b["row"]["impl"] == "ctranslate2" and b["row"]["dtype"] == dtype
+                             and b["row"]["workers"] == row["workers"]), None)
                 if base is not None:  # paired: this setting's pass against CTranslate2's of the same round
                     row[f"vs_ct2_{dtype}"] = statistics.median(b / t for t, b in zip(setting["times"], base["times"]))
             rows.append(row)
@@ -205,7 +213,7 @@ _printed_header = False
 def print_row(row: dict) -> None:
     global _printed_header
     if not _printed_header:
-        print(f"{'device':6} {'beam':>4} {'impl':11} {'stop':11} {'dtype':5} {'steps/sent':>10} {'sent/s':>8} "
+        print(f"{'device':6} {'beam':>4} {'impl':11} {'stop':11} {'dtype':5} {'wk':>2} {'steps/sent':>10} {'sent/s':>8} "
               f"{'tok/s':>9} {'BLEU':>6} {'same':>6} {'/ct2 fp32':>9} {'/ct2 int8':>9}")
         _printed_header = True
     steps = f"{row['steps_per_sentence']:.1f}" if "steps_per_sentence" in row else ""
@@ -213,7 +221,7 @@ def print_row(row: dict) -> None:
     same = f"{row['same_as_first']:.1%}" if "same_as_first" in row else ""
     tok = f"{row['tokens_per_s']:.0f}" if "tokens_per_s" in row else ""
     ratios = [f"{row[k]:.2f}x" if k in row else "" for k in ("vs_ct2_fp32", "vs_ct2_int8")]
-    print(f"{row['device']:6} {row['beam']:>4} {row['impl']:11} {row['stop']:11} {row['dtype']:5} {steps:>10} "
+    print(f"{row['device']:6} {row['beam']:>4} {row['impl']:11} {row['stop']:11} {row['dtype']:5} {row['workers']:>2} {steps:>10} "
           f"{row['sentences_per_s']:8.1f} {tok:>9} {bleu:>6} {same:>6} {ratios[0]:>9} {ratios[1]:>9}", flush=True)
 
 
@@ -236,6 +244,8 @@ def main() -> None:
                     help="CTranslate2 compute types with --ctranslate2 (default: fp32 int8)")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face Marian comparison")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for every engine (default: torch's)")
+    ap.add_argument("--workers", type=int, nargs="+",
+                    help="searches side by side, sharing the threads, for both engines (default: decode.workers)")
     ap.add_argument("--limit", type=int, default=0, help="only the first N sentences (0 = all)")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per setting; the median is reported")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")

@@ -157,6 +157,8 @@ CASES = [
          "--lenpen must be a finite number >= 0, got -inf"),
     Case("max-tokens 0", lambda r, run: ["translate", run, "x", "--max-tokens", "0"],
          "--max-tokens must be at least 1, got 0"),
+    Case("workers 0", lambda r, run: ["evaluate", run, "--workers", "0"], "--workers must be at least 1, got 0"),
+    Case("serve workers -1", lambda r, run: ["serve", run, "--workers=-1"], "--workers must be at least 1, got -1"),
     Case("attention beam 0", lambda r, run: ["attention", run, "x", "--beam", "0", "--out", r / "a.png"],
          "--beam must be at least 1 (1 = greedy), got 0"),
     Case("plot-positions length", lambda r, run: ["plot-positions", "--length", BIG, "--out", r / "p.png"],

@@ -133,6 +133,7 @@ def test_types_are_converted(tmp_path):
     ({"data": {"max_len": 300}, "model": {"max_positions": 256}}, "max_positions"),
     ({"data": {"max_tokens": 10}}, "max_tokens"),
     ({"decode": {"beam": 0}}, "beam"),
+    ({"decode": {"workers": 0}}, "decode.workers"),
 ])
 def test_impossible_values(raw, needle):
     if needle is None:

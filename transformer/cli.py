@@ -195,6 +195,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--stop", choices=("exact", "early"), help="beam search stop rule (default: decode.stop)")
     p.add_argument("--max-tokens", type=int, metavar="N",
                    help="source tokens per batched search; also ends a batching window early (default: decode.max_tokens)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="searches side by side on a CPU when a batched search holds several batches, as for "
+                        "translate (default: decode.workers)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (default auto)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"), default="auto",
                    help="number format, as for translate (default auto)")
@@ -250,6 +253,11 @@ def _search_options() -> argparse.ArgumentParser:
     decode.add_argument("--lenpen", type=float, metavar="A",
                         help="GNMT length penalty alpha: score = log p / ((5 + len) / 6)^A (default: decode.lenpen)")
     decode.add_argument("--max-tokens", type=int, metavar="N", help="source tokens per batch (default: decode.max_tokens)")
+    decode.add_argument("--workers", type=int, metavar="N",
+                        help="searches run side by side on a CPU, each on its own batches of max-tokens / N "
+                             "tokens with torch's threads / N threads (CTranslate2: its inter_threads); 1 = one "
+                             "search on all threads, the lowest latency for one batch with CTranslate2 "
+                             "(default: decode.workers, 2)")
     decode.add_argument("--stop", choices=("exact", "early"),
                         help="when beam search ends a sentence: exact (once no live hypothesis can beat the "
                              "n-best finished ones) or early (fairseq's: once BEAM hypotheses have finished; "

@@ -42,6 +42,8 @@ def _check_search_args(args: argparse.Namespace) -> None:
         raise UserError(f"--lenpen must be a finite number >= 0, got {args.lenpen}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers must be at least 1, got {args.workers}")
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -105,7 +107,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
     _check_search_args(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
         run_translate(args.checkpoint, args.sentences, args.input, args.output, args.beam, args.lenpen, args.nbest,
-                      args.max_tokens, args.device, args.dtype, args.stop, args.engine)
+                      args.max_tokens, args.device, args.dtype, args.stop, args.engine, args.workers)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
@@ -114,7 +116,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     _check_search_args(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
         run_evaluate(args.run, args.split, args.src, args.ref, args.beam, args.lenpen, args.max_tokens, args.device,
-                     args.dtype, args.stop, args.engine)
+                     args.dtype, args.stop, args.engine, args.workers)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -140,7 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = ServeSettings(batch_window_ms=args.batch_window_ms, max_sentences=args.max_sentences,
                              max_chars=args.max_chars, max_beam=args.max_beam, max_pending=args.max_pending)
     run_serve(args.checkpoint, args.host, args.port, settings, args.device, args.dtype, args.beam, args.lenpen,
-              args.stop, args.max_tokens)
+              args.stop, args.max_tokens, args.workers)
 
 
 def cmd_average(args: argparse.Namespace) -> None:

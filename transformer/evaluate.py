@@ -67,7 +67,8 @@ def translate_and_score(model, vocab, sources: Sequence[Sequence[int]], referenc
     settings of `decode` (a DecodeConfig) but `beam` and `lenpen`; and the translations."""
     from transformer.translate import translate_ids
 
-    ids = translate_ids(model, sources, beam, lenpen, decode.max_len_offset, decode.max_tokens, device, decode.stop)
+    ids = translate_ids(model, sources, beam, lenpen, decode.max_len_offset, decode.max_tokens, device, decode.stop,
+                        decode.workers)
     hypotheses = vocab.decode(ids)
     return bleu_chrf(hypotheses, references), hypotheses
 
@@ -82,7 +83,7 @@ def validation_bleu(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
 
 def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], beam: Optional[int],
                  lenpen: Optional[float], max_tokens: Optional[int], device: str, dtype: str = "fp32",
-                 stop: Optional[str] = None, engine: str = "ours") -> dict:
+                 stop: Optional[str] = None, engine: str = "ours", workers: Optional[int] = None) -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files), score, write .hyp and .json."""
     from transformer.corpus import load_split, read_parallel
     from transformer.translate import Translator
@@ -91,7 +92,8 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         raise UserError("evaluate: --src and --ref go together")
     if src is not None and split is not None:
         raise UserError("evaluate: give --split or --src/--ref, not both")
-    translator = Translator(run_dir, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine)
+    translator = Translator(run_dir, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine,
+                            workers=workers)
     if src is not None:
         sources, references = read_parallel(src, ref)
         name = Path(src).name

@@ -119,10 +119,10 @@ class Service:
 
     def __init__(self, checkpoint: str | Path, settings: ServeSettings, device: str = "auto", dtype: str = "auto",
                  beam: Optional[int] = None, lenpen: Optional[float] = None, stop: Optional[str] = None,
-                 max_tokens: Optional[int] = None):
+                 max_tokens: Optional[int] = None, workers: Optional[int] = None):
         path = resolve_checkpoint(checkpoint)
         self.settings = settings
-        self.translator = Translator(path, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype)
+        self.translator = Translator(path, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, workers=workers)
         if settings.max_beam < self.translator.beam:
             raise UserError(f"--max-beam ({settings.max_beam}) is below the checkpoint's decode.beam "
                             f"({self.translator.beam})")
@@ -141,7 +141,7 @@ class Service:
             "model": {**asdict(m), "parameters": sum(p.numel() for p in self.model.parameters())},
             "vocab_size": len(self.vocab), "languages": [self.cfg.data.src_lang, self.cfg.data.tgt_lang],
             "decode": {"beam": d.beam, "lenpen": d.lenpen, "stop": d.stop, "max_len_offset": d.max_len_offset,
-                       "max_tokens": d.max_tokens},
+                       "max_tokens": d.max_tokens, "workers": d.workers},
             "device": str(d.device), "dtype": d.dtype, "limits": asdict(self.settings),
         }
 
@@ -363,9 +363,9 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run_serve(checkpoint: str, host: str, port: int, settings: ServeSettings, device: str = "auto",
               dtype: str = "auto", beam: Optional[int] = None, lenpen: Optional[float] = None,
-              stop: Optional[str] = None, max_tokens: Optional[int] = None) -> None:
+              stop: Optional[str] = None, max_tokens: Optional[int] = None, workers: Optional[int] = None) -> None:
     """The `serve` command: load the checkpoint, bind, and serve until interrupted."""
-    service = Service(checkpoint, settings, device, dtype, beam, lenpen, stop, max_tokens)
+    service = Service(checkpoint, settings, device, dtype, beam, lenpen, stop, max_tokens, workers)
     if service.translator.note:
         print(service.translator.note, file=sys.stderr)
     sock = listen(host, port)

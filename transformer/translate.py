@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, TextIO
 
@@ -50,34 +52,73 @@ def source_batches(src_ids: Sequence[Sequence[int]], max_positions: int, max_tok
     return [[todo[j] for j in batch] for batch in length_batches(lengths, max_tokens)]
 
 
+def search_workers(workers: int, device) -> int:
+    """How many searches run side by side (decode.workers): on a CPU at most one per torch thread; on CUDA one,
+    since the GPU runs one search's kernels at a time anyway."""
+    if torch.device(device).type != "cpu":
+        return 1
+    return max(1, min(workers, torch.get_num_threads()))
+
+
+@contextlib.contextmanager
+def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor]:
+    """`workers` threads that share torch's CPU threads between them (each runs its operations on
+    threads // workers), and torch's count back for the caller and later threads afterwards."""
+    threads = torch.get_num_threads()
+    # torch.set_num_threads in a worker sets its own thread's count, and also the count threads started later
+    # begin with: hence the reset below.
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="search", initializer=torch.set_num_threads,
+                              initargs=(max(1, threads // workers),))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # on an error: finish the running batches, start no more
+        torch.set_num_threads(threads)
+
+
 def search_batches(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
-                   max_tokens: int, device, nbest: int = 1,
-                   stop: str = DecodeConfig.stop) -> Iterator[tuple[list[int], SearchResult]]:
-    """search() over the non-empty sources (subword ids, no EOS) in length batches: per batch, the indices of
-    its sources and what search() found for them (hypotheses in that order, and the decoder steps it took).
-    Sources are cut as batch.prepare_sources says."""
-    for batch in source_batches(src_ids, model.cfg.max_positions, max_tokens):
+                   max_tokens: int, device, nbest: int = 1, stop: str = DecodeConfig.stop,
+                   workers: int = 1) -> Iterator[tuple[list[int], SearchResult]]:
+    """search() over the non-empty sources (subword ids, no EOS) in length batches: per batch, in order, the
+    indices of its sources and what search() found for them (hypotheses in that order, and the decoder steps
+    it took). Sources are cut as batch.prepare_sources says.
+
+    With `workers` > 1 on a CPU (search_workers), that many searches run side by side on batches of
+    max_tokens / workers source tokens, so the tokens in flight stay max_tokens. Input that fits one such
+    batch is searched in the calling thread on all threads: one sentence is not slower for it."""
+    workers = search_workers(workers, device)
+    batches = source_batches(src_ids, model.cfg.max_positions, max(1, max_tokens // workers))
+
+    def run(batch: list[int]) -> SearchResult:
         src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
-        yield batch, search(model, src.to(device), beam, lenpen, max_len_offset, nbest, stop)
+        return search(model, src.to(device), beam, lenpen, max_len_offset, nbest, stop)
+
+    if workers == 1 or len(batches) == 1:
+        for batch in batches:
+            yield batch, run(batch)
+        return
+    with worker_threads(workers) as pool:
+        yield from zip(batches, pool.map(run, batches))
 
 
 def search_ids(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
-               max_tokens: int, device, nbest: int = 1, stop: str = DecodeConfig.stop) -> list[list[Hypothesis]]:
+               max_tokens: int, device, nbest: int = 1, stop: str = DecodeConfig.stop,
+               workers: int = 1) -> list[list[Hypothesis]]:
     """Per source (subword ids, no EOS), its n-best hypotheses, input order kept. An empty source gives
-    nbest empty hypotheses without running the model."""
+    nbest empty hypotheses without running the model. `workers`: as for search_batches."""
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     for batch, found in search_batches(model, src_ids, beam, lenpen, max_len_offset, max_tokens, device, nbest,
-                                       stop):
+                                       stop, workers):
         for i, hyps in zip(batch, found.hypotheses):
             out[i] = hyps
     return out
 
 
 def translate_ids(model, src_ids: list[list[int]], beam: int, lenpen: float, max_len_offset: int,
-                  max_tokens: int, device, stop: str = DecodeConfig.stop) -> list[list[int]]:
+                  max_tokens: int, device, stop: str = DecodeConfig.stop, workers: int = 1) -> list[list[int]]:
     """Best output ids (no BOS/EOS) per source, in input order: the trainer's validation-BLEU entry point."""
     return [hyps[0].tokens for hyps in search_ids(model, src_ids, beam, lenpen, max_len_offset, max_tokens,
-                                                  device, 1, stop)]
+                                                  device, 1, stop, workers)]
 
 
 def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float,
@@ -90,18 +131,23 @@ def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]
     length penalty it ranks by, length**lenpen rather than GNMT's ((5 + length) / 6)**lenpen (length
     counting EOS in both), so beam outputs can differ from ours; greedy outputs agree. Its length limit is
     per call: an output longer than its own sentence's limit (only a degenerate one) is cut to that limit
-    and rescored.
+    and rescored. With several workers (the translator's inter_threads) the batches are sized and run side by
+    side as search_batches runs ours.
     """
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     limit = source_limit(max_positions)
-    for batch in source_batches(src_ids, max_positions, max_tokens):
+    submitted = []  # per batch: its indices, sources, length limits and pending results
+    for batch in source_batches(src_ids, max_positions, max(1, max_tokens // translator.num_translators)):
         sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
         max_lens = max_output_lengths(torch.tensor([len(s) + 1 for s in sources]), max_len_offset,  # + 1: EOS
                                       max_positions).tolist()
-        results = translator.translate_batch(
+        pending = translator.translate_batch(  # asynchronous: every worker takes batches from the queue
             sources, beam_size=beam, num_hypotheses=nbest, length_penalty=lenpen, return_scores=True,
             max_decoding_length=max(max_lens) + 1,  # + 1: room for the EOS after max_len tokens
-            min_decoding_length=0, max_input_length=0, max_batch_size=0)
+            min_decoding_length=0, max_input_length=0, max_batch_size=0, asynchronous=True)
+        submitted.append((batch, sources, max_lens, pending))
+    for batch, sources, max_lens, pending in submitted:
+        results = [result.result() for result in pending]
         rescore = []  # (row in batch, hypothesis) whose score must come from CTranslate2's scorer
         for row, (i, result, max_len) in enumerate(zip(batch, results, max_lens)):
             hyps = []
@@ -134,13 +180,14 @@ class Translator:
 
     dtype: fp32, bf16 (weights cast; log-probabilities still in fp32), int8 (CPU: dynamic quantization of
     the linear layers) or auto (pick_dtype; `note` says what it picked). engine: ours (PyTorch search) or
-    ctranslate2 (the checkpoint converted once, cached beside it: export.cached_conversion).
+    ctranslate2 (the checkpoint converted once, cached beside it: export.cached_conversion). workers: searches
+    side by side on a CPU (decode.workers; search_batches); CTranslate2 gets them as its inter_threads.
     """
 
     def __init__(self, checkpoint: str | Path, device: str = "auto", beam: Optional[int] = None,
                  lenpen: Optional[float] = None, max_tokens: Optional[int] = None,
                  max_len_offset: Optional[int] = None, stop: Optional[str] = None, dtype: str = "fp32",
-                 engine: str = "ours"):
+                 engine: str = "ours", workers: Optional[int] = None):
         if engine not in ENGINES:
             raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.device = pick_device(device)
@@ -156,8 +203,10 @@ class Translator:
         self.max_tokens = dec.max_tokens if max_tokens is None else max_tokens
         self.max_len_offset = dec.max_len_offset if max_len_offset is None else max_len_offset
         self.stop = dec.stop if stop is None else stop
+        self.workers = dec.workers if workers is None else workers
         for ok, message in ((self.beam >= 1, "beam must be at least 1"), (self.lenpen >= 0, "lenpen must not be negative"),
                             (self.max_tokens >= 1, "max tokens must be positive"),
+                            (self.workers >= 1, "workers must be at least 1"),
                             (self.max_len_offset >= 1, "max length offset must be at least 1"),
                             (self.stop in STOP_RULES, f"stop must be one of {', '.join(STOP_RULES)}, got {self.stop!r}")):
             if not ok:
@@ -184,9 +233,10 @@ class Translator:
 
         ctranslate2 = require_ctranslate2()
         model_dir = cached_conversion(checkpoint)
-        threads = torch.get_num_threads() if self.device.type == "cpu" else 1
+        workers = search_workers(self.workers, self.device)  # laid out over the CPU's threads as ours
+        threads = max(1, torch.get_num_threads() // workers) if self.device.type == "cpu" else 1
         try:
-            return ctranslate2.Translator(str(model_dir), device=self.device.type, inter_threads=1,
+            return ctranslate2.Translator(str(model_dir), device=self.device.type, inter_threads=workers,
                                           intra_threads=threads, compute_type=CT2_COMPUTE_TYPES[self.dtype])
         except (ValueError, RuntimeError) as e:  # e.g. a compute type this machine or build lacks
             raise UserError(f"CTranslate2 cannot run {model_dir} on {self.device.type} in {self.dtype}: "
@@ -208,7 +258,7 @@ class Translator:
             return ctranslate2_search(self.ct2, self.vocab, src_ids, self.beam, self.lenpen, self.max_len_offset,
                                       self.max_tokens, self.cfg.model.max_positions, nbest)
         return search_ids(self.model, src_ids, self.beam, self.lenpen, self.max_len_offset, self.max_tokens,
-                          self.device, nbest, self.stop)
+                          self.device, nbest, self.stop, self.workers)
 
     def translate_nbest(self, lines: Sequence[str], nbest: int = 1) -> list[list[tuple[float, str]]]:
         """Per line, up to `nbest` (score, translation) pairs, best first."""
@@ -287,7 +337,8 @@ def _write_nbest(out: TextIO, results: list[list[tuple[float, str]]], nbest: int
 
 def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str], output: Optional[str],
                   beam: Optional[int], lenpen: Optional[float], nbest: int, max_tokens: Optional[int],
-                  device: str, dtype: str = "fp32", stop: Optional[str] = None, engine: str = "ours") -> None:
+                  device: str, dtype: str = "fp32", stop: Optional[str] = None, engine: str = "ours",
+                  workers: Optional[int] = None) -> None:
     """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line."""
     from transformer.atomic import check_output_path
     from transformer.corpus import read_lines
@@ -302,7 +353,8 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
         raise UserError("translate: standard input is closed; give sentences as arguments or --input FILE")
     if output:  # before anything is opened: never truncate an input or a checkpoint
         check_output_path(output, [input, checkpoint], command="translate")
-    translator = Translator(checkpoint, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine)
+    translator = Translator(checkpoint, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine,
+                            workers=workers)
     if nbest > translator.beam:
         raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({translator.beam}); raise --beam")
     if translator.note:
