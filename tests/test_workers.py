@@ -107,6 +107,7 @@ def test_ctranslate2_workers_translate_as_one(ctranslate2, copy_model, two_threa
     one = Translator(copy_model, device="cpu", beam=2, max_tokens=MAX_TOKENS, engine="ctranslate2", workers=1)
     two = Translator(copy_model, device="cpu", beam=2, max_tokens=MAX_TOKENS, engine="ctranslate2", workers=2)
     assert (one.ct2.num_translators, two.ct2.num_translators) == (1, 2)
+    assert torch.get_num_threads() == 2  # CTranslate2 set the caller's count to its intra_threads, 1
     found_one, found_two = one.translate_nbest(LINES, 2), two.translate_nbest(LINES, 2)
     assert [[text for _, text in hyps] for hyps in found_two] == [[text for _, text in hyps] for hyps in found_one]
     for hyps_two, hyps_one in zip(found_two, found_one):  # other batches: float sums in another order

@@ -234,13 +234,16 @@ class Translator:
         ctranslate2 = require_ctranslate2()
         model_dir = cached_conversion(checkpoint)
         workers = search_workers(self.workers, self.device)  # laid out over the CPU's threads as ours
-        threads = max(1, torch.get_num_threads() // workers) if self.device.type == "cpu" else 1
+        ours = torch.get_num_threads()
+        threads = max(1, ours // workers) if self.device.type == "cpu" else 1
         try:
             return ctranslate2.Translator(str(model_dir), device=self.device.type, inter_threads=workers,
                                           intra_threads=threads, compute_type=CT2_COMPUTE_TYPES[self.dtype])
         except (ValueError, RuntimeError) as e:  # e.g. a compute type this machine or build lacks
             raise UserError(f"CTranslate2 cannot run {model_dir} on {self.device.type} in {self.dtype}: "
                             f"{str(e).splitlines()[0]}") from None
+        finally:  # it sets the calling thread's OpenMP count, torch's too, to intra_threads
+            torch.set_num_threads(ours)
 
     def encode(self, lines: Sequence[str]) -> list[list[int]]:
         ids = self.vocab.encode([line if line.strip() else "" for line in lines])
