@@ -87,6 +87,26 @@ def test_an_error_in_a_worker_reaches_the_caller(run, two_threads, monkeypatch):
     assert torch.get_num_threads() == 2
 
 
+def test_a_model_in_training_is_searched_in_eval_mode_and_handed_back_in_training(run, two_threads, monkeypatch):
+    """The trainer's validation BLEU: the mode is set before any worker starts, not by each search (the first to
+    finish would switch dropout back on under the others, and the last would leave training without it)."""
+    model, vocab, _ = load_model(run)
+    src_ids = vocab.encode(LINES)
+    expected = search_ids(model, src_ids, 1, 0.6, 4, MAX_TOKENS, "cpu", workers=1)
+    model.train()
+    real, modes = translate.search, []
+
+    def recording(model, src, *args, **kwargs):
+        modes.append(model.training)
+        return real(model, src, *args, **kwargs)
+
+    monkeypatch.setattr(translate, "search", recording)
+    found = search_ids(model, src_ids, 1, 0.6, 4, MAX_TOKENS, "cpu", workers=2)
+    assert len(modes) > 2 and not any(modes)
+    assert model.training
+    assert [hyps[0].tokens for hyps in found] == [hyps[0].tokens for hyps in expected]
+
+
 def test_workers_are_capped_by_threads_and_one_off_the_cpu(two_threads):
     assert search_workers(4, "cpu") == 2
     assert search_workers(2, "cpu") == 2

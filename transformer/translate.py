@@ -18,6 +18,7 @@ from transformer.config import DecodeConfig
 from transformer.data import pack_by_size
 from transformer.device import native_bf16, pick_device
 from transformer.errors import UserError
+from transformer.model import evaluating
 from transformer.search import STOP_RULES, Hypothesis, SearchResult, length_penalty, max_output_lengths, search
 from transformer.vocab import Vocab
 
@@ -97,7 +98,9 @@ def search_batches(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: f
         for batch in batches:
             yield batch, run(batch)
         return
-    with worker_threads(workers) as pool:
+    # Eval mode set once for all workers: each search() also sets it and puts back what it found, and side by
+    # side the first to finish would switch dropout back on under the others (the trainer's validation BLEU).
+    with evaluating(model, inference=False), worker_threads(workers) as pool:
         yield from zip(batches, pool.map(run, batches))
 
 
