@@ -125,8 +125,8 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
     refs = [refs[i] for i in keep] if refs is not None else None
     max_tokens = args.max_tokens or dec.max_tokens
     workers = args.workers or [dec.workers]
-    # Each worker takes batches of max_tokens / workers (search_batches); Marian runs the first setting's.
-    batches_for = {w: source_batches(src_ids, cfg.model.max_positions, max(1, max_tokens // search_workers(w, device)))
+    # The batches each layout searches (source_batches); Marian runs the first setting's.
+    batches_for = {w: source_batches(src_ids, cfg.model.max_positions, max_tokens, search_workers(w, device))
                    for w in workers}
     batches = batches_for[workers[0]]
     print(f"{device_name}: {len(src_ids)} sentences in {len(batches)} batches; --dtype auto would pick "

@@ -45,12 +45,14 @@ def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return pack_by_size(order, [n + 1 for n in lengths], max_tokens)
 
 
-def source_batches(src_ids: Sequence[Sequence[int]], max_positions: int, max_tokens: int) -> list[list[int]]:
+def source_batches(src_ids: Sequence[Sequence[int]], max_positions: int, max_tokens: int,
+                   workers: int = 1) -> list[list[int]]:
     """Indices of the non-empty sources (empty ones are never searched) in length batches, as both engines
-    take them."""
+    take them: of max_tokens / workers source tokens each, so that with `workers` searches side by side the
+    tokens in flight stay max_tokens."""
     todo = [i for i, ids in enumerate(src_ids) if len(ids) > 0]
     lengths = [min(len(src_ids[i]), source_limit(max_positions)) for i in todo]
-    return [[todo[j] for j in batch] for batch in length_batches(lengths, max_tokens)]
+    return [[todo[j] for j in batch] for batch in length_batches(lengths, max(1, max_tokens // workers))]
 
 
 def search_workers(workers: int, device) -> int:
@@ -84,11 +86,11 @@ def search_batches(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: f
     indices of its sources and what search() found for them (hypotheses in that order, and the decoder steps
     it took). Sources are cut as batch.prepare_sources says.
 
-    With `workers` > 1 on a CPU (search_workers), that many searches run side by side on batches of
-    max_tokens / workers source tokens, so the tokens in flight stay max_tokens. Input that fits one such
-    batch is searched in the calling thread on all threads: one sentence is not slower for it."""
+    With `workers` > 1 on a CPU (search_workers), that many searches run side by side, each on its own
+    batches (source_batches). Input that fits one batch is searched in the calling thread on all threads:
+    one sentence is not slower for it."""
     workers = search_workers(workers, device)
-    batches = source_batches(src_ids, model.cfg.max_positions, max(1, max_tokens // workers))
+    batches = source_batches(src_ids, model.cfg.max_positions, max_tokens, workers)
 
     def run(batch: list[int]) -> SearchResult:
         src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
@@ -140,7 +142,7 @@ def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     limit = source_limit(max_positions)
     submitted = []  # per batch: its indices, sources, length limits and pending results
-    for batch in source_batches(src_ids, max_positions, max(1, max_tokens // translator.num_translators)):
+    for batch in source_batches(src_ids, max_positions, max_tokens, translator.num_translators):
         sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
         max_lens = max_output_lengths(torch.tensor([len(s) + 1 for s in sources]), max_len_offset,  # + 1: EOS
                                       max_positions).tolist()
