@@ -231,6 +231,10 @@ class Translator:
             from transformer.quantize import quantize_int8
 
             self.model = quantize_int8(self.model)
+        elif self.device.type == "cpu":
+            from transformer.quantize import input_major
+
+            self.model = input_major(self.model)
         self.lines_seen = 0  # numbers the lines in truncation warnings across streamed chunks
 
     def _load_ctranslate2(self, checkpoint):
