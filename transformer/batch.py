@@ -93,11 +93,12 @@ class Batch:
         src_width = round_up(int(src_len.max()) + 1, pad_to_multiple)
         tgt_width = round_up(int(tgt_len.max()) + 1, pad_to_multiple)
         src = _gather(corpus.src_tokens, src_start, src_len, src_width, first=0)
-        tgt_in = _gather(corpus.tgt_tokens, tgt_start, tgt_len, tgt_width, first=1)
         tgt_out = _gather(corpus.tgt_tokens, tgt_start, tgt_len, tgt_width, first=0)
+        tgt_in = np.empty_like(tgt_out)  # the shift, from the one gather: the corpus is read once per side
+        tgt_in[:, 0] = BOS_ID
+        tgt_in[:, 1:] = tgt_out[:, :-1]  # tgt_width > longest target, so every last id moves in
         rows = np.arange(len(indices))
         src[rows, src_len] = EOS_ID
-        tgt_in[:, 0] = BOS_ID
         tgt_out[rows, tgt_len] = EOS_ID
         return cls(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
                    int(src_len.sum()) + len(indices), int(tgt_len.sum()) + len(indices))
