@@ -173,7 +173,7 @@ def open_split(cfg: DataConfig, split: str, limit: int = 0, log: Optional[Callab
 def load_split(cfg: DataConfig, split: str) -> tuple[list[str], list[str]]:
     """All raw sentences of a (small) split, e.g. the test set that `evaluate` translates."""
     raw = open_split(cfg, split)
-    raw.n_pairs  # refuses sides of different lengths before anything is read
+    raw.count()  # refuses sides of different lengths before anything is read
     src, tgt = [], []
     for s, t in raw.chunks():
         src += s

@@ -63,6 +63,11 @@ def search_workers(workers: int, device) -> int:
     return max(1, min(workers, torch.get_num_threads()))
 
 
+def threads_per_worker(workers: int) -> int:
+    """torch's CPU threads shared out between `workers` searches side by side (ours, or CTranslate2's)."""
+    return max(1, torch.get_num_threads() // workers)
+
+
 @contextlib.contextmanager
 def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor]:
     """`workers` threads that share torch's CPU threads between them (each runs its operations on
@@ -71,7 +76,7 @@ def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor]:
     # torch.set_num_threads in a worker sets its own thread's count, and also the count threads started later
     # begin with: hence the reset below.
     pool = ThreadPoolExecutor(workers, thread_name_prefix="search", initializer=torch.set_num_threads,
-                              initargs=(max(1, threads // workers),))
+                              initargs=(threads_per_worker(workers),))
     try:
         yield pool
     finally:
@@ -244,7 +249,7 @@ class Translator:
         model_dir = cached_conversion(checkpoint)
         workers = search_workers(self.workers, self.device)  # laid out over the CPU's threads as ours
         ours = torch.get_num_threads()
-        threads = max(1, ours // workers) if self.device.type == "cpu" else 1
+        threads = threads_per_worker(workers) if self.device.type == "cpu" else 1
         try:
             return ctranslate2.Translator(str(model_dir), device=self.device.type, inter_threads=workers,
                                           intra_threads=threads, compute_type=CT2_COMPUTE_TYPES[self.dtype])
