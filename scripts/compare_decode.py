@@ -4,8 +4,8 @@ before/after figures on a machine whose speed drifts between processes (this pro
 setting measured 1.3 s in one process and 1.9 s in the next).
 
     python scripts/compare_decode.py data/multi30k/test.de --checkpoint runs/multi30k --rev 2ebcc63 --rev . \
-        [--beam 4] [--stop early] [--dtype fp32] [--limit 500] [--max-tokens N] [--rounds 5] [--threads 2] \
-        [--json out.json]
+        [--beam 4] [--stop early] [--dtype fp32] [--limit 500] [--max-tokens N] [--workers 1] [--rounds 5] \
+        [--threads 2] [--json out.json]
 
 Each --rev is a git revision, or "." for the working tree. Its `transformer/` is copied to a temporary folder
 as a package of another name (t_0, t_1, ...; the package imports only itself by absolute imports), so every
@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=500, help="first N sentences (0 = all)")
     ap.add_argument("--max-tokens", type=int, default=0,
                     help="source tokens per batch (default: decode.max_tokens; 1: one sentence at a time, for latency)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="searches side by side (decode.workers; revisions from a38a639 on); default 1")
     ap.add_argument("--rounds", type=int, default=5, help="timed passes per revision, interleaved")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
@@ -86,8 +88,10 @@ def main() -> None:
             max_tokens = args.max_tokens or dec.max_tokens
 
             def run(translate=translate, tr=tr, src=src, lenpen=lenpen, dec=dec, max_tokens=max_tokens):
+                # workers only when asked: revisions before decode.workers (a38a639) do not take it
+                side_by_side = {"workers": args.workers} if args.workers > 1 else {}
                 return translate.search_ids(tr.model, src, args.beam, lenpen, dec.max_len_offset, max_tokens,
-                                            torch.device("cpu"), 1, args.stop)
+                                            torch.device("cpu"), 1, args.stop, **side_by_side)
             outputs.append([hyps[0].tokens for hyps in run()])  # untimed: warms up, and the outputs to compare
             runs.append(run)
         times: list[list[float]] = [[] for _ in runs]
@@ -99,7 +103,7 @@ def main() -> None:
 
     rows = []
     print(f"{len(lines)} sentences, beam {args.beam}, stop {args.stop}, {args.dtype}, {args.rounds} rounds, "
-          f"max tokens {args.max_tokens or 'decode.max_tokens'}")
+          f"max tokens {args.max_tokens or 'decode.max_tokens'}, {args.workers} worker(s)")
     print(f"{'revision':>12} {'min s':>7} {'median s':>9} {'time / first':>13} {'same outputs':>13}")
     for rev, ts, out in zip(args.rev, times, outputs):
         ratio = statistics.median(a / b for a, b in zip(ts, times[0]))
@@ -110,7 +114,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "test_set": args.test_set, "checkpoint": args.checkpoint, "beam": args.beam, "stop": args.stop,
-            "dtype": args.dtype, "sentences": len(lines), "max_tokens": args.max_tokens or None,
+            "dtype": args.dtype, "sentences": len(lines), "max_tokens": args.max_tokens or None, "workers": args.workers,
             "threads": args.threads, "torch": torch.__version__, "cpu": cpu_description(), "results": rows},
             indent=1) + "\n")
         print(f"wrote {args.json}")

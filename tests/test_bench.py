@@ -127,13 +127,14 @@ def test_compare_decode_runs_revisions_side_by_side(untrained_checkpoint, tmp_pa
     out = tmp_path / "compare.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_decode.py"), str(test_set),
                              "--checkpoint", str(untrained_checkpoint), "--rev", ".", "--rev", ".", "--rev", "HEAD",
-                             "--beam", "2", "--rounds", "2", "--threads", "1", "--max-tokens", "1", "--json", str(out)],
+                             "--beam", "2", "--rounds", "2", "--threads", "1", "--max-tokens", "1", "--workers", "2",
+                             "--json", str(out)],
                             capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     rows = report["results"]
     assert report["cpu"] == cpu_description()  # which machine: ratios differ between CPUs of one model name
-    assert [r["rev"] for r in rows] == [".", ".", "HEAD"] and report["max_tokens"] == 1  # one sentence a batch
+    assert [r["rev"] for r in rows] == [".", ".", "HEAD"] and report["max_tokens"] == 1 and report["workers"] == 2
     assert rows[0]["time_vs_first"] == 1.0 and rows[1]["same_outputs_as_first"] == 1.0
     for r in rows:
         assert len(r["times_s"]) == 2 and r["min_s"] <= r["median_s"] and 0 <= r["same_outputs_as_first"] <= 1
