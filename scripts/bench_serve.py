@@ -2,11 +2,13 @@
 """Load on `transformer serve` from N concurrent clients on 127.0.0.1, with and without the batching window.
 
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] [--clients 8] [--requests 400] \
-        [--time-limit 60] [--sentences 1] [--beam 4] [--windows 5 0] [--device cpu] [--json bench_serve.json]
+        [--time-limit 60] [--sentences 1] [--beam 4] [--windows 5 0] [--engines ours ctranslate2] [--device cpu] \
+        [--json bench_serve.json]
 
 TEST_SET defaults to $TRANSFORMER_DATA/multi30k/test.de (else data/multi30k/test.de): Multi30k test sentences,
-sent in file order (cycling), --sentences per request. For each --windows value a fresh server is started
-(`transformer serve --port 0 --batch-window-ms W`, on 127.0.0.1 only), warmed up with a short burst of the same
+sent in file order (cycling), --sentences per request. For each --engines value (what runs /translate: serve
+--engine) and each --windows value a fresh server is started (`transformer serve --port 0 --engine E
+--batch-window-ms W`, on 127.0.0.1 only), warmed up with a short burst of the same
 load (2 requests per client), and loaded by --clients threads that each send one request at a time until --requests have been sent or --time-limit
 seconds have passed. Reports requests/s, sentences/s, p50/p99 latency, the mean sentences per batched search,
 errors (warm-up included; must be 0: the script exits 1 otherwise) and the server's RSS before and after the
@@ -99,8 +101,8 @@ def load(port: int, sentences: list[str], clients: int, total: int, per_request:
             "p50_ms": pick(0.50), "p99_ms": pick(0.99), "mean_ms": statistics.fmean(ms) if ms else float("nan")}
 
 
-def run_one(args, sentences: list[str], window: float) -> dict:
-    server, url = spawn(args.checkpoint, "--device", args.device, "--batch-window-ms", str(window),
+def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
+    server, url = spawn(args.checkpoint, "--device", args.device, "--engine", engine, "--batch-window-ms", str(window),
                         "--max-pending", str(max(1024, args.clients * args.sentences)),
                         "--max-sentences", str(max(64, args.sentences)))
     port = urlsplit(url).port
@@ -117,7 +119,7 @@ def run_one(args, sentences: list[str], window: float) -> dict:
         server.wait(timeout=60)
     result["errors"] += warmup["errors"]
     result["first_errors"] = (warmup["first_errors"] + result["first_errors"])[:5]
-    return {"window_ms": window, **result, "rss_before_mb": before, "rss_after_mb": after,
+    return {"engine": engine, "window_ms": window, **result, "rss_before_mb": before, "rss_after_mb": after,
             "batches": batches, "sentences_per_batch": searched / max(1, batches)}
 
 
@@ -133,6 +135,8 @@ def main() -> None:
     ap.add_argument("--beam", type=int, default=4, help="beam size of every request (default 4)")
     ap.add_argument("--windows", type=float, nargs="+", default=[5.0, 0.0],
                     help="batching windows to compare, in ms (default: 5 0)")
+    ap.add_argument("--engines", nargs="+", choices=("ours", "ctranslate2"), default=["ours"],
+                    help="what runs /translate, each in its own server (default: ours)")
     ap.add_argument("--device", default="cpu", help="where the server runs the model (default cpu)")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     args = ap.parse_args()
@@ -142,13 +146,13 @@ def main() -> None:
     if not sentences:
         sys.exit(f"error: no sentences in {args.test_set}")
 
-    results = [run_one(args, sentences, window) for window in args.windows]
+    results = [run_one(args, sentences, engine, window) for engine in args.engines for window in args.windows]
     print(f"{args.clients} clients, {args.sentences} sentence(s) per request, beam {args.beam}, {args.device}; "
           f"server RSS in MiB")
-    print(f"{'window':>8} {'requests':>8} {'errors':>6} {'req/s':>8} {'sent/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+    print(f"{'engine':>11} {'window':>8} {'requests':>8} {'errors':>6} {'req/s':>8} {'sent/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'sent/batch':>10} {'RSS before':>10} {'RSS after':>9}")
     for r in results:
-        print(f"{r['window_ms']:>6g}ms {r['requests']:>8} {r['errors']:>6} {r['requests_per_s']:>8.1f} "
+        print(f"{r['engine']:>11} {r['window_ms']:>6g}ms {r['requests']:>8} {r['errors']:>6} {r['requests_per_s']:>8.1f} "
               f"{r['sentences_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['sentences_per_batch']:>10.2f} "
               f"{r['rss_before_mb']:>10.1f} {r['rss_after_mb']:>9.1f}")
         for why in r["first_errors"]:

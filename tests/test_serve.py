@@ -1,6 +1,7 @@
 """`transformer serve`: the JSON API in-process (FastAPI's test client) on a tiny random checkpoint, request
 batching, every refusal, and the page driven by headless Chromium against a real uvicorn."""
 
+import importlib.util
 import json
 import os
 import random
@@ -15,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import LINES
 from transformer import cli
+from transformer import translate as translate_module
 from transformer.checkpoint import save_checkpoint
 from transformer.config import from_dict, to_dict
 from transformer.model import PositionalEncoding, Transformer
@@ -268,6 +271,63 @@ def test_info(client):
     assert info["limits"]["max_sentences"] == 8 and info["dtype"] == "fp32"
 
 
+def test_ctranslate2_engine_serves_translate_and_our_model_the_page(ctranslate2, copy_model, monkeypatch):
+    """serve --engine ctranslate2: /translate goes through CTranslate2 (greedy: our outputs and scores);
+    /attention and /beam still run our model; /info says which engine translates."""
+    calls = []
+    real = translate_module.ctranslate2_search
+    monkeypatch.setattr(translate_module, "ctranslate2_search", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lines = LINES[:SETTINGS.max_sentences]
+    with TestClient(create_app(Service(copy_model, SETTINGS, device="cpu", dtype="fp32"))) as ours, \
+            TestClient(create_app(Service(copy_model, SETTINGS, device="cpu", dtype="fp32",
+                                          engine="ctranslate2"))) as theirs:
+        assert ours.get("/info").json()["decode"]["engine"] == "ours"
+        assert theirs.get("/info").json()["decode"]["engine"] == "ctranslate2"
+        expected = post(ours, "/translate", {"text": lines, "beam": 1})["translations"]
+        assert not calls
+        got = post(theirs, "/translate", {"text": lines, "beam": 1})["translations"]
+        assert calls  # it was CTranslate2 that translated
+        assert [t["text"] for t in got] == [t["text"] for t in expected]
+        assert len({t["text"] for t in got}) > len(lines) // 2
+        assert [t["score"] for t in got] == pytest.approx([t["score"] for t in expected], abs=1e-3)
+        calls.clear()
+        for path, body in (("/attention", {"text": lines[0], "beam": 1}), ("/beam", {"text": lines[0], "beam": 3})):
+            # The same search and maps; ours multiplies input-major weights (quantize.py), so floats may differ
+            # in the last digits.
+            assert_close(post(theirs, path, body), post(ours, path, body))
+        assert not calls  # the page's views are our model's
+
+
+def assert_close(a, b, path: str = "") -> None:
+    """JSON values equal, floats to 1e-4."""
+    assert type(a) is type(b), path
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_close(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, abs=1e-4), path
+    else:
+        assert a == b, path
+
+
+def test_serve_without_ctranslate2_is_one_line_naming_the_extra(run, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import ctranslate2 now raises ImportError
+    taken = socket.socket()  # were the engine ignored, the server would fail on this port rather than serve on
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        status, _ = run_cli("serve", run, "--device", "cpu", "--engine", "ctranslate2", "--port", taken.getsockname()[1])
+    finally:
+        taken.close()
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "transformer[ctranslate2]" in err, err
+
+
 def test_checkpoint_is_read_once_and_each_request_encoded_once(run, monkeypatch):
     """The service reads its checkpoint once (the model and /info's run state come from one load), and a
     /translate request's sentences go through SentencePiece once (batch sizing and search share the ids)."""
@@ -410,18 +470,20 @@ def test_page_in_headless_chromium(server, tmp_path):
 # ----------------------------------------------------------------------------- scripts/bench_serve.py
 
 def test_bench_serve_runs_and_writes_json(run, tmp_path):
-    """At toy size: both windows, every request answered, no error; no timing is asserted."""
+    """At toy size: both windows (and both engines where CTranslate2 is installed), every request answered,
+    no error; no timing is asserted."""
     root = Path(__file__).resolve().parent.parent
+    engines = ["ours", "ctranslate2"] if importlib.util.find_spec("ctranslate2") else ["ours"]
     (tmp_path / "test.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "scripts/bench_serve.py", str(run), str(tmp_path / "test.de"),
                              "--clients", "3", "--requests", "9", "--time-limit", "60", "--sentences", "2",
-                             "--beam", "2", "--windows", "5", "0", "--json", str(out)],
+                             "--beam", "2", "--windows", "5", "0", "--engines", *engines, "--json", str(out)],
                             capture_output=True, text=True, cwd=root, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
-    assert [r["window_ms"] for r in report["results"]] == [5, 0]
+    assert [(r["engine"], r["window_ms"]) for r in report["results"]] == [(e, w) for e in engines for w in (5, 0)]
     for r in report["results"]:
         assert r["requests"] == 9 and r["errors"] == 0 and r["requests_per_s"] > 0
         assert r["p50_ms"] <= r["p99_ms"] and r["rss_before_mb"] > 0 and r["rss_after_mb"] > 0

@@ -201,6 +201,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (default auto)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"), default="auto",
                    help="number format, as for translate (default auto)")
+    p.add_argument("--engine", choices=("ours", "ctranslate2"), default="ours",
+                   help="what runs /translate: ours (default) or ctranslate2, as for translate (pip install "
+                        "'transformer[ctranslate2]'; on a CPU it answers sooner). The page's attention maps and "
+                        "beam traces always come from our model, so with beam > 1 they may show a different "
+                        "translation (CTranslate2 has its own stop rule and length penalty)")
     p.add_argument("--batch-window-ms", type=float, default=5.0, metavar="MS",
                    help="how long a /translate request waits for others to share its search (default 5; 0: only "
                         "requests that queued while the model was busy are merged)")

@@ -142,7 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = ServeSettings(batch_window_ms=args.batch_window_ms, max_sentences=args.max_sentences,
                              max_chars=args.max_chars, max_beam=args.max_beam, max_pending=args.max_pending)
     run_serve(args.checkpoint, args.host, args.port, settings, args.device, args.dtype, args.beam, args.lenpen,
-              args.stop, args.max_tokens, args.workers)
+              args.stop, args.max_tokens, args.workers, args.engine)
 
 
 def cmd_average(args: argparse.Namespace) -> None:

@@ -119,15 +119,19 @@ class Service:
 
     def __init__(self, checkpoint: str | Path, settings: ServeSettings, device: str = "auto", dtype: str = "auto",
                  beam: Optional[int] = None, lenpen: Optional[float] = None, stop: Optional[str] = None,
-                 max_tokens: Optional[int] = None, workers: Optional[int] = None):
+                 max_tokens: Optional[int] = None, workers: Optional[int] = None, engine: str = "ours"):
         path = resolve_checkpoint(checkpoint)
         self.settings = settings
-        self.translator = Translator(path, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, workers=workers)
+        # With CTranslate2, /translate runs on it; the page's attention maps and beam traces need our model's
+        # internals, so the translator keeps that too.
+        self.translator = Translator(path, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, workers=workers,
+                                     engine=engine, keep_model=True)
         if settings.max_beam < self.translator.beam:
             raise UserError(f"--max-beam ({settings.max_beam}) is below the checkpoint's decode.beam "
                             f"({self.translator.beam})")
         self.default_beam = self.translator.beam
         self.model, self.vocab, self.cfg = self.translator.model, self.translator.vocab, self.translator.cfg
+        self.model_device = next(self.model.parameters()).device  # the translator's, or the CPU beside CTranslate2
         self.info = self._describe(path)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")  # searches never overlap
         self.batcher: Optional[Batcher] = None
@@ -140,8 +144,8 @@ class Service:
                            **_validation_at(path.parent, run.get("step"))} if run else None,
             "model": {**asdict(m), "parameters": sum(p.numel() for p in self.model.parameters())},
             "vocab_size": len(self.vocab), "languages": [self.cfg.data.src_lang, self.cfg.data.tgt_lang],
-            "decode": {"beam": d.beam, "lenpen": d.lenpen, "stop": d.stop, "max_len_offset": d.max_len_offset,
-                       "max_tokens": d.max_tokens, "workers": d.workers},
+            "decode": {"engine": d.engine, "beam": d.beam, "lenpen": d.lenpen, "stop": d.stop,
+                       "max_len_offset": d.max_len_offset, "max_tokens": d.max_tokens, "workers": d.workers},
             "device": str(d.device), "dtype": d.dtype, "limits": asdict(self.settings),
         }
 
@@ -194,7 +198,7 @@ class Service:
         d = self.translator
         src, _ = prepare_sources([ids], self.cfg.model.max_positions)  # (1, S)
         trace: list[TraceStep] = []
-        found = search(self.model, src.to(d.device), beam, d.lenpen, d.max_len_offset, nbest, d.stop, trace=trace)
+        found = search(self.model, src.to(self.model_device), beam, d.lenpen, d.max_len_offset, nbest, d.stop, trace=trace)
 
         def show(hyps):
             return [{"pieces": self.vocab.pieces(h.tokens), "text": text, "score": round(h.score, 5)}
@@ -363,9 +367,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run_serve(checkpoint: str, host: str, port: int, settings: ServeSettings, device: str = "auto",
               dtype: str = "auto", beam: Optional[int] = None, lenpen: Optional[float] = None,
-              stop: Optional[str] = None, max_tokens: Optional[int] = None, workers: Optional[int] = None) -> None:
+              stop: Optional[str] = None, max_tokens: Optional[int] = None, workers: Optional[int] = None,
+              engine: str = "ours") -> None:
     """The `serve` command: load the checkpoint, bind, and serve until interrupted."""
-    service = Service(checkpoint, settings, device, dtype, beam, lenpen, stop, max_tokens, workers)
+    service = Service(checkpoint, settings, device, dtype, beam, lenpen, stop, max_tokens, workers, engine)
     if service.translator.note:
         print(service.translator.note, file=sys.stderr)
     sock = listen(host, port)

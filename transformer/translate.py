@@ -192,12 +192,14 @@ class Translator:
     the linear layers) or auto (pick_dtype; `note` says what it picked). engine: ours (PyTorch search) or
     ctranslate2 (the checkpoint converted once, cached beside it: export.cached_conversion). workers: searches
     side by side on a CPU (decode.workers; search_batches); CTranslate2 gets them as its inter_threads.
+    keep_model: with CTranslate2, keep the PyTorch model too (fp32, on the CPU), for what only it can show
+    (serve's attention maps and beam traces); otherwise it is dropped once converted.
     """
 
     def __init__(self, checkpoint: str | Path, device: str = "auto", beam: Optional[int] = None,
                  lenpen: Optional[float] = None, max_tokens: Optional[int] = None,
                  max_len_offset: Optional[int] = None, stop: Optional[str] = None, dtype: str = "fp32",
-                 engine: str = "ours", workers: Optional[int] = None):
+                 engine: str = "ours", workers: Optional[int] = None, keep_model: bool = False):
         if engine not in ENGINES:
             raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.device = pick_device(device)
@@ -229,7 +231,8 @@ class Translator:
         self.ct2 = None
         if engine == "ctranslate2":
             self.ct2 = self._load_ctranslate2(checkpoint)
-            self.model = None  # converted: the PyTorch copy is not needed any more
+            if not keep_model:
+                self.model = None  # converted: the PyTorch copy is not needed any more
         elif self.dtype == "bf16":
             self.model = self.model.to(torch.bfloat16)
         elif self.dtype == "int8":

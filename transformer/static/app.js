@@ -70,6 +70,8 @@ function describeModel(info) {
     `${m.n_encoder_layers}+${m.n_decoder_layers} layers, ${m.n_heads} heads, d_model ${m.d_model}`,
     `${info.vocab_size} pieces, ${info.languages.join(" → ")}`,
     `${(m.parameters / 1e6).toFixed(2)} M parameters on ${info.device} (${info.dtype})`];
+  // The maps and the beam trace are always our model's; only the translation box may come from CTranslate2.
+  if (info.decode.engine === "ctranslate2") parts.push("translations by CTranslate2");
   if (v) {
     const figures = [];
     if (v.bleu != null) figures.push(`BLEU ${v.bleu.toFixed(2)}`);
