@@ -2,6 +2,7 @@
 a model converted to them searches the same hypotheses; the Translator uses them for fp32 on a CPU."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -53,3 +54,11 @@ def test_translator_uses_input_major_weights_for_fp32_on_a_cpu(run):
     assert isinstance(Translator(run, device="cpu").model.output, InputMajorLinear)
     bf16 = Translator(run, device="cpu", dtype="bf16").model
     assert isinstance(bf16.output, nn.Linear) and bf16.output.weight.dtype == torch.bfloat16  # measured for fp32 only
+
+
+def test_int8_without_torch_dynamic_quantization_is_a_one_line_error(run, monkeypatch, call):
+    """torch has deprecated eager dynamic quantization; where it is gone, --dtype int8 says what to use instead."""
+    monkeypatch.setitem(sys.modules, "torch.ao.quantization", None)  # importing it now fails
+    status, _, err = call("translate", run, "--dtype", "int8", "--device", "cpu", "ein hund")
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert "--dtype int8 needs torch's dynamic quantization" in err and "--engine ctranslate2" in err

@@ -19,12 +19,18 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     """
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise UserError("--dtype int8 is a CPU path: use --device cpu (on CUDA, bf16 is the fast path)")
-    if "fbgemm" in torch.backends.quantized.supported_engines:
-        torch.backends.quantized.engine = "fbgemm"  # x86 int8 GEMM
+    # torch marks eager-mode quantization deprecated in favour of torchao; it still works (torch 2.4-2.13) and
+    # needs no extra package. A torch that has dropped it gets a one-line error, not a traceback.
     with warnings.catch_warnings():
-        # torch marks eager-mode quantization deprecated in favour of torchao; it still works and needs no extra package.
         warnings.simplefilter("ignore")
-        quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).eval(), {nn.Linear}, dtype=torch.qint8)
+        try:
+            from torch.ao.quantization import quantize_dynamic
+        except ImportError:
+            raise UserError(f"--dtype int8 needs torch's dynamic quantization, which this torch ({torch.__version__}) "
+                            "does not have: use --dtype fp32, or --engine ctranslate2 --dtype int8") from None
+        if "fbgemm" in torch.backends.quantized.supported_engines:
+            torch.backends.quantized.engine = "fbgemm"  # x86 int8 GEMM
+        quantized = quantize_dynamic(copy.deepcopy(model).eval(), {nn.Linear}, dtype=torch.qint8)
     return quantized
 
 
