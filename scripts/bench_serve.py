@@ -2,8 +2,8 @@
 """Load on `transformer serve` from N concurrent clients on 127.0.0.1, with and without the batching window.
 
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] [--clients 8] [--requests 400] \
-        [--time-limit 60] [--sentences 1] [--beam 4] [--windows 5 0] [--engines ours ctranslate2] [--device cpu] \
-        [--json bench_serve.json]
+        [--time-limit 60] [--sentences 1] [--beam 4] [--windows 5 0] [--engines ours ctranslate2] [--stop early] \
+        [--device cpu] [--json bench_serve.json]
 
 TEST_SET defaults to $TRANSFORMER_DATA/multi30k/test.de (else data/multi30k/test.de): Multi30k test sentences,
 sent in file order (cycling), --sentences per request. For each --engines value (what runs /translate: serve
@@ -102,7 +102,8 @@ def load(port: int, sentences: list[str], clients: int, total: int, per_request:
 
 
 def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
-    server, url = spawn(args.checkpoint, "--device", args.device, "--engine", engine, "--batch-window-ms", str(window),
+    stop = ("--stop", args.stop) if args.stop else ()
+    server, url = spawn(args.checkpoint, "--device", args.device, "--engine", engine, *stop, "--batch-window-ms", str(window),
                         "--max-pending", str(max(1024, args.clients * args.sentences)),
                         "--max-sentences", str(max(64, args.sentences)))
     port = urlsplit(url).port
@@ -137,6 +138,9 @@ def main() -> None:
                     help="batching windows to compare, in ms (default: 5 0)")
     ap.add_argument("--engines", nargs="+", choices=("ours", "ctranslate2"), default=["ours"],
                     help="what runs /translate, each in its own server (default: ours)")
+    ap.add_argument("--stop", choices=("exact", "early"),
+                    help="our beam search's stop rule (serve --stop; default: the checkpoint's decode.stop); "
+                         "CTranslate2 always stops like early")
     ap.add_argument("--device", default="cpu", help="where the server runs the model (default cpu)")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     args = ap.parse_args()
@@ -147,7 +151,8 @@ def main() -> None:
         sys.exit(f"error: no sentences in {args.test_set}")
 
     results = [run_one(args, sentences, engine, window) for engine in args.engines for window in args.windows]
-    print(f"{args.clients} clients, {args.sentences} sentence(s) per request, beam {args.beam}, {args.device}; "
+    print(f"{args.clients} clients, {args.sentences} sentence(s) per request, beam {args.beam}, "
+          f"stop {args.stop or 'decode.stop'}, {args.device}; "
           f"server RSS in MiB")
     print(f"{'engine':>11} {'window':>8} {'requests':>8} {'errors':>6} {'req/s':>8} {'sent/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'sent/batch':>10} {'RSS before':>10} {'RSS after':>9}")
@@ -159,7 +164,7 @@ def main() -> None:
             print(f"  error: {why}")
     if args.json:
         report = {"checkpoint": str(args.checkpoint), "test_set": str(args.test_set), "clients": args.clients,
-                  "sentences_per_request": args.sentences, "beam": args.beam, "device": args.device,
+                  "sentences_per_request": args.sentences, "beam": args.beam, "stop": args.stop, "device": args.device,
                   "requests_limit": args.requests, "time_limit_s": args.time_limit,
                   "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
                   "results": results}

@@ -478,11 +478,12 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "scripts/bench_serve.py", str(run), str(tmp_path / "test.de"),
                              "--clients", "3", "--requests", "9", "--time-limit", "60", "--sentences", "2",
-                             "--beam", "2", "--windows", "5", "0", "--engines", *engines, "--json", str(out)],
+                             "--beam", "2", "--windows", "5", "0", "--engines", *engines, "--stop", "early", "--json", str(out)],
                             capture_output=True, text=True, cwd=root, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
+    assert report["stop"] == "early"
     assert [(r["engine"], r["window_ms"]) for r in report["results"]] == [(e, w) for e in engines for w in (5, 0)]
     for r in report["results"]:
         assert r["requests"] == 9 and r["errors"] == 0 and r["requests_per_s"] > 0
