@@ -212,6 +212,16 @@ def test_ctranslate2_engine_greedy_equals_ours(ctranslate2, copy_model, capsys, 
     assert status == 0 and out.splitlines() == ours[:5] and "converting" not in err
 
 
+def test_ctranslate2_engine_says_it_ignores_an_exact_stop(ctranslate2, copy_model, call):
+    status, out, err = call("translate", copy_model, "--engine", "ctranslate2", "--stop", "exact", "--dtype", "fp32",
+                            LINES[0])
+    assert status == 0 and len(out.splitlines()) == 1
+    assert "--stop exact does not apply to --engine ctranslate2" in err
+    for flags in (("--stop", "early"), ()):  # early is what it does; no flag: the checkpoint's default, unasked
+        status, _, err = call("translate", copy_model, "--engine", "ctranslate2", *flags, "--dtype", "fp32", LINES[0])
+        assert status == 0 and "does not apply" not in err, flags
+
+
 def test_ctranslate2_engine_nbest_scores_are_ours(ctranslate2, copy_model):
     ours = Translator(copy_model, device="cpu", beam=3, lenpen=0.6).translate_nbest(LINES[:15], 3)
     theirs = Translator(copy_model, device="cpu", beam=3, lenpen=0.6, engine="ctranslate2").translate_nbest(LINES[:15], 3)

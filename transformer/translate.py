@@ -228,6 +228,9 @@ class Translator:
         if dtype == "bf16" and self.device.type == "cpu" and not native_bf16(self.device)[0]:
             self.note = ("warning: this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 runs emulated, "
                          "much slower than fp32")
+        if engine == "ctranslate2" and stop == "exact":  # asked for, not the checkpoint's default
+            warning = "warning: --stop exact does not apply to --engine ctranslate2, which stops like --stop early"
+            self.note = f"{self.note}\n{warning}" if self.note else warning
         self.ct2 = None
         if engine == "ctranslate2":
             self.ct2 = self._load_ctranslate2(checkpoint)
