@@ -138,3 +138,27 @@ def test_compare_decode_runs_revisions_side_by_side(untrained_checkpoint, tmp_pa
     assert rows[0]["time_vs_first"] == 1.0 and rows[1]["same_outputs_as_first"] == 1.0
     for r in rows:
         assert len(r["times_s"]) == 2 and r["min_s"] <= r["median_s"] and 0 <= r["same_outputs_as_first"] <= 1
+
+
+@pytest.mark.parametrize("engines", ["ours", "both"])
+def test_bench_phases_splits_encoder_from_decoder(untrained_checkpoint, tmp_path, engines, request):
+    """Every pass timed once per round; a split is the whole pass less the first, and the table prints it."""
+    if engines == "both":
+        request.getfixturevalue("ctranslate2")
+    (tmp_path / "test.de").write_text("\n".join(sentences(1, 12)) + "\n", encoding="utf-8")
+    out = tmp_path / "phases.json"
+    result = subprocess.run([sys.executable, "scripts/bench_phases.py", str(tmp_path / "test.de"), "--checkpoint",
+                             str(untrained_checkpoint), "--beam", "2", "--rounds", "3", "--json", str(out),
+                             *(["--no-ctranslate2"] if engines == "ours" else [])],
+                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["sentences"] == 12 and report["beam"] == 2 and report["cpu"] == cpu_description()
+    expected = {"ours"} | ({"CTranslate2"} if engines == "both" else set())
+    assert set(report["split"]) == expected and len(report["times_s"]) == 2 * len(expected)
+    for name, times in report["times_s"].items():
+        assert len(times) == 3 and all(t > 0 for t in times)
+    for engine, split in report["split"].items():
+        first, whole = (statistics.median(t) for name, t in report["times_s"].items() if name.startswith(engine))
+        assert split == pytest.approx({"first_s": first, "whole_s": whole, "rest_s": whole - first})
+        assert f"{engine:12} first pass {first:.3f}s" in result.stdout

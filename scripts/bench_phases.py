@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Where decoding time goes, encoder against decoder, for our search and for CTranslate2 on the same weights.
+
+    python scripts/bench_phases.py data/multi30k/test.de --checkpoint runs/multi30k [--beam 1] [--threads 1]
+        [--limit 500] [--rounds 6] [--no-ctranslate2] [--json phases.json]
+
+Per engine, two passes over the same batches of subword ids (tokenisation excluded), timed in interleaved rounds
+(every pass once per round, the order reversed every other round, against this machine's drift):
+- ours: the encoder alone (`Transformer.encode` and `new_cache`, which projects the cross-attention K/V once), and
+  the whole search (`Translator.search`);
+- CTranslate2: `translate_batch` with max_decoding_length=1 (the encoder and one decoder step: it has no
+  encoder-only call for a translator), and the whole search (`ctranslate2_search`, as `--engine ctranslate2`).
+The decoder's share is the whole pass less the first one. One search at a time (1 worker) on --threads threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from transformer.batch import padding_mask, prepare_sources
+from transformer.corpus import read_lines
+from transformer.device import cpu_description
+from transformer.model import evaluating
+from transformer.translate import Translator, source_batches
+
+
+def interleaved(passes: dict, rounds: int) -> dict[str, list[float]]:
+    """One untimed call of each pass, then `rounds` rounds timing each once; order reversed every other round."""
+    for run in passes.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for r in range(rounds):
+        for name in (list(passes) if r % 2 == 0 else list(reversed(passes))):
+            start = time.perf_counter()
+            passes[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("source", help="source sentences, one per line")
+    ap.add_argument("--checkpoint", required=True, help="run directory or checkpoint file")
+    ap.add_argument("--beam", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch / CTranslate2 threads (default 1)")
+    ap.add_argument("--limit", type=int, default=500, help="first N sentences (default 500)")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--no-ctranslate2", action="store_true", help="time our engine only")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    ours = Translator(args.checkpoint, device="cpu", dtype="fp32", beam=args.beam, workers=1, stop="early")
+    lines = read_lines(args.source)[: args.limit]
+    ids = ours.encode(lines)
+    model, positions = ours.model, ours.cfg.model.max_positions
+    batches = source_batches(ids, positions, ours.max_tokens, 1)
+    sources = [prepare_sources([ids[i] for i in batch], positions)[0] for batch in batches]
+
+    def ours_encoder():
+        with evaluating(model):
+            for src in sources:
+                mask = padding_mask(src)
+                model.new_cache(model.encode(src, mask), mask)
+
+    passes = {"ours: encoder": ours_encoder, "ours: whole search": lambda: ours.search(ids)}
+    if not args.no_ctranslate2:
+        ct2 = Translator(args.checkpoint, device="cpu", dtype="fp32", beam=args.beam, workers=1,
+                         engine="ctranslate2")
+        torch.set_num_threads(args.threads)
+        pieces = [[ct2.vocab.pieces(ids[i]) for i in batch] for batch in batches]
+
+        def ct2_first_step():
+            for batch in pieces:
+                ct2.ct2.translate_batch(batch, beam_size=args.beam, max_decoding_length=1, min_decoding_length=0,
+                                        max_input_length=0, max_batch_size=0, return_scores=True)
+
+        passes["CTranslate2: encoder + 1 step"] = ct2_first_step
+        passes["CTranslate2: whole search"] = lambda: ct2.search(ids)
+    times = interleaved(passes, args.rounds)
+    median = {name: statistics.median(t) for name, t in times.items()}
+
+    print(f"cpu, {len(ids)} sentences in {len(batches)} batches, beam {args.beam}, {args.threads} thread(s), "
+          f"{args.rounds} rounds")
+    print(f"{'pass':32} {'median s':>9}  rounds")
+    for name, t in times.items():
+        print(f"{name:32} {median[name]:9.3f}  {' '.join(f'{x:.2f}' for x in t)}")
+    engines = [("ours", "ours: encoder", "ours: whole search")]
+    if not args.no_ctranslate2:
+        engines.append(("CTranslate2", "CTranslate2: encoder + 1 step", "CTranslate2: whole search"))
+    split = {}
+    for engine, first, whole in engines:
+        split[engine] = {"first_s": median[first], "rest_s": median[whole] - median[first], "whole_s": median[whole]}
+        print(f"{engine:12} first pass {median[first]:.3f}s, decoder (the rest) {median[whole] - median[first]:.3f}s, "
+              f"whole {median[whole]:.3f}s")
+    if len(split) == 2:
+        print(f"CTranslate2's time / ours: whole {split['CTranslate2']['whole_s'] / split['ours']['whole_s']:.2f}, "
+              f"decoder {split['CTranslate2']['rest_s'] / split['ours']['rest_s']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "source": args.source, "checkpoint": str(args.checkpoint), "sentences": len(ids), "batches": len(batches),
+            "beam": args.beam, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
+            "cpu": cpu_description(), "times_s": times, "split": split}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
