@@ -30,6 +30,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from transformer.corpus import read_lines
+from transformer.device import cpu_description
 from transformer.serve import spawn
 
 
@@ -166,7 +167,8 @@ def main() -> None:
         report = {"checkpoint": str(args.checkpoint), "test_set": str(args.test_set), "clients": args.clients,
                   "sentences_per_request": args.sentences, "beam": args.beam, "stop": args.stop, "device": args.device,
                   "requests_limit": args.requests, "time_limit_s": args.time_limit,
-                  "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+                  "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                              "cpu": cpu_description()},
                   "results": results}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if any(r["errors"] for r in results):

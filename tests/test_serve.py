@@ -19,6 +19,7 @@ import torch
 from tests.conftest import LINES
 from transformer import cli
 from transformer import translate as translate_module
+from transformer.device import cpu_description
 from transformer.checkpoint import save_checkpoint
 from transformer.config import from_dict, to_dict
 from transformer.model import PositionalEncoding, Transformer
@@ -483,7 +484,7 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
-    assert report["stop"] == "early"
+    assert report["stop"] == "early" and report["machine"]["cpu"] == cpu_description()
     assert [(r["engine"], r["window_ms"]) for r in report["results"]] == [(e, w) for e in engines for w in (5, 0)]
     for r in report["results"]:
         assert r["requests"] == 9 and r["errors"] == 0 and r["requests_per_s"] > 0
