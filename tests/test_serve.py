@@ -19,9 +19,9 @@ import torch
 from tests.conftest import LINES
 from transformer import cli
 from transformer import translate as translate_module
-from transformer.device import cpu_description
 from transformer.checkpoint import save_checkpoint
 from transformer.config import from_dict, to_dict
+from transformer.device import cpu_description
 from transformer.model import PositionalEncoding, Transformer
 from transformer.translate import Translator
 from transformer.vocab import train_vocab
