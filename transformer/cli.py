@@ -5,9 +5,11 @@ Each verb's options are built by its `_add_<verb>` function here; what the verb 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
-from typing import Optional, Sequence
+import traceback
+from typing import NoReturn, Optional, Sequence
 
 from transformer import commands
 from transformer.errors import UserError
@@ -331,6 +333,42 @@ def _error(message: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    if os.environ.get("WORLD_SIZE", "1") != "1":  # one of torchrun's workers
+        _exit_without_finalizing(_main, argv)
+    _main(argv)
+
+
+def _exit_without_finalizing(run, argv: Optional[Sequence[str]]) -> NoReturn:
+    """Run the command, flush what it wrote, and end the process with its exit status through os._exit.
+    Why: DistributedDataParallel keeps the process group, and with it gloo's worker threads, alive until the
+    process ends (torch keeps references to it that are never dropped). A worker that lets go of the last
+    reference to a tensor Python has already released must take the GIL; if the interpreter is finalizing
+    by then, the thread is unwound and C++ aborts the process ('terminate called without an active
+    exception', SIGABRT) after a run that succeeded. Skipping finalization leaves no moment for that."""
+    code = 0
+    try:
+        run(argv)
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # what the interpreter would print on its way out
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()  # the log files' last lines
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _main(argv: Optional[Sequence[str]]) -> None:
     _fill_closed_outputs()
     args = build_parser().parse_args(argv)
     try:
