@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,6 +14,9 @@ import torch
 
 from tests.conftest import ROOT, cli, read_metrics, subprocess_env, tiny_config, write_config, write_corpus
 from transformer.checkpoint import load_checkpoint
+from transformer.distributed import DistInfo, peer_failure_explained
+from transformer.errors import UserError
+from transformer.resume import StopRequested, stop_at_once
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
@@ -140,3 +144,43 @@ def test_sigterm_to_torchrun_saves_once_and_stops_every_rank(tmp_path):
     logged = max(m["step"] for m in read_metrics(tmp_path / "run") if m.get("split") == "train")
     assert state["run"]["step"] == logged >= 3
     assert len(state["rng"]) == 2
+
+
+@pytest.fixture
+def signal_handlers():
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield saved
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def sigterm_on_the_way_out():
+    """torchrun's SIGTERM to a surviving rank, arriving after the update loop's stop handler has let go."""
+    try:
+        yield
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_while_a_failed_collective_unwinds_does_not_replace_its_message(signal_handlers):
+    # Without the ignoring, the SIGTERM finds resume.stop_at_once's handler, which raises SystemExit(143).
+    with pytest.raises(UserError, match="rank 1: distributed training stopped, most likely because another rank "
+                                        r"crashed .*Connection closed by peer"):
+        with stop_at_once(lambda name: f"{name}: stopped"), sigterm_on_the_way_out(), StopRequested(), \
+                peer_failure_explained(DistInfo(rank=1, world_size=2)):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # to the end of the process
+
+
+@pytest.mark.parametrize("info, error", [
+    (DistInfo(rank=0, world_size=2), RuntimeError("mat1 and mat2 shapes cannot be multiplied")),
+    (DistInfo(), RuntimeError("Connection closed by peer")),  # no torchrun, no peers: not ours to explain
+])
+def test_other_errors_pass_through_and_the_handlers_come_back(signal_handlers, info, error):
+    with pytest.raises(RuntimeError) as raised:
+        with stop_at_once(lambda name: f"{name}: stopped"), StopRequested(), peer_failure_explained(info):
+            raise error
+    assert raised.value is error
+    assert {sig: signal.getsignal(sig) for sig in signal_handlers} == signal_handlers
+

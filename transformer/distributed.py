@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from transformer.errors import UserError
+from transformer.errors import UserError, first_line, is_out_of_memory
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,30 @@ def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def peer_failure_explained(info: DistInfo) -> Iterator[None]:
+    """Under torchrun, turn a failed collective (the usual cause: a peer that died) into a one-line UserError,
+    and ignore SIGINT/SIGTERM from then on. torchrun sends SIGTERM to the surviving ranks when one dies; one
+    that arrived while this error unwinds would end the rank (by the default action, or as a stop request)
+    before the message is printed. Blocking it in this thread would not do: any of the process's threads
+    (gloo's, OpenMP's) may receive it. The rank ends with this error anyway, and the handlers entered before
+    (resume.stop_at_once, StopRequested) leave the ignoring in place as they exit."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e).lower()
+        if not info.enabled or is_out_of_memory(e) or not (
+                isinstance(e, dist.DistError) or "peer" in text or "nccl" in text or "gloo" in text):
+            raise
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        raise UserError(f"rank {info.rank}: distributed training stopped, most likely because another rank "
+                        f"crashed or was killed ({first_line(e)[:300]}); continue from last.pt with --resume") from None
 
 
 def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:

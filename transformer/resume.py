@@ -90,7 +90,14 @@ def stop_at_once(message: Callable[[str], str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for sig, handler in previous.items():
+        restore_handlers(previous, handle)
+
+
+def restore_handlers(previous: dict, ours: Callable) -> None:
+    """Put back the handlers `ours` replaced, unless another was installed over it since: a rank failing on a
+    dead peer ignores SIGINT/SIGTERM to the end (distributed.peer_failure_explained says why)."""
+    for sig, handler in previous.items():
+        if signal.getsignal(sig) == ours:
             signal.signal(sig, handler)
 
 
@@ -115,8 +122,7 @@ class StopRequested:
         self.signal_name = signal.Signals(signum).name
 
     def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(self._previous, self._handle)
         return False
 
 

@@ -24,7 +24,7 @@ from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data import BatchStream, Prefetcher, Update, eval_batches
 from transformer.device import autocast_context, matmul_tflops, pick_precision
 from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
-                                     shutdown_distributed)
+                                     peer_failure_explained, shutdown_distributed)
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.evaluate import evaluate_loss, validation_bleu
 from transformer.model import Transformer, build_model, count_parameters
@@ -90,21 +90,15 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
     info, device = init_distributed(cfg.train.device)
     command = resume_command(config_path, overrides, cfg.train.run_dir)
     try:
-        with contextlib.ExitStack() as scope:  # the run-directory lock and signal handlers, until the end
+        # The run-directory lock and signal handlers, until the end; a failed collective explained before
+        # they are undone (the update loop explains its own, inside its stop handler).
+        with contextlib.ExitStack() as scope, peer_failure_explained(info):
             return _train(cfg, info, device, resume, command, quiet, scope)
     except (RuntimeError, MemoryError) as e:
         if is_out_of_memory(e):
             raise UserError(f"out of memory while training ({first_line(e)}); lower data.max_tokens (raise "
                             f"train.update_freq to keep the batch) or the model's sizes, then: {command}") from None
-        if isinstance(e, MemoryError):
-            raise
-        text = str(e).lower()
-        if not info.enabled or not (isinstance(e, torch.distributed.DistError) or "peer" in text or "nccl" in text
-                                    or "gloo" in text):
-            raise
-        # Under torchrun the usual cause is a peer that died: say so in one line; torchrun stops the rest.
-        raise UserError(f"rank {info.rank}: distributed training stopped, most likely because another rank "
-                        f"crashed or was killed ({first_line(e)[:300]}); continue from last.pt with --resume") from None
+        raise
     finally:
         shutdown_distributed()
 
@@ -353,7 +347,8 @@ def update_loop(run: Run, quiet: bool) -> None:
     prefetch = Prefetcher(stream, pin_memory=run.device.type == "cuda", device=run.device)
     progress = Progress(run.metrics, bar, prefetch, run.model, t.log_every, t.max_steps, state.step, run.peak_tflops)
     skipped_in_a_row, stopped_early = 0, False
-    with StopRequested() as stop, contextlib.closing(prefetch), contextlib.closing(bar):
+    with StopRequested() as stop, peer_failure_explained(info), \
+            contextlib.closing(prefetch), contextlib.closing(bar):
         while state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs):
             update = prefetch.next()
             state.data = update.data_state  # the stream after this update: what a checkpoint saves
