@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import NoReturn, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from transformer import commands
 from transformer.errors import UserError
@@ -338,7 +338,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _main(argv)
 
 
-def _exit_without_finalizing(run, argv: Optional[Sequence[str]]) -> NoReturn:
+def _exit_without_finalizing(run: Callable[[Optional[Sequence[str]]], None],
+                             argv: Optional[Sequence[str]]) -> NoReturn:
     """Run the command, flush what it wrote, and end the process with its exit status through os._exit.
     Why: DistributedDataParallel keeps the process group, and with it gloo's worker threads, alive until the
     process ends (torch keeps references to it that are never dropped). A worker that lets go of the last
