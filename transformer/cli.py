@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from transformer import commands
 from transformer.errors import UserError
@@ -334,12 +334,11 @@ def _error(message: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     if os.environ.get("WORLD_SIZE", "1") != "1":  # one of torchrun's workers
-        _exit_without_finalizing(_main, argv)
+        _exit_without_finalizing(argv)
     _main(argv)
 
 
-def _exit_without_finalizing(run: Callable[[Optional[Sequence[str]]], None],
-                             argv: Optional[Sequence[str]]) -> NoReturn:
+def _exit_without_finalizing(argv: Optional[Sequence[str]]) -> NoReturn:
     """Run the command, flush what it wrote, and end the process with its exit status through os._exit.
     Why: DistributedDataParallel keeps the process group, and with it gloo's worker threads, alive until the
     process ends (torch keeps references to it that are never dropped). A worker that lets go of the last
@@ -348,7 +347,7 @@ def _exit_without_finalizing(run: Callable[[Optional[Sequence[str]]], None],
     exception', SIGABRT) after a run that succeeded. Skipping finalization leaves no moment for that."""
     code = 0
     try:
-        run(argv)
+        _main(argv)
     except SystemExit as e:
         code = e.code
     except BaseException:  # what the interpreter would print on its way out
