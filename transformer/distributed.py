@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from transformer.errors import UserError, first_line, is_out_of_memory
+from transformer.resume import set_stop_handlers
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,7 @@ def peer_failure_explained(info: DistInfo) -> Iterator[None]:
         if not info.enabled or is_out_of_memory(e) or not (
                 isinstance(e, dist.DistError) or "peer" in text or "nccl" in text or "gloo" in text):
             raise
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                signal.signal(sig, signal.SIG_IGN)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
+        set_stop_handlers(signal.SIG_IGN)
         raise UserError(f"rank {info.rank}: distributed training stopped, most likely because another rank "
                         f"crashed or was killed ({first_line(e)[:300]}); continue from last.pt with --resume") from None
 

@@ -81,16 +81,22 @@ def stop_at_once(message: Callable[[str], str]) -> Iterator[None]:
         log.warning(message(signal.Signals(signum).name))
         raise SystemExit(130 if signum == signal.SIGINT else 143)
 
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous[sig] = signal.signal(sig, handle)
-        except ValueError:  # not the main thread: leave signals alone
-            pass
+    previous = set_stop_handlers(handle)
     try:
         yield
     finally:
         restore_handlers(previous, handle)
+
+
+def set_stop_handlers(handler) -> dict:
+    """Install `handler` (a function, or signal.SIG_IGN) for SIGINT and SIGTERM; return the handlers it replaced."""
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+    return previous
 
 
 def restore_handlers(previous: dict, ours: Callable) -> None:
@@ -109,11 +115,7 @@ class StopRequested:
         self._previous = {}
 
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
+        self._previous = set_stop_handlers(self._handle)
         return self
 
     def _handle(self, signum, frame):
