@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import ROOT, cli, read_metrics, subprocess_env, tiny_config, write_config, write_corpus
 from transformer.checkpoint import load_checkpoint
+from transformer.config import from_dict
 from transformer.distributed import DistInfo, peer_failure_explained
 from transformer.errors import UserError
 from transformer.resume import StopRequested, stop_at_once
@@ -184,3 +185,28 @@ def test_other_errors_pass_through_and_the_handlers_come_back(signal_handlers, i
     assert raised.value is error
     assert {sig: signal.getsignal(sig) for sig in signal_handlers} == signal_handlers
 
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_process_group_is_left_only_after_a_normal_end(monkeypatch, tmp_path, fails):
+    # On NCCL destroy_process_group waits for the peers' collectives: after an error (a dead peer) it could
+    # hang where the error should come out.
+    from transformer import train as train_module
+
+    left = []
+    monkeypatch.setattr(train_module, "init_distributed", lambda device: (DistInfo(rank=0, world_size=2), "cpu"))
+    monkeypatch.setattr(train_module, "shutdown_distributed", lambda: left.append(True))
+
+    def fake_train(*args):
+        if fails:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+        return tmp_path
+
+    monkeypatch.setattr(train_module, "_train", fake_train)
+    cfg = from_dict(tiny_config(tmp_path))
+    if fails:
+        with pytest.raises(UserError, match="rank 0: distributed training stopped"):
+            train_module.train(cfg)
+    else:
+        assert train_module.train(cfg) == tmp_path
+    assert left == ([] if fails else [True])

@@ -57,6 +57,7 @@ def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
 
 
 def shutdown_distributed() -> None:
+    """Leave the process group after a normal end (not after an error: train())."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -93,14 +93,17 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
         # The run-directory lock and signal handlers, until the end; a failed collective explained before
         # they are undone (the update loop explains its own, inside its stop handler).
         with contextlib.ExitStack() as scope, peer_failure_explained(info):
-            return _train(cfg, info, device, resume, command, quiet, scope)
+            run_dir = _train(cfg, info, device, resume, command, quiet, scope)
     except (RuntimeError, MemoryError) as e:
         if is_out_of_memory(e):
             raise UserError(f"out of memory while training ({first_line(e)}); lower data.max_tokens (raise "
                             f"train.update_freq to keep the batch) or the model's sizes, then: {command}") from None
         raise
-    finally:
-        shutdown_distributed()
+    # Only after a normal end: on NCCL, destroy_process_group waits for every rank's collectives to complete,
+    # so after an error (a peer that died, a rank out of memory) it could hang instead of letting the error
+    # out. The process ends right after an error anyway (under torchrun without finalizing: cli.main).
+    shutdown_distributed()
+    return run_dir
 
 
 def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, command: str, quiet: bool,
