@@ -70,3 +70,33 @@ def test_export_command(tmp_path, call):
     assert call("export", "ctranslate2", run_dir, out, "--force")[0] == 0
     status, _, err = call("export", "ctranslate2", tmp_path / "nothing", tmp_path / "o")
     assert status == 2 and "no such file" in err and not (tmp_path / "o").exists()
+
+
+def test_export_force_replaces_an_export_only_and_keeps_it_when_conversion_fails(tmp_path, call, monkeypatch):
+    from transformer import export
+
+    raw = tiny_config(tmp_path, train={"max_steps": 2, "valid_every": 100})
+    run_dir = train(from_dict(raw), quiet=True)
+    before = sorted(p.name for p in run_dir.iterdir())
+    status, _, err = call("export", "ctranslate2", run_dir, run_dir, "--force")  # a run directory as OUT_DIR
+    assert status == 2 and "is not a CTranslate2 model directory" in err
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+
+    out = tmp_path / "exported"
+    assert call("export", "ctranslate2", run_dir, out)[0] == 0
+    (out / "notes.txt").write_text("mine\n")
+    status, _, err = call("export", "ctranslate2", run_dir, out, "--force")
+    assert status == 2 and "not replacing it" in err and (out / "notes.txt").exists()
+
+    (out / "notes.txt").unlink()
+    model_bin = (out / "model.bin").read_bytes()
+
+    def broken(source, target, quantization):
+        (target / "model.bin").write_bytes(b"half")
+        raise RuntimeError("conversion failed")
+
+    monkeypatch.setattr(export, "_write_model", broken)
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        export_ctranslate2(run_dir, out, force=True)
+    assert (out / "model.bin").read_bytes() == model_bin
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".exported")] == []

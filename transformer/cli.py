@@ -249,7 +249,8 @@ def _add_export(sub) -> None:
     p.add_argument("--quantization", choices=("int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"),
                    help="store the weights quantized (default: float32; CTranslate2 can also convert when it loads "
                         "a model, with compute_type)")
-    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT_DIR if it holds an earlier export (never any other directory)")
     p.set_defaults(func=commands.cmd_export)
 
 

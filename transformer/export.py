@@ -109,9 +109,27 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, quantization
     if out_dir.exists():
         if not force:
             raise UserError(f"export: {out_dir} exists; add --force to replace it")
-        shutil.rmtree(out_dir)
-    _write_model(source, out_dir, quantization)
+        if not _is_export(out_dir):  # --force replaces an earlier export, never a run or someone's files
+            raise UserError(f"export: {out_dir} exists and is not a CTranslate2 model directory (it holds files "
+                            "other than model.bin, config.json, the vocabularies and spm.model); not replacing it")
+    # Converted beside it first: a conversion that fails leaves the earlier export as it was.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        _write_model(source, staging, quantization)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def _is_export(path: Path) -> bool:
+    """A directory of CTranslate2's files and ours (as _write_model and cached_conversion write them) only."""
+    if not path.is_dir() or not (path / "model.bin").is_file():
+        return False
+    known = {"model.bin", "config.json", "spm.model", SOURCE_RECORD}
+    return all(entry.is_file() and (entry.name in known or "vocabulary" in entry.name) for entry in path.iterdir())
 
 
 def _fingerprint(path: Path, with_hash: bool) -> dict:
