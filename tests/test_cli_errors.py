@@ -320,6 +320,13 @@ def test_run_directory_lock(env, tmp_path, call):
             in (run_dir / "train.log").read_text())
     assert not (run_dir / "train.lock").exists()  # removed when the run ends
 
+    # Its pid taken by another process since (pid 1 lives as long as the machine): nobody holds the file's
+    # flock, so the run that wrote it is gone all the same.
+    (run_dir / "train.lock").write_text(f'{{"pid": 1, "host": "{host}"}}\n')
+    status, _, err = call("train", config, "--resume")
+    assert status == 0, err
+    assert "was left by pid 1 on" in (run_dir / "train.log").read_text()
+
 
 def test_a_vocabulary_smaller_than_asked_is_logged_and_noted_in_config_yaml(env, capsys, tmp_path):
     from transformer.vocab import Vocab

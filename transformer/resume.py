@@ -215,9 +215,10 @@ def make_run_dir(run_dir: Path) -> None:
 class RunLock:
     """run_dir/train.lock, held by the process that trains there (rank 0), holding its pid and host.
 
-    On one machine an flock on the file is the exclusion (the kernel drops it when the process dies), and
-    the pid tells whether the process is gone: a lock left by a killed run is stale and taken over, with a
-    log line. A lock written on another host is refused, since that process cannot be checked from here.
+    On one machine an flock on the file is the exclusion (the kernel drops it when the process dies): a
+    lock file nobody holds was left by a killed run and is taken over, with a log line, even when its pid
+    now names another process (without flock, the pid alone decides). A lock written on another host is
+    refused, since that process cannot be checked from here.
     """
 
     def __init__(self, run_dir: Path):
@@ -254,7 +255,8 @@ class RunLock:
             if holder and holder.get("host") != host:
                 self._refuse(holder, "if no run is going on there any more, delete the lock file")
             if holder and holder.get("pid") != pid:
-                if _alive(holder.get("pid")):
+                # Holding the flock already proves its writer gone: the pid may belong to another process now.
+                if fcntl is None and _alive(holder.get("pid")):
                     self._refuse(holder, "wait for that run to end, or stop it")
                 self.took_over = (f"lock: {self.path} was left by pid {holder.get('pid')} on {host}, which is "
                                   "gone; taking it over")
