@@ -19,10 +19,10 @@ import torch
 from tests.conftest import LINES
 from transformer import cli
 from transformer import translate as translate_module
-from transformer.checkpoint import save_checkpoint
+from transformer.checkpoint import load_model, save_checkpoint
 from transformer.config import from_dict, to_dict
 from transformer.device import cpu_description
-from transformer.model import PositionalEncoding, Transformer
+from transformer.model import PositionalEncoding, Transformer, count_parameters
 from transformer.translate import Translator
 from transformer.vocab import train_vocab
 
@@ -261,13 +261,15 @@ def test_positions_table(client):
     assert (default["d_model"], default["length"]) == (32, 40)
 
 
-def test_info(client):
+def test_info(client, run):
     info = client.get("/info").json()
     assert info["checkpoint"] == "best.pt" and info["step"] == 120  # a name, never a path
     assert info["validation"] == {"best": 3.25, "metric": "loss", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5}
     model = info["model"]
     assert (model["d_model"], model["n_heads"], model["n_encoder_layers"], model["n_decoder_layers"]) == (32, 4, 1, 2)
-    assert model["parameters"] > 0 and info["vocab_size"] == 80 and info["languages"] == ["de", "en"]
+    # Counted as trained, though on a CPU the served copy holds its linear weights input-major, as buffers.
+    assert model["parameters"] == count_parameters(load_model(run / "best.pt", "cpu")[0])
+    assert info["vocab_size"] == 80 and info["languages"] == ["de", "en"]
     assert info["decode"]["beam"] == 3 and info["decode"]["max_tokens"] == 64
     assert info["limits"]["max_sentences"] == 8 and info["dtype"] == "fp32"
 

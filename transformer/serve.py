@@ -142,7 +142,7 @@ class Service:
             "checkpoint": path.name, "step": run.get("step"),
             "validation": {"best": run.get("best"), "metric": run.get("best_metric"),
                            **_validation_at(path.parent, run.get("step"))} if run else None,
-            "model": {**asdict(m), "parameters": sum(p.numel() for p in self.model.parameters())},
+            "model": {**asdict(m), "parameters": d.parameters},
             "vocab_size": len(self.vocab), "languages": [self.cfg.data.src_lang, self.cfg.data.tgt_lang],
             "decode": {"engine": d.engine, "beam": d.beam, "lenpen": d.lenpen, "stop": d.stop,
                        "max_len_offset": d.max_len_offset, "max_tokens": d.max_tokens, "workers": d.workers},

@@ -18,7 +18,7 @@ from transformer.config import DecodeConfig
 from transformer.data import pack_by_size
 from transformer.device import native_bf16, pick_device
 from transformer.errors import UserError
-from transformer.model import evaluating
+from transformer.model import count_parameters, evaluating
 from transformer.search import STOP_RULES, Hypothesis, SearchResult, length_penalty, max_output_lengths, search
 from transformer.vocab import Vocab
 
@@ -208,6 +208,7 @@ class Translator:
         state = load_checkpoint(resolve_checkpoint(checkpoint))
         self.model, self.vocab, self.cfg = model_from_checkpoint(state, self.device if engine == "ours" else "cpu")
         self.run: dict = state.get("run") or {}  # the training state it was saved at (step, best), for serve's /info
+        self.parameters = count_parameters(self.model)  # as trained: the dtypes and layouts below hide some
         del state
         dec = self.cfg.decode
         self.beam = dec.beam if beam is None else beam
