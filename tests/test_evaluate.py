@@ -35,6 +35,15 @@ def test_evaluate_unknown_split(run, call):
     assert status == 2 and err.startswith("error:") and "unknown split 'nosuch'" in err and "Traceback" not in err
 
 
+def test_a_broken_split_is_reported_as_such_not_as_unknown(run, call):
+    data = run.parent / "data"
+    (data / "uneven.de").write_text("ein hund\nzwei katzen\n", encoding="utf-8")
+    (data / "uneven.en").write_text("a dog\n", encoding="utf-8")
+    status, _, err = call("evaluate", run, "--split", "uneven")
+    assert status == 2 and err == (f"error: data: {data}/uneven.de has 2 lines but {data}/uneven.en has 1; "
+                                   "line N of one side must translate line N of the other\n")
+
+
 def test_bleu_chrf_identity_is_perfect():
     scores = bleu_chrf(["A dog runs .", "Two cats"], ["A dog runs .", "Two cats"])
     assert scores["bleu"] == pytest.approx(100) and scores["chrf"] == pytest.approx(100)

@@ -85,7 +85,7 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
                  lenpen: Optional[float], max_tokens: Optional[int], device: str, dtype: str = "fp32",
                  stop: Optional[str] = None, engine: str = "ours", workers: Optional[int] = None) -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files), score, write .hyp and .json."""
-    from transformer.corpus import load_split, read_parallel
+    from transformer.corpus import load_split, read_parallel, resolve_split
     from transformer.translate import Translator
 
     if (src is None) != (ref is None):
@@ -101,11 +101,12 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         data = translator.cfg.data
         aliases = {"train": data.train_split, "valid": data.valid_split, "test": data.test_split}
         split = split or "test"
-        try:
-            sources, references = load_split(data, aliases.get(split, split))
+        try:  # a split that is not there gets the hint; what is wrong inside one that is, its own message
+            resolve_split(data, aliases.get(split, split))
         except UserError as e:
             raise UserError(f"evaluate: unknown split {split!r}: {e} (splits of this run are named by data.train_split, "
                             "data.valid_split, data.test_split; or pass --src FILE --ref FILE)") from None
+        sources, references = load_split(data, aliases.get(split, split))
         name = split
     if translator.note:
         print(translator.note, file=sys.stderr)
