@@ -200,3 +200,15 @@ def test_hub_wrong_split_name_fails_before_any_expensive_work(offline_hub, tmp_p
         prepare(cfg, Path(cfg.train.run_dir), quiet=True)
     assert not (Path(cfg.train.run_dir) / "spm.model").exists()  # failed before training the vocabulary
     assert open_split(cfg.data, "valid").name == "validation"
+
+
+def test_why_a_store_is_rebuilt_names_every_split_that_changed():
+    def manifest(train_size: int, valid_rows: int) -> dict:
+        return {"inputs": {"train": {"source": "local", "limit": 0,
+                                     "files": [{"path": "/d/train.de", "size": train_size, "mtime_ns": 1}]},
+                           "valid": {"source": "hub", "limit": 0, "rows": valid_rows,
+                                     "files": [{"path": "/cache/v.arrow", "size": 9, "mtime_ns": 1}]}},
+                "vocab_sha256": "v", "src_lang": "de", "tgt_lang": "en", "max_len": 100}
+
+    reasons = store_module._differences(manifest(10, 5), manifest(11, 6))
+    assert reasons == ["/d/train.de changed (size or modification time)", "the valid corpus changed"]

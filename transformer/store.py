@@ -108,12 +108,13 @@ def _differences(old: dict, new: dict) -> list[str]:
         elif a.get("source") != b.get("source") or len(a.get("files", [])) != len(b["files"]):
             reasons.append(f"the {split} corpus is another one")
         else:
+            before = len(reasons)
             for fa, fb in zip(a["files"], b["files"]):
                 if fa["path"] != fb["path"]:
                     reasons.append(f"{split}: {fb['path']} instead of {fa['path']}")
                 elif fa != fb:
                     reasons.append(f"{fb['path']} changed (size or modification time)")
-            if not reasons:
+            if len(reasons) == before:  # the same files, something else differs (a hub split's rows)
                 reasons.append(f"the {split} corpus changed")
     if old["vocab_sha256"] != new["vocab_sha256"]:
         reasons.append("the vocabulary changed")
