@@ -47,6 +47,13 @@ def env(tmp_path_factory) -> dict:
     weights_run.mkdir()
     shutil.copy(run / "config.yaml", weights_run / "config.yaml")
     shutil.copy(root / "avg.pt", weights_run / "last.pt")
+    other_version = root / "other_version"  # last.pt's counters as another version of transformer writes them
+    other_version.mkdir()
+    shutil.copy(run / "config.yaml", other_version / "config.yaml")
+    state = load_checkpoint(run / "last.pt")
+    del state["run"]["tokens"]
+    state["run"]["ema_decay"] = 0.999
+    save_checkpoint(state, other_version / "last.pt")
     (root / "bomb.yaml").write_text(alias_bomb())
     (root / "self.yaml").write_text("model: &a [*a]\n")
     (root / "nan.yaml").write_text("decode:\n  lenpen: .nan\n")
@@ -78,6 +85,11 @@ def _untouched(root: Path, run: Path) -> None:
 def _nothing_started(run_dir: Path) -> None:
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "spm.model").exists()
     assert "optimizer" not in load_checkpoint(run_dir / "last.pt")  # left as it was
+
+
+def _left_as_it_was(run_dir: Path) -> None:
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "spm.model").exists()
+    assert load_checkpoint(run_dir / "last.pt")["run"]["ema_decay"] == 0.999
 
 
 def _train(*sets: str, config: str = "{tiny}"):
@@ -119,6 +131,10 @@ CASES = [
          "resume: {root}/weights_run/last.pt cannot be resumed: it holds weights only, as `transformer average` "
          "writes (no optimizer, scaler, rng, run); put the run's own last.pt back, or start a new run "
          "in another train.run_dir", after=lambda r, run: _nothing_started(r / "weights_run")),
+    Case("resume another version's checkpoint", lambda r, run: ["train", "--resume", r / "other_version"],
+         "resume: {root}/other_version/last.pt cannot be resumed by this version of transformer: its run "
+         "counters differ (unknown: ema_decay; missing: tokens); resume with the version that wrote it, or start "
+         "a new run in another train.run_dir", after=lambda r, run: _left_as_it_was(r / "other_version")),
     Case("resume a directory that is no run", lambda r, run: ["train", "--resume", r],
          "train --resume: {root} holds no config.yaml, so it is not a run directory (start a run there with: "
          "transformer train CONFIG --set train.run_dir={root})"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from transformer.atomic import atomic_write
 from transformer.config import Config, from_dict
 from transformer.errors import UserError, first_line
 from transformer.model import Transformer
+from transformer.resume import RunState
 from transformer.vocab import Vocab
 
 FORMAT = "transformer-checkpoint-v1"
@@ -72,6 +74,13 @@ def load_resumable(path: str | Path) -> dict:
         what = "weights only, as `transformer average` writes" if "optimizer" in missing else "an incomplete state"
         raise UserError(f"resume: {path} cannot be resumed: it holds {what} (no {', '.join(missing)}); put the "
                         "run's own last.pt back, or start a new run in another train.run_dir")
+    counters, saved = {f.name for f in fields(RunState)}, state["run"]
+    if not isinstance(saved, dict) or set(saved) != counters:
+        found = set(saved) if isinstance(saved, dict) else set()
+        unknown, lacking = ", ".join(sorted(found - counters)) or "none", ", ".join(sorted(counters - found))
+        raise UserError(f"resume: {path} cannot be resumed by this version of transformer: its run counters "
+                        f"differ (unknown: {unknown}; missing: {lacking or 'none'}); resume with the version that "
+                        "wrote it, or start a new run in another train.run_dir")
     return state
 
 
