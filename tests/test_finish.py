@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformer.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.config import ModelConfig, from_dict, load_config
 from transformer.device import pick_precision
 from transformer.errors import UserError
+from transformer.finish import LENPENS, _search_settings
 from transformer.model import training_flops
 from transformer.train import train
 
@@ -135,3 +137,20 @@ def test_tensorboard_gets_the_scalars_or_a_one_line_error(tmp_path, monkeypatch)
 
     scalars = EventAccumulator(str(run_dir / "tensorboard")).Reload().Tags()["scalars"]
     assert {"train/loss", "train/mfu", "valid/loss", "valid/ppl"} <= set(scalars)
+
+
+@pytest.mark.parametrize("beam, tried", [(1, {(1, 0.6)}), (4, {(4, a) for a in LENPENS} | {(4, 0.6), (6, 1.0)})])
+def test_the_search_grid_skips_length_penalties_where_greedy_cannot_change(beam, tried):
+    # A score that prefers lenpen 1.0 and the wider beam. Each setting is scored once; the config's own is known.
+    calls = []
+
+    def score(model, b, lenpen):
+        calls.append((b, lenpen))
+        return {"bleu": 10 + (lenpen == 1.0) + b / 100, "chrf": 30.0, "sys_len": 9, "ref_len": 10}, []
+
+    cfg = from_dict(tiny_config(Path("/nowhere"), data_dir=Path("/nowhere"), decode={"beam": beam, "lenpen": 0.6}))
+    chosen_beam, chosen_lenpen, grid = _search_settings(score, None, cfg, score(None, beam, 0.6)[0])
+    assert calls[0] == (beam, 0.6)  # the known score, made above
+    assert set(calls) == tried and len(calls) == len(tried) and (beam, 0.6) not in calls[1:]
+    assert (chosen_beam, chosen_lenpen) == ((1, 0.6) if beam == 1 else (6, 1.0))
+    assert set(grid) == {f"beam{b}_lp{a:g}" for b, a in tried}

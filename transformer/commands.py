@@ -95,7 +95,8 @@ def cmd_plot_positions(args: argparse.Namespace) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    from transformer.plots import read_metrics, save, training_curves
+    from transformer.plots import save, training_curves
+    from transformer.runlog import read_metrics
 
     x = "elapsed" if args.x == "time" else "step"
     print(save(training_curves(read_metrics(args.run), title=f"Training: {args.run}", x=x), args.out))

@@ -9,8 +9,9 @@ from typing import Iterator, Optional
 class UserError(Exception):
     """A problem with the user's input (config, data, checkpoint, arguments).
 
-    The CLI prints ``error: <message>`` and exits with status 2; nothing else
-    in the package catches it.
+    The CLI prints ``error: <message>`` and exits with status 2. Inside the package it is caught only to
+    add context to the message, or where a command goes on without the failed part (a server answering a
+    request, a vocabulary that is rebuilt).
     """
 
 

@@ -19,6 +19,7 @@ from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.corpus import load_split, resolve_split
 from transformer.errors import UserError
 from transformer.evaluate import length_ratio, translate_and_score
+from transformer.runlog import read_metrics
 from transformer.store import Store
 
 log = logging.getLogger("transformer")
@@ -62,7 +63,7 @@ def _search_settings(score, model, cfg: Config, at_config: dict) -> tuple[int, f
     (at_config: the score at the config's own settings, already known)."""
     beam = cfg.decode.beam
     tried = {(beam, cfg.decode.lenpen): at_config}
-    for lenpen in LENPENS:
+    for lenpen in LENPENS if beam > 1 else ():  # greedy search finds the same output at every length penalty
         if (beam, lenpen) not in tried:
             tried[(beam, lenpen)] = score(model, beam, lenpen)[0]
     # Ties keep the config's value: a change has to earn its place.
@@ -77,13 +78,7 @@ def _search_settings(score, model, cfg: Config, at_config: dict) -> tuple[int, f
 
 def _training_record(run_dir: Path, cfg: Config, run: dict) -> dict:
     """Wall time, updates, epochs, throughput and the best validation from metrics.jsonl and last.pt's run state."""
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    valid = [r for r in rows if r.get("split") == "valid"]
+    valid = [r for r in read_metrics(run_dir) if r.get("split") == "valid"]
     by = "bleu" if cfg.train.valid_bleu and all("bleu" in r for r in valid) else "loss"
     best = (max if by == "bleu" else min)(valid, key=lambda r: r[by]) if valid else {}
     elapsed = run.get("elapsed", 0.0)
@@ -148,7 +143,8 @@ def _score_test(cfg: Config, vocab, model, beam: int, lenpen: float, device, run
     scores, hypotheses = score(model, beam, lenpen)
     (run_dir / "eval").mkdir(exist_ok=True)
     hyp_path = run_dir / "eval" / f"{cfg.data.test_split}.final.hyp"
-    hyp_path.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+    text = "".join(h + "\n" for h in hypotheses)
+    atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
     return {"split": cfg.data.test_split, "bleu": round(scores["bleu"], 2), "chrf": round(scores["chrf"], 2),
             "length_ratio": round(length_ratio(scores), 3), "bleu_signature": scores["bleu_signature"],
             "chrf_signature": scores["chrf_signature"], "hypotheses": str(hyp_path)}

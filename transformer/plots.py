@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import textwrap
 from pathlib import Path
@@ -237,28 +236,6 @@ def positional_encoding(d_model: int, length: int):
 
 
 # ----------------------------------------------------------------------------- training curves
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """metrics.jsonl as a list of dicts; a run directory means its metrics.jsonl.
-
-    A line that does not parse is skipped: the last one may be half-written by a running job.
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(f"no metrics file at {path} (a run directory from `transformer train` has one)")
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
-            rows.append(row)
-    if not rows:
-        raise UserError(f"{path} holds no metrics yet")
-    return rows
 
 
 def _series(rows: list[dict], split: str, key: str, x: str = "step") -> tuple[list[float], list[float]]:

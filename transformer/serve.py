@@ -42,7 +42,7 @@ HEADERS = {"X-Content-Type-Options": "nosniff",
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """Batching and the limits on what one request may ask; each has a `serve` flag."""
+    """Batching and the limits on what one request may ask; each but max_position_values has a `serve` flag."""
 
     batch_window_ms: float = 5.0      # how long a waiting /translate request waits for others to join its batch
     max_sentences: int = 64           # sentences per /translate request
@@ -54,9 +54,11 @@ class ServeSettings:
     def __post_init__(self):
         if not 0 <= self.batch_window_ms <= 10_000:
             raise UserError(f"--batch-window-ms must be between 0 and 10000, got {self.batch_window_ms}")
-        for name in ("max_sentences", "max_chars", "max_beam", "max_pending", "max_position_values"):
+        for name in ("max_sentences", "max_chars", "max_beam", "max_pending"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_position_values < 1:
+            raise UserError(f"max_position_values must be at least 1, got {self.max_position_values}")
         if self.max_pending < self.max_sentences:
             raise UserError(f"--max-pending ({self.max_pending}) must be at least --max-sentences ({self.max_sentences})")
 
@@ -211,7 +213,7 @@ class Service:
 
 def _validation_at(run_dir: Path, step: Optional[int]) -> dict:
     """The validation figures metrics.jsonl holds for `step` (loss, ppl, bleu...), when the run directory has them."""
-    from transformer.plots import read_metrics
+    from transformer.runlog import read_metrics
 
     try:
         rows = read_metrics(run_dir)
