@@ -76,14 +76,19 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
     return False, "this CPU has no native bf16 (no avx512_bf16 or amx_bf16)"
 
 
+def auto_precision(device: torch.device) -> tuple[str, str]:
+    """What `auto` means for training and for translation: (bf16 where the hardware has it, else fp32, why)."""
+    native, why = native_bf16(device)
+    return ("bf16" if native else "fp32"), f"auto: {why}"
+
+
 def pick_precision(name: str, device: torch.device) -> tuple[str, str]:
     """Training precision -> (fp32|bf16|fp16, why). `auto`: bf16 autocast where the hardware has it, else fp32."""
     if name != "auto":
         if name == "fp16" and device.type != "cuda":
             raise UserError("train.precision 'fp16' needs CUDA; use 'bf16' or 'fp32' on CPU")
         return name, "train.precision"
-    native, why = native_bf16(device)
-    return ("bf16" if native else "fp32"), f"auto: {why}"
+    return auto_precision(device)
 
 
 def autocast_context(device: torch.device, precision: str):

@@ -16,7 +16,7 @@ from transformer.batch import prepare_sources, source_limit
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from transformer.config import DecodeConfig
 from transformer.data import pack_by_size
-from transformer.device import native_bf16, pick_device
+from transformer.device import auto_precision, native_bf16, pick_device
 from transformer.errors import UserError
 from transformer.model import count_parameters, evaluating
 from transformer.search import STOP_RULES, Hypothesis, SearchResult, length_penalty, max_output_lengths, search
@@ -34,8 +34,7 @@ def pick_dtype(name: str, device: torch.device) -> tuple[str, str]:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     if name != "auto":
         return name, "asked for"
-    native, why = native_bf16(device)
-    return ("bf16" if native else "fp32"), f"auto: {why}"
+    return auto_precision(device)
 
 
 def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
