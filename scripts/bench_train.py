@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from transformer.batch import padding_mask, target_mask
 from transformer.config import load_config
 from transformer.device import cpu_description, matmul_tflops
-from transformer.model import Transformer, training_flops
+from transformer.model import build_model, training_flops
+from transformer.optim import label_smoothed_loss
+from transformer.vocab import PAD_ID
 
 IMPLS = ("ours", "marian", "torch")
 
@@ -52,12 +54,12 @@ def build(impl: str, m, vocab: int, device, compile: bool = False):
     """Model and a function (src, tgt_in, tgt_out) -> loss for one implementation; with compile, the
     function runs the model through torch.compile (static shapes: the benchmark batch never changes)."""
     if impl == "ours":
-        model = Transformer(m, vocab).to(device)
+        model = build_model(m, vocab).to(device)
         fwd = torch.compile(model) if compile else model
 
-        def loss_fn(src, tgt_in, tgt_out):
+        def loss_fn(src, tgt_in, tgt_out):  # the trainer's loss, per target token (as Marian's below)
             logits = fwd(src, tgt_in, padding_mask(src), target_mask(tgt_in))
-            return F.cross_entropy(logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1, ignore_index=0)
+            return label_smoothed_loss(logits, tgt_out, 0.1) / (tgt_out != PAD_ID).sum()
         return model, loss_fn
     if impl == "marian":
         from transformers import MarianConfig, MarianMTModel
@@ -76,7 +78,7 @@ def build(impl: str, m, vocab: int, device, compile: bool = False):
             out = fwd(input_ids=src, attention_mask=src.ne(0), decoder_input_ids=tgt_in,
                         decoder_attention_mask=tgt_in.ne(0))
             return F.cross_entropy(out.logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1,
-                                   ignore_index=0)
+                                   ignore_index=PAD_ID)
         return model, loss_fn
 
     class TorchSeq2Seq(torch.nn.Module):
@@ -101,7 +103,7 @@ def build(impl: str, m, vocab: int, device, compile: bool = False):
 
     def loss_fn(src, tgt_in, tgt_out):
         logits = fwd(src, tgt_in)
-        return F.cross_entropy(logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1, ignore_index=0)
+        return F.cross_entropy(logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1, ignore_index=PAD_ID)
     return model, loss_fn
 
 
