@@ -38,3 +38,19 @@ def test_average_records_the_step_of_the_last_input(run, tmp_path):
         paths.append(tmp_path / name)
     assert average_checkpoints(paths)["averaged_at_step"] == 100
     assert "averaged_at_step" not in average_checkpoints([run / "step_00000100.pt", run / "step_00000200.pt"])
+
+
+def test_the_mean_of_three_and_the_newest_two_of_three(run, tmp_path, call):
+    # Weights 1, 2 and 4 everywhere: a mean of all three is 7/3, of the newest two 3.
+    base = load_checkpoint(run / "step_00000100.pt")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for step, value in ((5, 1.0), (10, 2.0), (40, 4.0)):
+        state = dict(base, model={k: torch.full_like(v, value) for k, v in base["model"].items()})
+        save_checkpoint(state, run_dir / f"step_{step:08d}.pt")
+    three = average_checkpoints(sorted(run_dir.glob("step_*.pt")))["model"]
+    assert all(torch.allclose(v, torch.full_like(v, 7 / 3)) for v in three.values())
+    status, _, _ = call("average", run_dir, "--last", "2")
+    assert status == 0
+    newest_two = torch.load(run_dir / "averaged.pt", weights_only=True)["model"]
+    assert all(torch.equal(v, torch.full_like(v, 3.0)) for v in newest_two.values())
