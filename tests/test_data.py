@@ -13,6 +13,7 @@ from transformer.config import DataConfig
 from transformer.corpus import load_split, read_lines, read_parallel, split_paths
 from transformer.data import BatchStream, Prefetcher, eval_batches, make_batches, pack_by_size
 from transformer.errors import UserError
+from transformer.vocab import PAD_ID
 from transformer.store import Corpus
 
 
@@ -313,3 +314,17 @@ def test_hub_split_wrong_columns(offline_hub):
     cfg = DataConfig(source="hub", hub_name=str(data), src_lang="de", tgt_lang="en")
     with pytest.raises(UserError, match="columns"):
         load_split(cfg, "train")
+
+
+def test_an_update_counts_the_tokens_of_every_ranks_batches_eos_included():
+    # The loss of an update is divided by n_tgt_tokens: it must be the target positions the batches score.
+    corpus = Corpus.from_pairs(random_pairs(120, max_len=20))
+    ranks = [BatchStream(corpus, stream_cfg(), seed=5, rank=r, world_size=2, update_freq=2) for r in (0, 1)]
+    for _ in range(3):
+        updates = [stream.next_update() for stream in ranks]
+        batches = [b for u in updates for b in u.batches]
+        scored = sum(int((b.tgt_out != PAD_ID).sum()) for b in batches)
+        read = sum(int((b.src != PAD_ID).sum()) for b in batches)
+        assert sum(b.n_tgt_tokens for b in batches) == scored
+        for u in updates:
+            assert (u.n_tgt_tokens, u.n_src_tokens) == (scored, read)
