@@ -242,3 +242,47 @@ def test_checkpoints_are_readable_like_other_files(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("clip_norm", [0.0, 0.05])
+def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipped(tmp_path, clip_norm):
+    # What the optimizer gets from train_update over update_freq 2 batches of unequal size: the gradient of
+    # the label-smoothed loss summed over both, divided by their target tokens, clipped to train.clip_norm.
+    import copy
+    import time
+
+    from transformer.data import BatchStream
+    from transformer.distributed import DistInfo
+    from transformer.optim import label_smoothed_loss
+    from transformer.resume import StopRequested
+    from transformer.store import open_prepared
+    from transformer.vocab import PAD_ID
+
+    cfg = from_dict(tiny_config(tmp_path, model={"dropout": 0.0},
+                                train={"update_freq": 2, "clip_norm": clip_norm, "peak_tflops": 1.0}))
+    train_module.prepare_only(cfg)
+    run_dir = tmp_path / "run"
+    vocab = Vocab.load(run_dir / "spm.model")
+    store = open_prepared(cfg, run_dir, vocab)
+    run = train_module.build(cfg, DistInfo(), torch.device("cpu"), run_dir, "resume", vocab, store, None,
+                             time.perf_counter())
+    update = BatchStream(store.corpus("train"), cfg.data, seed=1, update_freq=2).next_update()
+    assert update.batches[0].n_tgt_tokens != update.batches[1].n_tgt_tokens
+
+    reference = copy.deepcopy(run.model)
+    losses = [label_smoothed_loss(reference(b.src, b.tgt_in, b.src_mask, b.tgt_mask), b.tgt_out, 0.1)
+              for b in update.batches]
+    tokens = sum(int((b.tgt_out != PAD_ID).sum()) for b in update.batches)
+    (sum(losses) / tokens).backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_norm or float("inf"))
+    assert clip_norm == 0 or norm > 2 * clip_norm  # the clip takes effect
+
+    stepped = []
+    step = run.optimizer.step
+    run.optimizer.step = lambda *a, **k: (stepped.append([p.grad.clone() for p in run.model.parameters()]),
+                                          step(*a, **k))[1]
+    result = train_module.train_update(run, update, StopRequested())
+    assert result.loss == pytest.approx(float(sum(losses).detach()), rel=1e-5) and not result.nonfinite
+    assert len(stepped) == 1
+    for got, want in zip(stepped[0], (p.grad for p in reference.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
