@@ -286,3 +286,13 @@ def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipp
     assert len(stepped) == 1
     for got, want in zip(stepped[0], (p.grad for p in reference.parameters())):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_best_pt_is_the_validation_with_the_lowest_loss(tmp_path):
+    run_dir = train(from_dict(tiny_config(tmp_path, train={"max_steps": 12, "valid_every": 2})), quiet=True)
+    valid = [m for m in read_metrics(run_dir) if m.get("split") == "valid"]
+    lowest = min(valid, key=lambda m: m["loss"])
+    best = load_checkpoint(run_dir / "best.pt")["run"]
+    assert len(valid) == 6 and best["best_metric"] == "loss"
+    assert best["step"] == lowest["step"] and best["best"] == pytest.approx(lowest["loss"])
+    assert load_checkpoint(run_dir / "last.pt")["run"]["best"] == pytest.approx(lowest["loss"])
