@@ -296,3 +296,43 @@ def test_best_pt_is_the_validation_with_the_lowest_loss(tmp_path):
     assert len(valid) == 6 and best["best_metric"] == "loss"
     assert best["step"] == lowest["step"] and best["best"] == pytest.approx(lowest["loss"])
     assert load_checkpoint(run_dir / "last.pt")["run"]["best"] == pytest.approx(lowest["loss"])
+
+
+@pytest.mark.parametrize("key, value", [("data.vocab_size", 48), ("data.src_lang", "fr"), ("data.tgt_lang", "fr"),
+                                        ("data.spm_model_type", "unigram"), ("model.d_ff", 128)])
+def test_resume_refuses_a_change_to_the_model_or_its_vocabulary(tmp_path, key, value):
+    from transformer.resume import check_resume_config
+
+    section, name = key.split(".")
+    saved = from_dict(tiny_config(tmp_path, data_dir=tmp_path))
+    changed = from_dict(tiny_config(tmp_path, data_dir=tmp_path, **{section: {name: value}}))
+    with pytest.raises(UserError, match=f"resume: {key} was .* in the checkpoint and is {value!r} now; the model "
+                                        "and vocabulary cannot change"):
+        check_resume_config(saved, changed)
+
+
+@pytest.mark.parametrize("before, after, allowed", [(0.0, 0.01, False), (0.01, 0.0, False), (0.01, 0.1, True)])
+def test_resume_refuses_switching_between_adam_and_adamw(tmp_path, before, after, allowed):
+    from transformer.resume import check_resume_config
+
+    saved, new = (from_dict(tiny_config(tmp_path, data_dir=tmp_path, train={"weight_decay": w})) for w in (before, after))
+    if allowed:
+        assert [(c.key, c.before, c.after) for c in check_resume_config(saved, new)] == [("train.weight_decay", 0.01, 0.1)]
+    else:
+        with pytest.raises(UserError, match=r"cannot switch between 0 \(Adam\) and > 0 \(AdamW\)"):
+            check_resume_config(saved, new)
+
+
+@pytest.mark.parametrize("change, restarts", [({"train": {"seed": 4}}, True), ({"data": {"max_tokens": 150}}, True),
+                                              ({"train": {"lr": 1.0}}, False)])
+def test_resume_restarts_the_epoch_when_the_data_order_changes(tmp_path, change, restarts):
+    train(from_dict(tiny_config(tmp_path, train={"max_steps": 4, "valid_every": 4})), quiet=True)
+    assert _state(tmp_path / "run" / "last.pt")["run"]["data"] == {"epoch": 0, "batches_done": 4}
+    more = tiny_config(tmp_path, data_dir=tmp_path / "corpus", train={"max_steps": 6, "valid_every": 6})
+    for section, values in change.items():
+        more[section].update(values)
+    train(from_dict(more), resume=True, quiet=True)
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert ("resume: the data order changed; epoch 0 restarts from its first batch" in log) == restarts
+    done = _state(tmp_path / "run" / "last.pt")["run"]["data"]["batches_done"]
+    assert done == (2 if restarts else 6)
