@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from tests.conftest import SENTENCES
 from transformer.evaluate import bleu_chrf
@@ -55,3 +56,31 @@ def test_evaluate_with_ctranslate2(ctranslate2, run, call):
                         "--dtype", "int8")
     record = json.loads((run / "eval" / "test.beam2.lp0.6.int8.ct2.json").read_text())
     assert status == 0 and record["engine"] == "ctranslate2" and record["dtype"] == "int8" and record["stop"] is None
+
+
+def test_validation_loss_nll_and_perplexity_per_target_token():
+    import math
+
+    import torch.nn.functional as F
+
+    from tests.conftest import random_pairs
+    from transformer.batch import Batch
+    from transformer.config import ModelConfig
+    from transformer.evaluate import evaluate_loss
+    from transformer.model import Transformer
+    from transformer.vocab import PAD_ID
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(d_model=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=32,
+                                    max_positions=64), 100)
+    pairs = random_pairs(12, seed=3, max_len=10, vocab=100)
+    batches = [Batch.from_pairs(pairs[:5]), Batch.from_pairs(pairs[5:])]
+    result = evaluate_loss(model, batches, torch.device("cpu"), "fp32", 0.1)
+    model.eval()
+    with torch.no_grad():
+        logits = torch.cat([model(b.src, b.tgt_in, b.src_mask, b.tgt_mask).flatten(0, 1) for b in batches])
+    targets = torch.cat([b.tgt_out.flatten() for b in batches])
+    nll = F.cross_entropy(logits, targets, ignore_index=PAD_ID).item()
+    smoothed = F.cross_entropy(logits, targets, ignore_index=PAD_ID, label_smoothing=0.1).item()
+    assert result["nll"] == pytest.approx(nll, rel=1e-5) and result["loss"] == pytest.approx(smoothed, rel=1e-5)
+    assert result["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
