@@ -430,3 +430,33 @@ def test_evaluating_turns_dropout_off_and_gives_the_mode_back(inference):
     with evaluating(model, inference=inference):
         pass
     assert not model.training  # a model in eval mode stays there
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_encoder_layer_is_the_papers_residual_and_layer_norm(norm):
+    # Post-norm (the paper): LayerNorm(x + Sublayer(x)) after each sub-layer. Pre-norm: x + Sublayer(LayerNorm(x)).
+    import torch.nn.functional as F
+
+    from transformer.model import EncoderLayer
+
+    torch.manual_seed(0)
+    layer = EncoderLayer(ModelConfig(d_model=16, n_heads=2, d_ff=32, dropout=0.0, norm=norm)).eval()
+    for p in layer.parameters():  # LayerNorm's gain and bias away from 1 and 0, so that they count
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(2, 5, 16)
+    mask = padding_mask(torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]]))
+
+    def ln(h, sub):
+        return F.layer_norm(h, (16,), sub.norm.weight, sub.norm.bias)
+
+    def attention(h):
+        return layer.self_attn(h, h, mask)
+
+    with torch.no_grad():
+        if norm == "post":
+            h = ln(x + attention(x), layer.sub_attn)
+            want = ln(h + layer.ffn(h), layer.sub_ffn)
+        else:
+            h = x + attention(ln(x, layer.sub_attn))
+            want = h + layer.ffn(ln(h, layer.sub_ffn))
+        torch.testing.assert_close(layer(x, mask), want)
