@@ -71,6 +71,10 @@ def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):
     result = cli("finish", str(run_dir), "--device", "cpu")
     assert result.returncode == 0, result.stderr
     assert json.loads((run_dir / "summary.json").read_text())["test"]["split"] == "test"
+    # Resumed with nothing left to train (and finish off): final.pt still describes the weights, and stays.
+    same = write_config(tmp_path / "same.yaml", {**raw, "train": {**raw["train"], "finish": False}})
+    assert cli("train", str(same), "--resume").returncode == 0
+    assert resolve_checkpoint(run_dir) == run_dir / "final.pt"
     # Training on from this run: final.pt belonged to the end of the shorter run.
     config = write_config(tmp_path / "more.yaml", {**raw, "train": {**raw["train"], "max_steps": 62, "finish": False}})
     assert cli("train", str(config), "--resume").returncode == 0

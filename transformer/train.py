@@ -158,9 +158,6 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
     changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
     if saved is not None:
         held["step"] = saved["run"]["step"]
-        if info.is_main and (run_dir / "final.pt").is_file():  # chosen at the end of the run being continued
-            (run_dir / "final.pt").unlink()
-            log.info("resume: removed final.pt; the end of this training chooses again")
     for change in changes:
         log.info("resume: config change applies: %s", change)
     if info.is_main:
@@ -350,9 +347,17 @@ def update_loop(run: Run, quiet: bool) -> None:
     prefetch = Prefetcher(stream, pin_memory=run.device.type == "cuda", device=run.device)
     progress = Progress(run.metrics, bar, prefetch, run.model, t.log_every, t.max_steps, state.step, run.peak_tflops)
     skipped_in_a_row, stopped_early = 0, False
+
+    def more_to_train() -> bool:
+        return state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs)
+
+    final = run.run_dir / "final.pt"  # chosen at the end of the run being continued: stale once it trains on
+    if run.saved_step is not None and info.is_main and final.is_file() and more_to_train():
+        final.unlink()
+        log.info("resume: removed final.pt; the end of this training chooses again")
     with StopRequested() as stop, peer_failure_explained(info), \
             contextlib.closing(prefetch), contextlib.closing(bar):
-        while state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs):
+        while more_to_train():
             update = prefetch.next()
             state.data = update.data_state  # the stream after this update: what a checkpoint saves
             result = train_update(run, update, stop)
