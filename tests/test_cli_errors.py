@@ -92,6 +92,10 @@ def _left_as_it_was(run_dir: Path) -> None:
     assert load_checkpoint(run_dir / "last.pt")["run"]["ema_decay"] == 0.999
 
 
+def _no_run_started(run_dir: Path) -> None:
+    assert not run_dir.exists()
+
+
 def _train(*sets: str, config: str = "{tiny}"):
     return lambda root, run: ["train", config.format(tiny=root / "tiny.yaml"),
                               *[w for s in sets for w in ("--set", s.format(root=root))]]
@@ -124,6 +128,9 @@ CASES = [
     Case("run_dir someone's directory", _train("train.run_dir={root}/user"),
          "train.run_dir {root}/user holds files that are not a run's (config.yaml, notes.txt); a new run needs a "
          "new or empty directory: set train.run_dir"),
+    Case("fp16 on a CPU", _train("train.precision=fp16", "train.run_dir={root}/fp16", "train.device=cpu"),
+         "train.precision 'fp16' needs CUDA; use 'bf16' or 'fp32' on CPU",
+         after=lambda r, run: _no_run_started(r / "fp16")),  # refused before a vocabulary or a store is built
     Case("run_dir a file", _train("train.run_dir={root}/afile"), "train.run_dir {root}/afile is a file, not a directory"),
     Case("run_dir inside a file", _train("train.run_dir={root}/afile/run"),
          "train.run_dir {root}/afile/run: cannot create it (Not a directory)"),

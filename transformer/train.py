@@ -109,6 +109,7 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
 def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, command: str, quiet: bool,
            scope: contextlib.ExitStack) -> Path:
     metrics_since = time.perf_counter()
+    pick_precision(cfg.train.precision, device)  # fp16 on a CPU refused before a vocabulary and store are built
     run_dir, saved, changes = start(cfg, info, resume, command, scope)
     vocab, store = load_data(cfg, info, run_dir, saved, quiet)
     run = build(cfg, info, device, run_dir, command, vocab, store, saved, metrics_since)
