@@ -396,6 +396,11 @@ def test_taken_port_and_bad_settings_are_one_line_errors(run, capsys):
     assert status == 2 and "--max-chars must be at least 1" in capsys.readouterr().err
     status, _ = run_cli("serve", run, "--port", "70000")
     assert status == 2 and "--port" in capsys.readouterr().err
+    # A beam past the limit names where it came from: the command line, or the checkpoint (decode.beam 3).
+    status, _ = run_cli("serve", run, "--beam", "7", "--max-beam", "5")
+    assert status == 2 and capsys.readouterr().err == "error: --beam (7) is above --max-beam (5)\n"
+    status, _ = run_cli("serve", run, "--device", "cpu", "--max-beam", "2")
+    assert status == 2 and "--max-beam (2) is below the checkpoint's decode.beam (3)" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- the page in a real browser

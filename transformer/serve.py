@@ -124,13 +124,15 @@ class Service:
                  max_tokens: Optional[int] = None, workers: Optional[int] = None, engine: str = "ours"):
         path = resolve_checkpoint(checkpoint)
         self.settings = settings
+        if beam is not None and beam > settings.max_beam:  # before the model loads
+            raise UserError(f"--beam ({beam}) is above --max-beam ({settings.max_beam})")
         # With CTranslate2, /translate runs on it; the page's attention maps and beam traces need our model's
         # internals, so the translator keeps that too.
         self.translator = Translator(path, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, workers=workers,
                                      engine=engine, keep_model=True)
         if settings.max_beam < self.translator.beam:
             raise UserError(f"--max-beam ({settings.max_beam}) is below the checkpoint's decode.beam "
-                            f"({self.translator.beam})")
+                            f"({self.translator.beam}); raise it, or serve with a smaller --beam")
         self.default_beam = self.translator.beam
         self.model, self.vocab, self.cfg = self.translator.model, self.translator.vocab, self.translator.cfg
         self.model_device = next(self.model.parameters()).device  # the translator's, or the CPU beside CTranslate2
