@@ -236,3 +236,19 @@ def test_padding_multiple_must_fit_max_positions():
     with pytest.raises(UserError, match="padded to a multiple of data.pad_to_multiple"):
         from_dict({"model": {"max_positions": 130}, "data": {"max_len": 128, "pad_to_multiple": 8}})
     from_dict({"model": {"max_positions": 136}, "data": {"max_len": 128, "pad_to_multiple": 8}})
+
+
+def test_a_home_directory_in_a_path_is_expanded(monkeypatch, tmp_path):
+    # `--set train.run_dir=~/runs/x` reaches us with the ~: the shell expands it only at the start of a word.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = from_dict(apply_overrides({}, ["train.run_dir=~/runs/x", "data.dir=~/data"]))
+    assert (cfg.train.run_dir, cfg.data.dir) == (f"{tmp_path}/runs/x", f"{tmp_path}/data")
+
+
+def test_a_missing_relative_data_dir_says_where_it_was_looked_for(monkeypatch, tmp_path):
+    from transformer.corpus import resolve_split
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^data: no such file: data/multi30k/train.de \(split 'train' in data.dir "
+                                        rf"'data/multi30k', relative to {tmp_path}, where this runs\)$"):
+        resolve_split(from_dict({"data": {"dir": "data/multi30k"}}).data, "train")

@@ -71,6 +71,15 @@ def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):
     result = cli("finish", str(run_dir), "--device", "cpu")
     assert result.returncode == 0, result.stderr
     assert json.loads((run_dir / "summary.json").read_text())["test"]["split"] == "test"
+    # Its data not where the config says (moved, or a relative data.dir from another directory): an error,
+    # not a summary without its test score.
+    summary = (run_dir / "summary.json").read_text()
+    (tmp_path / "c").rename(tmp_path / "c_moved")
+    result = cli("finish", str(run_dir), "--device", "cpu")
+    assert result.returncode == 2 and result.stderr == (f"error: finish: data.dir '{tmp_path}/c' is not a "
+                                                        "directory; run from the directory training ran in\n")
+    assert (run_dir / "summary.json").read_text() == summary
+    (tmp_path / "c_moved").rename(tmp_path / "c")
     # Resumed with nothing left to train (and finish off): final.pt still describes the weights, and stays.
     same = write_config(tmp_path / "same.yaml", {**raw, "train": {**raw["train"], "finish": False}})
     assert cli("train", str(same), "--resume").returncode == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -260,7 +261,9 @@ def from_dict(raw: Any) -> Config:
             raise UserError(f"config: unknown section '{name}' (known sections: {', '.join(SECTIONS)})")
     cfg = Config(**{name: _build_section(name, cls, raw.get(name)) for name, cls in SECTIONS.items()})
     validate(cfg)
-    return cfg
+    # The shell expands ~ only at the start of a word, never in `--set train.run_dir=~/runs/x`.
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=os.path.expanduser(cfg.data.dir)),
+                               train=dataclasses.replace(cfg.train, run_dir=os.path.expanduser(cfg.train.run_dir)))
 
 
 def to_dict(cfg: Config) -> dict:

@@ -146,7 +146,8 @@ def resolve_split(cfg: DataConfig, split: str, log: Optional[Callable[[str], Non
                         "set data.train_split / data.valid_split / data.test_split")
     src, tgt = split_paths(cfg, split)
     missing = src if not src.is_file() else tgt
-    raise UserError(f"data: no such file: {missing} (split {split!r} in data.dir {cfg.dir!r})")
+    where = "" if Path(cfg.dir).is_absolute() else f", relative to {Path.cwd()}, where this runs"
+    raise UserError(f"data: no such file: {missing} (split {split!r} in data.dir {cfg.dir!r}{where})")
 
 
 def open_split(cfg: DataConfig, split: str, limit: int = 0, log: Optional[Callable[[str], None]] = None) -> RawSplit:
