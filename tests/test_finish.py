@@ -56,6 +56,8 @@ def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path,
     # final.pt is what a run directory means now, and it carries the chosen search settings; so does config.yaml.
     assert resolve_checkpoint(run_dir) == run_dir / "final.pt"
     final = load_checkpoint(run_dir / "final.pt")
+    made_from = load_checkpoint(run_dir / final["made_from"])
+    assert final["made_from"] == "best.pt" and final["run"] == made_from["run"]  # its step and score, for /info
     assert (final["config"]["decode"]["beam"], final["config"]["decode"]["lenpen"]) == \
         (summary["decode"]["beam"], summary["decode"]["lenpen"])
     assert load_config(run_dir / "config.yaml").decode.lenpen == summary["decode"]["lenpen"]

@@ -118,8 +118,10 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
     beam, lenpen, grid = _search_settings(score, model, cfg, valid_scores[chosen])
 
     tuned = replace(cfg, decode=replace(cfg.decode, beam=beam, lenpen=lenpen))
+    # best.pt's training state (its step and validation score) comes along for serve's /info; an average has none.
+    made = {"made_from": chosen, **({"run": candidates[chosen]["run"]} if "run" in candidates[chosen] else {})}
     save_checkpoint(weights_checkpoint(to_dict(tuned), candidates[chosen]["vocab"], candidates[chosen]["model"],
-                                       made_from=chosen), run_dir / FINAL)
+                                       **made), run_dir / FINAL)
     save_config(tuned, run_dir / "config.yaml")
 
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL), "made_from": chosen,
