@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -90,6 +91,27 @@ def test_read_parallel_missing_side(tmp_path):
     with pytest.raises(UserError) as e:
         read_parallel(tmp_path / "s", tmp_path / "nope")
     assert "nope" in str(e.value)
+
+
+def test_read_parallel_from_pipes_and_count_lines_refuses_them(tmp_path):
+    from transformer.corpus import count_lines
+
+    ends = []
+    for text in ("a\nb\n", "x\ny\n", "a\n"):
+        read_end, write_end = os.pipe()
+        os.write(write_end, text.encode())
+        os.close(write_end)
+        ends.append(read_end)
+    try:
+        src, tgt, third = (f"/dev/fd/{fd}" for fd in ends)
+        assert read_parallel(src, tgt) == (["a", "b"], ["x", "y"])  # each read once: counting would empty them
+        with pytest.raises(UserError, match=f"^data: {third} is not a regular file .*it is read twice"):
+            count_lines(third)
+    finally:
+        for fd in ends:
+            os.close(fd)
+    with pytest.raises(UserError, match=f"^data: {tmp_path} is a directory, not a file$"):
+        read_parallel(tmp_path, tmp_path)
 
 
 def test_load_split_local(tmp_path):

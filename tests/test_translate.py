@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -44,6 +45,32 @@ def test_translate_input_file_with_empty_lines(run, singles, tmp_path, call):
 def test_translate_stdin(run, singles, call):
     status, out, _ = call("translate", run, stdin="\n".join(SENTENCES) + "\n")
     assert status == 0 and out.splitlines() == singles
+
+
+def test_translate_input_that_is_no_regular_file(run, singles, tmp_path, call):
+    """A pipe (what bash's <(zcat x.gz) gives), a FIFO, a device and `-` (stdin) are read like a file, once."""
+    read_end, write_end = os.pipe()
+    os.write(write_end, ("\n".join(SENTENCES) + "\n").encode("utf-8"))
+    os.close(write_end)
+    try:
+        status, out, err = call("translate", run, "--input", f"/dev/fd/{read_end}")
+    finally:
+        os.close(read_end)
+    assert (status, out.splitlines()) == (0, singles), err
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=(SENTENCES[0] + "\n",), daemon=True)  # until read
+    writer.start()
+    try:
+        status, out, err = call("translate", run, "--input", fifo)
+    finally:
+        writer.join(timeout=60)
+    assert (status, out.splitlines()) == (0, singles[:1]), err
+    assert call("translate", run, "--input", os.devnull)[:2] == (0, "")
+    status, out, _ = call("translate", run, "--input", "-", stdin="\n".join(SENTENCES) + "\n")
+    assert (status, out.splitlines()) == (0, singles)
+    status, _, err = call("translate", run, "--input", tmp_path)
+    assert (status, err) == (2, f"error: data: {tmp_path} is a directory, not a file\n")
 
 
 def test_translate_stdin_subprocess_streams_line_by_line(run, singles):

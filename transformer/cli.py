@@ -154,7 +154,8 @@ def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
     )
     p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
     p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to translate (default: --input or stdin)")
-    p.add_argument("--input", metavar="FILE", help="UTF-8 file, one sentence per line")
+    p.add_argument("--input", metavar="FILE",
+                   help="UTF-8 file, one sentence per line; a pipe such as <(zcat x.gz) works too, - is stdin")
     p.add_argument("--output", metavar="FILE", help="write translations here instead of stdout")
     p.add_argument("--nbest", type=int, default=1, metavar="N", help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)")
     p.set_defaults(func=commands.cmd_translate)

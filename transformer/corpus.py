@@ -31,11 +31,10 @@ def _decode(raw: bytes, path: Path, first_line: int) -> str:
 
 
 def iter_lines(path: str | Path, block_bytes: int = 1 << 24) -> Iterator[str]:
-    """The lines of a UTF-8 file, streamed. Only '\\n' ends a line (str.splitlines would also split on U+2028,
-    form feeds and other characters that occur inside real sentences); a final '\\r' and a leading BOM go."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"data: no such file: {path}")
+    """The lines of a UTF-8 file, streamed, read once: a pipe (`<(zcat x.gz)`), a FIFO or a device works as well
+    as a regular file. Only '\\n' ends a line (str.splitlines would also split on U+2028, form feeds and other
+    characters that occur inside real sentences); a final '\\r' and a leading BOM go."""
+    path = _readable(path)
     line_no, pending, first = 1, b"", True
     with path.open("rb") as f:
         while True:
@@ -63,16 +62,26 @@ def iter_lines(path: str | Path, block_bytes: int = 1 << 24) -> Iterator[str]:
             yield text[:-1] if text.endswith("\r") else text
 
 
+def _readable(path: str | Path) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"data: {path} is a directory, not a file")
+    if not path.exists():
+        raise UserError(f"data: no such file: {path}")
+    return path
+
+
 def read_lines(path: str | Path) -> list[str]:
     """All lines of a (small) UTF-8 file: translation inputs, test sets."""
     return list(iter_lines(path))
 
 
 def count_lines(path: str | Path) -> int:
-    """Lines of a file as iter_lines yields them, counted on bytes (fast: no decoding)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"data: no such file: {path}")
+    """Lines of a regular file as iter_lines yields them, counted on bytes (fast: no decoding)."""
+    path = _readable(path)
+    if not path.is_file():  # counting would consume a pipe before anything could read its lines
+        raise UserError(f"data: {path} is not a regular file (a pipe or a device); it is read twice, so give a "
+                        "file")
     count, last = 0, b"\n"
     with path.open("rb") as f:
         while block := f.read(1 << 24):
@@ -82,13 +91,18 @@ def count_lines(path: str | Path) -> int:
 
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
-    """Both sides of a (small) parallel file pair, checked like a training corpus."""
-    _check_parallel(src_path, tgt_path)
-    return read_lines(src_path), read_lines(tgt_path)
+    """Both sides of a (small) parallel file pair, checked like a training corpus. Each is read once, so
+    either may be a pipe."""
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    _check_counts(src_path, len(src), tgt_path, len(tgt))
+    return src, tgt
 
 
 def _check_parallel(src_path: str | Path, tgt_path: str | Path) -> int:
-    n_src, n_tgt = count_lines(src_path), count_lines(tgt_path)
+    return _check_counts(src_path, count_lines(src_path), tgt_path, count_lines(tgt_path))
+
+
+def _check_counts(src_path: str | Path, n_src: int, tgt_path: str | Path, n_tgt: int) -> int:
     if n_src != n_tgt:
         raise UserError(f"data: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
                         "line N of one side must translate line N of the other")

@@ -368,6 +368,7 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
 
     if sentences and input:
         raise UserError("translate: give sentences as arguments or --input FILE, not both")
+    input = None if input == "-" else input  # standard input, streamed as without --input
     if nbest < 1:
         raise UserError("--nbest must be at least 1")
     if output is None and sys.stdout is None:
@@ -376,6 +377,8 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
         raise UserError("translate: standard input is closed; give sentences as arguments or --input FILE")
     if output:  # before anything is opened: never truncate an input or a checkpoint
         check_output_path(output, [input, checkpoint], command="translate")
+    # Read once (a pipe cannot be read again), before the model loads and before the output is opened.
+    lines = list(sentences) if sentences else read_lines(input) if input else None
     translator = Translator(checkpoint, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine,
                             workers=workers)
     if nbest > translator.beam:
@@ -387,7 +390,6 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
             sys.stdout.reconfigure(errors="replace")
         except (ValueError, OSError):
             pass
-    lines = list(sentences) if sentences else read_lines(input) if input else None  # read before opening the output
     out = open(output, "w", encoding="utf-8") if output else sys.stdout
     try:
         if lines is not None:
