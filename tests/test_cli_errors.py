@@ -82,6 +82,10 @@ def _untouched(root: Path, run: Path) -> None:
     assert sorted(p.name for p in (root / "user").iterdir()) == ["config.yaml", "notes.txt"]
 
 
+def _no_image_beside(root: Path) -> None:
+    assert not list(root.glob("*.png")) and not (root / "newdir").exists()
+
+
 def _nothing_started(run_dir: Path) -> None:
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "spm.model").exists()
     assert "optimizer" not in load_checkpoint(run_dir / "last.pt")  # left as it was
@@ -122,6 +126,16 @@ CASES = [
     Case("average over a training checkpoint", lambda r, run: ["average", run / "step_00000001.pt",
                                                                run / "step_00000002.pt", "--output", r / "copy.pt"],
          "average: refusing to overwrite {root}/copy.pt: it is a training checkpoint"),
+    # An image path that is a directory is no file name: never a sibling DIR.png instead.
+    Case("plot into a directory", lambda r, run: ["plot", run, "--out", f"{r}/user/"],
+         "plot: the output {root}/user/ is a directory; give a file name", after=lambda r, run: _no_image_beside(r)),
+    Case("plot into a new directory", lambda r, run: ["plot", run, "--out", f"{r}/newdir/"],
+         "plot: the output {root}/newdir/ names a directory; give a file name",
+         after=lambda r, run: _no_image_beside(r)),
+    Case("plot-positions into a directory", lambda r, run: ["plot-positions", "--out", r / "user"],
+         "plot-positions: the output {root}/user is a directory", after=lambda r, run: _no_image_beside(r)),
+    Case("attention into a directory", lambda r, run: ["attention", run, "x", "--out", r / "user"],
+         "attention: the output {root}/user is a directory", after=lambda r, run: _no_image_beside(r)),
     # The run directory (item 4) and resume (items 8, 9).
     Case("run_dir empty", _train('train.run_dir=""'),
          "config: train.run_dir must name a directory for the run (it is empty)"),

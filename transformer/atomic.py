@@ -83,15 +83,23 @@ def _checkpoint_keys(path: Path) -> Optional[frozenset]:
     return frozenset(state) if isinstance(state, dict) else frozenset()
 
 
+def refuse_directory(output: str | Path, command: str) -> Path:
+    """The output as a Path, unless it is or names a directory ("DIR/"), which a command must not turn into a
+    sibling file (DIR.png) or write into."""
+    out = Path(output)
+    if out.is_dir() or str(output).endswith(os.sep):
+        being = "is" if out.is_dir() else "names"
+        raise UserError(f"{command}: the output {output} {being} a directory; give a file name")
+    return out
+
+
 def check_output_path(output: str | Path, inputs: Iterable[Optional[str | Path]] = (), *, command: str,
                       may_replace_weights: bool = False) -> Path:
     """Refuse, in one line, an output path whose writing would destroy something: one of the command's
     inputs, a file of a training run (its config, vocabulary, logs, lock or checkpoints), or a checkpoint
     holding training state. A weights-only checkpoint (an earlier `average`) may be replaced when
     may_replace_weights; otherwise no checkpoint is written over."""
-    out = Path(output)
-    if out.is_dir():
-        raise UserError(f"{command}: the output {out} is a directory; give a file name")
+    out = refuse_directory(output, command)
     if not out.exists():
         return out
     for given in inputs:

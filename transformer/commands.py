@@ -74,7 +74,7 @@ def cmd_attention(args: argparse.Namespace) -> None:
     from transformer.attention_maps import KINDS, inspect_attention
     from transformer.plots import output_path, write_attention_figures
 
-    output_path(args.out)  # a bad suffix fails before the model is loaded
+    output_path(args.out, "attention")  # a bad suffix or a directory fails before the model is loaded
     _check_beam(args.beam)
     model, vocab, cfg = load_model(args.checkpoint)
     beam = cfg.decode.beam if args.beam is None else args.beam
@@ -91,7 +91,7 @@ def cmd_attention(args: argparse.Namespace) -> None:
 def cmd_plot_positions(args: argparse.Namespace) -> None:
     from transformer.plots import positional_encoding, save
 
-    print(save(positional_encoding(args.d_model, args.length), args.out))
+    print(save(positional_encoding(args.d_model, args.length), args.out, "plot-positions"))
 
 
 def cmd_plot(args: argparse.Namespace) -> None:

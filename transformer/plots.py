@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from transformer.atomic import check_output_path
+from transformer.atomic import check_output_path, refuse_directory
 from transformer.errors import UserError, out_of_memory_names
 
 DPI = 100
@@ -38,9 +38,9 @@ def new_figure(width: float, height: float, layout: Optional[str] = "constrained
     return fig
 
 
-def output_path(path: str | Path) -> Path:
+def output_path(path: str | Path, command: str = "plot") -> Path:
     """PNG unless the suffix names another supported format."""
-    path = Path(path)
+    path = refuse_directory(path, command)  # before ".png" makes DIR a file beside it
     if not path.suffix:
         return path.with_suffix(".png")
     if path.suffix.lower().lstrip(".") not in FORMATS:
@@ -49,8 +49,8 @@ def output_path(path: str | Path) -> Path:
     return path
 
 
-def save(fig, path: str | Path) -> Path:
-    path = check_output_path(output_path(path), command="plot")
+def save(fig, path: str | Path, command: str = "plot") -> Path:
+    path = check_output_path(output_path(path, command), command=command)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
     # A fixed canvas (no bbox_inches="tight"): the pixel size is figsize * DPI, predictable for docs.
@@ -308,7 +308,7 @@ def write_attention_figures(
     `out` with _encoder, _decoder, _cross before the suffix."""
     from transformer.attention_maps import KEY_AXIS, QUERY_AXIS, TITLES
 
-    out = output_path(out)
+    out = output_path(out, "attention")
     for kind in kinds:
         n_layers, n_heads = maps.shape(kind)
         _check_index("layer", layer, n_layers, kind)
@@ -333,5 +333,5 @@ def write_attention_figures(
             fig = attention_grid(selected, query, key, f"{TITLES[kind]}\n{subtitle}{note}",
                                  QUERY_AXIS[kind], KEY_AXIS[kind], layers, heads, masked)
         path = out if len(kinds) == 1 else out.with_name(f"{out.stem}_{kind}{out.suffix}")
-        written.append(save(fig, path))
+        written.append(save(fig, path, "attention"))
     return written
