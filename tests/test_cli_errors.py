@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import socket
@@ -37,6 +38,8 @@ def env(tmp_path_factory) -> dict:
     run = train(from_dict(raw), quiet=True)
     tiny = write_config(root / "tiny.yaml", raw)
     (root / "same.txt").write_text("ein hund\nzwei katzen\n", encoding="utf-8")
+    (run / "eval").mkdir()  # what the end of training writes (train.finish is off in tiny configs)
+    (run / "eval" / "test.final.hyp").write_text("the final translations\n", encoding="utf-8")
     shutil.copy(run / "last.pt", root / "copy.pt")  # a training checkpoint outside its run directory
     save_checkpoint(average_checkpoints([run / "step_00000001.pt", run / "step_00000002.pt"]), root / "avg.pt")
     (root / "user").mkdir()  # someone's own directory
@@ -84,6 +87,10 @@ def _untouched(root: Path, run: Path) -> None:
 
 def _no_image_beside(root: Path) -> None:
     assert not list(root.glob("*.png")) and not (root / "newdir").exists()
+
+
+def _final_hyp_kept(run: Path) -> None:
+    assert (run / "eval" / "test.final.hyp").read_text(encoding="utf-8") == "the final translations\n"
 
 
 def _nothing_started(run_dir: Path) -> None:
@@ -136,6 +143,15 @@ CASES = [
          "plot-positions: the output {root}/user is a directory", after=lambda r, run: _no_image_beside(r)),
     Case("attention into a directory", lambda r, run: ["attention", run, "x", "--out", r / "user"],
          "attention: the output {root}/user is a directory", after=lambda r, run: _no_image_beside(r)),
+    # Nor any file of a run below its top level: the store, the end of training's test translations.
+    Case("average over the store's manifest", lambda r, run: ["average", run, "--last", "2", "--output",
+                                                              run / "store" / "manifest.json"],
+         "average: refusing to overwrite {run}/store/manifest.json: it belongs to the training run in {run}",
+         after=lambda r, run: json.loads((run / "store" / "manifest.json").read_text())),
+    Case("translate over the final test translations", lambda r, run: ["translate", run, "--input", r / "same.txt",
+                                                                       "--output", run / "eval" / "test.final.hyp"],
+         "translate: refusing to overwrite {run}/eval/test.final.hyp: it belongs to the training run in {run}",
+         after=lambda r, run: _final_hyp_kept(run)),
     # The run directory (item 4) and resume (items 8, 9).
     Case("run_dir empty", _train('train.run_dir=""'),
          "config: train.run_dir must name a directory for the run (it is empty)"),

@@ -21,6 +21,11 @@ _TEMP_NAME = re.compile(r"\..+\.[A-Za-z0-9_]{8}" + re.escape(TEMP_SUFFIX))
 RUN_FILES = ("config.yaml", "spm.model", "metrics.jsonl", "train.log", "train.lock", "last.pt", "best.pt", "store",
              "final.pt", "summary.json", "tensorboard", "ct2")
 STEP_FILE = re.compile(r"step_\d+\.pt")
+# Inside a run directory, also run files: whatever lies under the directories that training fills, and the test
+# translations that the end of training writes to eval/ (evaluate's own eval/ results, by settings, may go).
+RUN_SUBDIRS = ("store", "tensorboard", "ct2")
+FINAL_HYP = re.compile(r".+\.final\.hyp")
+RUN_MARKERS = ("last.pt", "spm.model", "train.lock")  # what only a run directory holds
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
@@ -64,6 +69,18 @@ def is_run_file(name: str) -> bool:
     return name in RUN_FILES or bool(STEP_FILE.fullmatch(name))
 
 
+def owning_run(path: str | Path) -> Optional[Path]:
+    """The training run directory that `path` is one of the files of (is_run_file, RUN_SUBDIRS, FINAL_HYP),
+    if any."""
+    path = Path(path).resolve()
+    candidates = [d.parent for d in path.parents if d.name in RUN_SUBDIRS]
+    if is_run_file(path.name):
+        candidates.append(path.parent)
+    if path.parent.name == "eval" and FINAL_HYP.fullmatch(path.name):
+        candidates.append(path.parent.parent)
+    return next((c for c in candidates if any((c / name).exists() for name in RUN_MARKERS)), None)
+
+
 def _checkpoint_keys(path: Path) -> Optional[frozenset]:
     """The top-level keys of a PyTorch file (an empty set when it cannot be read); None if it is no PyTorch file."""
     if not path.is_file():  # a device (/dev/full reads zeros for ever), a pipe: no checkpoint
@@ -96,18 +113,18 @@ def refuse_directory(output: str | Path, command: str) -> Path:
 def check_output_path(output: str | Path, inputs: Iterable[Optional[str | Path]] = (), *, command: str,
                       may_replace_weights: bool = False) -> Path:
     """Refuse, in one line, an output path whose writing would destroy something: one of the command's
-    inputs, a file of a training run (its config, vocabulary, logs, lock or checkpoints), or a checkpoint
-    holding training state. A weights-only checkpoint (an earlier `average`) may be replaced when
-    may_replace_weights; otherwise no checkpoint is written over."""
+    inputs, a file of a training run (owning_run: its config, vocabulary, logs, lock, checkpoints, store,
+    end-of-training outputs), or a checkpoint holding training state. A weights-only checkpoint (an earlier
+    `average`) may be replaced when may_replace_weights; otherwise no checkpoint is written over."""
     out = refuse_directory(output, command)
     if not out.exists():
         return out
     for given in inputs:
         if given is not None and Path(given).exists() and os.path.samefile(out, given):
             raise UserError(f"{command}: the output {out} is also an input ({given}); write to another file")
-    parent = out.resolve().parent
-    if is_run_file(out.name) and any((parent / name).exists() for name in ("last.pt", "spm.model", "train.lock")):
-        raise UserError(f"{command}: refusing to overwrite {out}: it belongs to the training run in {parent}; "
+    run = owning_run(out)
+    if run is not None:
+        raise UserError(f"{command}: refusing to overwrite {out}: it belongs to the training run in {run}; "
                         "write to another file")
     keys = _checkpoint_keys(out)
     if keys is not None:
