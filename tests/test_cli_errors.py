@@ -218,6 +218,11 @@ CASES = [
          f"--length x --d-model is {BIG:,} x 512; the plotted table may hold at most 50,000,000 values"),
     Case("plot-positions d-model", lambda r, run: ["plot-positions", "--d-model", BIG, "--out", r / "p.png"],
          f"--length x --d-model is 100 x {BIG:,}"),
+    # Options that contradict each other: neither wins.
+    Case("int8 and dtype fp32", lambda r, run: ["translate", run, "x", "--int8", "--dtype", "fp32"],
+         "--int8 means --dtype int8; it cannot go with --dtype fp32"),
+    Case("dtype bf16 and int8", lambda r, run: ["evaluate", run, "--dtype", "bf16", "--int8"],
+         "--int8 means --dtype int8; it cannot go with --dtype bf16"),
     # Configs that are not files, or are bombs.
     Case("alias bomb", lambda r, run: ["train", r / "bomb.yaml"],
          "config: {root}/bomb.yaml: YAML aliases expand it to 926,177,115 values (at most 10,000); write the "

@@ -273,12 +273,13 @@ def _search_options() -> argparse.ArgumentParser:
                              "fewer decoder steps) (default: decode.stop)")
     decode.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run (default auto: CUDA when available)")
-    decode.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"), default="auto",
+    # No default here: commands.py tells "--dtype X --int8" (refused) from "--int8" alone, then makes it auto.
+    decode.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"),
                         help="number format: fp32; bf16 (fast on CUDA and on CPUs with avx512_bf16/amx_bf16, "
                              "emulated and slow elsewhere); int8 (CPU: linear layers quantized, faster at a small "
                              "cost in accuracy); auto (default): bf16 where it is native, else fp32, printed on "
                              "stderr. `evaluate` measures what a choice costs")
-    decode.add_argument("--int8", dest="dtype", action="store_const", const="int8", help="the same as --dtype int8")
+    decode.add_argument("--int8", action="store_true", help="the same as --dtype int8")
     decode.add_argument("--engine", choices=("ours", "ctranslate2"), default="ours",
                         help="ours (PyTorch search, default) or ctranslate2: the checkpoint is converted once "
                              "(kept in CHECKPOINT_DIR/ct2/, rebuilt when the checkpoint changes) and run by "

@@ -36,7 +36,8 @@ def _check_beam(beam: Optional[int]) -> None:
 
 
 def _check_search_args(args: argparse.Namespace) -> None:
-    """Ranges argparse's types do not check, reported in one line like every other error."""
+    """Ranges argparse's types do not check, and options that contradict each other, reported in one line like
+    every other error."""
     _check_beam(args.beam)
     if args.lenpen is not None and not (math.isfinite(args.lenpen) and args.lenpen >= 0):
         raise UserError(f"--lenpen must be a finite number >= 0, got {args.lenpen}")
@@ -44,6 +45,11 @@ def _check_search_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
+    if getattr(args, "int8", False):  # translate and evaluate have it; serve only --dtype
+        if args.dtype not in (None, "int8"):  # which one was meant cannot be known: no last flag wins
+            raise UserError(f"--int8 means --dtype int8; it cannot go with --dtype {args.dtype}")
+        args.dtype = "int8"
+    args.dtype = args.dtype or "auto"
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
