@@ -328,6 +328,38 @@ def test_a_full_disk_names_the_file_and_leaves_no_temporary(env, monkeypatch, tm
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("failure, status", [(KeyboardInterrupt, 130), (OSError(errno.EIO, "I/O error"), 2)])
+def test_translate_that_fails_keeps_the_previous_output(env, monkeypatch, tmp_path, call, failure, status):
+    from transformer.translate import Translator
+
+    output = tmp_path / "out.txt"
+    output.write_text("yesterday's translations\n", encoding="utf-8")
+    def fail(*args, **kwargs):  # after the output was opened: the model is loaded, the input read
+        raise failure
+
+    monkeypatch.setattr(Translator, "translate_nbest", fail)
+    assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == status
+    assert output.read_text(encoding="utf-8") == "yesterday's translations\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]  # and no temporary file left beside it
+    monkeypatch.undo()
+    assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == 0
+    assert len(output.read_text(encoding="utf-8").splitlines()) == 2  # the next run replaces it
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+def test_translate_output_dev_stdout_appended_to_a_log(env, tmp_path):
+    """--output /dev/stdout under `>> LOG`: LOG itself, in place; neither truncated nor renamed over."""
+    log = tmp_path / "log"
+    log.write_text("earlier\n")
+    with log.open("a") as stdout:
+        result = subprocess.run([sys.executable, "-m", "transformer", "translate", env["run"], "--input",
+                                 env["root"] / "same.txt", "--output", "/dev/stdout"], stdout=stdout,
+                                stderr=subprocess.PIPE, text=True, env=subprocess_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0] == "earlier" and len(lines) == 3
+
+
 def test_remove_stale_temporaries_removes_only_ours(tmp_path):
     from transformer.atomic import TEMP_SUFFIX, atomic_write, remove_stale_temporaries
 

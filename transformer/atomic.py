@@ -6,8 +6,9 @@ import os
 import re
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Optional
+from typing import IO, BinaryIO, Callable, Iterable, Iterator, Optional
 
 from transformer.errors import UserError
 
@@ -28,17 +29,23 @@ FINAL_HYP = re.compile(r".+\.final\.hyp")
 RUN_MARKERS = ("last.pt", "spm.model", "train.lock")  # what only a run directory holds
 
 
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call write(f) on a temporary file in path's directory, fsync it, then rename it over `path`."""
+@contextmanager
+def atomic_open(path: str | Path, encoding: Optional[str] = None) -> Iterator[IO]:
+    """A temporary file in path's directory to write (text in `encoding` if given, else bytes): fsynced and
+    renamed over `path` when the block ends, removed when it raises (Ctrl-C included), so that `path` is
+    always the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    except OSError as e:  # e.g. a read-only directory: name the file asked for, not a temporary name
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; ours are as readable as any file
-        with os.fdopen(fd, "wb") as f:
-            write(f)
+        with os.fdopen(fd, "w" if encoding else "wb", encoding=encoding) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -56,6 +63,21 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
             os.close(dir_fd)
     except OSError:
         pass
+
+
+def replaceable(path: str | Path) -> bool:
+    """Whether atomic_open may rename a new file over `path`: not for a device or a FIFO, nor for a descriptor's
+    alias such as /dev/stdout, which may stand for the file of a shell's `> FILE` or `>> LOG` (a rename would
+    take that file's place, appended lines and all)."""
+    if os.path.abspath(path).startswith(("/dev/", "/proc/")):
+        return False
+    return os.path.isfile(path) or not os.path.exists(path)
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call write(f) on a temporary file in path's directory, fsync it, then rename it over `path`."""
+    with atomic_open(path) as f:
+        write(f)
 
 
 def remove_stale_temporaries(directory: str | Path) -> None:

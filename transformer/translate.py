@@ -363,7 +363,7 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
                   device: str, dtype: str = "fp32", stop: Optional[str] = None, engine: str = "ours",
                   workers: Optional[int] = None) -> None:
     """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line."""
-    from transformer.atomic import check_output_path
+    from transformer.atomic import atomic_open, check_output_path, replaceable
     from transformer.corpus import read_lines
 
     if sentences and input:
@@ -390,23 +390,20 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
             sys.stdout.reconfigure(errors="replace")
         except (ValueError, OSError):
             pass
-    out = open(output, "w", encoding="utf-8") if output else sys.stdout
+    if not output:
+        target = contextlib.nullcontext(sys.stdout)
+    elif not replaceable(output):  # /dev/stdout, a FIFO: in place, appended (`>> LOG` keeps what LOG held)
+        target = open(output, "a", encoding="utf-8")
+    else:  # streamed into a temporary file: a failure or Ctrl-C leaves the old FILE whole, not truncated
+        target = atomic_open(os.path.realpath(output) if os.path.islink(output) else output, encoding="utf-8")
     try:
-        if lines is not None:
-            _write_nbest(out, translator.translate_nbest(lines, nbest), nbest)
-        else:
-            for chunk in stdin_chunks():
-                _write_nbest(out, translator.translate_nbest(chunk, nbest), nbest)
-        if output:
-            out.close()
+        with target as out:
+            if lines is not None:
+                _write_nbest(out, translator.translate_nbest(lines, nbest), nbest)
+            else:
+                for chunk in stdin_chunks():
+                    _write_nbest(out, translator.translate_nbest(chunk, nbest), nbest)
     except OSError as e:
         if isinstance(e, BrokenPipeError) or e.filename is not None:
             raise
         raise OSError(e.errno, e.strerror, output or "standard output") from None  # e.g. a full disk: say where
-    finally:
-        if output and not out.closed:
-            try:
-                out.close()
-            except OSError:  # already reported above
-                pass
-
