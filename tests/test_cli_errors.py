@@ -347,6 +347,35 @@ def test_translate_that_fails_keeps_the_previous_output(env, monkeypatch, tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
 
 
+def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env, monkeypatch, tmp_path, call):
+    from transformer import translate_io
+    from transformer.translate import Translator
+
+    output = tmp_path / "out.txt"
+    output.write_text("yesterday's translations\n", encoding="utf-8")
+    output.chmod(0o600)  # private translations stay private when replaced
+    real, calls = Translator.translate_nbest, []
+
+    def stop_in_second_chunk(self, lines, nbest=1):
+        calls.append(lines)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, lines, nbest)
+
+    monkeypatch.setattr(translate_io, "CHUNK_LINES", 1)
+    monkeypatch.setattr(Translator, "translate_nbest", stop_in_second_chunk)
+    status, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
+    assert status == 130 and output.read_text(encoding="utf-8") == "yesterday's translations\n"
+    partial = tmp_path / "out.txt.partial"
+    assert len(partial.read_text(encoding="utf-8").splitlines()) == 1  # the first line's translation
+    assert f"{output} is unchanged, and what was translated is in {partial}" in err
+
+    monkeypatch.setattr(Translator, "translate_nbest", real)
+    assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == 0
+    assert len(output.read_text(encoding="utf-8").splitlines()) == 2 and not partial.exists()
+    assert output.stat().st_mode & 0o777 == 0o600
+
+
 def test_translate_output_dev_stdout_appended_to_a_log(env, tmp_path):
     """--output /dev/stdout under `>> LOG`: LOG itself, in place; neither truncated nor renamed over."""
     log = tmp_path / "log"
@@ -358,6 +387,15 @@ def test_translate_output_dev_stdout_appended_to_a_log(env, tmp_path):
     assert result.returncode == 0, result.stderr
     lines = log.read_text().splitlines()
     assert lines[0] == "earlier" and len(lines) == 3
+    # The same through a link to it: still the shell's file, in place, though it is a regular file.
+    (tmp_path / "link").symlink_to(log)
+    with log.open("a") as stdout:
+        result = subprocess.run([sys.executable, "-m", "transformer", "translate", env["run"], "--input",
+                                 env["root"] / "same.txt", "--output", tmp_path / "link"], stdout=stdout,
+                                stderr=subprocess.PIPE, text=True, env=subprocess_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0] == "earlier" and len(lines) == 5 and (tmp_path / "link").is_symlink()
 
 
 def test_remove_stale_temporaries_removes_only_ours(tmp_path):

@@ -65,15 +65,6 @@ def atomic_open(path: str | Path, encoding: Optional[str] = None) -> Iterator[IO
         pass
 
 
-def replaceable(path: str | Path) -> bool:
-    """Whether atomic_open may rename a new file over `path`: not for a device or a FIFO, nor for a descriptor's
-    alias such as /dev/stdout, which may stand for the file of a shell's `> FILE` or `>> LOG` (a rename would
-    take that file's place, appended lines and all)."""
-    if os.path.abspath(path).startswith(("/dev/", "/proc/")):
-        return False
-    return os.path.isfile(path) or not os.path.exists(path)
-
-
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
     """Call write(f) on a temporary file in path's directory, fsync it, then rename it over `path`."""
     with atomic_open(path) as f:

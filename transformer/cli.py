@@ -157,7 +157,8 @@ def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
     p.add_argument("--input", metavar="FILE",
                    help="UTF-8 file, one sentence per line; a pipe such as <(zcat x.gz) works too, - is stdin")
     p.add_argument("--output", metavar="FILE",
-                   help="write translations here instead of stdout (FILE is replaced once all is translated)")
+                   help="write translations here instead of stdout: into FILE.partial, renamed over FILE once all is "
+                        "translated (after a stop FILE is unchanged and FILE.partial keeps what was done)")
     p.add_argument("--nbest", type=int, default=1, metavar="N", help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)")
     p.set_defaults(func=commands.cmd_translate)
     p.__class__ = _IntermixedParser  # same parser, intermixed positionals

@@ -109,7 +109,7 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 
 def cmd_translate(args: argparse.Namespace) -> None:
-    from transformer.translate import run_translate
+    from transformer.translate_io import run_translate
 
     _check_search_args(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):

@@ -1,14 +1,14 @@
 """Text in, text out: a Translator that loads a checkpoint once and runs it on a device, in a dtype
-(fp32/bf16/int8), through an engine (ours or CTranslate2); batching by length; streaming stdin."""
+(fp32/bf16/int8), through an engine (ours or CTranslate2); batching by length (the command's own input and
+output: translate_io.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, TextIO
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -305,105 +305,3 @@ class Translator:
         if self.dtype != "fp32":
             name += f".{self.dtype}"
         return name + (".ct2" if self.ct2 is not None else "")
-
-
-def stdin_chunks(stream: Optional[TextIO] = None, fallback_lines: int = 512) -> Iterator[list[str]]:
-    """Lines of stdin in chunks of whatever has arrived: a whole piped file comes in large chunks,
-    an interactive line comes alone, as soon as Enter is pressed."""
-    stream = sys.stdin if stream is None else stream
-    try:
-        fd = stream.fileno()
-    except (AttributeError, OSError, ValueError):
-        fd = None
-    if fd is None:  # not a real file (e.g. a StringIO in tests): fixed-size chunks
-        chunk = []
-        for line in stream:
-            chunk.append(line.rstrip("\n").rstrip("\r"))
-            if len(chunk) >= fallback_lines:
-                yield chunk
-                chunk = []
-        if chunk:
-            yield chunk
-        return
-    yield from _fd_chunks(fd)
-
-
-def _fd_chunks(fd: int) -> Iterator[list[str]]:
-    # os.read returns what is available now (blocking only while nothing is), unlike a buffered readline loop.
-    pending = b""
-    while True:
-        data = os.read(fd, 1 << 16)
-        if not data:
-            break
-        pending += data
-        *complete, pending = pending.split(b"\n")
-        if complete:
-            yield [_decode_line(raw) for raw in complete]
-    if pending:
-        yield [_decode_line(pending)]
-
-
-def _decode_line(raw: bytes) -> str:
-    text = raw.decode("utf-8", errors="replace")  # one bad byte should not stop a stream
-    return text[:-1] if text.endswith("\r") else text
-
-
-def _write_nbest(out: TextIO, results: list[list[tuple[float, str]]], nbest: int) -> None:
-    for hyps in results:
-        if nbest == 1:
-            out.write(hyps[0][1] + "\n")
-        else:
-            for score, text in hyps:
-                out.write(f"{score:.4f}\t{text}\n")
-    out.flush()
-
-
-def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str], output: Optional[str],
-                  beam: Optional[int], lenpen: Optional[float], nbest: int, max_tokens: Optional[int],
-                  device: str, dtype: str = "fp32", stop: Optional[str] = None, engine: str = "ours",
-                  workers: Optional[int] = None) -> None:
-    """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line."""
-    from transformer.atomic import atomic_open, check_output_path, replaceable
-    from transformer.corpus import read_lines
-
-    if sentences and input:
-        raise UserError("translate: give sentences as arguments or --input FILE, not both")
-    input = None if input == "-" else input  # standard input, streamed as without --input
-    if nbest < 1:
-        raise UserError("--nbest must be at least 1")
-    if output is None and sys.stdout is None:
-        raise UserError("translate: standard output is closed; give --output FILE")
-    if not sentences and not input and sys.stdin is None:
-        raise UserError("translate: standard input is closed; give sentences as arguments or --input FILE")
-    if output:  # before anything is opened: never truncate an input or a checkpoint
-        check_output_path(output, [input, checkpoint], command="translate")
-    # Read once (a pipe cannot be read again), before the model loads and before the output is opened.
-    lines = list(sentences) if sentences else read_lines(input) if input else None
-    translator = Translator(checkpoint, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine,
-                            workers=workers)
-    if nbest > translator.beam:
-        raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({translator.beam}); raise --beam")
-    if translator.note:
-        print(translator.note, file=sys.stderr)
-    if output is None and hasattr(sys.stdout, "reconfigure"):
-        try:  # a translation may hold characters the terminal's encoding lacks: never crash on printing
-            sys.stdout.reconfigure(errors="replace")
-        except (ValueError, OSError):
-            pass
-    if not output:
-        target = contextlib.nullcontext(sys.stdout)
-    elif not replaceable(output):  # /dev/stdout, a FIFO: in place, appended (`>> LOG` keeps what LOG held)
-        target = open(output, "a", encoding="utf-8")
-    else:  # streamed into a temporary file: a failure or Ctrl-C leaves the old FILE whole, not truncated
-        target = atomic_open(os.path.realpath(output) if os.path.islink(output) else output, encoding="utf-8")
-    try:
-        with target as out:
-            if lines is not None:
-                _write_nbest(out, translator.translate_nbest(lines, nbest), nbest)
-            else:
-                for chunk in stdin_chunks():
-                    _write_nbest(out, translator.translate_nbest(chunk, nbest), nbest)
-    except OSError as e:
-        if isinstance(e, BrokenPipeError) or e.filename is not None:
-            raise
-        raise OSError(e.errno, e.strerror, output or "standard output") from None  # e.g. a full disk: say where

@@ -1,0 +1,179 @@
+"""The `translate` command's lines in and out: stdin streamed as lines arrive, an --input file in chunks with a
+progress bar, and --output written as FILE.partial, renamed over FILE once every line is translated."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, TextIO
+
+from tqdm import tqdm
+
+from transformer.errors import UserError
+from transformer.translate import Translator
+
+# An --input file is translated and written this many lines at a time: a stop keeps what was done, and each
+# chunk is still large enough for length batching to leave little padding.
+CHUNK_LINES = 10_000
+PARTIAL_SUFFIX = ".partial"
+
+
+def stdin_chunks(stream: Optional[TextIO] = None, fallback_lines: int = 512) -> Iterator[list[str]]:
+    """Lines of stdin in chunks of whatever has arrived: a whole piped file comes in large chunks,
+    an interactive line comes alone, as soon as Enter is pressed."""
+    stream = sys.stdin if stream is None else stream
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = None
+    if fd is None:  # not a real file (e.g. a StringIO in tests): fixed-size chunks
+        chunk = []
+        for line in stream:
+            chunk.append(line.rstrip("\n").rstrip("\r"))
+            if len(chunk) >= fallback_lines:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+        return
+    yield from _fd_chunks(fd)
+
+
+def _fd_chunks(fd: int) -> Iterator[list[str]]:
+    # os.read returns what is available now (blocking only while nothing is), unlike a buffered readline loop.
+    pending = b""
+    while True:
+        data = os.read(fd, 1 << 16)
+        if not data:
+            break
+        pending += data
+        *complete, pending = pending.split(b"\n")
+        if complete:
+            yield [_decode_line(raw) for raw in complete]
+    if pending:
+        yield [_decode_line(pending)]
+
+
+def _decode_line(raw: bytes) -> str:
+    text = raw.decode("utf-8", errors="replace")  # one bad byte should not stop a stream
+    return text[:-1] if text.endswith("\r") else text
+
+
+def file_chunks(lines: Sequence[str], size: Optional[int] = None) -> Iterator[list[str]]:
+    """`lines` in chunks of `size` (CHUNK_LINES), with a progress bar on stderr when it is a terminal."""
+    size = size or CHUNK_LINES
+    with tqdm(total=len(lines), desc="translate", unit=" lines", dynamic_ncols=True, disable=None) as bar:
+        for start in range(0, len(lines), size):
+            chunk = list(lines[start:start + size])
+            yield chunk
+            bar.update(len(chunk))
+
+
+def in_place(path: str) -> bool:
+    """Whether --output is written where it is instead of beside it and renamed: a device or a FIFO, or the
+    file this process's stdout or stderr already writes to (`--output /dev/stdout` under `>> LOG`, or a link
+    to it), which a rename would take away from the shell that opened it."""
+    try:
+        target = os.stat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(target.st_mode):
+        return True
+    for fd in (1, 2):
+        try:
+            ours = os.fstat(fd)
+        except OSError:
+            continue
+        if (ours.st_dev, ours.st_ino) == (target.st_dev, target.st_ino):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def output_lines(output: Optional[str]) -> Iterator[TextIO]:
+    """Where translations go: stdout; in place, appended (in_place); else FILE.partial, renamed over FILE (its
+    permissions kept, a link followed) when the block ends. On an error or Ctrl-C, FILE is unchanged and
+    FILE.partial keeps the lines translated so far."""
+    from transformer.atomic import check_output_path
+
+    if output is None:
+        yield sys.stdout
+        return
+    if in_place(output):
+        with open(output, "a", encoding="utf-8") as f:
+            yield f
+        return
+    final = Path(os.path.realpath(output))
+    partial = check_output_path(final.with_name(final.name + PARTIAL_SUFFIX), command="translate")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(partial, "w", encoding="utf-8") as f:
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            f.close()
+            if partial.stat().st_size:
+                print(f"translate: stopped; {output} is unchanged, and what was translated is in {partial}",
+                      file=sys.stderr)
+            else:
+                partial.unlink()
+            raise
+    if final.exists():
+        os.chmod(partial, stat.S_IMODE(final.stat().st_mode))
+    os.replace(partial, final)
+
+
+def write_nbest(out: TextIO, results: list[list[tuple[float, str]]], nbest: int) -> None:
+    for hyps in results:
+        if nbest == 1:
+            out.write(hyps[0][1] + "\n")
+        else:
+            for score, text in hyps:
+                out.write(f"{score:.4f}\t{text}\n")
+    out.flush()
+
+
+def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str], output: Optional[str],
+                  beam: Optional[int], lenpen: Optional[float], nbest: int, max_tokens: Optional[int],
+                  device: str, dtype: str = "fp32", stop: Optional[str] = None, engine: str = "ours",
+                  workers: Optional[int] = None) -> None:
+    """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line."""
+    from transformer.atomic import check_output_path
+    from transformer.corpus import read_lines
+
+    if sentences and input:
+        raise UserError("translate: give sentences as arguments or --input FILE, not both")
+    input = None if input == "-" else input  # standard input, streamed as without --input
+    if nbest < 1:
+        raise UserError("--nbest must be at least 1")
+    if output is None and sys.stdout is None:
+        raise UserError("translate: standard output is closed; give --output FILE")
+    if not sentences and not input and sys.stdin is None:
+        raise UserError("translate: standard input is closed; give sentences as arguments or --input FILE")
+    if output:  # before anything is opened: never truncate an input or a checkpoint
+        check_output_path(output, [input, checkpoint], command="translate")
+    # Read once (a pipe cannot be read again), before the model loads and before the output is opened.
+    lines = list(sentences) if sentences else read_lines(input) if input else None
+    translator = Translator(checkpoint, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine,
+                            workers=workers)
+    if nbest > translator.beam:
+        raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({translator.beam}); raise --beam")
+    if translator.note:
+        print(translator.note, file=sys.stderr)
+    if output is None and hasattr(sys.stdout, "reconfigure"):
+        try:  # a translation may hold characters the terminal's encoding lacks: never crash on printing
+            sys.stdout.reconfigure(errors="replace")
+        except (ValueError, OSError):
+            pass
+    try:
+        with output_lines(output) as out:
+            for chunk in (file_chunks(lines) if lines is not None else stdin_chunks()):
+                write_nbest(out, translator.translate_nbest(chunk, nbest), nbest)
+    except OSError as e:
+        if isinstance(e, BrokenPipeError) or e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, output or "standard output") from None  # e.g. a full disk: say where
