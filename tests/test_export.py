@@ -3,6 +3,8 @@ greedy translations); the command's files and errors."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -84,6 +86,14 @@ def test_export_force_replaces_an_export_only_and_keeps_it_when_conversion_fails
 
     out = tmp_path / "exported"
     assert call("export", "ctranslate2", run_dir, out)[0] == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # as mkdir makes it, not private
+    (tmp_path / "empty").mkdir()
+    assert call("export", "ctranslate2", run_dir, tmp_path / "empty", "--force")[0] == 0
+    (tmp_path / "link").symlink_to(out)  # replaced through the link, which stays one
+    assert call("export", "ctranslate2", run_dir, tmp_path / "link", "--force")[:2] == (0, f"wrote {tmp_path}/link\n")
+    assert (tmp_path / "link").is_symlink() and (out / "model.bin").is_file()
     (out / "notes.txt").write_text("mine\n")
     status, _, err = call("export", "ctranslate2", run_dir, out, "--force")
     assert status == 2 and "not replacing it" in err and (out / "notes.txt").exists()
@@ -99,4 +109,4 @@ def test_export_force_replaces_an_export_only_and_keeps_it_when_conversion_fails
     with pytest.raises(RuntimeError, match="conversion failed"):
         export_ctranslate2(run_dir, out, force=True)
     assert (out / "model.bin").read_bytes() == model_bin
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".exported")] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

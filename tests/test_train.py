@@ -315,9 +315,11 @@ def test_resume_refuses_a_change_to_the_model_or_its_vocabulary(tmp_path, key, v
 def test_resume_refuses_switching_between_adam_and_adamw(tmp_path, before, after, allowed):
     from transformer.resume import check_resume_config
 
-    saved, new = (from_dict(tiny_config(tmp_path, data_dir=tmp_path, train={"weight_decay": w})) for w in (before, after))
+    saved, new = (from_dict(tiny_config(tmp_path, data_dir=tmp_path, train={"weight_decay": w}))
+                  for w in (before, after))
     if allowed:
-        assert [(c.key, c.before, c.after) for c in check_resume_config(saved, new)] == [("train.weight_decay", 0.01, 0.1)]
+        changes = check_resume_config(saved, new)
+        assert [(c.key, c.before, c.after) for c in changes] == [("train.weight_decay", 0.01, 0.1)]
     else:
         with pytest.raises(UserError, match=r"cannot switch between 0 \(Adam\) and > 0 \(AdamW\)"):
             check_resume_config(saved, new)

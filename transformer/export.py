@@ -105,23 +105,34 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, quantization
     (a run directory or .pt file); returns it. CTranslate2 appends </s> to the source itself."""
     require_ctranslate2()
     source = resolve_checkpoint(checkpoint)
-    out_dir = Path(out_dir)
+    given, out_dir = out_dir, Path(os.path.realpath(out_dir))  # a link to the directory stays a link
     if out_dir.exists():
         if not force:
-            raise UserError(f"export: {out_dir} exists; add --force to replace it")
-        if not _is_export(out_dir):  # --force replaces an earlier export, never a run or someone's files
-            raise UserError(f"export: {out_dir} exists and is not a CTranslate2 model directory (it holds files "
+            raise UserError(f"export: {given} exists; add --force to replace it")
+        # --force replaces an earlier export (or an empty directory), never a run or someone's files.
+        if not (out_dir.is_dir() and not any(out_dir.iterdir())) and not _is_export(out_dir):
+            raise UserError(f"export: {given} exists and is not a CTranslate2 model directory (it holds files "
                             "other than model.bin, config.json, the vocabularies and spm.model); not replacing it")
     # Converted beside it first: a conversion that fails leaves the earlier export as it was.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging = _staging_dir(out_dir)
     try:
         _write_model(source, staging, quantization)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
+    return Path(given)
+
+
+def _staging_dir(target: Path) -> Path:
+    """A new directory beside `target` to convert into, as readable as one made with mkdir (mkdtemp's is private,
+    and it becomes the export)."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)
+    return staging
 
 
 def _is_export(path: Path) -> bool:
@@ -170,7 +181,7 @@ def cached_conversion(checkpoint: str | Path) -> Path:
     print(f"converting {source} for CTranslate2 into {target} (once per checkpoint)", file=sys.stderr)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{source.stem}.", dir=target.parent))
+        staging = _staging_dir(target)
     except OSError as e:
         staging = Path(tempfile.mkdtemp(prefix="transformer_ct2_"))
         print(f"warning: cannot write {target.parent} ({e.strerror}); converted into {staging}, "
