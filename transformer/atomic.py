@@ -26,7 +26,9 @@ STEP_FILE = re.compile(r"step_\d+\.pt")
 # translations that the end of training writes to eval/ (evaluate's own eval/ results, by settings, may go).
 RUN_SUBDIRS = ("store", "tensorboard", "ct2")
 FINAL_HYP = re.compile(r".+\.final\.hyp")
-RUN_MARKERS = ("last.pt", "spm.model", "train.lock")  # what only a run directory holds
+# A run directory holds one of these from its first step on (spm.model from `prepare`). An export's spm.model
+# makes its directory look like a run too: that errs on the side of refusing.
+RUN_MARKERS = ("last.pt", "spm.model", "train.lock")
 
 
 @contextmanager

@@ -99,9 +99,9 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
     cfg = from_dict(last["config"])
     data_dir = Path(cfg.data.dir)
     if cfg.data.source == "local" and not data_dir.is_dir():  # else the test score would be skipped as absent
-        where = "" if data_dir.is_absolute() else f" (relative to {Path.cwd()}, where this runs)"
-        raise UserError(f"finish: data.dir {cfg.data.dir!r} is not a directory{where}; run from the directory "
-                        "training ran in")
+        fix = ("put the corpus back there" if data_dir.is_absolute() else
+               f"it is relative to {Path.cwd()}, where this runs: run from the directory training ran in")
+        raise UserError(f"finish: data.dir {cfg.data.dir!r} is not a directory; {fix}")
     candidates = _candidates(run_dir, cfg)
     store = Store(run_dir / "store")
     valid = store.corpus("valid")
