@@ -62,10 +62,11 @@ def _decode_line(raw: bytes) -> str:
     return text[:-1] if text.endswith("\r") else text
 
 
-def file_chunks(lines: Sequence[str], size: Optional[int] = None) -> Iterator[list[str]]:
+def file_chunks(lines: Sequence[str], size: Optional[int] = None, progress: bool = True) -> Iterator[list[str]]:
     """`lines` in chunks of `size` (CHUNK_LINES), with a progress bar on stderr when it is a terminal."""
     size = size or CHUNK_LINES
-    with tqdm(total=len(lines), desc="translate", unit=" lines", dynamic_ncols=True, disable=None) as bar:
+    with tqdm(total=len(lines), desc="translate", unit=" lines", dynamic_ncols=True,
+              disable=None if progress else True) as bar:
         for start in range(0, len(lines), size):
             chunk = list(lines[start:start + size])
             yield chunk
@@ -171,7 +172,9 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
             pass
     try:
         with output_lines(output) as out:
-            for chunk in (file_chunks(lines) if lines is not None else stdin_chunks()):
+            # A progress bar for a file; sentences given as arguments come back at once.
+            chunks = file_chunks(lines, progress=input is not None) if lines is not None else stdin_chunks()
+            for chunk in chunks:
                 write_nbest(out, translator.translate_nbest(chunk, nbest), nbest)
     except OSError as e:
         if isinstance(e, BrokenPipeError) or e.filename is not None:
