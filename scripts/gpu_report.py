@@ -377,16 +377,6 @@ def machine(device: str, device_name: str) -> dict:
     return info
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
 def toy_slice(data: Path, out: Path) -> Path:
     """The first lines of each split: what the dry run trains, validates and decodes."""
     out.mkdir(parents=True, exist_ok=True)
@@ -417,7 +407,10 @@ def measure(args: argparse.Namespace) -> dict:
     toy = args.toy or args.device == "cpu"
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_name()
+    from transformer.device import cpu_description
+
+    device_name = (torch.cuda.get_device_name(0) if args.device == "cuda" else
+                   cpu_description().get("model_name") or platform.processor() or "cpu")
     corpus = toy_slice(data, out / "toy_data") if toy else data.resolve()
     ctx = Context(args, args.device, toy, corpus, out, device_name)
     selected = [n for n in (args.steps or NAMES) if n not in args.skip]
