@@ -6,9 +6,8 @@ import os
 import re
 import tempfile
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, BinaryIO, Callable, Iterable, Iterator, Optional
+from typing import BinaryIO, Callable, Iterable, Optional
 
 from transformer.errors import UserError
 
@@ -31,11 +30,16 @@ FINAL_HYP = re.compile(r".+\.final\.hyp")
 RUN_MARKERS = ("last.pt", "spm.model", "train.lock")
 
 
-@contextmanager
-def atomic_open(path: str | Path, encoding: Optional[str] = None) -> Iterator[IO]:
-    """A temporary file in path's directory to write (text in `encoding` if given, else bytes): fsynced and
-    renamed over `path` when the block ends, removed when it raises (Ctrl-C included), so that `path` is
-    always the old file or the whole new one."""
+def current_umask() -> int:
+    """The process's umask (reading it means setting it; it is put back at once)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call write(f) on a temporary file in path's directory, fsync it, then rename it over `path`: `path` is
+    always the old file or the whole new one, and an error (Ctrl-C included) removes the temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -43,11 +47,9 @@ def atomic_open(path: str | Path, encoding: Optional[str] = None) -> Iterator[IO
     except OSError as e:  # e.g. a read-only directory: name the file asked for, not a temporary name
         raise OSError(e.errno, e.strerror, str(path)) from None
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; ours are as readable as any file
-        with os.fdopen(fd, "w" if encoding else "wb", encoding=encoding) as f:
-            yield f
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it private; ours are as readable as any file
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -65,12 +67,6 @@ def atomic_open(path: str | Path, encoding: Optional[str] = None) -> Iterator[IO
             os.close(dir_fd)
     except OSError:
         pass
-
-
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call write(f) on a temporary file in path's directory, fsync it, then rename it over `path`."""
-    with atomic_open(path) as f:
-        write(f)
 
 
 def remove_stale_temporaries(directory: str | Path) -> None:

@@ -36,8 +36,7 @@ def _check_beam(beam: Optional[int]) -> None:
 
 
 def _check_search_args(args: argparse.Namespace) -> None:
-    """Ranges argparse's types do not check, and options that contradict each other, reported in one line like
-    every other error."""
+    """Ranges argparse's types do not check, reported in one line like every other error."""
     _check_beam(args.beam)
     if args.lenpen is not None and not (math.isfinite(args.lenpen) and args.lenpen >= 0):
         raise UserError(f"--lenpen must be a finite number >= 0, got {args.lenpen}")
@@ -45,11 +44,13 @@ def _check_search_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
-    if getattr(args, "int8", False):  # translate and evaluate have it; serve only --dtype
-        if args.dtype not in (None, "int8"):  # which one was meant cannot be known: no last flag wins
-            raise UserError(f"--int8 means --dtype int8; it cannot go with --dtype {args.dtype}")
-        args.dtype = "int8"
-    args.dtype = args.dtype or "auto"
+
+
+def _dtype(args: argparse.Namespace) -> str:
+    """translate's and evaluate's --dtype, or --int8: not both unless they agree (no last flag wins)."""
+    if args.int8 and args.dtype not in (None, "int8"):
+        raise UserError(f"--int8 means --dtype int8; it cannot go with --dtype {args.dtype}")
+    return "int8" if args.int8 else args.dtype or "auto"
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -114,7 +115,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
     _check_search_args(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
         run_translate(args.checkpoint, args.sentences, args.input, args.output, args.beam, args.lenpen, args.nbest,
-                      args.max_tokens, args.device, args.dtype, args.stop, args.engine, args.workers)
+                      args.max_tokens, args.device, _dtype(args), args.stop, args.engine, args.workers)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
@@ -123,7 +124,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     _check_search_args(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
         run_evaluate(args.run, args.split, args.src, args.ref, args.beam, args.lenpen, args.max_tokens, args.device,
-                     args.dtype, args.stop, args.engine, args.workers)
+                     _dtype(args), args.stop, args.engine, args.workers)
 
 
 def cmd_export(args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from transformer.atomic import current_umask
 from transformer.checkpoint import load_model, resolve_checkpoint
 from transformer.errors import UserError
 
@@ -129,9 +130,7 @@ def _staging_dir(target: Path) -> Path:
     """A new directory beside `target` to convert into, as readable as one made with mkdir (mkdtemp's is private,
     and it becomes the export)."""
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)
+    os.chmod(staging, 0o777 & ~current_umask())
     return staging
 
 
