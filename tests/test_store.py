@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +124,43 @@ def test_a_truncated_or_torn_store_is_detected_and_rebuilt(tmp_path, corpus, cap
 
     # A kill mid-build leaves files without a manifest (it is written last): never used.
     (run_dir / "store" / "manifest.json").unlink()
+    assert "incomplete" in problem(run_dir / "store")
+
+
+def open_files() -> list[str]:
+    names = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            names.append(os.readlink(fd))
+    return names
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_an_error_while_encoding_closes_the_files_and_writes_no_manifest(tmp_path, corpus, monkeypatch):
+    cfg = config(tmp_path, corpus)
+    run_dir = Path(cfg.train.run_dir)
+    prepare(cfg, run_dir, quiet=True)  # the vocabulary, kept for the rebuild below
+    (run_dir / "store" / "manifest.json").unlink()
+    calls = {"n": 0}
+    encode = Vocab.encode
+
+    def failing_encode(self, lines):
+        calls["n"] += 1
+        if calls["n"] == 3:  # train (one chunk, two sides) is written; valid fails
+            raise OSError("disk went away")
+        return encode(self, lines)
+
+    monkeypatch.setattr(Vocab, "encode", failing_encode)
+    try:
+        prepare(cfg, run_dir, quiet=True)
+    except OSError as e:
+        assert "disk went away" in str(e)
+        # Checked while the error is in flight: its traceback keeps the frames (and what they did not close)
+        # alive until a caller, such as the CLI printing its message, is done with it.
+        assert [f for f in open_files() if "/store/" in f] == []
+    else:
+        pytest.fail("prepare did not raise")
+    assert not (run_dir / "store" / "manifest.json").exists()
     assert "incomplete" in problem(run_dir / "store")
 
 

@@ -13,6 +13,7 @@ them, and ranks on one machine share those pages.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -199,7 +200,7 @@ class Store:
 # --------------------------------------------------------------------------- building
 
 class _Appender:
-    """Appends numpy chunks to a raw binary file."""
+    """Appends numpy chunks to a raw binary file; synced to disk when its `with` block ends normally."""
 
     def __init__(self, path: Path, dtype: np.dtype):
         self.file, self.dtype = path.open("wb"), dtype
@@ -207,25 +208,30 @@ class _Appender:
     def write(self, values: np.ndarray) -> None:
         np.asarray(values, dtype=self.dtype).tofile(self.file)
 
-    def close(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+    def __enter__(self) -> "_Appender":
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        with self.file:  # closed on an error too, with nothing synced: the manifest is not written then
+            if error_type is None:
+                self.file.flush()
+                os.fsync(self.file.fileno())
 
 
 def _encode_split(vocab: Vocab, raw: RawSplit, split: str, max_len: int, directory: Path, dtype: np.dtype,
                   keep_references: bool, quiet: bool) -> dict:
     """Stream one split through SentencePiece into directory/{split}.{side}.bin/.idx; return its counts."""
-    writers = {f"{side}.{kind}": _Appender(directory / f"{split}.{side}.{kind}", t)
-               for side in SIDES for kind, t in (("bin", dtype), ("idx", np.dtype(np.int64)))}
     totals = {"src": 0, "tgt": 0}
-    for side in SIDES:
-        writers[f"{side}.idx"].write(np.zeros(1, dtype=np.int64))
     counts = {"read": 0, "pairs": 0, "dropped_long": 0, "dropped_blank": 0}
     references: list[str] = []
     start = time.perf_counter()
-    with tqdm(total=raw.n_pairs, desc=f"prepare {split}", unit=" pairs", unit_scale=True, dynamic_ncols=True,
-              disable=True if quiet else None) as bar:
+    with contextlib.ExitStack() as files:
+        writers = {f"{side}.{kind}": files.enter_context(_Appender(directory / f"{split}.{side}.{kind}", t))
+                   for side in SIDES for kind, t in (("bin", dtype), ("idx", np.dtype(np.int64)))}
+        for side in SIDES:
+            writers[f"{side}.idx"].write(np.zeros(1, dtype=np.int64))
+        bar = files.enter_context(tqdm(total=raw.n_pairs, desc=f"prepare {split}", unit=" pairs", unit_scale=True,
+                                       dynamic_ncols=True, disable=True if quiet else None))
         for src_lines, tgt_lines in raw.chunks():
             ids = {"src": vocab.encode(src_lines), "tgt": vocab.encode(tgt_lines)}
             lengths = {side: np.fromiter(map(len, ids[side]), dtype=np.int64, count=len(ids[side])) for side in SIDES}
@@ -245,8 +251,6 @@ def _encode_split(vocab: Vocab, raw: RawSplit, split: str, max_len: int, directo
             counts["dropped_blank"] += int(blank.sum())
             counts["dropped_long"] += int(long.sum())
             bar.update(len(src_lines))
-    for writer in writers.values():
-        writer.close()
     if keep_references:
         text = json.dumps(references, ensure_ascii=False)
         atomic_write(directory / f"{split}.refs.json", lambda f: f.write(text.encode("utf-8")))
