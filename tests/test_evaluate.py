@@ -1,6 +1,8 @@
 """Scoring with sacreBLEU and the `evaluate` command: hypotheses and scores written per setting, splits and files."""
 
 import json
+import os
+import threading
 
 import pytest
 import torch
@@ -29,6 +31,19 @@ def test_evaluate_src_ref_files(run, tmp_path, call):
     (tmp_path / "a.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
     status, _, _ = call("evaluate", run, "--src", tmp_path / "a.de", "--ref", tmp_path / "a.en")
     assert status == 0 and len(list((run / "eval").glob("a.de.beam*.lp*.json"))) == 1
+
+
+def test_evaluate_src_from_a_pipe_names_its_results_pipe(run, tmp_path, call):
+    fifo = tmp_path / "63"  # what `--src <(zcat test.de.gz)` hands over: /dev/fd/63
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8"))
+    writer.start()
+    (tmp_path / "a.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
+    status, out, _ = call("evaluate", run, "--src", fifo, "--ref", tmp_path / "a.en", "--beam", "1")
+    writer.join()
+    record = json.loads((run / "eval" / "pipe.beam1.lp0.6.json").read_text())
+    assert status == 0 and record["sentences"] == len(SENTENCES) and "pipe.beam1.lp0.6.hyp" in out
+    assert not list((run / "eval").glob("63.*"))
 
 
 def test_evaluate_unknown_split(run, call):

@@ -170,8 +170,8 @@ def _add_evaluate(sub, decode: argparse.ArgumentParser) -> None:
         description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
                     "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
                     "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
-                    "and .json (.early, .bf16, .int8 or .ct2 added for those settings; for a checkpoint file: eval/ "
-                    "next to it, named after it).",
+                    "and .json (.early, .bf16, .int8 or .ct2 added for those settings; SPLIT is --src's file name, or "
+                    "'pipe' for a pipe; for a checkpoint file: eval/ next to it, named after it).",
     )
     p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
     p.add_argument("--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)")

@@ -96,7 +96,8 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
                             workers=workers)
     if src is not None:
         sources, references = read_parallel(src, ref)
-        name = Path(src).name
+        # A pipe (`--src <(zcat test.de.gz)` is /dev/fd/63) would name the results "63"
+        name = Path(src).name if Path(src).is_file() else "pipe"
     else:
         data = translator.cfg.data
         aliases = {"train": data.train_split, "valid": data.valid_split, "test": data.test_split}
