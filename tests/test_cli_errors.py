@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import cli, subprocess_env, tiny_config, write_config
@@ -259,6 +260,16 @@ def test_bad_input_is_one_line_and_loses_nothing(env, case, call):
     _untouched(root, run)
     if case.after is not None:
         case.after(root, run)
+
+
+def test_cuda_asked_for_without_one_names_the_setting(env, monkeypatch, call):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    root, run = env["root"], env["run"]
+    status, _, err = call(*_train("train.device=cuda", "train.run_dir={root}/on_cuda")(root, run))
+    assert (status, err) == (2, "error: train.device is 'cuda' but no CUDA device is available\n")
+    assert not (root / "on_cuda").exists()
+    status, _, err = call("translate", run, "--device", "cuda", "ein hund")
+    assert (status, err) == (2, "error: --device is 'cuda' but no CUDA device is available\n")
 
 
 def test_average_may_replace_an_earlier_average(env, call):

@@ -14,13 +14,14 @@ from transformer.errors import UserError
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, setting: str = "--device") -> torch.device:
+    """auto, cpu or cuda -> the device; `setting` names where the choice came from, for the error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA device is available")
+        raise UserError(f"{setting} is 'cuda' but no CUDA device is available")
     if name not in ("cpu", "cuda"):
-        raise UserError(f"--device must be auto, cpu or cuda, got {name!r}")
+        raise UserError(f"{setting} must be auto, cpu or cuda, got {name!r}")
     return torch.device(name)
 
 

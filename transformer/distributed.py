@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from transformer.device import pick_device
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.resume import set_stop_handlers
 
@@ -37,9 +38,7 @@ def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
     """Join the process group torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK,
     MASTER_ADDR/PORT); without torchrun, a single process. NCCL on CUDA, gloo on CPU."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
-    if device_name == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device is 'cuda' but no CUDA device is available")
+    use_cuda = pick_device(device_name, "train.device").type == "cuda"
     if world_size == 1:
         return DistInfo(), torch.device("cuda" if use_cuda else "cpu")
     info = DistInfo(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world_size)
