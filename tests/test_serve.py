@@ -159,6 +159,17 @@ def test_a_full_batch_does_not_wait_for_the_window(run):
         assert c.get("/health").json()["batches"] == 3
 
 
+def test_a_beam_wider_than_the_vocabulary_is_refused_whatever_max_beam_allows(run):
+    """A beam in the millions held millions of scores per sentence until the server ran out of memory."""
+    settings = ServeSettings(batch_window_ms=2, max_sentences=8, max_chars=400, max_beam=10 ** 9)
+    with TestClient(create_app(Service(run, settings, device="cpu", dtype="fp32"))) as c:
+        for path in ("/translate", "/beam"):
+            response = c.post(path, json={"text": SENTENCES[0] if path == "/beam" else [SENTENCES[0]],
+                                          "beam": 10 ** 8})
+            assert response.status_code == 422 and "beam must be between 1 and 80" in response.text, response.text
+        assert c.post("/translate", json={"text": [SENTENCES[0]], "beam": 80}).status_code == 200
+
+
 # ----------------------------------------------------------------------------- refusals
 
 def chunked():

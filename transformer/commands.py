@@ -80,11 +80,14 @@ def cmd_attention(args: argparse.Namespace) -> None:
     from transformer.checkpoint import load_model
     from transformer.attention_maps import KINDS, inspect_attention
     from transformer.plots import output_path, write_attention_figures
+    from transformer.search import beam_above_vocabulary
 
     output_path(args.out, "attention")  # a bad suffix or a directory fails before the model is loaded
     _check_beam(args.beam)
     model, vocab, cfg = load_model(args.checkpoint)
     beam = cfg.decode.beam if args.beam is None else args.beam
+    if beam > len(vocab):
+        raise UserError(f"attention: {beam_above_vocabulary(beam, len(vocab))}")
     with out_of_memory_names(f"the attention maps with beam {beam} (lower --beam)"):
         maps = inspect_attention(model, vocab, args.source, args.target, beam=beam, lenpen=cfg.decode.lenpen,
                                  max_len_offset=cfg.decode.max_len_offset, stop=cfg.decode.stop)

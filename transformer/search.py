@@ -80,6 +80,12 @@ def length_penalty(length, alpha: float):
     return ((5.0 + length) / 6.0) ** alpha
 
 
+def beam_above_vocabulary(beam: int, vocab_size: int) -> str:
+    """The message for a beam wider than the vocabulary: it cannot be filled at the first step, and a search
+    that tried would hold beam x vocabulary scores per sentence (a beam in the millions takes all memory)."""
+    return f"beam must be at most the vocabulary size ({vocab_size} pieces), got {beam}"
+
+
 def search(model, src: torch.Tensor, beam: int = 4, lenpen: float = 0.6, max_len_offset: int = 50,
            nbest: int = 1, stop: StopRule = "exact", use_cache: bool = True,
            trace: Optional[list[TraceStep]] = None) -> SearchResult:

@@ -135,6 +135,7 @@ class Service:
                             f"({self.translator.beam}); raise it, or serve with a smaller --beam")
         self.default_beam = self.translator.beam
         self.model, self.vocab, self.cfg = self.translator.model, self.translator.vocab, self.translator.cfg
+        self.max_beam = min(settings.max_beam, len(self.vocab))  # a request's beam; wider is beam_above_vocabulary
         self.model_device = next(self.model.parameters()).device  # the translator's, or the CPU beside CTranslate2
         self.info = self._describe(path)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")  # searches never overlap
@@ -155,8 +156,8 @@ class Service:
 
     def check_beam(self, beam: Optional[int], nbest: int = 1) -> int:
         beam = self.default_beam if beam is None else beam
-        if not 1 <= beam <= self.settings.max_beam:
-            raise ApiError(422, f"beam must be between 1 and {self.settings.max_beam}, got {beam}")
+        if not 1 <= beam <= self.max_beam:
+            raise ApiError(422, f"beam must be between 1 and {self.max_beam}, got {beam}")
         if not 1 <= nbest <= beam:
             raise ApiError(422, f"nbest must be between 1 and the beam size ({beam}), got {nbest}")
         return beam

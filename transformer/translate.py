@@ -19,7 +19,8 @@ from transformer.data import pack_by_size
 from transformer.device import auto_precision, native_bf16, pick_device
 from transformer.errors import UserError
 from transformer.model import count_parameters, evaluating
-from transformer.search import STOP_RULES, Hypothesis, SearchResult, length_penalty, max_output_lengths, search
+from transformer.search import (STOP_RULES, Hypothesis, SearchResult, beam_above_vocabulary, length_penalty,
+                                max_output_lengths, search)
 from transformer.vocab import Vocab
 
 DTYPES = ("auto", "fp32", "bf16", "int8")
@@ -216,7 +217,9 @@ class Translator:
         self.max_len_offset = dec.max_len_offset if max_len_offset is None else max_len_offset
         self.stop = dec.stop if stop is None else stop
         self.workers = dec.workers if workers is None else workers
-        for ok, message in ((self.beam >= 1, "beam must be at least 1"), (self.lenpen >= 0, "lenpen must not be negative"),
+        for ok, message in ((self.beam >= 1, "beam must be at least 1"),
+                            (self.beam <= len(self.vocab), beam_above_vocabulary(self.beam, len(self.vocab))),
+                            (self.lenpen >= 0, "lenpen must not be negative"),
                             (self.max_tokens >= 1, "max tokens must be positive"),
                             (self.workers >= 1, "workers must be at least 1"),
                             (self.max_len_offset >= 1, "max length offset must be at least 1"),
