@@ -170,6 +170,19 @@ def test_a_beam_wider_than_the_vocabulary_is_refused_whatever_max_beam_allows(ru
         assert c.post("/translate", json={"text": [SENTENCES[0]], "beam": 80}).status_code == 200
 
 
+def test_a_lone_surrogate_in_the_json_translates_as_the_replacement_character(client):
+    """JSON may spell "\\ud800", which no UTF-8 encodes; it was a 500."""
+    def send(path: str, body: dict):  # json.dumps writes the surrogate as the escape "\\ud800"
+        return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+    for path, body in (("/translate", {"text": [SENTENCES[0] + "\ud800"]}), ("/beam", {"text": SENTENCES[0] + "\ud800"}),
+                       ("/attention", {"text": SENTENCES[0], "target": "a \udcf6"})):
+        response = send(path, body)
+        assert response.status_code == 200, (path, response.text)
+    same = post(client, "/translate", {"text": [SENTENCES[0] + "\ufffd"]})
+    assert send("/translate", {"text": [SENTENCES[0] + "\ud800"]}).json()["translations"] == same["translations"]
+
+
 # ----------------------------------------------------------------------------- refusals
 
 def chunked():

@@ -42,6 +42,15 @@ def test_translate_input_file_with_empty_lines(run, singles, tmp_path, call):
     assert got == [singles[0], "", singles[1], "", singles[2], ""]
 
 
+def test_an_argument_that_is_not_utf8_translates_as_the_replacement_character(run, call, tmp_path):
+    """b"ein h\\xe4nd" (Latin-1) as an argument reaches Python as "ein h\\udce4nd"; it used to end in a traceback."""
+    status, out, err = call("translate", run, "ein h\udce4nd", "zwei katzen")
+    assert status == 0 and "Traceback" not in err
+    assert out == call("translate", run, "ein h\ufffdnd", "zwei katzen")[1] and len(out.splitlines()) == 2
+    status, _, err = call("attention", run, "ein h\udce4nd", "--target", "a d\udcf6g", "--out", tmp_path / "a.png")
+    assert status == 0 and "Traceback" not in err
+
+
 def test_translate_stdin(run, singles, call):
     status, out, _ = call("translate", run, stdin="\n".join(SENTENCES) + "\n")
     assert status == 0 and out.splitlines() == singles

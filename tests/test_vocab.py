@@ -32,6 +32,18 @@ def test_vocab_special_ids_and_round_trip(vocab, tmp_path):
     assert again.encode(texts) == ids and len(again) == len(vocab)
 
 
+def test_text_that_is_not_unicode_encodes_as_the_replacement_character(vocab):
+    """A command-line byte that is not UTF-8 reaches Python as a lone surrogate ("M\\xe4dchen" in Latin-1 is
+    "M\\udce4dchen"), as does a JSON "\\ud800": each encodes like U+FFFD, what a stream's bad byte becomes."""
+    texts = sentences(3, 4, hi=12)
+    bad = [texts[0][:3] + "\udce4" + texts[0][3:], "\ud800" + texts[1], texts[2]]
+    assert vocab.encode(bad) == vocab.encode([t.replace("\udce4", "\ufffd").replace("\ud800", "\ufffd")
+                                             for t in bad])
+    assert vocab.encode(texts[:1]) != vocab.encode(bad[:1])  # the bad character is kept as one (unknown) piece
+    with pytest.raises(TypeError):  # not text at all stays an error
+        vocab.encode([texts[0], 5])
+
+
 def test_vocab_errors(tmp_path):
     with pytest.raises(UserError, match="no SentencePiece model"):
         Vocab.load(tmp_path / "missing.model")

@@ -30,6 +30,12 @@ class _IntermixedParser(argparse.ArgumentParser):
             self._inside = False
 
 
+def _sentence(argument: str) -> str:
+    """A sentence given as an argument, decoded as a stream is: a byte that is not UTF-8 becomes U+FFFD (Python
+    hands it over as a lone surrogate, which neither SentencePiece nor a figure's title can take)."""
+    return os.fsencode(argument).decode("utf-8", errors="replace")
+
+
 def _add_train(sub) -> None:
     p = sub.add_parser(
         "train", help="train a model from a YAML config",
@@ -95,8 +101,8 @@ def _add_attention(sub) -> None:
     )
     p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (its final.pt, else best.pt, else last.pt) or a checkpoint file")
-    p.add_argument("source", help='the source sentence, e.g. "Ein Hund rennt durch den Schnee."')
-    p.add_argument("--target", metavar="SENTENCE",
+    p.add_argument("source", type=_sentence, help='the source sentence, e.g. "Ein Hund rennt durch den Schnee."')
+    p.add_argument("--target", type=_sentence, metavar="SENTENCE",
                    help="force-decode this translation instead of the model's own")
     p.add_argument("--layer", type=int, metavar="L", help="only layer L (numbered from 1, as in the figures)")
     p.add_argument("--head", type=int, metavar="H",
@@ -153,7 +159,7 @@ def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
                     "lines '0.0000<TAB>'.",
     )
     p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
-    p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to translate (default: --input or stdin)")
+    p.add_argument("sentences", nargs="*", type=_sentence, metavar="SENTENCE", help="sentences to translate (default: --input or stdin)")
     p.add_argument("--input", metavar="FILE",
                    help="UTF-8 file, one sentence per line; a pipe such as <(zcat x.gz) works too, - is stdin")
     p.add_argument("--output", metavar="FILE",

@@ -33,6 +33,7 @@ from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.model import PositionalEncoding
 from transformer.search import TraceStep, search
 from transformer.translate import Translator
+from transformer.vocab import valid_text
 
 STATIC = Path(__file__).parent / "static"
 # Every response: no sniffing, and the page may load only what this server serves (no CDN, no inline code).
@@ -91,7 +92,17 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class TranslateBody(_Body):
+class _TextBody(_Body):
+    @field_validator("text", "target", mode="after", check_fields=False)
+    @classmethod
+    def valid_unicode(cls, value):
+        """JSON may spell a lone surrogate ("\\ud800"), which no UTF-8 encodes: U+FFFD instead."""
+        if isinstance(value, list):
+            return [valid_text(v) for v in value]
+        return value if value is None else valid_text(value)
+
+
+class TranslateBody(_TextBody):
     text: list[str]                   # one sentence per item; a single string is taken as one sentence
     beam: Optional[int] = None        # default: the checkpoint's decode.beam
     nbest: int = 1
@@ -102,13 +113,13 @@ class TranslateBody(_Body):
         return [value] if isinstance(value, str) else value
 
 
-class AttentionBody(_Body):
+class AttentionBody(_TextBody):
     text: str
     target: Optional[str] = None      # read this target instead of the model's own translation
     beam: Optional[int] = None
 
 
-class BeamBody(_Body):
+class BeamBody(_TextBody):
     text: str
     beam: Optional[int] = None
     nbest: int = 1

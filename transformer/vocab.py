@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -19,6 +20,14 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 log = logging.getLogger("transformer")
 
 _NOT_TEXT = frozenset((PAD_ID, BOS_ID, EOS_ID))
+# Not Unicode text: what Python makes of a command-line byte that is not UTF-8 (surrogateescape), or a JSON
+# "\ud800". Each becomes U+FFFD, as a bad byte does where a stream is decoded with errors="replace".
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD, so that it encodes, prints and goes into JSON."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 class Vocab:
@@ -66,7 +75,11 @@ class Vocab:
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Many sentences at once, on every core (SentencePiece's own thread pool)."""
-        return self.sp.encode(list(texts), out_type=int, num_threads=os.cpu_count() or 1)
+        texts = list(texts)
+        try:
+            return self.sp.encode(texts, out_type=int, num_threads=os.cpu_count() or 1)
+        except TypeError:  # a str that UTF-8 cannot encode; retried only then, so files pay nothing for it
+            return self.sp.encode([valid_text(t) for t in texts], out_type=int, num_threads=os.cpu_count() or 1)
 
     def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
         return [self.sp.decode([int(i) for i in seq if i not in _NOT_TEXT]) for seq in ids]
