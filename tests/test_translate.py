@@ -14,6 +14,7 @@ from tests.conftest import LINES, SENTENCES, sentences, subprocess_env
 from transformer.checkpoint import load_model, save_checkpoint
 from transformer import device as device_module
 from transformer.device import cpu_bf16_flags, cpu_description
+from transformer.errors import UserError
 from transformer.quantize import InputMajorLinear
 from transformer.translate import Translator, pick_dtype, search_ids, translate_ids
 
@@ -49,6 +50,30 @@ def test_an_argument_that_is_not_utf8_translates_as_the_replacement_character(ru
     assert out == call("translate", run, "ein h\ufffdnd", "zwei katzen")[1] and len(out.splitlines()) == 2
     status, _, err = call("attention", run, "ein h\udce4nd", "--target", "a d\udcf6g", "--out", tmp_path / "a.png")
     assert status == 0 and "Traceback" not in err
+
+
+def test_a_checkpoint_with_nan_weights_is_refused_on_load(run, tmp_path, call):
+    """Torn bytes inside a checkpoint's tensor data load without complaint; they used to end in an IndexError
+    (beam search: no hypothesis ever finished), no output at all (--nbest 2), or lines of unknown pieces (greedy)."""
+    state = torch.load(run / "best.pt", weights_only=True)
+    state["model"]["decoder_layers.0.ffn.fc1.weight"][0, :3] = float("nan")
+    save_checkpoint(state, tmp_path / "nan.pt")
+    for flags in ((), ("--nbest", "2"), ("--beam", "1")):
+        status, out, err = call("translate", tmp_path / "nan.pt", "ein hund", *flags)
+        assert (status, out) == (2, "") and err == (
+            "error: checkpoint: 1 weight tensor(s) hold NaN or infinite values "
+            "(decoder_layers.0.ffn.fc1.weight): the file is corrupt or its run diverged; use another "
+            "checkpoint (step_*.pt, last.pt)\n")
+
+
+@pytest.mark.parametrize("beam, nbest", [(1, 1), (3, 1), (3, 2)])
+def test_scores_that_are_not_numbers_are_an_error_not_a_missing_line(run, beam, nbest, monkeypatch):
+    """What a reduced precision that overflows would give: NaN logits from finite weights."""
+    translator = Translator(run, device="cpu", beam=beam)
+    decode = translator.model.decode
+    monkeypatch.setattr(translator.model, "decode", lambda *args, **kwargs: decode(*args, **kwargs) * float("nan"))
+    with pytest.raises(UserError, match=r"scores for a sentence are not numbers \(NaN\)"):
+        translator.translate_nbest(SENTENCES[:2], nbest=nbest)
 
 
 def test_translate_stdin(run, singles, call):

@@ -111,6 +111,13 @@ def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer
         model.load_state_dict(state["model"])
     except RuntimeError as e:
         raise UserError(f"checkpoint: weights do not match its own config ({first_line(e)})") from None
+    # Torn bytes inside the zip's tensor data, or a diverged run, would otherwise show up as empty or garbage
+    # translations (a NaN score never beats the search's stop rule).
+    bad = [name for name, w in model.state_dict().items() if w.is_floating_point() and not bool(w.isfinite().all())]
+    if bad:
+        raise UserError(f"checkpoint: {len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
+                        f"{', ...' if len(bad) > 3 else ''}): the file is corrupt or its run diverged; use another "
+                        "checkpoint (step_*.pt, last.pt)")
     return model.to(device).eval(), vocab, cfg
 
 

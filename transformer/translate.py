@@ -5,6 +5,7 @@ output: translate_io.py)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -120,6 +121,10 @@ def search_ids(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float
     for batch, found in search_batches(model, src_ids, beam, lenpen, max_len_offset, max_tokens, device, nbest,
                                        stop, workers):
         for i, hyps in zip(batch, found.hypotheses):
+            if not hyps or math.isnan(hyps[0].score):
+                raise UserError("search: the model's scores for a sentence are not numbers (NaN), so it has no "
+                                "translation: a reduced precision that overflowed (try --dtype fp32), or weights "
+                                "that are not finite")
             out[i] = hyps
     return out
 
