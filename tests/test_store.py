@@ -201,6 +201,35 @@ def test_mismatched_sides_fail_before_any_encoding(tmp_path, corpus):
     assert not (Path(cfg.train.run_dir) / "spm.model").exists()
 
 
+@pytest.mark.parametrize("damage", ["uneven", "empty"])
+def test_a_bad_validation_split_fails_before_the_vocabulary_or_the_training_split_is_built(tmp_path, corpus,
+                                                                                          damage, monkeypatch):
+    """It used to be found only after SentencePiece training and encoding the whole training split (minutes
+    at WMT sizes), and the encoded training split was then thrown away."""
+    if damage == "uneven":
+        with (corpus / "valid.de").open("a", encoding="utf-8") as f:
+            f.write("eine zeile mehr\n")
+    else:
+        for side in ("de", "en"):
+            (corpus / f"valid.{side}").write_text("", encoding="utf-8")
+    message = "valid.de has 34 lines but .*valid.en has 33" if damage == "uneven" else "valid.de and .*valid.en are empty"
+    cfg = config(tmp_path, corpus)
+    run_dir = Path(cfg.train.run_dir)
+    with pytest.raises(UserError, match=message):
+        prepare(cfg, run_dir, quiet=True)
+    assert not (run_dir / "spm.model").exists()
+    # With the vocabulary there (a later start), the training split is still not encoded first.
+    good = from_dict(tiny_config(tmp_path / "other", data_dir=write_corpus(tmp_path / "good", n_train=300,
+                                                                                       n_valid=30, seed=4)))
+    prepare(good, run_dir, quiet=True)  # a store and spm.model from good data
+    (run_dir / "store" / "manifest.json").unlink()
+    encoded = []
+    monkeypatch.setattr(store_module, "_encode_split", lambda *args, **kwargs: encoded.append(args[2]))
+    with pytest.raises(UserError, match=message):
+        prepare(cfg, run_dir, quiet=True)
+    assert encoded == [] and (run_dir / "store").is_dir()  # nothing encoded, nothing removed
+
+
 # --------------------------------------------------------------------------- the hub source, offline
 
 @pytest.mark.parametrize("layout", ["columns", "translation"])

@@ -263,6 +263,7 @@ def _encode_split(vocab: Vocab, raw: RawSplit, split: str, max_len: int, directo
 def build(directory: Path, cfg: Config, vocab: Vocab, raw: dict[str, RawSplit], expected: dict,
           quiet: bool = False) -> None:
     """Write a new store into `directory`, replacing what is there; the manifest goes last."""
+    count_pairs(raw)
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
@@ -294,6 +295,13 @@ def open_raw_splits(cfg: Config) -> dict[str, RawSplit]:
             "valid": open_split(d, d.valid_split, d.max_valid_pairs, log.info)}
 
 
+def count_pairs(raw: dict[str, RawSplit]) -> None:
+    """Count every split's pairs, which checks that its sides exist, agree and are not empty: before the
+    minutes of work that training a vocabulary or encoding a large training split takes."""
+    for split in raw.values():
+        split.n_pairs  # cached: counted once
+
+
 def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
     """Reuse run_dir/spm.model, or train one on (a sample of) the training split and store it there."""
     path = run_dir / "spm.model"
@@ -318,6 +326,8 @@ def prepare(cfg: Config, run_dir: Path, vocab: Optional[Vocab] = None, quiet: bo
     inputs are unchanged, else rebuilt with a log line saying why). One process only: under torchrun rank 0."""
     raw = open_raw_splits(cfg)
     if vocab is None:
+        if not (run_dir / "spm.model").is_file():
+            count_pairs(raw)  # a bad validation split found before the vocabulary is trained, not after
         vocab = prepare_vocab(cfg, run_dir, raw["train"])
     directory = run_dir / "store"
     expected = fingerprint(cfg, vocab, raw)
