@@ -219,8 +219,8 @@ def test_a_bad_validation_split_fails_before_the_vocabulary_or_the_training_spli
         prepare(cfg, run_dir, quiet=True)
     assert not (run_dir / "spm.model").exists()
     # With the vocabulary there (a later start), the training split is still not encoded first.
-    good = from_dict(tiny_config(tmp_path / "other", data_dir=write_corpus(tmp_path / "good", n_train=300,
-                                                                                       n_valid=30, seed=4)))
+    good_corpus = write_corpus(tmp_path / "good", n_train=300, n_valid=30, seed=4)
+    good = from_dict(tiny_config(tmp_path / "other", data_dir=good_corpus))
     prepare(good, run_dir, quiet=True)  # a store and spm.model from good data
     (run_dir / "store" / "manifest.json").unlink()
     encoded = []
