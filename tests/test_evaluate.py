@@ -1,14 +1,18 @@
 """Scoring with sacreBLEU and the `evaluate` command: hypotheses and scores written per setting, splits and files."""
 
+import errno
 import json
 import os
+import shutil
 import threading
 
 import pytest
 import torch
 
 from tests.conftest import SENTENCES
+from transformer import evaluate as evaluate_module
 from transformer.evaluate import bleu_chrf
+from transformer.translate import Translator
 
 
 def test_evaluate_writes_hypotheses_and_scores(run, call):
@@ -44,6 +48,35 @@ def test_evaluate_src_from_a_pipe_names_its_results_pipe(run, tmp_path, call):
     record = json.loads((run / "eval" / "pipe.beam1.lp0.6.json").read_text())
     assert status == 0 and record["sentences"] == len(SENTENCES) and "pipe.beam1.lp0.6.hyp" in out
     assert not list((run / "eval").glob("63.*"))
+
+
+def test_results_that_cannot_be_written_fail_before_translating(run, tmp_path, call, monkeypatch):
+    """A read-only run used to translate the whole test set, then fail without showing the scores."""
+    shutil.copy(run / "best.pt", tmp_path / "model.pt")
+    (tmp_path / "eval").write_text("not a directory\n", encoding="utf-8")
+    (tmp_path / "a.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    (tmp_path / "a.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
+    translated = []
+    monkeypatch.setattr(Translator, "translate", lambda self, lines: translated.append(lines) or list(lines))
+    status, out, err = call("evaluate", tmp_path / "model.pt", "--src", tmp_path / "a.de", "--ref", tmp_path / "a.en")
+    assert status == 2 and out == "" and translated == []
+    assert err.splitlines()[-1] == (f"error: evaluate: cannot write the results to {tmp_path / 'eval'} (it is a file, "
+                                    "not a directory); evaluate a copy of the run or checkpoint in a directory you "
+                                    "can write to")
+
+
+def test_scores_are_printed_before_the_files_are_written(run, tmp_path, call, monkeypatch):
+    shutil.copy(run / "best.pt", tmp_path / "model.pt")
+    (tmp_path / "a.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    (tmp_path / "a.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
+
+    def disk_full(path, write):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(evaluate_module, "atomic_write", disk_full)
+    status, out, err = call("evaluate", tmp_path / "model.pt", "--src", tmp_path / "a.de", "--ref", tmp_path / "a.en")
+    assert status == 2 and "No space left on device" in err
+    assert "BLEU" in out and "chrF" in out  # what the translating was for is not lost
 
 
 def test_evaluate_unknown_split(run, call):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -81,6 +82,17 @@ def validation_bleu(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
     return {"bleu": scores["bleu"], "length_ratio": length_ratio(scores)}
 
 
+def _check_writable(eval_dir: Path) -> None:
+    """eval_dir exists and takes new files; else a one-line error, before any translating."""
+    try:
+        eval_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=eval_dir).close()
+    except OSError as e:
+        reason = "it is a file, not a directory" if isinstance(e, FileExistsError) else e.strerror or str(e)
+        raise UserError(f"evaluate: cannot write the results to {eval_dir} ({reason}); evaluate a copy of the run "
+                        "or checkpoint in a directory you can write to") from None
+
+
 def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], beam: Optional[int],
                  lenpen: Optional[float], max_tokens: Optional[int], device: str, dtype: str = "fp32",
                  stop: Optional[str] = None, engine: str = "ours", workers: Optional[int] = None) -> dict:
@@ -117,11 +129,13 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         name = f"{checkpoint.stem}.{name}"
     # Settings in the name, so that evaluating with another beam does not overwrite the last result.
     name += "." + translator.describe()
+    _check_writable(eval_dir)  # before the translating, not after it
     start = time.perf_counter()
     hypotheses = translator.translate(sources)
     seconds = time.perf_counter() - start
     scores = bleu_chrf(hypotheses, references)
-    eval_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{scores['bleu_detail']}\n  signature: {scores['bleu_signature']}")
+    print(f"{scores['chrf_detail']}\n  signature: {scores['chrf_signature']}", flush=True)
     hyp_path, json_path = eval_dir / f"{name}.hyp", eval_dir / f"{name}.json"
     text = "".join(h + "\n" for h in hypotheses)
     atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
@@ -131,8 +145,6 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
               "hypotheses": str(hyp_path), **scores}
     summary = json.dumps(record, indent=2) + "\n"
     atomic_write(json_path, lambda f: f.write(summary.encode("utf-8")))
-    print(f"{scores['bleu_detail']}\n  signature: {scores['bleu_signature']}")
-    print(f"{scores['chrf_detail']}\n  signature: {scores['chrf_signature']}")
     print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({translator.describe()}); "
           f"wrote {hyp_path} and {json_path}")
     return record
