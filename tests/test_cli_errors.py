@@ -51,6 +51,12 @@ def env(tmp_path_factory) -> dict:
     weights_run.mkdir()
     shutil.copy(run / "config.yaml", weights_run / "config.yaml")
     shutil.copy(root / "avg.pt", weights_run / "last.pt")
+    for name in ("lost_last", "torn_last"):  # a run whose last.pt was deleted, or torn
+        (root / name).mkdir()
+        for f in ("config.yaml", "best.pt", "step_00000001.pt", "step_00000002.pt"):
+            shutil.copy(run / f, root / name / f)
+    shutil.copy(root / "avg.pt", root / "lost_last" / "averaged.pt")  # what the end of training writes
+    (root / "torn_last" / "last.pt").write_bytes((run / "last.pt").read_bytes()[:5000])
     other_version = root / "other_version"  # last.pt's counters as another version of transformer writes them
     other_version.mkdir()
     shutil.copy(run / "config.yaml", other_version / "config.yaml")
@@ -102,6 +108,12 @@ def _nothing_started(run_dir: Path) -> None:
 def _left_as_it_was(run_dir: Path) -> None:
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "spm.model").exists()
     assert load_checkpoint(run_dir / "last.pt")["run"]["ema_decay"] == 0.999
+
+
+def _checkpoints_kept(run_dir: Path) -> None:
+    """Nothing started over the checkpoints (a run starting from step 0 would write over them)."""
+    assert load_checkpoint(run_dir / "step_00000002.pt")["run"]["step"] == 2
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "store").exists()
 
 
 def _no_run_started(run_dir: Path) -> None:
@@ -165,6 +177,15 @@ CASES = [
     Case("run_dir a file", _train("train.run_dir={root}/afile"), "train.run_dir {root}/afile is a file, not a directory"),
     Case("run_dir inside a file", _train("train.run_dir={root}/afile/run"),
          "train.run_dir {root}/afile/run: cannot create it (Not a directory)"),
+    Case("resume without last.pt", lambda r, run: ["train", "--resume", r / "lost_last"],
+         "train.run_dir {root}/lost_last holds checkpoints (averaged.pt, best.pt, step_00000001.pt and 1 more) but "
+         "no last.pt, the one a run continues from; to continue from step_00000002.pt instead: cp "
+         "{root}/lost_last/step_00000002.pt {root}/lost_last/last.pt; to start a new run, set train.run_dir to a "
+         "new directory", after=lambda r, run: _checkpoints_kept(r / "lost_last")),
+    Case("resume a torn last.pt", lambda r, run: ["train", "--resume", r / "torn_last"],
+         "checkpoint: {root}/torn_last/last.pt is not a checkpoint, or is truncated or corrupt; to continue from "
+         "step_00000002.pt instead: cp {root}/torn_last/step_00000002.pt {root}/torn_last/last.pt",
+         after=lambda r, run: _checkpoints_kept(r / "torn_last")),
     Case("resume weights only", lambda r, run: ["train", "--resume", r / "weights_run"],
          "resume: {root}/weights_run/last.pt cannot be resumed: it holds weights only, as `transformer average` "
          "writes (no optimizer, scaler, rng, run); put the run's own last.pt back, or start a new run "

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from transformer.atomic import TEMP_SUFFIX, is_run_file
+from transformer.atomic import STEP_FILE, TEMP_SUFFIX, is_run_file
 from transformer.config import Config, apply_overrides, from_dict, read_yaml, to_dict, written_by_train
 from transformer.errors import UserError
 
@@ -190,12 +190,34 @@ def run_config(run_dir: str, overrides: Sequence[str]) -> Config:
     return from_dict(raw)
 
 
+def newest_resumable(run_dir: Path) -> Optional[Path]:
+    """The checkpoint with training state to continue from when last.pt is gone or torn: the newest step
+    checkpoint, else best.pt (both are written with the optimizer and RNG state, before last.pt)."""
+    steps = sorted(p for p in run_dir.glob("step_*.pt") if STEP_FILE.fullmatch(p.name))
+    return steps[-1] if steps else next((p for p in [run_dir / "best.pt"] if p.is_file()), None)
+
+
+def continue_hint(run_dir: Path) -> str:
+    """How to continue from another checkpoint of the run, for a message about its last.pt; empty if none."""
+    other = newest_resumable(run_dir)
+    return "" if other is None else \
+        f"; to continue from {other.name} instead: cp {shlex.quote(str(other))} {shlex.quote(str(run_dir / 'last.pt'))}"
+
+
 def check_run_dir(run_dir: Path) -> None:
-    """A run directory is a directory; a new run (no last.pt) must not write into one holding other files."""
+    """A run directory is a directory; a new run (no last.pt) must not write into one holding other files, nor
+    over the checkpoints of a run whose last.pt is gone."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"train.run_dir {run_dir} is a file, not a directory")
     if not run_dir.is_dir() or (run_dir / "last.pt").exists():
         return
+    checkpoints = sorted(p.name for p in run_dir.iterdir()
+                         if p.name in ("best.pt", "final.pt", "averaged.pt") or STEP_FILE.fullmatch(p.name))
+    if checkpoints:
+        shown = ", ".join(checkpoints[:3]) + (f" and {len(checkpoints) - 3} more" if len(checkpoints) > 3 else "")
+        raise UserError(f"train.run_dir {run_dir} holds checkpoints ({shown}) but no last.pt, the one a run "
+                        f"continues from{continue_hint(run_dir)}; to start a new run, set train.run_dir to a new "
+                        "directory")
     foreign = sorted(p.name for p in run_dir.iterdir()
                      if not (is_run_file(p.name) or p.name == "eval" or p.name.endswith(TEMP_SUFFIX))
                      or (p.name == "config.yaml" and not written_by_train(p)))

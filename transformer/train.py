@@ -30,7 +30,7 @@ from transformer.evaluate import evaluate_loss, validation_bleu
 from transformer.model import Transformer, build_model, count_parameters
 from transformer.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
 from transformer.resume import (ConfigChange, RunLock, RunState, StopRequested, check_resume_config, check_run_dir,
-                                make_run_dir, resume_command, rng_state, set_rng_state, stop_at_once)
+                                continue_hint, make_run_dir, resume_command, rng_state, set_rng_state, stop_at_once)
 from transformer.runlog import MetricsLog, Progress, setup_logging
 from transformer.store import Store, open_prepared, prepare
 from transformer.vocab import Vocab
@@ -155,7 +155,10 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
     if from_scratch:
         log.warning("resume: %s", f"{run_dir} did not exist; starting a new run there from step 0" if new_dir else
                     f"no checkpoint at {last_path} yet (the run stopped before its first save); starting from step 0")
-    saved = load_resumable(last_path) if resume and not from_scratch else None
+    try:
+        saved = load_resumable(last_path) if resume and not from_scratch else None
+    except UserError as e:
+        raise UserError(f"{e}{continue_hint(run_dir)}") from None
     changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
     if saved is not None:
         held["step"] = saved["run"]["step"]
