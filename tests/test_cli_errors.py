@@ -56,6 +56,10 @@ def env(tmp_path_factory) -> dict:
         for f in ("config.yaml", "best.pt", "step_00000001.pt", "step_00000002.pt"):
             shutil.copy(run / f, root / name / f)
     shutil.copy(root / "avg.pt", root / "lost_last" / "averaged.pt")  # what the end of training writes
+    (root / "only_average").mkdir()  # nothing with training state to continue from
+    shutil.copy(run / "config.yaml", root / "only_average" / "config.yaml")
+    for name in ("averaged.pt", "final.pt"):
+        shutil.copy(root / "avg.pt", root / "only_average" / name)
     (root / "torn_last" / "last.pt").write_bytes((run / "last.pt").read_bytes()[:5000])
     other_version = root / "other_version"  # last.pt's counters as another version of transformer writes them
     other_version.mkdir()
@@ -177,11 +181,13 @@ CASES = [
     Case("run_dir a file", _train("train.run_dir={root}/afile"), "train.run_dir {root}/afile is a file, not a directory"),
     Case("run_dir inside a file", _train("train.run_dir={root}/afile/run"),
          "train.run_dir {root}/afile/run: cannot create it (Not a directory)"),
-    Case("resume without last.pt", lambda r, run: ["train", "--resume", r / "lost_last"],
+    Case("new run over a run without last.pt", _train("train.run_dir={root}/lost_last"),
          "train.run_dir {root}/lost_last holds checkpoints (averaged.pt, best.pt, step_00000001.pt and 1 more) but "
-         "no last.pt, the one a run continues from; to continue from step_00000002.pt instead: cp "
-         "{root}/lost_last/step_00000002.pt {root}/lost_last/last.pt; to start a new run, set train.run_dir to a "
+         "no last.pt; add --resume to continue from step_00000002.pt; to start a new run, set train.run_dir to a "
          "new directory", after=lambda r, run: _checkpoints_kept(r / "lost_last")),
+    Case("resume with only an average", lambda r, run: ["train", "--resume", r / "only_average"],
+         "train.run_dir {root}/only_average holds checkpoints (averaged.pt, final.pt) but no last.pt; to start a new "
+         "run, set train.run_dir to a new directory"),
     Case("resume a torn last.pt", lambda r, run: ["train", "--resume", r / "torn_last"],
          "checkpoint: {root}/torn_last/last.pt is not a checkpoint, or is truncated or corrupt; to continue from "
          "step_00000002.pt instead: cp {root}/torn_last/step_00000002.pt {root}/torn_last/last.pt",
@@ -297,6 +303,25 @@ def test_cuda_asked_for_without_one_names_the_setting(env, monkeypatch, call):
     assert not (root / "on_cuda").exists()
     status, _, err = call("translate", run, "--device", "cuda", "ein hund")
     assert (status, err) == (2, "error: --device is 'cuda' but no CUDA device is available\n")
+
+
+def test_resume_without_last_pt_continues_from_the_newest_step_checkpoint(env, tmp_path, call):
+    """What a kill at the first validation leaves (step checkpoint written, last.pt not yet): --resume continues
+    from it exactly as from a last.pt holding the same state, instead of starting over at step 0."""
+    lost, kept = tmp_path / "lost", tmp_path / "kept"
+    for d in (lost, kept):
+        shutil.copytree(env["root"] / "lost_last", d)
+    shutil.copy(kept / "step_00000002.pt", kept / "last.pt")
+    outputs, logs = {}, {}
+    for d in (lost, kept):
+        status, _, logs[d] = call("train", "--resume", d, "--set", "train.max_steps=3")
+        assert status == 0, logs[d]
+        outputs[d] = load_checkpoint(d / "last.pt")
+    assert f"resume: {lost}/last.pt is missing; continuing from step_00000002.pt" in logs[lost]
+    assert "is missing" not in logs[kept]
+    assert outputs[lost]["run"]["step"] == outputs[kept]["run"]["step"] == 3
+    for name, weight in outputs[kept]["model"].items():
+        assert torch.equal(outputs[lost]["model"][name], weight), name
 
 
 def test_average_may_replace_an_earlier_average(env, call):

@@ -204,20 +204,21 @@ def continue_hint(run_dir: Path) -> str:
         f"; to continue from {other.name} instead: cp {shlex.quote(str(other))} {shlex.quote(str(run_dir / 'last.pt'))}"
 
 
-def check_run_dir(run_dir: Path) -> None:
+def check_run_dir(run_dir: Path, resume: bool = False) -> None:
     """A run directory is a directory; a new run (no last.pt) must not write into one holding other files, nor
-    over the checkpoints of a run whose last.pt is gone."""
+    over the checkpoints of a run whose last.pt is gone (--resume continues from newest_resumable)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"train.run_dir {run_dir} is a file, not a directory")
-    if not run_dir.is_dir() or (run_dir / "last.pt").exists():
+    if not run_dir.is_dir() or (run_dir / "last.pt").exists() or (resume and newest_resumable(run_dir)):
         return
     checkpoints = sorted(p.name for p in run_dir.iterdir()
                          if p.name in ("best.pt", "final.pt", "averaged.pt") or STEP_FILE.fullmatch(p.name))
     if checkpoints:
         shown = ", ".join(checkpoints[:3]) + (f" and {len(checkpoints) - 3} more" if len(checkpoints) > 3 else "")
-        raise UserError(f"train.run_dir {run_dir} holds checkpoints ({shown}) but no last.pt, the one a run "
-                        f"continues from{continue_hint(run_dir)}; to start a new run, set train.run_dir to a new "
-                        "directory")
+        other = newest_resumable(run_dir)
+        how = f"add --resume to continue from {other.name}; " if other is not None and not resume else ""
+        raise UserError(f"train.run_dir {run_dir} holds checkpoints ({shown}) but no last.pt; {how}to start a new "
+                        "run, set train.run_dir to a new directory")
     foreign = sorted(p.name for p in run_dir.iterdir()
                      if not (is_run_file(p.name) or p.name == "eval" or p.name.endswith(TEMP_SUFFIX))
                      or (p.name == "config.yaml" and not written_by_train(p)))

@@ -30,7 +30,8 @@ from transformer.evaluate import evaluate_loss, validation_bleu
 from transformer.model import Transformer, build_model, count_parameters
 from transformer.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
 from transformer.resume import (ConfigChange, RunLock, RunState, StopRequested, check_resume_config, check_run_dir,
-                                continue_hint, make_run_dir, resume_command, rng_state, set_rng_state, stop_at_once)
+                                continue_hint, make_run_dir, newest_resumable, resume_command, rng_state,
+                                set_rng_state, stop_at_once)
 from transformer.runlog import MetricsLog, Progress, setup_logging
 from transformer.store import Store, open_prepared, prepare
 from transformer.vocab import Vocab
@@ -129,17 +130,19 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
     changes that apply to it."""
     run_dir = Path(cfg.train.run_dir)
     last_path = run_dir / "last.pt"
-    check_run_dir(run_dir)
+    check_run_dir(run_dir, resume)
     if last_path.exists() and not resume:
         raise UserError(f"{run_dir} already holds a run (last.pt); add --resume to continue it, "
                         "or set train.run_dir to a new directory")
     # A kill before the first save leaves nothing to continue from; a job script that always passes
-    # --resume (as preemptible jobs do) must then simply start the run.
-    from_scratch = resume and not last_path.exists()
-    held = {"step": None}  # what last.pt holds, for the message of a signal that arrives before the updates
+    # --resume (as preemptible jobs do) must then simply start the run. A kill at the first validation after
+    # its step checkpoint was written but before last.pt leaves that step checkpoint: continue from it.
+    source = last_path if last_path.exists() else newest_resumable(run_dir) if resume else None
+    from_scratch = resume and source is None
+    held = {"step": None}  # what `source` holds, for the message of a signal that arrives before the updates
 
     def stop_message(name: str) -> str:
-        where = f"{last_path} holds step {held['step']}" if held["step"] is not None else "no checkpoint yet"
+        where = f"{source} holds step {held['step']}" if held["step"] is not None else "no checkpoint yet"
         return f"{name}: stopped ({where}); continue with: {command}"
 
     scope.enter_context(stop_at_once(stop_message))  # until the update loop, which saves before it stops
@@ -155,10 +158,13 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
     if from_scratch:
         log.warning("resume: %s", f"{run_dir} did not exist; starting a new run there from step 0" if new_dir else
                     f"no checkpoint at {last_path} yet (the run stopped before its first save); starting from step 0")
+    if resume and source not in (None, last_path):
+        log.warning("resume: %s is missing; continuing from %s, the newest checkpoint with training state",
+                    last_path, source.name)
     try:
-        saved = load_resumable(last_path) if resume and not from_scratch else None
+        saved = load_resumable(source) if resume and source is not None else None
     except UserError as e:
-        raise UserError(f"{e}{continue_hint(run_dir)}") from None
+        raise UserError(f"{e}{continue_hint(run_dir) if source == last_path else ''}") from None
     changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
     if saved is not None:
         held["step"] = saved["run"]["step"]
