@@ -3,6 +3,7 @@ stdin streaming, n-best), dtypes, stop rules and the CTranslate2 engine."""
 
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ from transformer import device as device_module
 from transformer.device import cpu_bf16_flags, cpu_description
 from transformer.errors import UserError
 from transformer.quantize import InputMajorLinear
+from transformer import translate_io
 from transformer.translate import Translator, pick_dtype, search_ids, translate_ids
 
 
@@ -105,6 +107,36 @@ def test_translate_input_that_is_no_regular_file(run, singles, tmp_path, call):
     assert (status, out.splitlines()) == (0, singles)
     status, _, err = call("translate", run, "--input", tmp_path)
     assert (status, err) == (2, f"error: data: {tmp_path} is a directory, not a file\n")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stdin_lines_do_not_depend_on_how_the_pipe_delivers_them(seed):
+    """Lines from standard input equal those of the whole text split on newlines, whatever the sizes of the
+    pieces the pipe delivers (a long line spans many reads; pieces end inside lines and inside characters)."""
+    rng = random.Random(seed)
+    lines = [rng.choice(["", "ein hund\r", "zwei kätzchen", "x" * rng.randrange(1, 300_000)]) for _ in range(40)]
+    data = "\n".join(lines).encode("utf-8") + (b"\n" if seed % 2 else b"")
+    read_end, write_end = os.pipe()
+
+    def write():
+        with os.fdopen(write_end, "wb", buffering=0) as f:
+            at = 0
+            while at < len(data):
+                size = rng.choice([1, 7, 4096, 70_000, 200_000])
+                f.write(data[at:at + size])
+                at += size
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        got = [line for chunk in translate_io._fd_chunks(read_end) for line in chunk]
+    finally:
+        writer.join()
+        os.close(read_end)
+    expected = data.decode("utf-8").split("\n")
+    if expected[-1] == "":  # a final newline ends the last line; it does not start another
+        expected.pop()
+    assert got == [line.removesuffix("\r") for line in expected]
 
 
 def test_translate_stdin_subprocess_streams_line_by_line(run, singles):
