@@ -345,6 +345,10 @@ def test_ctranslate2_conversion_is_cached_and_follows_the_checkpoint(ctranslate2
     changed = Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2").translate(LINES[:8])
     assert "converting" in capsys.readouterr().err
     assert changed == Translator(checkpoint, device="cpu", beam=1).translate(LINES[:8]) != first
+    # A torn conversion (a full disk, a kill of some other tool) is converted again, not an error for ever.
+    model_bin.write_bytes(model_bin.read_bytes()[:1000])
+    assert Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2").translate(LINES[:8]) == changed
+    assert "converting" in capsys.readouterr().err
 
 
 def test_ctranslate2_engine_at_the_length_limit(ctranslate2, run):

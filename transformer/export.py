@@ -162,6 +162,8 @@ def _cache_is_current(model_dir: Path, checkpoint: Path) -> bool:
         return False
     if not (model_dir / "model.bin").is_file() or not isinstance(record, dict):
         return False
+    if record.get("model_bin_size") != (model_dir / "model.bin").stat().st_size:  # torn since, or an older record
+        return False
     now = _fingerprint(checkpoint, with_hash=False)
     if record.get("size") == now["size"] and record.get("mtime_ns") == now["mtime_ns"]:
         return True
@@ -189,7 +191,7 @@ def cached_conversion(checkpoint: str | Path) -> Path:
         return staging
     try:
         _write_model(source, staging, None)
-        record = _fingerprint(source, with_hash=True)
+        record = {**_fingerprint(source, with_hash=True), "model_bin_size": (staging / "model.bin").stat().st_size}
         (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         # Readers load model.bin when they start, so swapping the directory under them is safe.
         shutil.rmtree(target, ignore_errors=True)
