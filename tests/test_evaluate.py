@@ -82,6 +82,9 @@ def test_scores_are_printed_before_the_files_are_written(run, tmp_path, call, mo
 def test_evaluate_unknown_split(run, call):
     status, out, err = call("evaluate", run, "--split", "nosuch")
     assert status == 2 and err.startswith("error:") and "unknown split 'nosuch'" in err and "Traceback" not in err
+    # valid is a split of every run: its files are missing (this data.dir holds only the test split), not unknown.
+    status, out, err = call("evaluate", run, "--split", "valid")
+    assert status == 2 and err.startswith("error: evaluate: split 'valid': data:") and "unknown" not in err, err
 
 
 def test_a_broken_split_is_reported_as_such_not_as_unknown(run, call):

@@ -91,8 +91,10 @@ def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):
     assert resolve_checkpoint(run_dir) == run_dir / "final.pt"
     # Training on from this run: final.pt belonged to the end of the shorter run.
     config = write_config(tmp_path / "more.yaml", {**raw, "train": {**raw["train"], "max_steps": 62, "finish": False}})
-    assert cli("train", str(config), "--resume").returncode == 0
+    result = cli("train", str(config), "--resume")
+    assert result.returncode == 0
     assert not (run_dir / "final.pt").exists() and resolve_checkpoint(run_dir) == run_dir / "best.pt"
+    assert f"removed final.pt; train.finish is off: `transformer finish {run_dir}` chooses again" in result.stderr
     assert cli("finish", str(tmp_path / "nowhere")).stderr.startswith("error: finish:")
 
 

@@ -71,7 +71,7 @@ def cmd_finish(args: argparse.Namespace) -> None:
     run_dir = Path(args.run)
     if not (run_dir / "last.pt").is_file():
         raise UserError(f"finish: {run_dir} is not a run directory with a last.pt")
-    with RunLock(run_dir):  # not while a training process owns the directory
+    with RunLock(run_dir, "finish"):  # not while a training process owns the directory
         setup_logging(run_dir, DistInfo())
         finish(run_dir, pick_device(args.device))
 

@@ -117,6 +117,8 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         try:  # a split that is not there gets the hint; what is wrong inside one that is, its own message
             resolve_split(data, aliases.get(split, split))
         except UserError as e:
+            if split in aliases or split in aliases.values():  # a split the run knows, whose files are not there
+                raise UserError(f"evaluate: split {split!r}: {e}") from None
             raise UserError(f"evaluate: unknown split {split!r}: {e} (splits of this run are named by data.train_split, "
                             "data.valid_split, data.test_split; or pass --src FILE --ref FILE)") from None
         sources, references = load_split(data, aliases.get(split, split))

@@ -244,13 +244,13 @@ class RunLock:
     refused, since that process cannot be checked from here.
     """
 
-    def __init__(self, run_dir: Path):
-        self.run_dir, self.path = run_dir, run_dir / LOCK_NAME
+    def __init__(self, run_dir: Path, command: str = "train"):
+        self.run_dir, self.path, self.command = run_dir, run_dir / LOCK_NAME, command  # command: for messages
         self.fd: Optional[int] = None
         self.took_over: Optional[str] = None  # a log line for the caller, once logging is set up
 
     def _refuse(self, holder: dict, why: str) -> None:
-        raise UserError(f"train: {self.run_dir} is in use by pid {holder.get('pid', '?')} on host "
+        raise UserError(f"{self.command}: {self.run_dir} is in use by pid {holder.get('pid', '?')} on host "
                         f"{holder.get('host', '?')} (lock file {self.path}); {why}")
 
     def __enter__(self) -> "RunLock":

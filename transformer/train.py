@@ -75,7 +75,7 @@ def prepare_only(cfg: Config) -> Path:
     run_dir = Path(cfg.train.run_dir)
     check_run_dir(run_dir)
     make_run_dir(run_dir)
-    with RunLock(run_dir):  # never rebuild a store under a training process
+    with RunLock(run_dir, "prepare"):  # never rebuild a store under a training process
         setup_logging(run_dir, DistInfo())
         saved = run_dir / "last.pt"
         # A run in progress keeps the vocabulary its checkpoint carries.
@@ -364,7 +364,8 @@ def update_loop(run: Run, quiet: bool) -> None:
     final = run.run_dir / "final.pt"  # chosen at the end of the run being continued: stale once it trains on
     if run.saved_step is not None and info.is_main and final.is_file() and more_to_train():
         final.unlink()
-        log.info("resume: removed final.pt; the end of this training chooses again")
+        log.info("resume: removed final.pt; %s", "the end of this training chooses again" if t.finish else
+                 f"train.finish is off: `transformer finish {run.run_dir}` chooses again")
     with StopRequested() as stop, peer_failure_explained(info), \
             contextlib.closing(prefetch), contextlib.closing(bar):
         while more_to_train():

@@ -63,8 +63,9 @@ class Vocab:
             raise UserError(f"vocab: {path} has {len(self)} pieces but data.vocab_size is {vocab_size}; delete it "
                             f"to train a new vocabulary, or set data.vocab_size to {len(self)}")
         if len(self) < vocab_size:
-            log.warning("vocab: %s has %d pieces, fewer than data.vocab_size %d (the corpus's limit, or an "
-                        "earlier data.vocab_size); delete it to train a new vocabulary", path, len(self), vocab_size)
+            log.warning("vocab: %s has %d pieces, fewer than data.vocab_size %d: the most this corpus gives, or "
+                        "the size of an earlier data.vocab_size (then delete it to train one of the new size)", path,
+                        len(self), vocab_size)
         return self
 
     def save(self, path: str | Path) -> None:
