@@ -325,6 +325,29 @@ def test_resume_refuses_switching_between_adam_and_adamw(tmp_path, before, after
             check_resume_config(saved, new)
 
 
+@pytest.mark.parametrize("edit", ["grown", "touched"])
+def test_resume_restarts_the_epoch_when_the_training_corpus_changed(tmp_path, edit):
+    """A grown corpus gives other batches: the saved position inside the old ones no longer means anything.
+    A touched file (the store is rebuilt from the same text) keeps the position."""
+    train(from_dict(tiny_config(tmp_path, train={"max_steps": 4, "valid_every": 4})), quiet=True)
+    assert _state(tmp_path / "run" / "last.pt")["run"]["data"] == {"epoch": 0, "batches_done": 4}
+    corpus = tmp_path / "corpus"
+    for side in ("de", "en"):
+        path = corpus / f"train.{side}"
+        if edit == "grown":
+            lines = path.read_text(encoding="utf-8").splitlines()
+            path.write_text("\n".join(lines + lines[:40]) + "\n", encoding="utf-8")
+        else:
+            os.utime(path)
+    more = tiny_config(tmp_path, data_dir=corpus, train={"max_steps": 6, "valid_every": 6})
+    train(from_dict(more), resume=True, quiet=True)
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "store: rebuilding" in log
+    restarts = edit == "grown"
+    assert ("resume: the training corpus changed; epoch 0 restarts from its first batch" in log) == restarts
+    assert _state(tmp_path / "run" / "last.pt")["run"]["data"]["batches_done"] == (2 if restarts else 6)
+
+
 @pytest.mark.parametrize("change, restarts", [({"train": {"seed": 4}}, True), ({"data": {"max_tokens": 150}}, True),
                                               ({"train": {"lr": 1.0}}, False)])
 def test_resume_restarts_the_epoch_when_the_data_order_changes(tmp_path, change, restarts):

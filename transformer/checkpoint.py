@@ -51,10 +51,11 @@ def weights_checkpoint(config: dict, vocab: bytes, model: dict, **about) -> dict
 
 
 def training_checkpoint(config: dict, vocab: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        scaler: torch.amp.GradScaler, rngs: list, run: dict) -> dict:
-    """Everything a run continues from (no learning-rate scheduler: the rate is a pure function of the step)."""
+                        scaler: torch.amp.GradScaler, rngs: list, run: dict, train_order: str) -> dict:
+    """Everything a run continues from (no learning-rate scheduler: the rate is a pure function of the step).
+    train_order: Store.train_order, so that a resume can tell whether run["data"]'s position still applies."""
     return {**weights_checkpoint(config, vocab, model.state_dict()), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(), "rng": rngs, "run": run}
+            "scaler": scaler.state_dict(), "rng": rngs, "run": run, "train_order": train_order}
 
 
 def restore_training(saved: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

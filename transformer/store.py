@@ -196,6 +196,17 @@ class Store:
     def stats(self, split: str) -> dict:
         return self.manifest["splits"][split]
 
+    @cached_property
+    def train_order(self) -> str:
+        """What the training batches are made from: every pair's lengths (the .idx files), hashed. A resumed run
+        whose corpus changed (grown, shrunk, edited) sees another value and restarts its epoch."""
+        digest = hashlib.sha256()
+        for side in SIDES:
+            with open(self.directory / f"train.{side}.idx", "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+        return digest.hexdigest()
+
 
 # --------------------------------------------------------------------------- building
 

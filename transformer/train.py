@@ -230,10 +230,12 @@ def restore(run: Run, saved: Optional[dict], changes: list[ConfigChange]) -> Non
         state.best, state.best_metric, state.bad_validations = None, metric, 0
     group_size = run.info.world_size * t.update_freq
     reordered = any(c.reorders_data for c in changes)
-    if state.data["batches_done"] and (reordered or state.data["batches_done"] % group_size):
-        log.warning("resume: %s; epoch %d restarts from its first batch", "the data order changed" if reordered else
-                    f"{state.data['batches_done']} batches done do not split into updates of {group_size}",
-                    state.data["epoch"])
+    # Checkpoints written before train_order was saved have none: their position is kept, as it was.
+    corpus_changed = saved.get("train_order", run.store.train_order) != run.store.train_order
+    if state.data["batches_done"] and (reordered or corpus_changed or state.data["batches_done"] % group_size):
+        why = ("the data order changed" if reordered else "the training corpus changed" if corpus_changed else
+               f"{state.data['batches_done']} batches done do not split into updates of {group_size}")
+        log.warning("resume: %s; epoch %d restarts from its first batch", why, state.data["epoch"])
         state.data = {"epoch": state.data["epoch"], "batches_done": 0}
     rngs = saved["rng"]
     if len(rngs) == run.info.world_size:
@@ -288,7 +290,7 @@ def train_update(run: Run, update: Update, stop: StopRequested) -> StepResult:
 def save(run: Run, path: Path, rngs: list) -> None:
     run.state.elapsed = run.metrics.elapsed()
     save_checkpoint(training_checkpoint(to_dict(run.cfg), run.vocab.proto, run.model, run.optimizer, run.scaler,
-                                        rngs, asdict(run.state)), path)
+                                        rngs, asdict(run.state), run.store.train_order), path)
 
 
 def validate_and_save(run: Run) -> bool:
