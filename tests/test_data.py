@@ -11,7 +11,9 @@ import pytest
 from tests.conftest import batches_equal, random_pairs, write_hub_folder
 from transformer.batch import Batch
 from transformer.config import DataConfig
-from transformer.corpus import load_split, read_lines, read_parallel, split_paths
+from transformer import data as data_module
+from transformer.corpus import (chain_lines, load_split, read_lines, read_parallel, resolve_split,
+                                split_paths)
 from transformer.data import BatchStream, Prefetcher, eval_batches, make_batches, pack_by_size
 from transformer.errors import UserError
 from transformer.vocab import PAD_ID
@@ -350,3 +352,48 @@ def test_an_update_counts_the_tokens_of_every_ranks_batches_eos_included():
         assert sum(b.n_tgt_tokens for b in batches) == scored
         for u in updates:
             assert (u.n_tgt_tokens, u.n_src_tokens) == (scored, read)
+
+
+# ----------------------------------------------------------------------------- what mutation testing found unchecked
+
+def test_an_epochs_batches_come_in_random_order_not_by_length():
+    """Batches are cut from a length-sorted order; without the shuffle every epoch would run from the shortest
+    batches to the longest."""
+    src_len, tgt_len = lengths(random_pairs(400, max_len=40))
+    widths = [int(np.max(np.maximum(src_len[b], tgt_len[b])))
+              for b in as_lists(make_batches(src_len, tgt_len, 200, 1, 0))]
+    assert widths != sorted(widths) and widths != sorted(widths, reverse=True)
+    unshuffled = [int(np.max(np.maximum(src_len[b], tgt_len[b])))
+                  for b in as_lists(make_batches(src_len, tgt_len, 200, 1, 0, shuffle=False))]
+    assert unshuffled == sorted(unshuffled)
+
+
+def test_long_pairs_are_sorted_like_lexsort_and_batched_within_budget():
+    """Past 2,047 tokens the packed one-key sort would overlap its fields; lengths up to 4,000 (data.max_len is
+    the user's) must sort as the reference does, and every batch stay within max_tokens."""
+    rng = np.random.default_rng(0)
+    src_len, tgt_len = rng.integers(1, 4000, 3000), rng.integers(1, 4000, 3000)
+    src_len[:20], tgt_len[:20] = 2049, 10  # the case of the overlap: size 2050 ...
+    src_len[20:40], tgt_len[20:40] = 1, 2050  # ... against size 2051
+    size = np.maximum(src_len, tgt_len) + 1
+    tie = rng.permutation(len(size))
+    assert np.array_equal(data_module._length_sorted(size, src_len, tgt_len, tie),
+                          tie[np.lexsort((tgt_len[tie], src_len[tie], size[tie]))])
+    batches = make_batches(src_len, tgt_len, 8192, seed=0, epoch=0)
+    for b in as_lists(batches):
+        assert len(b) * int(size[b].max()) <= 8192 or len(b) == 1
+
+
+def test_dev_files_are_the_valid_split(tmp_path):
+    """WMT and IWSLT ship their validation set as dev.*"""
+    for split in ("train", "dev"):
+        for side in ("de", "en"):
+            (tmp_path / f"{split}.{side}").write_text("ein hund\n", encoding="utf-8")
+    cfg = DataConfig(dir=str(tmp_path), src_lang="de", tgt_lang="en")
+    assert resolve_split(cfg, "valid") == "dev"
+    assert split_paths(cfg, resolve_split(cfg, "valid")) == (tmp_path / "dev.de", tmp_path / "dev.en")
+
+
+def test_the_vocabulary_is_trained_on_both_sides_in_turn():
+    chunks = iter([(["s1", "s2"], ["t1", "t2"]), (["s3"], ["t3"])])
+    assert list(chain_lines(chunks)) == ["s1", "t1", "s2", "t2", "s3", "t3"]
