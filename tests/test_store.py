@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import cli, tiny_config, write_corpus, write_hub_folder
+from transformer import corpus as corpus_module
 from transformer import store as store_module
 from transformer.config import from_dict
 from transformer.corpus import count_lines, iter_lines, open_split, read_lines
@@ -51,9 +52,13 @@ def corpus(tmp_path):
     return directory
 
 
-@pytest.mark.parametrize("dtype", ["uint16", "int32"])
-def test_round_trip_equals_the_encoded_and_filtered_pairs(tmp_path, corpus, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype, chunk_lines", [("uint16", None), ("int32", None), ("uint16", 7)])
+def test_round_trip_equals_the_encoded_and_filtered_pairs(tmp_path, corpus, monkeypatch, dtype, chunk_lines):
+    """chunk_lines 7: a split read in many chunks, as every corpus of over 50,000 pairs is (the offsets of each
+    chunk continue those of the last)."""
     monkeypatch.setattr(store_module, "token_dtype", lambda vocab_size: np.dtype(dtype))
+    if chunk_lines:
+        monkeypatch.setattr(corpus_module, "CHUNK_LINES", chunk_lines)
     cfg = config(tmp_path, corpus)
     store = prepare(cfg, Path(cfg.train.run_dir), quiet=True)
     vocab = Vocab.load(Path(cfg.train.run_dir) / "spm.model")
