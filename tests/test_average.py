@@ -1,10 +1,12 @@
 """Checkpoint averaging: the mean of the weights, a checkpoint translate loads, RUN_DIR --last N."""
 
+import pytest
 import torch
 
 from tests.conftest import SENTENCES
 from transformer.average import average_checkpoints
 from transformer.checkpoint import load_checkpoint, load_model, save_checkpoint
+from transformer.errors import UserError
 
 
 def test_average_two_files_is_the_mean_and_loads(run, tmp_path, call):
@@ -54,3 +56,20 @@ def test_the_mean_of_three_and_the_newest_two_of_three(run, tmp_path, call):
     assert status == 0
     newest_two = torch.load(run_dir / "averaged.pt", weights_only=True)["model"]
     assert all(torch.equal(v, torch.full_like(v, 3.0)) for v in newest_two.values())
+
+
+def test_last_zero_is_refused_not_every_checkpoint(run, call):
+    """found[-0:] is the whole list: without the check, --last 0 would average every step checkpoint."""
+    target = run / "averaged.pt"
+    before = target.stat().st_mtime_ns if target.exists() else None  # the run is shared with other tests
+    status, _, err = call("average", run, "--last", "0")
+    assert (status, err) == (2, "error: average: --last must be at least 1\n")
+    assert (target.stat().st_mtime_ns if target.exists() else None) == before
+
+
+def test_checkpoints_with_other_vocabularies_are_not_averaged(run, tmp_path):
+    state = torch.load(run / "step_00000100.pt", weights_only=True)
+    other = dict(state, vocab=state["vocab"] + b"\x00")  # same config and shapes, another SentencePiece model
+    save_checkpoint(other, tmp_path / "other.pt")
+    with pytest.raises(UserError, match="use different vocabularies"):
+        average_checkpoints([run / "step_00000100.pt", tmp_path / "other.pt"])
