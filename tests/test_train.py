@@ -361,3 +361,35 @@ def test_resume_restarts_the_epoch_when_the_data_order_changes(tmp_path, change,
     assert ("resume: the data order changed; epoch 0 restarts from its first batch" in log) == restarts
     done = _state(tmp_path / "run" / "last.pt")["run"]["data"]["batches_done"]
     assert done == (2 if restarts else 6)
+
+
+def test_restore_training_puts_back_the_fp16_loss_scale():
+    """Without it a resumed fp16 run starts again at 65,536 and skips updates on overflow until the scale has
+    come down: the continuation would no longer be the uninterrupted run."""
+    from transformer.checkpoint import restore_training
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    trained = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": trained.state_dict()}
+    fresh = torch.amp.GradScaler("cpu")
+    restore_training(saved, model, optimizer, fresh)
+    assert fresh.state_dict() == trained.state_dict() and fresh.get_scale() == 1024.0
+
+
+def test_foreign_files_and_incomplete_counters_are_refused(tmp_path):
+    from transformer.checkpoint import load_checkpoint, load_resumable
+
+    torch.save({"model": {}}, tmp_path / "foreign.pt")  # a dict, but not one this package wrote
+    with pytest.raises(UserError, match="is not a checkpoint written by this package"):
+        load_checkpoint(tmp_path / "foreign.pt")
+    state = _state_of_a_short_run(tmp_path)
+    del state["run"]["tokens"]  # a counter missing, none unknown
+    torch.save(state, tmp_path / "partial.pt")
+    with pytest.raises(UserError, match=r"run counters differ \(unknown: none; missing: tokens\)"):
+        load_resumable(tmp_path / "partial.pt")
+
+
+def _state_of_a_short_run(tmp_path) -> dict:
+    train(from_dict(tiny_config(tmp_path, train={"max_steps": 1, "valid_every": 1})), quiet=True)
+    return torch.load(tmp_path / "run" / "last.pt", weights_only=True)
