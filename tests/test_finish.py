@@ -174,3 +174,46 @@ def test_the_search_grid_skips_length_penalties_where_greedy_cannot_change(beam,
     assert set(calls) == tried and len(calls) == len(tried) and (beam, 0.6) not in calls[1:]
     assert (chosen_beam, chosen_lenpen) == ((1, 0.6) if beam == 1 else (6, 1.0))
     assert set(grid) == {f"beam{b}_lp{a:g}" for b, a in tried}
+
+
+# ----------------------------------------------------------------------------- what mutation testing found unchecked
+
+@pytest.mark.parametrize("valid_bleu, rows, best_step", [
+    (False, [(100, 3.0, 10.0), (200, 2.0, 12.0), (300, 2.5, 30.0)], 200),  # the lowest loss
+    (True, [(100, 3.0, 10.0), (200, 2.0, 12.0), (300, 2.5, 30.0)], 300),   # the highest BLEU
+])
+def test_the_summarys_best_step_is_the_best_validation(tmp_path, valid_bleu, rows, best_step):
+    from transformer.finish import _training_record
+
+    lines = [{"step": s, "split": "valid", "loss": loss, "bleu": bleu, "elapsed": float(s)} for s, loss, bleu in rows]
+    lines += [{"split": "valid", "loss": 0.1}, {"step": "x", "split": "valid", "loss": 0.1}]  # no numeric step
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
+    cfg = from_dict(tiny_config(tmp_path, train={"valid_bleu": valid_bleu}))
+    record = _training_record(tmp_path, cfg, {"step": 300, "data": {"epoch": 1}, "elapsed": 60.0, "tokens": 6000})
+    assert (record["best_step"], record["seconds_to_best"]) == (best_step, float(best_step))
+    assert record["best_valid_loss"] == 2.0 and record["tokens_per_s"] == 100
+
+
+def test_metrics_rows_without_a_numeric_step_are_skipped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"split": "valid", "loss": 1}\n{"step": "x"}\n[1, 2]\n{"step": 5, "loss": 2}\n', encoding="utf-8")
+    assert runlog.read_metrics(path) == [{"step": 5, "loss": 2}]
+    path.write_text('{"split": "valid", "loss": 1}\n', encoding="utf-8")
+    with pytest.raises(UserError, match="holds no metrics yet"):
+        runlog.read_metrics(path)
+
+
+def test_a_tie_keeps_the_configured_search_settings(tmp_path):
+    """Equal BLEU everywhere: the configured beam and length penalty stay (a wider beam is only slower)."""
+    from transformer.evaluate import bleu_chrf
+
+    cfg = from_dict(tiny_config(tmp_path, decode={"beam": 4, "lenpen": 0.6}))
+    same = {**bleu_chrf(["a dog runs"], ["a dog runs"]), "bleu": 30.0}
+    tried = []
+
+    def score(model, beam, lenpen):
+        tried.append((beam, lenpen))
+        return same, None
+
+    beam, lenpen, _ = _search_settings(score, None, cfg, same)
+    assert (beam, lenpen) == (4, 0.6) and (6, 0.6) in tried  # the wider beam was tried, and not taken
