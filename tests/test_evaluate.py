@@ -135,3 +135,19 @@ def test_validation_loss_nll_and_perplexity_per_target_token():
     smoothed = F.cross_entropy(logits, targets, ignore_index=PAD_ID, label_smoothing=0.1).item()
     assert result["nll"] == pytest.approx(nll, rel=1e-5) and result["loss"] == pytest.approx(smoothed, rel=1e-5)
     assert result["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
+
+
+def test_length_ratio_is_hypothesis_over_reference():
+    from transformer.evaluate import length_ratio
+
+    assert length_ratio({"sys_len": 8, "ref_len": 10}) == 0.8  # below 1: too short, the brevity penalty applies
+    assert length_ratio(bleu_chrf(["a dog"], ["a dog runs fast"])) == pytest.approx(0.5)
+
+
+def test_two_checkpoints_of_one_run_write_results_of_their_own(run, call):
+    """evaluate RUN/best.pt and RUN/step_...pt on the same split must not overwrite each other's results."""
+    for name in ("best", "step_00000100"):
+        status, _, err = call("evaluate", run / f"{name}.pt", "--split", "test", "--beam", "1")
+        assert status == 0, err
+    assert (run / "eval" / "best.test.beam1.lp0.6.json").is_file()
+    assert (run / "eval" / "step_00000100.test.beam1.lp0.6.json").is_file()
