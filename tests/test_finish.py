@@ -217,3 +217,18 @@ def test_a_tie_keeps_the_configured_search_settings(tmp_path):
 
     beam, lenpen, _ = _search_settings(score, None, cfg, same)
     assert (beam, lenpen) == (4, 0.6) and (6, 0.6) in tried  # the wider beam was tried, and not taken
+
+
+def test_the_chosen_search_settings_go_into_final_pt_and_config_yaml(tmp_path, monkeypatch):
+    """Settings other than the config's (whatever validation found), so that their being written shows."""
+    from transformer import finish as finish_module
+
+    monkeypatch.setattr(finish_module, "_search_settings", lambda score, model, cfg, at: (3, 1.4, {"beam3_lp1.4": 1.0}))
+    run_dir, raw = finished_run(tmp_path, max_steps=20)
+    assert raw["decode"]["beam"] != 3
+    decode = load_config(run_dir / "config.yaml").decode
+    assert (decode.beam, decode.lenpen) == (3, 1.4)
+    final = load_checkpoint(run_dir / "final.pt")["config"]["decode"]
+    assert (final["beam"], final["lenpen"]) == (3, 1.4)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["decode"]["beam"], summary["decode"]["lenpen"]) == (3, 1.4)

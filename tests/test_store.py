@@ -217,7 +217,8 @@ def test_a_bad_validation_split_fails_before_the_vocabulary_or_the_training_spli
     else:
         for side in ("de", "en"):
             (corpus / f"valid.{side}").write_text("", encoding="utf-8")
-    message = "valid.de has 34 lines but .*valid.en has 33" if damage == "uneven" else "valid.de and .*valid.en are empty"
+    message = ("valid.de has 34 lines but .*valid.en has 33" if damage == "uneven" else
+               "valid.de and .*valid.en are empty")
     cfg = config(tmp_path, corpus)
     run_dir = Path(cfg.train.run_dir)
     with pytest.raises(UserError, match=message):

@@ -393,3 +393,16 @@ def test_foreign_files_and_incomplete_counters_are_refused(tmp_path):
 def _state_of_a_short_run(tmp_path) -> dict:
     train(from_dict(tiny_config(tmp_path, train={"max_steps": 1, "valid_every": 1})), quiet=True)
     return torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+
+
+def test_training_time_adds_up_across_resumes(tmp_path):
+    """summary.json's training seconds, tokens/s and time to best, and the time axes of the plots, count every
+    segment of a resumed run; a resume must not start the clock again."""
+    train(from_dict(tiny_config(tmp_path, train={"max_steps": 2, "valid_every": 2})), quiet=True)
+    state = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    state["run"]["elapsed"] = 10_000.0  # as if the first segment had taken hours
+    torch.save(state, tmp_path / "run" / "last.pt")
+    train(from_dict(tiny_config(tmp_path, train={"max_steps": 4, "valid_every": 2})), resume=True, quiet=True)
+    assert _state(tmp_path / "run" / "last.pt")["run"]["elapsed"] > 10_000.0
+    after = [r for r in read_metrics(tmp_path / "run") if r["step"] > 2 and "elapsed" in r]
+    assert after and all(r["elapsed"] > 10_000.0 for r in after)
