@@ -286,3 +286,20 @@ def test_why_a_store_is_rebuilt_names_every_split_that_changed():
 
     reasons = store_module._differences(manifest(10, 5), manifest(11, 6))
     assert reasons == ["/d/train.de changed (size or modification time)", "the valid corpus changed"]
+
+
+def test_token_dtype_holds_every_id():
+    assert store_module.token_dtype(1 << 16) == np.uint16  # ids 0 .. 65535
+    assert store_module.token_dtype((1 << 16) + 1) == np.int32
+
+
+def test_an_index_that_does_not_start_at_zero_is_refused(tmp_path, corpus):
+    cfg = config(tmp_path, corpus)
+    run_dir = Path(cfg.train.run_dir)
+    prepare(cfg, run_dir, quiet=True)
+    index = run_dir / "store" / "train.src.idx"
+    data = bytearray(index.read_bytes())
+    data[:8] = np.int64(1).tobytes()  # same size, so the manifest's byte counts still agree
+    index.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="train.src.idx does not match its tokens"):
+        Store(run_dir / "store").corpus("train")
