@@ -371,3 +371,18 @@ def test_ctranslate2_engine_at_the_length_limit(ctranslate2, run):
     assert len(set(limits)) > 1
     for a, b in zip(mine, other):
         assert a[0].tokens == b[0].tokens and a[0].score == pytest.approx(b[0].score, abs=1e-3)
+
+
+def test_output_through_a_symlink_writes_the_target_and_keeps_the_link(run, tmp_path, call):
+    real, link = tmp_path / "real.txt", tmp_path / "out.txt"
+    real.write_text("old\n", encoding="utf-8")
+    link.symlink_to(real)
+    status, _, err = call("translate", run, "ein hund", "--output", link)
+    assert status == 0, err
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert real.read_text(encoding="utf-8") == link.read_text(encoding="utf-8") != "old\n"
+
+
+def test_load_model_is_in_eval_mode(run):
+    """Every caller also sets eval mode itself today; one that did not would translate with dropout on."""
+    assert not load_model(run)[0].training
