@@ -73,3 +73,14 @@ def test_checkpoints_with_other_vocabularies_are_not_averaged(run, tmp_path):
     save_checkpoint(other, tmp_path / "other.pt")
     with pytest.raises(UserError, match="use different vocabularies"):
         average_checkpoints([run / "step_00000100.pt", tmp_path / "other.pt"])
+
+
+def test_a_pytorch_file_that_is_no_checkpoint_is_not_overwritten(run, tmp_path, call):
+    """A whole pickled module (what torch.save(model) writes) cannot be read as weights only; it is someone's
+    file all the same, not an earlier average to replace."""
+    target = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(2, 2), target)
+    before = target.read_bytes()
+    status, _, err = call("average", run / "step_00000100.pt", run / "step_00000200.pt", "--output", target)
+    assert status == 2 and f"refusing to overwrite {target}: it is a checkpoint" in err
+    assert target.read_bytes() == before
