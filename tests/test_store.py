@@ -303,3 +303,23 @@ def test_an_index_that_does_not_start_at_zero_is_refused(tmp_path, corpus):
     index.write_bytes(bytes(data))
     with pytest.raises(UserError, match="train.src.idx does not match its tokens"):
         Store(run_dir / "store").corpus("train")
+
+
+def test_every_store_file_is_synced_before_the_manifest(tmp_path, corpus, monkeypatch):
+    """The manifest says the store is complete; after a power loss it must not be on disk before the data."""
+    events = []
+    fsync = os.fsync
+
+    def recording_fsync(fd):
+        events.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name if Path("/proc/self/fd").is_dir() else fd)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    cfg = config(tmp_path, corpus)
+    prepare(cfg, Path(cfg.train.run_dir), quiet=True)
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc to name the synced files")
+    data = {f"{split}.{side}.{kind}" for split in ("train", "valid") for side in ("src", "tgt")
+            for kind in ("bin", "idx")}
+    manifest_at = next(i for i, name in enumerate(events) if name.lstrip(".").startswith("manifest.json"))
+    assert data <= set(events[:manifest_at]), events
