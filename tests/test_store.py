@@ -323,3 +323,25 @@ def test_every_store_file_is_synced_before_the_manifest(tmp_path, corpus, monkey
             for kind in ("bin", "idx")}
     manifest_at = next(i for i, name in enumerate(events) if name.lstrip(".").startswith("manifest.json"))
     assert data <= set(events[:manifest_at]), events
+
+
+def test_a_complete_store_is_used_without_the_raw_corpus(tmp_path, corpus, caplog):
+    """Prepare once, train anywhere: a machine given only the run directory (or a corpus moved away) trains
+    from the store, with a warning; a store encoded with other data settings is not used."""
+    cfg = config(tmp_path, corpus)
+    run_dir = Path(cfg.train.run_dir)
+    built = prepare(cfg, run_dir, quiet=True)
+    pairs = [built.corpus("train").pair(i) for i in range(len(built.corpus("train")))]
+    corpus.rename(tmp_path / "elsewhere")
+    caplog.set_level(logging.WARNING, logger="transformer")
+    store = prepare(cfg, run_dir, quiet=True)
+    assert [store.corpus("train").pair(i) for i in range(len(store.corpus("train")))] == pairs
+    assert f"using the prepared store {run_dir / 'store'}" in caplog.text and "no such file" in caplog.text
+    vocab = Vocab.load(run_dir / "spm.model")
+    assert store_module.open_prepared(cfg, run_dir, vocab).manifest == store.manifest  # the other ranks
+    for changed in ({"max_len": 5}, {"max_train_pairs": 100}):
+        with pytest.raises(UserError, match="no such file"):
+            prepare(config(tmp_path, corpus, **changed), run_dir, quiet=True)
+    (run_dir / "store" / "manifest.json").unlink()
+    with pytest.raises(UserError, match="no such file"):
+        prepare(cfg, run_dir, quiet=True)

@@ -406,3 +406,12 @@ def test_training_time_adds_up_across_resumes(tmp_path):
     assert _state(tmp_path / "run" / "last.pt")["run"]["elapsed"] > 10_000.0
     after = [r for r in read_metrics(tmp_path / "run") if r["step"] > 2 and "elapsed" in r]
     assert after and all(r["elapsed"] > 10_000.0 for r in after)
+
+
+def test_a_run_resumes_from_its_store_when_the_corpus_is_gone(tmp_path):
+    train(from_dict(tiny_config(tmp_path, train={"max_steps": 2, "valid_every": 2})), quiet=True)
+    (tmp_path / "corpus").rename(tmp_path / "moved")
+    train(from_dict(tiny_config(tmp_path, data_dir=tmp_path / "corpus", train={"max_steps": 4, "valid_every": 2})),
+          resume=True, quiet=True)
+    assert _state(tmp_path / "run" / "last.pt")["run"]["step"] == 4
+    assert "using the prepared store" in (tmp_path / "run" / "train.log").read_text()

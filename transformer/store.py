@@ -89,12 +89,33 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def fingerprint(cfg: Config, vocab: Vocab, raw: dict[str, RawSplit]) -> dict:
     """Everything that changes the store's contents: the inputs, the vocabulary and the filtering keys."""
+    return {"inputs": {split: raw[split].fingerprint for split in SPLITS}, **_encoding(cfg, vocab)}
+
+
+def _encoding(cfg: Config, vocab: Vocab) -> dict:
+    """The fingerprint's keys besides the input files: how their text became the stored tokens."""
     d = cfg.data
-    return {
-        "inputs": {split: raw[split].fingerprint for split in SPLITS},
-        "vocab_sha256": hashlib.sha256(vocab.proto).hexdigest(),
-        "src_lang": d.src_lang, "tgt_lang": d.tgt_lang, "max_len": d.max_len,
-    }
+    return {"vocab_sha256": hashlib.sha256(vocab.proto).hexdigest(), "src_lang": d.src_lang, "tgt_lang": d.tgt_lang,
+            "max_len": d.max_len}
+
+
+def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Optional[Vocab], missing: UserError) -> Store:
+    """run_dir's complete store when the raw corpus is not at data.dir (a machine that was given only the run
+    directory, or a corpus moved since): usable if it was encoded with this vocabulary, these filtering keys and
+    pair limits. Otherwise `missing` is raised as it was."""
+    directory, d = run_dir / "store", cfg.data
+    if vocab is None and (run_dir / "spm.model").is_file():
+        vocab = Vocab.load(run_dir / "spm.model")
+    if d.source != "local" or vocab is None or problem(directory) is not None:
+        raise missing
+    built = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))["fingerprint"]
+    limits = {"train": d.max_train_pairs, "valid": d.max_valid_pairs}
+    if {k: v for k, v in built.items() if k != "inputs"} != _encoding(cfg, vocab) or \
+            any(built["inputs"][split].get("limit") != limits[split] for split in SPLITS):
+        raise missing
+    log.warning("%s; using the prepared store %s, encoded from that corpus with this vocabulary and these data "
+                "settings", missing, directory)
+    return Store(directory)
 
 
 def _differences(old: dict, new: dict) -> list[str]:
@@ -334,8 +355,14 @@ def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
 
 def prepare(cfg: Config, run_dir: Path, vocab: Optional[Vocab] = None, quiet: bool = False) -> Store:
     """The vocabulary (given, reused from run_dir or trained) and the store in run_dir/store (reused when its
-    inputs are unchanged, else rebuilt with a log line saying why). One process only: under torchrun rank 0."""
-    raw = open_raw_splits(cfg)
+    inputs are unchanged, else rebuilt with a log line saying why). One process only: under torchrun rank 0.
+    Without the raw corpus, a complete store that fits is used as it is (_store_without_corpus)."""
+    try:
+        raw = open_raw_splits(cfg)
+    except UserError as missing:
+        store = _store_without_corpus(cfg, run_dir, vocab, missing)
+        log_counts(store, cfg.data.max_len)
+        return store
     if vocab is None:
         if not (run_dir / "spm.model").is_file():
             count_pairs(raw)  # a bad validation split found before the vocabulary is trained, not after
@@ -359,7 +386,11 @@ def prepare(cfg: Config, run_dir: Path, vocab: Optional[Vocab] = None, quiet: bo
 def open_prepared(cfg: Config, run_dir: Path, vocab: Vocab) -> Store:
     """The store rank 0 prepared, checked against this rank's view of the inputs (other ranks)."""
     directory = run_dir / "store"
-    reason = problem(directory, fingerprint(cfg, vocab, open_raw_splits(cfg)))
+    try:
+        raw = open_raw_splits(cfg)
+    except UserError as missing:
+        return _store_without_corpus(cfg, run_dir, vocab, missing)
+    reason = problem(directory, fingerprint(cfg, vocab, raw))
     if reason is not None:
         raise UserError(f"store: {directory} does not match this rank's data: {reason}")
     return Store(directory)
