@@ -324,6 +324,20 @@ def test_resume_without_last_pt_continues_from_the_newest_step_checkpoint(env, t
         assert torch.equal(outputs[lost]["model"][name], weight), name
 
 
+def test_resume_without_last_pt_and_nothing_left_to_train_puts_it_back(env, tmp_path, call):
+    """Killed at the last validation after the step checkpoint: nothing is left to train, so no later save
+    would write last.pt (which finish and every later resume need), nor best.pt if that step was the best."""
+    lost = tmp_path / "lost"
+    shutil.copytree(env["root"] / "lost_last", lost)
+    (lost / "best.pt").unlink()
+    status, _, err = call("train", "--resume", lost)
+    assert status == 0, err
+    saved = load_checkpoint(lost / "step_00000002.pt")
+    assert load_checkpoint(lost / "last.pt")["run"] == saved["run"]
+    assert (lost / "best.pt").exists() == (saved["run"]["bad_validations"] == 0)
+    assert "resume: step_00000002.pt copied to last.pt" in err
+
+
 def test_average_may_replace_an_earlier_average(env, call):
     root, run = env["root"], env["run"]
     target = root / "again.pt"

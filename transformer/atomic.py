@@ -20,7 +20,7 @@ _TEMP_NAME = re.compile(r"\..+\.[A-Za-z0-9_]{8}" + re.escape(TEMP_SUFFIX))
 # may write over these, and a new run refuses a directory that holds anything else.
 RUN_FILES = ("config.yaml", "spm.model", "metrics.jsonl", "train.log", "train.lock", "last.pt", "best.pt", "store",
              "final.pt", "summary.json", "tensorboard", "ct2")
-STEP_FILE = re.compile(r"step_\d+\.pt")
+STEP_FILE = re.compile(r"step_(\d+)\.pt")
 # Inside a run directory, also run files: whatever lies under the directories that training fills, and the test
 # translations that the end of training writes to eval/ (evaluate's own eval/ results, by settings, may go).
 RUN_SUBDIRS = ("store", "tensorboard", "ct2")
@@ -78,6 +78,13 @@ def remove_stale_temporaries(directory: str | Path) -> None:
 
 def is_run_file(name: str) -> bool:
     return name in RUN_FILES or bool(STEP_FILE.fullmatch(name))
+
+
+def step_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Every step_XXXXXXXX.pt of a run directory, oldest first (by step: names outgrow 8 digits)."""
+    found = sorted((int(m.group(1)), p) for p in Path(run_dir).glob("step_*.pt")
+                   if (m := STEP_FILE.fullmatch(p.name)))
+    return [p for _, p in found]
 
 
 def owning_run(path: str | Path) -> Optional[Path]:

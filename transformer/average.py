@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from transformer.atomic import check_output_path
+from transformer.atomic import check_output_path, step_checkpoints
 from transformer.checkpoint import WEIGHT_KEYS, load_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.errors import UserError
-
-STEP_NAME = re.compile(r"step_(\d+)\.pt$")
-
-
-def step_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Every step_XXXXXXXX.pt of a run directory, oldest first."""
-    found = sorted((int(m.group(1)), p) for p in Path(run_dir).glob("step_*.pt") if (m := STEP_NAME.search(p.name)))
-    return [p for _, p in found]
-
 
 def last_step_checkpoints(run_dir: str | Path, n: int) -> list[Path]:
     """The n latest step_XXXXXXXX.pt files of a run directory, oldest first."""

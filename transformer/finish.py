@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from transformer.atomic import atomic_write
-from transformer.average import average_checkpoints, step_checkpoints
+from transformer.atomic import atomic_write, step_checkpoints
+from transformer.average import average_checkpoints
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.corpus import load_split, resolve_split

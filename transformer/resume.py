@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from transformer.atomic import STEP_FILE, TEMP_SUFFIX, is_run_file
+from transformer.atomic import STEP_FILE, TEMP_SUFFIX, is_run_file, step_checkpoints
 from transformer.config import Config, apply_overrides, from_dict, read_yaml, to_dict, written_by_train
 from transformer.errors import UserError
 
@@ -191,10 +191,10 @@ def run_config(run_dir: str, overrides: Sequence[str]) -> Config:
 
 
 def newest_resumable(run_dir: Path) -> Optional[Path]:
-    """The checkpoint with training state to continue from when last.pt is gone or torn: the newest step
-    checkpoint, else best.pt (both are written with the optimizer and RNG state, before last.pt)."""
-    steps = sorted(p for p in run_dir.glob("step_*.pt") if STEP_FILE.fullmatch(p.name))
-    return steps[-1] if steps else next((p for p in [run_dir / "best.pt"] if p.is_file()), None)
+    """The checkpoint with training state to continue from when last.pt is gone or torn: the newer of the
+    newest step checkpoint and best.pt (both written with the optimizer and RNG state, before last.pt)."""
+    candidates = step_checkpoints(run_dir)[-1:] + [p for p in [run_dir / "best.pt"] if p.is_file()]
+    return max(candidates, key=lambda p: p.stat().st_mtime_ns, default=None)
 
 
 def continue_hint(run_dir: Path) -> str:
