@@ -338,6 +338,15 @@ def test_resume_without_last_pt_and_nothing_left_to_train_puts_it_back(env, tmp_
     assert "resume: step_00000002.pt copied to last.pt" in err
 
 
+def test_prepare_works_in_a_run_directory_that_resume_can_continue(env, tmp_path, call):
+    """prepare starts no run, and has no --resume to be told about."""
+    lost = tmp_path / "lost"
+    shutil.copytree(env["root"] / "lost_last", lost)
+    status, _, err = call("prepare", env["root"] / "tiny.yaml", "--set", f"train.run_dir={lost}")
+    assert status == 0, err
+    assert (lost / "store" / "manifest.json").is_file() and not (lost / "last.pt").exists()
+
+
 def test_average_may_replace_an_earlier_average(env, call):
     root, run = env["root"], env["run"]
     target = root / "again.pt"

@@ -31,9 +31,11 @@ class _IntermixedParser(argparse.ArgumentParser):
 
 
 def _sentence(argument: str) -> str:
-    """A sentence given as an argument, decoded as a stream is: a byte that is not UTF-8 becomes U+FFFD (Python
-    hands it over as a lone surrogate, which neither SentencePiece nor a figure's title can take)."""
-    return os.fsencode(argument).decode("utf-8", errors="replace")
+    """A sentence given as an argument: a byte the locale cannot decode reaches Python as a lone surrogate,
+    which neither SentencePiece nor a figure's title can take; it becomes U+FFFD, as in a stream."""
+    from transformer.vocab import valid_text  # here: `transformer --help` imports nothing heavy
+
+    return valid_text(argument)
 
 
 def _add_train(sub) -> None:

@@ -73,7 +73,7 @@ class Run:
 def prepare_only(cfg: Config) -> Path:
     """The `prepare` command: the run directory's vocabulary and store, built or checked, without training."""
     run_dir = Path(cfg.train.run_dir)
-    check_run_dir(run_dir)
+    check_run_dir(run_dir, resume=True)  # it starts no run: a directory that --resume may continue is fine
     make_run_dir(run_dir)
     with RunLock(run_dir, "prepare"):  # never rebuild a store under a training process
         setup_logging(run_dir, DistInfo())
