@@ -122,9 +122,11 @@ def search_ids(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float
                                        stop, workers):
         for i, hyps in zip(batch, found.hypotheses):
             if not hyps or math.isnan(hyps[0].score):
-                raise UserError("search: the model's scores for a sentence are not numbers (NaN), so it has no "
-                                "translation: a reduced precision that overflowed (try --dtype fp32), or weights "
-                                "that are not finite")
+                # One sentence out of a batch (of serve's clients, of a file's lines) must not fail the rest:
+                # it gets an empty translation with score -inf, and a warning.
+                print("warning: the model's scores for a sentence are not numbers (NaN), so its translation is "
+                      "empty: a reduced precision that overflowed (try --dtype fp32)?", file=sys.stderr)
+                hyps = [Hypothesis([], float("-inf")) for _ in range(nbest)]
             out[i] = hyps
     return out
 
