@@ -339,9 +339,16 @@ def test_a_complete_store_is_used_without_the_raw_corpus(tmp_path, corpus, caplo
     assert f"using the prepared store {run_dir / 'store'}" in caplog.text and "no such file" in caplog.text
     vocab = Vocab.load(run_dir / "spm.model")
     assert store_module.open_prepared(cfg, run_dir, vocab).manifest == store.manifest  # the other ranks
-    for changed in ({"max_len": 5}, {"max_train_pairs": 100}):
+    for changed in ({"max_len": 5}, {"max_train_pairs": 100}, {"train_split": "trian"}):
         with pytest.raises(UserError, match="no such file"):
             prepare(config(tmp_path, corpus, **changed), run_dir, quiet=True)
+    # A data.dir that is there but lacks a file (a new corpus without its valid split): reported, not replaced.
+    other = tmp_path / "new_corpus"
+    other.mkdir()
+    for side in ("de", "en"):
+        (other / f"train.{side}").write_text("ein hund\n", encoding="utf-8")
+    with pytest.raises(UserError, match="valid"):
+        prepare(from_dict(tiny_config(tmp_path, data_dir=other, data={"max_len": 6})), run_dir, quiet=True)
     (run_dir / "store" / "manifest.json").unlink()
     with pytest.raises(UserError, match="no such file"):
         prepare(cfg, run_dir, quiet=True)

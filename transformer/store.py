@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from transformer.atomic import atomic_write
 from transformer.config import Config
-from transformer.corpus import RawSplit, chain_lines, open_split
+from transformer.corpus import SPLIT_ALIASES, RawSplit, chain_lines, open_split
 from transformer.data import keep_mask
 from transformer.errors import UserError
 from transformer.vocab import Vocab, train_vocab
@@ -100,21 +100,32 @@ def _encoding(cfg: Config, vocab: Vocab) -> dict:
 
 
 def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Optional[Vocab], missing: UserError) -> Store:
-    """run_dir's complete store when the raw corpus is not at data.dir (a machine that was given only the run
-    directory, or a corpus moved since): usable if it was encoded with this vocabulary, these filtering keys and
-    pair limits. Otherwise `missing` is raised as it was."""
+    """run_dir's complete store when data.dir is not there at all (a machine given only the run directory, or a
+    corpus directory moved away): usable if it was encoded from files of these split names and languages, with
+    this vocabulary, these filtering keys and pair limits. Otherwise `missing` is raised as it was: a data.dir
+    that exists but lacks a file is a mistake to report, not a reason to train on something else."""
     directory, d = run_dir / "store", cfg.data
     if vocab is None and (run_dir / "spm.model").is_file():
         vocab = Vocab.load(run_dir / "spm.model")
-    if d.source != "local" or vocab is None or problem(directory) is not None:
+    if d.source != "local" or Path(d.dir).exists() or vocab is None or problem(directory) is not None:
         raise missing
     built = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))["fingerprint"]
     limits = {"train": d.max_train_pairs, "valid": d.max_valid_pairs}
-    if {k: v for k, v in built.items() if k != "inputs"} != _encoding(cfg, vocab) or \
-            any(built["inputs"][split].get("limit") != limits[split] for split in SPLITS):
+    names = {"train": d.train_split, "valid": d.valid_split}
+    for split in SPLITS:
+        recorded = built["inputs"][split]
+        allowed = {f"{name}.{lang}" for name in (names[split], *SPLIT_ALIASES.get(names[split], ()))
+                   for lang in (d.src_lang, d.tgt_lang)}
+        if recorded.get("limit") != limits[split] or \
+                not {Path(f["path"]).name for f in recorded.get("files", [])} <= allowed:
+            raise missing
+    if {k: v for k, v in built.items() if k != "inputs"} != _encoding(cfg, vocab):
         raise missing
-    log.warning("%s; using the prepared store %s, encoded from that corpus with this vocabulary and these data "
-                "settings", missing, directory)
+    source = Path(built["inputs"]["train"]["files"][0]["path"]).parent
+    later = (f"; the end of training reads the test split as text, so set train.finish=false and run `transformer "
+             f"finish {run_dir}` where the corpus is") if cfg.train.finish else ""
+    log.warning("%s; using the prepared store %s, encoded from %s with this vocabulary and these data settings%s",
+                missing, directory, source, later)
     return Store(directory)
 
 
