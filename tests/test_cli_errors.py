@@ -519,7 +519,9 @@ def test_run_directory_lock(env, tmp_path, call):
     assert err == (f"error: train: {run_dir} is in use by pid {os.getpid()} on host {host} (lock file "
                    f"{run_dir}/train.lock); wait for that run to end, or stop it\n")
     assert sorted(p.name for p in run_dir.iterdir()) == []  # released, and nothing written
-    for command, directory, argv in (("prepare", run_dir, config), ("finish", env["run"], env["run"])):
+    finished = tmp_path / "finished"  # a copy: were the refusal to regress, finish would write into it
+    shutil.copytree(env["run"], finished)
+    for command, directory, argv in (("prepare", run_dir, config), ("finish", finished, finished)):
         with RunLock(directory):  # the refusal names the command that was refused
             status, _, err = call(command, argv)
         assert status == 2 and err.startswith(f"error: {command}: {directory} is in use by pid {os.getpid()}"), err

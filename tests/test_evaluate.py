@@ -40,11 +40,14 @@ def test_evaluate_src_ref_files(run, tmp_path, call):
 def test_evaluate_src_from_a_pipe_names_its_results_pipe(run, tmp_path, call):
     fifo = tmp_path / "63"  # what `--src <(zcat test.de.gz)` hands over: /dev/fd/63
     os.mkfifo(fifo)
-    writer = threading.Thread(target=lambda: fifo.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8"))
+    # A daemon: if evaluate failed before opening the FIFO, the writer would block for ever in open().
+    writer = threading.Thread(target=lambda: fifo.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8"),
+                              daemon=True)
     writer.start()
     (tmp_path / "a.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
-    status, out, _ = call("evaluate", run, "--src", fifo, "--ref", tmp_path / "a.en", "--beam", "1")
-    writer.join()
+    status, out, err = call("evaluate", run, "--src", fifo, "--ref", tmp_path / "a.en", "--beam", "1")
+    writer.join(timeout=10)
+    assert status == 0 and not writer.is_alive(), err
     record = json.loads((run / "eval" / "pipe.beam1.lp0.6.json").read_text())
     assert status == 0 and record["sentences"] == len(SENTENCES) and "pipe.beam1.lp0.6.hyp" in out
     assert not list((run / "eval").glob("63.*"))

@@ -168,6 +168,7 @@ def test_a_beam_wider_than_the_vocabulary_is_refused_whatever_max_beam_allows(ru
                                           "beam": 10 ** 8})
             assert response.status_code == 422 and "beam must be between 1 and 80" in response.text, response.text
         assert c.post("/translate", json={"text": [SENTENCES[0]], "beam": 80}).status_code == 200
+        assert c.get("/info").json()["limits"]["max_beam"] == 80  # what the page's beam input may offer
 
 
 def test_a_lone_surrogate_in_the_json_translates_as_the_replacement_character(client):

@@ -162,7 +162,7 @@ class Service:
             "vocab_size": len(self.vocab), "languages": [self.cfg.data.src_lang, self.cfg.data.tgt_lang],
             "decode": {"engine": d.engine, "beam": d.beam, "lenpen": d.lenpen, "stop": d.stop,
                        "max_len_offset": d.max_len_offset, "max_tokens": d.max_tokens, "workers": d.workers},
-            "device": str(d.device), "dtype": d.dtype, "limits": asdict(self.settings),
+            "device": str(d.device), "dtype": d.dtype, "limits": {**asdict(self.settings), "max_beam": self.max_beam},
         }
 
     def check_beam(self, beam: Optional[int], nbest: int = 1) -> int:

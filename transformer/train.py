@@ -247,7 +247,8 @@ def restore(run: Run, saved: Optional[dict], changes: list[ConfigChange]) -> Non
     group_size = run.info.world_size * t.update_freq
     reordered = any(c.reorders_data for c in changes)
     # Checkpoints written before train_order was saved have none: their position is kept, as it was.
-    corpus_changed = saved.get("train_order", run.store.train_order) != run.store.train_order
+    corpus_changed = bool(state.data["batches_done"]) and \
+        saved.get("train_order", run.store.train_order) != run.store.train_order
     if state.data["batches_done"] and (reordered or corpus_changed or state.data["batches_done"] % group_size):
         why = ("the data order changed" if reordered else "the training corpus changed" if corpus_changed else
                f"{state.data['batches_done']} batches done do not split into updates of {group_size}")
