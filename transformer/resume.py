@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from transformer.atomic import STEP_FILE, TEMP_SUFFIX, is_run_file, step_checkpoints
+from transformer.atomic import STEP_FILE, TEMP_SUFFIX, atomic_write, is_run_file, step_checkpoints
 from transformer.config import Config, apply_overrides, from_dict, read_yaml, to_dict, written_by_train
 from transformer.errors import UserError
 
@@ -195,6 +196,21 @@ def newest_resumable(run_dir: Path) -> Optional[Path]:
     newest step checkpoint and best.pt (both written with the optimizer and RNG state, before last.pt)."""
     candidates = step_checkpoints(run_dir)[-1:] + [p for p in [run_dir / "best.pt"] if p.is_file()]
     return max(candidates, key=lambda p: p.stat().st_mtime_ns, default=None)
+
+
+def put_back(source: Path, run_dir: Path, saved: dict) -> None:
+    """What the save that was killed had not written yet: last.pt, and best.pt when `source` was the best
+    validation so far. From here on the run directory is as if that save had completed."""
+    names = ["last.pt"] + (["best.pt"] if not (run_dir / "best.pt").exists() and
+                           saved["run"]["bad_validations"] == 0 else [])
+
+    def copy(f) -> None:
+        with source.open("rb") as checkpoint:
+            shutil.copyfileobj(checkpoint, f, 1 << 24)
+
+    for name in names:
+        atomic_write(run_dir / name, copy)
+    log.info("resume: %s copied to %s", source.name, " and ".join(names))
 
 
 def continue_hint(run_dir: Path) -> str:

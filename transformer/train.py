@@ -7,7 +7,6 @@ import contextlib
 import logging
 import random
 import resource
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from transformer.atomic import atomic_write, remove_stale_temporaries, step_checkpoints
+from transformer.atomic import remove_stale_temporaries, step_checkpoints
 from transformer.batch import Batch
 from transformer.checkpoint import load_checkpoint, load_resumable, restore_training, save_checkpoint, training_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
@@ -30,7 +29,7 @@ from transformer.evaluate import evaluate_loss, validation_bleu
 from transformer.model import Transformer, build_model, count_parameters
 from transformer.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
 from transformer.resume import (ConfigChange, RunLock, RunState, StopRequested, check_resume_config, check_run_dir,
-                                continue_hint, make_run_dir, newest_resumable, resume_command, rng_state,
+                                continue_hint, make_run_dir, newest_resumable, put_back, resume_command, rng_state,
                                 set_rng_state, stop_at_once)
 from transformer.runlog import MetricsLog, Progress, setup_logging
 from transformer.store import Store, open_prepared, prepare
@@ -166,7 +165,7 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
     except UserError as e:
         raise UserError(f"{e}{continue_hint(run_dir) if source == last_path else ''}") from None
     if saved is not None and source != last_path and info.is_main:
-        _put_back(source, run_dir, saved)
+        put_back(source, run_dir, saved)
     changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
     if saved is not None:
         held["step"] = saved["run"]["step"]
@@ -175,20 +174,6 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
     if info.is_main:
         save_config(cfg, run_dir / "config.yaml")
     return run_dir, saved, changes
-
-
-def _put_back(source: Path, run_dir: Path, saved: dict) -> None:
-    """What the save that was killed had not written yet: last.pt, and best.pt when `source` was the best
-    validation so far. From here on the run directory is as if that save had completed."""
-    names = ["last.pt"] + (["best.pt"] if not (run_dir / "best.pt").exists() and
-                           saved["run"]["bad_validations"] == 0 else [])
-    def copy(f) -> None:
-        with source.open("rb") as checkpoint:
-            shutil.copyfileobj(checkpoint, f, 1 << 24)
-
-    for name in names:
-        atomic_write(run_dir / name, copy)
-    log.info("resume: %s copied to %s", source.name, " and ".join(names))
 
 
 def load_data(cfg: Config, info: DistInfo, run_dir: Path, saved: Optional[dict], quiet: bool) -> tuple[Vocab, Store]:
