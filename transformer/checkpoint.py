@@ -114,7 +114,8 @@ def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer
         raise UserError(f"checkpoint: weights do not match its own config ({first_line(e)})") from None
     # Torn bytes inside the zip's tensor data, or a diverged run, would otherwise show up as empty or garbage
     # translations (a NaN score never beats the search's stop rule).
-    # A sum is NaN or infinite when any term is: 16x faster than isfinite().all(), and no bool copy of each weight.
+    # A sum is NaN or infinite when any term is: 0.026 s against 0.18 s for isfinite().all() over 67M parameters
+    # on a 2-core EPYC, and no bool copy of each weight.
     bad = [name for name, w in model.state_dict().items()
            if w.is_floating_point() and not bool(torch.isfinite(w.sum(dtype=torch.float32)))]
     if bad:
