@@ -225,14 +225,16 @@ def check_run_dir(run_dir: Path, resume: bool = False) -> None:
     over the checkpoints of a run whose last.pt is gone (--resume continues from newest_resumable)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"train.run_dir {run_dir} is a file, not a directory")
-    if not run_dir.is_dir() or (run_dir / "last.pt").exists() or (resume and newest_resumable(run_dir)):
+    if not run_dir.is_dir() or (run_dir / "last.pt").exists():
+        return
+    other = newest_resumable(run_dir)
+    if resume and other is not None:
         return
     checkpoints = sorted(p.name for p in run_dir.iterdir()
                          if p.name in ("best.pt", "final.pt", "averaged.pt") or STEP_FILE.fullmatch(p.name))
     if checkpoints:
         shown = ", ".join(checkpoints[:3]) + (f" and {len(checkpoints) - 3} more" if len(checkpoints) > 3 else "")
-        other = newest_resumable(run_dir)
-        how = f"add --resume to continue from {other.name}; " if other is not None and not resume else ""
+        how = f"add --resume to continue from {other.name}; " if other is not None else ""
         raise UserError(f"train.run_dir {run_dir} holds checkpoints ({shown}) but no last.pt; {how}to start a new "
                         "run, set train.run_dir to a new directory")
     foreign = sorted(p.name for p in run_dir.iterdir()

@@ -109,7 +109,8 @@ def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Optional[Vocab], mi
         vocab = Vocab.load(run_dir / "spm.model")
     if d.source != "local" or Path(d.dir).exists() or vocab is None or problem(directory) is not None:
         raise missing
-    built = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))["fingerprint"]
+    store = Store(directory)
+    built = store.manifest["fingerprint"]
     limits = {"train": d.max_train_pairs, "valid": d.max_valid_pairs}
     names = {"train": d.train_split, "valid": d.valid_split}
     for split in SPLITS:
@@ -126,7 +127,7 @@ def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Optional[Vocab], mi
              f"finish {run_dir}` where the corpus is") if cfg.train.finish else ""
     log.warning("%s; using the prepared store %s, encoded from %s with this vocabulary and these data settings%s",
                 missing, directory, source, later)
-    return Store(directory)
+    return store
 
 
 def _differences(old: dict, new: dict) -> list[str]:
