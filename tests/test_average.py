@@ -84,3 +84,12 @@ def test_a_pytorch_file_that_is_no_checkpoint_is_not_overwritten(run, tmp_path, 
     status, _, err = call("average", run / "step_00000100.pt", run / "step_00000200.pt", "--output", target)
     assert status == 2 and f"refusing to overwrite {target}: it is a checkpoint" in err
     assert target.read_bytes() == before
+
+
+def test_the_same_checkpoint_named_twice_is_refused(run, tmp_path, call):
+    a, b = run / "step_00000100.pt", run / "step_00000200.pt"
+    (tmp_path / "link.pt").symlink_to(a)
+    for inputs in ((a, b, a), (a, tmp_path / "link.pt")):
+        status, _, err = call("average", *inputs, "--output", tmp_path / "avg.pt")
+        assert status == 2 and "named twice" in err and "counts once" in err, err
+        assert not (tmp_path / "avg.pt").exists()

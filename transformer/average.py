@@ -62,6 +62,17 @@ def _check_same_model(state: dict, path, first: dict, first_path) -> None:
         raise UserError(f"average: {path} and {first_path} hold differently shaped weights")
 
 
+def _check_distinct(paths: Sequence[Path]) -> None:
+    """The same file named twice (an overlapping glob, a symlink) would count double in the mean: refused."""
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        key = path.resolve()
+        if key in seen:
+            same = "twice" if seen[key] == path else f"twice ({seen[key]} and {path} are the same file)"
+            raise UserError(f"average: {path} is named {same}; each checkpoint counts once in the mean")
+        seen[key] = path
+
+
 def average(inputs: Sequence[str | Path], last: Optional[int], output: Optional[str | Path]) -> tuple[Path, list[Path]]:
     """The `average` command: RUN_DIR --last N (default output RUN_DIR/averaged.pt) or files --output FILE."""
     if last is not None:
@@ -75,6 +86,7 @@ def average(inputs: Sequence[str | Path], last: Optional[int], output: Optional[
         if output is None:
             raise UserError("average: give --output FILE when averaging checkpoint files")
         paths, target = [Path(p) for p in inputs], Path(output)
+        _check_distinct(paths)
     # Never over an input or a training checkpoint (an earlier average's output may be replaced).
     check_output_path(target, paths, command="average", may_replace_weights=True)
     save_checkpoint(average_checkpoints(paths), target)
