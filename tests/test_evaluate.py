@@ -154,3 +154,23 @@ def test_two_checkpoints_of_one_run_write_results_of_their_own(run, call):
         assert status == 0, err
     assert (run / "eval" / "best.test.beam1.lp0.6.json").is_file()
     assert (run / "eval" / "step_00000100.test.beam1.lp0.6.json").is_file()
+
+
+def test_other_sentences_under_the_same_file_name_do_not_overwrite_results(run, tmp_path, call):
+    """wmt14/newstest.de then wmt17/newstest.de: both results stay; the same file again replaces its own."""
+    for corpus, sentences in (("wmt14", SENTENCES), ("wmt17", SENTENCES[::-1])):
+        (tmp_path / corpus).mkdir()
+        (tmp_path / corpus / "newstest.de").write_text("\n".join(sentences) + "\n", encoding="utf-8")
+        (tmp_path / corpus / "newstest.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
+    evaluated = []
+    for corpus in ("wmt14", "wmt17", "wmt14"):
+        status, _, err = call("evaluate", run, "--src", tmp_path / corpus / "newstest.de",
+                              "--ref", tmp_path / corpus / "newstest.en", "--beam", "1")
+        assert status == 0, err
+        evaluated.append(err)
+    results = sorted((run / "eval").glob("newstest.de*.beam1.lp0.6.json"))
+    assert len(results) == 2, results
+    by_src = {json.loads(p.read_text())["src"]: p.name for p in results}
+    assert by_src[str(tmp_path / "wmt14" / "newstest.de")] == "newstest.de.beam1.lp0.6.json"
+    assert by_src[str(tmp_path / "wmt17" / "newstest.de")].startswith("newstest.de.")  # with the inputs' digest
+    assert "holds the scores of other sentences" in evaluated[1] and "other sentences" not in evaluated[2]

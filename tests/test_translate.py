@@ -388,3 +388,17 @@ def test_output_through_a_symlink_writes_the_target_and_keeps_the_link(run, tmp_
 def test_load_model_is_in_eval_mode(run):
     """Every caller also sets eval mode itself today; one that did not would translate with dropout on."""
     assert not load_model(run)[0].training
+
+
+def test_many_long_lines_warn_a_few_times_then_count(run, call, tmp_path):
+    long_line = " ".join(["hund katze"] * 60)
+    source = tmp_path / "long.de"
+    source.write_text("\n".join([long_line] * 8 + ["hund"]) + "\n", encoding="utf-8")
+    status, out, err = call("translate", run, "--input", source)
+    assert status == 0 and len(out.splitlines()) == 9
+    named = [line for line in err.splitlines() if line.startswith("warning: input line")]
+    assert [line.split()[3] for line in named] == ["1", "2", "3", "4", "5"], err
+    assert "counted at the end" in named[-1]
+    assert "warning: 8 of 9 input lines were longer than" in err
+    status, _, err = call("translate", run, long_line)  # one long line: its warning, no count
+    assert status == 0 and "input line 1 has" in err and "counted" not in err and "of 1 input" not in err

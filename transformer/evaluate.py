@@ -3,6 +3,7 @@ validation loss and BLEU that training logs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -93,6 +94,23 @@ def _check_writable(eval_dir: Path) -> None:
                         "or checkpoint in a directory you can write to") from None
 
 
+def _inputs_digest(sources: Sequence[str], references: Sequence[str]) -> str:
+    text = "\n".join(sources) + "\0" + "\n".join(references)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _results_of_other_inputs(json_path: Path, digest: str) -> Optional[str]:
+    """What an existing result file scored, when that was other sentences or references than `digest`'s."""
+    try:
+        record = json.loads(json_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    recorded = record.get("inputs_sha256") if isinstance(record, dict) else None
+    if recorded is None or recorded == digest:  # an older record without it is replaced, as it always was
+        return None
+    return str(record.get("src") or record.get("split"))
+
+
 def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], beam: Optional[int],
                  lenpen: Optional[float], max_tokens: Optional[int], device: str, dtype: str = "fp32",
                  stop: Optional[str] = None, engine: str = "ours", workers: Optional[int] = None) -> dict:
@@ -129,12 +147,21 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     eval_dir = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval"
     if not checkpoint.is_dir():
         name = f"{checkpoint.stem}.{name}"
-    # Settings in the name, so that evaluating with another beam does not overwrite the last result.
+    # Settings in the name, so that evaluating with another beam does not overwrite the last result; and other
+    # sentences under the same file name (wmt14/test.de, then wmt17/test.de) get a name of their own.
+    digest = _inputs_digest(sources, references)
+    other = _results_of_other_inputs(eval_dir / f"{name}.{translator.describe()}.json", digest)
+    if other is not None:
+        print(f"note: {eval_dir / name}.{translator.describe()}.json holds the scores of other sentences ({other}); "
+              f"these results get the name {name}.{digest[:8]}", file=sys.stderr)
+        name += f".{digest[:8]}"
     name += "." + translator.describe()
     _check_writable(eval_dir)  # before the translating, not after it
     start = time.perf_counter()
     hypotheses = translator.translate(sources)
     seconds = time.perf_counter() - start
+    if translator.truncation_summary():
+        print(translator.truncation_summary(), file=sys.stderr)
     scores = bleu_chrf(hypotheses, references)
     print(f"{scores['bleu_detail']}\n  signature: {scores['bleu_signature']}")
     print(f"{scores['chrf_detail']}\n  signature: {scores['chrf_signature']}", flush=True)
@@ -144,7 +171,7 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     record = {"checkpoint": str(run_dir), "split": split, "src": src, "ref": ref, "beam": translator.beam,
               "lenpen": translator.lenpen, "stop": translator.stop if translator.engine == "ours" else None,
               "dtype": translator.dtype, "engine": translator.engine, "seconds": round(seconds, 3),
-              "hypotheses": str(hyp_path), **scores}
+              "hypotheses": str(hyp_path), "inputs_sha256": digest, **scores}
     summary = json.dumps(record, indent=2) + "\n"
     atomic_write(json_path, lambda f: f.write(summary.encode("utf-8")))
     print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({translator.describe()}); "

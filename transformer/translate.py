@@ -26,6 +26,7 @@ from transformer.vocab import Vocab
 
 DTYPES = ("auto", "fp32", "bf16", "int8")
 ENGINES = ("ours", "ctranslate2")
+TRUNCATION_WARNINGS = 5  # lines named one by one before the rest are only counted
 CT2_COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
 
 
@@ -257,6 +258,7 @@ class Translator:
 
             self.model = input_major(self.model)
         self.lines_seen = 0  # numbers the lines in truncation warnings across streamed chunks
+        self.lines_truncated = 0
 
     def _load_ctranslate2(self, checkpoint):
         from transformer.export import cached_conversion, require_ctranslate2
@@ -280,10 +282,21 @@ class Translator:
         limit = source_limit(self.cfg.model.max_positions)
         for i, seq in enumerate(ids):
             if len(seq) > limit:
-                print(f"warning: input line {self.lines_seen + i + 1} has {len(seq)} subwords; truncated to the "
-                      f"first {limit} (model.max_positions - 2)", file=sys.stderr)
+                self.lines_truncated += 1
+                # A file of long lines would bury everything else on stderr: the first few, then a count at the end.
+                if self.lines_truncated <= TRUNCATION_WARNINGS:
+                    more = "; further ones are counted at the end" if self.lines_truncated == TRUNCATION_WARNINGS else ""
+                    print(f"warning: input line {self.lines_seen + i + 1} has {len(seq)} subwords; truncated to the "
+                          f"first {limit} (model.max_positions - 2){more}", file=sys.stderr)
         self.lines_seen += len(lines)
         return ids
+
+    def truncation_summary(self) -> Optional[str]:
+        """How many input lines were truncated in all, once more than the warned-about few were."""
+        if self.lines_truncated <= TRUNCATION_WARNINGS:
+            return None
+        return (f"warning: {self.lines_truncated} of {self.lines_seen} input lines were longer than "
+                f"{source_limit(self.cfg.model.max_positions)} subwords and were truncated")
 
     def search(self, src_ids: Sequence[Sequence[int]], nbest: int = 1) -> list[list[Hypothesis]]:
         """Per source (subword ids), its n-best hypotheses, through this translator's engine."""
