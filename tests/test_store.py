@@ -352,3 +352,19 @@ def test_a_complete_store_is_used_without_the_raw_corpus(tmp_path, corpus, caplo
     (run_dir / "store" / "manifest.json").unlink()
     with pytest.raises(UserError, match="no such file"):
         prepare(cfg, run_dir, quiet=True)
+
+
+def test_encoding_logs_how_far_it_is_when_no_progress_bar_shows(tmp_path, corpus, monkeypatch, caplog):
+    """stderr is not a terminal here (as in a batch job's log), so tqdm shows no bar: log lines say how far it is."""
+    monkeypatch.setattr(corpus_module, "CHUNK_LINES", 100)
+    monkeypatch.setattr(store_module, "PROGRESS_LOG_SECONDS", 0.0)
+    caplog.set_level(logging.INFO, logger="transformer")
+    cfg = config(tmp_path, corpus)
+    prepare(cfg, Path(cfg.train.run_dir))
+    lines = [r.getMessage() for r in caplog.records if "pairs encoded" in r.getMessage()]
+    n = len(read_lines(corpus / "train.de"))
+    assert 200 < n < 400 and len(read_lines(corpus / "valid.de")) < 100
+    assert lines == [f"store: train: {k} of {n} pairs encoded ({100 * k / n:.0f}%)" for k in (100, 200, 300)]
+    caplog.clear()
+    prepare(cfg, Path(cfg.train.run_dir), quiet=True)  # quiet: nothing
+    assert not [r for r in caplog.records if "pairs encoded" in r.getMessage()]

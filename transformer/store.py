@@ -41,6 +41,7 @@ log = logging.getLogger("transformer")
 FORMAT = "transformer-store-v1"
 SPLITS = ("train", "valid")
 SIDES = ("src", "tgt")
+PROGRESS_LOG_SECONDS = 30.0  # how often encoding logs how far it is when no progress bar shows it
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ def _encode_split(vocab: Vocab, raw: RawSplit, split: str, max_len: int, directo
     totals = {"src": 0, "tgt": 0}
     counts = {"read": 0, "pairs": 0, "dropped_long": 0, "dropped_blank": 0}
     references: list[str] = []
-    start = time.perf_counter()
+    start = logged = time.perf_counter()
     with contextlib.ExitStack() as files:
         writers = {f"{side}.{kind}": files.enter_context(_Appender(directory / f"{split}.{side}.{kind}", t))
                    for side in SIDES for kind, t in (("bin", dtype), ("idx", np.dtype(np.int64)))}
@@ -295,6 +296,11 @@ def _encode_split(vocab: Vocab, raw: RawSplit, split: str, max_len: int, directo
             counts["dropped_blank"] += int(blank.sum())
             counts["dropped_long"] += int(long.sum())
             bar.update(len(src_lines))
+            if (bar.disable and not quiet and counts["read"] < raw.n_pairs
+                    and time.perf_counter() - logged >= PROGRESS_LOG_SECONDS):
+                logged = time.perf_counter()  # no bar where stderr is a log file (nohup, a batch job): a line now and then
+                log.info("store: %s: %d of %d pairs encoded (%.0f%%)", split, counts["read"], raw.n_pairs,
+                         100 * counts["read"] / max(raw.n_pairs, 1))
     if keep_references:
         text = json.dumps(references, ensure_ascii=False)
         atomic_write(directory / f"{split}.refs.json", lambda f: f.write(text.encode("utf-8")))
