@@ -66,6 +66,11 @@ def test_results_that_cannot_be_written_fail_before_translating(run, tmp_path, c
     assert err.splitlines()[-1] == (f"error: evaluate: cannot write the results to {tmp_path / 'eval'} (it is a file, "
                                     "not a directory); evaluate a copy of the run or checkpoint in a directory you "
                                     "can write to")
+    (tmp_path / "eval").unlink()
+    (tmp_path / "eval").symlink_to(tmp_path / "gone")  # e.g. results kept on a disk that is not mounted
+    status, _, err = call("evaluate", tmp_path / "model.pt", "--src", tmp_path / "a.de", "--ref", tmp_path / "a.en")
+    assert status == 2 and translated == []
+    assert f"(it is a link to {tmp_path / 'gone'}, which does not exist)" in err.splitlines()[-1]
 
 
 def test_scores_are_printed_before_the_files_are_written(run, tmp_path, call, monkeypatch):

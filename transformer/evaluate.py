@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -89,7 +90,10 @@ def _check_writable(eval_dir: Path) -> None:
         eval_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=eval_dir).close()
     except OSError as e:
-        reason = "it is a file, not a directory" if isinstance(e, FileExistsError) else e.strerror or str(e)
+        reason = e.strerror or str(e)
+        if isinstance(e, FileExistsError):
+            reason = (f"it is a link to {os.readlink(eval_dir)}, which does not exist" if eval_dir.is_symlink()
+                      else "it is a file, not a directory")
         raise UserError(f"evaluate: cannot write the results to {eval_dir} ({reason}); evaluate a copy of the run "
                         "or checkpoint in a directory you can write to") from None
 
