@@ -194,6 +194,19 @@ def test_the_summarys_best_step_is_the_best_validation(tmp_path, valid_bleu, row
     assert record["best_valid_loss"] == 2.0 and record["tokens_per_s"] == 100
 
 
+def test_the_summary_reads_a_resumed_runs_later_validation_and_nothing_past_last_pt(tmp_path):
+    """A kill between metrics.jsonl and last.pt: the step is validated again on resume (the later line wins);
+    never resumed, its line names no checkpoint."""
+    from transformer.finish import _training_record
+
+    lines = [(100, 3.0), (200, 1.0), (100, 2.5), (200, 2.0), (300, 2.2), (400, 0.5)]  # killed after 200, resumed
+    rows = [{"step": s, "split": "valid", "loss": loss, "elapsed": float(i)} for i, (s, loss) in enumerate(lines)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    cfg = from_dict(tiny_config(tmp_path, train={"valid_bleu": False}))
+    record = _training_record(tmp_path, cfg, {"step": 300, "data": {"epoch": 1}, "elapsed": 60.0, "tokens": 6000})
+    assert (record["best_step"], record["best_valid_loss"], record["seconds_to_best"]) == (200, 2.0, 3.0)
+
+
 def test_metrics_rows_without_a_numeric_step_are_skipped(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"split": "valid", "loss": 1}\n{"step": "x"}\n[1, 2]\n{"step": 5, "loss": 2}\n', encoding="utf-8")

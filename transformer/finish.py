@@ -78,7 +78,10 @@ def _search_settings(score, model, cfg: Config, at_config: dict) -> tuple[int, f
 
 def _training_record(run_dir: Path, cfg: Config, run: dict) -> dict:
     """Wall time, updates, epochs, throughput and the best validation from metrics.jsonl and last.pt's run state."""
-    valid = [r for r in read_metrics(run_dir) if r.get("split") == "valid"]
+    # A killed run's validations past its last.pt were done again on resume: the later line of a step wins, and a
+    # line past last.pt (a kill between writing metrics.jsonl and last.pt, never resumed) is no checkpoint's.
+    valid = list({r["step"]: r for r in read_metrics(run_dir)
+                  if r.get("split") == "valid" and r["step"] <= run["step"]}.values())
     by = "bleu" if cfg.train.valid_bleu and all("bleu" in r for r in valid) else "loss"
     best = (max if by == "bleu" else min)(valid, key=lambda r: r[by]) if valid else {}
     elapsed = run.get("elapsed", 0.0)
