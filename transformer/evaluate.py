@@ -98,21 +98,20 @@ def _check_writable(eval_dir: Path) -> None:
                         "or checkpoint in a directory you can write to") from None
 
 
-def _inputs_digest(sources: Sequence[str], references: Sequence[str]) -> str:
-    text = "\n".join(sources) + "\0" + "\n".join(references)
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _results_of_other_inputs(json_path: Path, digest: str) -> Optional[str]:
-    """What an existing result file scored, when that was other sentences or references than `digest`'s."""
+def _results_name(eval_dir: Path, name: str, settings: str, digest: str) -> str:
+    """`name.settings`, so that evaluating with another beam does not overwrite the last result; other sentences
+    or references under a name already scored (wmt14/test.de, then wmt17/test.de) get `name.DIGEST.settings`."""
     try:
-        record = json.loads(json_path.read_text(encoding="utf-8"))
+        record = json.loads((eval_dir / f"{name}.{settings}.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
+        record = None
     recorded = record.get("inputs_sha256") if isinstance(record, dict) else None
     if recorded is None or recorded == digest:  # an older record without it is replaced, as it always was
-        return None
-    return str(record.get("src") or record.get("split"))
+        return f"{name}.{settings}"
+    print(f"note: {eval_dir / name}.{settings}.json holds the scores of other sentences "
+          f"({record.get('src') or record.get('split')}); these results get the name {name}.{digest[:8]}",
+          file=sys.stderr)
+    return f"{name}.{digest[:8]}.{settings}"
 
 
 def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], beam: Optional[int],
@@ -151,15 +150,9 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     eval_dir = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval"
     if not checkpoint.is_dir():
         name = f"{checkpoint.stem}.{name}"
-    # Settings in the name, so that evaluating with another beam does not overwrite the last result; and other
-    # sentences under the same file name (wmt14/test.de, then wmt17/test.de) get a name of their own.
-    digest = _inputs_digest(sources, references)
-    other = _results_of_other_inputs(eval_dir / f"{name}.{translator.describe()}.json", digest)
-    if other is not None:
-        print(f"note: {eval_dir / name}.{translator.describe()}.json holds the scores of other sentences ({other}); "
-              f"these results get the name {name}.{digest[:8]}", file=sys.stderr)
-        name += f".{digest[:8]}"
-    name += "." + translator.describe()
+    text = "\n".join(sources) + "\0" + "\n".join(references)
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    name = _results_name(eval_dir, name, translator.describe(), digest)
     _check_writable(eval_dir)  # before the translating, not after it
     start = time.perf_counter()
     hypotheses = translator.translate(sources)
