@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -68,6 +69,24 @@ def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path,
     assert "summary: test BLEU" in err and "summary: use" in err and "final.pt" in err
     # The test translations are where the summary says.
     assert len((run_dir / "eval" / "test.final.hyp").read_text().splitlines()) == 12
+    # Resumed with nothing left to train (a job script that always passes --resume), from the config it started
+    # with: the end of training is not done again, and config.yaml keeps the settings it chose.
+    written = {name: (run_dir / name).stat().st_mtime_ns for name in ("final.pt", "summary.json", "averaged.pt")}
+    train(from_dict(raw), resume=True, quiet=True)
+    assert {name: (run_dir / name).stat().st_mtime_ns for name in written} == written
+    assert load_config(run_dir / "config.yaml").decode.lenpen == summary["decode"]["lenpen"]
+    assert "nothing left to train; keeping final.pt and summary.json" in capsys.readouterr().err
+
+
+def test_the_end_of_training_counts_as_done_only_with_a_summary_written_after_final_pt(tmp_path):
+    from transformer.finish import finished_search
+
+    (tmp_path / "final.pt").write_bytes(b"weights")
+    assert finished_search(tmp_path) is None  # killed before the summary
+    (tmp_path / "summary.json").write_text(json.dumps({"decode": {"beam": 6, "lenpen": 1.2}}), encoding="utf-8")
+    assert finished_search(tmp_path) == {"beam": 6, "lenpen": 1.2}
+    os.utime(tmp_path / "summary.json", ns=(0, 0))  # an older run's summary, then a final.pt it does not describe
+    assert finished_search(tmp_path) is None
 
 
 def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):

@@ -94,6 +94,19 @@ def _training_record(run_dir: Path, cfg: Config, run: dict) -> dict:
     }
 
 
+def finished_search(run_dir: Path) -> Optional[dict]:
+    """The search settings the end of training chose ({"beam", "lenpen"}), when it completed: final.pt and a
+    summary.json written after it. A kill between the two leaves final.pt alone, and the end is done again."""
+    final, summary = run_dir / FINAL, run_dir / "summary.json"
+    try:
+        if summary.stat().st_mtime_ns < final.stat().st_mtime_ns:
+            return None
+        decode = json.loads(summary.read_text(encoding="utf-8"))["decode"]
+        return {"beam": int(decode["beam"]), "lenpen": float(decode["lenpen"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def finish(run_dir: str | Path, device: torch.device) -> dict:
     """Choose and score the run's final model; write final.pt (weights + tuned decode settings) and summary.json."""
     started = time.perf_counter()
