@@ -368,3 +368,11 @@ def test_encoding_logs_how_far_it_is_when_no_progress_bar_shows(tmp_path, corpus
     caplog.clear()
     prepare(cfg, Path(cfg.train.run_dir), quiet=True)  # quiet: nothing
     assert not [r for r in caplog.records if "pairs encoded" in r.getMessage()]
+
+
+@pytest.mark.parametrize("spm_max_sentences, said", [(0, "on the 606 training"), (200, "on a sample of 200 of the 606")])
+def test_the_vocabulary_log_says_whether_it_trains_on_a_sample(tmp_path, corpus, caplog, spm_max_sentences, said):
+    caplog.set_level(logging.INFO, logger="transformer")
+    cfg = config(tmp_path, corpus, spm_max_sentences=spm_max_sentences)
+    prepare(cfg, Path(cfg.train.run_dir), quiet=True)
+    assert said in caplog.text

@@ -44,10 +44,10 @@ def _add_train(sub) -> None:
         description="Train a model from a YAML config. The run directory (train.run_dir) receives the "
                     "effective config, the SentencePiece model, the prepared store, metrics.jsonl, train.log, "
                     "last.pt and best.pt; it is locked (train.lock) while a training process owns it. When "
-                    "training ends (unless train.finish is false) the last checkpoints are averaged, the "
-                    "checkpoint and the length penalty are chosen on the validation set, the test split is "
-                    "translated and scored, and a summary is printed and written to summary.json; final.pt is "
-                    "then what `translate RUN_DIR` uses.",
+                    "training ends (unless train.finish is false) the last checkpoints are averaged (with "
+                    "train.keep_last >= 2), the checkpoint and the length penalty are chosen on the validation "
+                    "set, the test split is translated and scored, and a summary is printed and written to "
+                    "summary.json; final.pt is then what `translate RUN_DIR` uses.",
         epilog="To continue a stopped run: `transformer train CONFIG --resume` (the config file again, with the "
                "same --set overrides) or `transformer train --resume RUN_DIR` (the run's own config.yaml, which "
                "holds the overrides it was started with; --set on top applies like a changed config).",

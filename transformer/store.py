@@ -360,7 +360,8 @@ def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
         return Vocab.load(path).check_reuse(path, cfg.data.vocab_size)
     d = cfg.data
     sentences = 2 * train.n_pairs
-    sample = f"a sample of {d.spm_max_sentences} of the" if sentences > d.spm_max_sentences else "the"
+    sampled = 0 < d.spm_max_sentences < sentences  # 0: all of them
+    sample = f"a sample of {d.spm_max_sentences} of the" if sampled else "the"
     log.info("vocab: training a joint %s SentencePiece model of %d pieces on %s %d training sentences",
              d.spm_model_type, d.vocab_size, sample, sentences)
     start = time.perf_counter()
