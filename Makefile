@@ -34,8 +34,10 @@ data/multi30k/train.de:
 		$(PY) scripts/fetch_multi30k.py data/multi30k; \
 	fi
 
+# --resume: run again after Ctrl-C, a crash or a reboot, `make train` continues the run where its last
+# checkpoint left it (a new run directory simply starts); a finished run returns in seconds.
 train: install data
-	$(PY) -m transformer train $(CONFIG) $(ARGS)
+	$(PY) -m transformer train $(CONFIG) --resume $(ARGS)
 
 test: install
 	TRANSFORMER_DATA="$(abspath $(DATA_MIRROR))" $(PY) -m pytest -q tests
