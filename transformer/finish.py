@@ -19,6 +19,7 @@ from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.corpus import load_split, resolve_split
 from transformer.errors import UserError
 from transformer.evaluate import length_ratio, translate_and_score
+from transformer.resume import stop_at_once
 from transformer.runlog import read_metrics
 from transformer.store import Store
 
@@ -105,6 +106,22 @@ def finished_search(run_dir: Path) -> Optional[dict]:
         return {"beam": int(decode["beam"]), "lenpen": float(decode["lenpen"])}
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def end_of_training(run_dir: Path, cfg: Config, device: torch.device) -> None:
+    """What `train` does once its updates are done: finish(), unless this process trained nothing and the end of
+    training completed before (final.pt is gone once a run trains on): a job script that always passes --resume
+    must not redo its minutes."""
+    chosen = finished_search(run_dir)
+    if chosen is None:
+        with stop_at_once(lambda name: f"{name}: stopped while choosing the final model; the checkpoints are "
+                          f"complete, and `transformer finish {run_dir}` does this part again"):
+            finish(run_dir, device)
+        return
+    if (cfg.decode.beam, cfg.decode.lenpen) != (chosen["beam"], chosen["lenpen"]):  # resumed from the CONFIG file
+        save_config(replace(cfg, decode=replace(cfg.decode, **chosen)), run_dir / "config.yaml")
+    log.info("finish: nothing left to train; keeping final.pt and summary.json from the end of this training "
+             "(`transformer finish %s` does it again)", run_dir)
 
 
 def finish(run_dir: str | Path, device: torch.device) -> dict:

@@ -8,7 +8,7 @@ import logging
 import random
 import resource
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -430,17 +430,6 @@ def end(run: Run) -> None:
     log.info("done: %d steps; checkpoints in %s; peak memory %s MiB", run.state.step, run.run_dir,
              " / ".join(f"{p:.0f}" for p in peak))
     if run.cfg.train.finish and run.info.is_main:
-        from transformer.finish import finish, finished_search
+        from transformer.finish import end_of_training
 
-        # final.pt is still here only when this process trained nothing (update_loop removes it before training
-        # on): a job script that always passes --resume must not redo the minutes the end of training takes.
-        chosen = finished_search(run.run_dir)
-        if chosen is not None:
-            if (run.cfg.decode.beam, run.cfg.decode.lenpen) != (chosen["beam"], chosen["lenpen"]):  # resumed from CONFIG
-                save_config(replace(run.cfg, decode=replace(run.cfg.decode, **chosen)), run.run_dir / "config.yaml")
-            log.info("finish: nothing left to train; keeping final.pt and summary.json from the end of this training "
-                     "(`transformer finish %s` does it again)", run.run_dir)
-        else:
-            with stop_at_once(lambda name: f"{name}: stopped while choosing the final model; the checkpoints are "
-                              f"complete, and `transformer finish {run.run_dir}` does this part again"):
-                finish(run.run_dir, run.device)
+        end_of_training(run.run_dir, run.cfg, run.device)
