@@ -219,7 +219,7 @@ CASES = [
     Case("seed past int64", _train("train.seed=18446744073709551616"),
          "config: train.seed is out of range: 18446744073709551616 (at most 2^63 - 1 in size)"),
     Case("spm_max_sentences negative", _train("data.spm_max_sentences=-1"),
-         "config: data.spm_max_sentences must be 0 (every sentence) or above 100, got -1"),
+         "config: data.spm_max_sentences must not be negative (0 = every sentence)"),
     Case("vocab_size past int32", _train("data.vocab_size=2147483648"),
          "config: data.vocab_size must be in [8, 2147483647] (SentencePiece's range)"),
     Case("d_model in the trillions", _train("model.d_model=1000000000000", "model.n_heads=1",

@@ -132,8 +132,6 @@ def test_types_are_converted(tmp_path):
     ({"data": {"src_lang": "en", "tgt_lang": "en"}}, "src_lang"),
     ({"data": {"max_len": 300}, "model": {"max_positions": 256}}, "max_positions"),
     ({"data": {"max_tokens": 10}}, "max_tokens"),
-    ({"data": {"spm_max_sentences": 100}}, "spm_max_sentences must be 0 (every sentence) or above 100"),
-    ({"data": {"spm_max_sentences": 0}}, None),
     ({"decode": {"beam": 0}}, "beam"),
     ({"decode": {"workers": 0}}, "decode.workers"),
 ])

@@ -69,24 +69,30 @@ def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path,
     assert "summary: test BLEU" in err and "summary: use" in err and "final.pt" in err
     # The test translations are where the summary says.
     assert len((run_dir / "eval" / "test.final.hyp").read_text().splitlines()) == 12
-    # Resumed with nothing left to train (a job script that always passes --resume), from the config it started
-    # with: the end of training is not done again, and config.yaml keeps the settings it chose.
+    # Resumed with nothing left to train (a job script that always passes --resume), with settings of its own: the
+    # end of training is not done again, its summary is shown again, and config.yaml stays the run's, as it chose.
     written = {name: (run_dir / name).stat().st_mtime_ns for name in ("final.pt", "summary.json", "averaged.pt")}
-    train(from_dict(raw), resume=True, quiet=True)
+    other = {**raw, "decode": {**raw["decode"], "beam": 5, "lenpen": 0.9}, "train": {**raw["train"], "lr": 0.5}}
+    train(from_dict(other), resume=True, quiet=True)
     assert {name: (run_dir / name).stat().st_mtime_ns for name in written} == written
-    assert load_config(run_dir / "config.yaml").decode.lenpen == summary["decode"]["lenpen"]
-    assert "nothing left to train; keeping final.pt and summary.json" in capsys.readouterr().err
+    saved = load_config(run_dir / "config.yaml")
+    assert (saved.decode.beam, saved.decode.lenpen) == (summary["decode"]["beam"], summary["decode"]["lenpen"])
+    assert saved.train.lr == raw["train"]["lr"]  # nothing trained with the resume's 0.5
+    err = capsys.readouterr().err
+    assert "nothing left to train; keeping final.pt and summary.json" in err and "summary: test BLEU" in err
 
 
-def test_the_end_of_training_counts_as_done_only_with_a_summary_written_after_final_pt(tmp_path):
-    from transformer.finish import finished_search
+def test_the_end_of_training_counts_as_done_only_with_a_summary_of_its_step_written_after_final_pt(tmp_path):
+    from transformer.finish import finished_summary
 
     (tmp_path / "final.pt").write_bytes(b"weights")
-    assert finished_search(tmp_path) is None  # killed before the summary
-    (tmp_path / "summary.json").write_text(json.dumps({"decode": {"beam": 6, "lenpen": 1.2}}), encoding="utf-8")
-    assert finished_search(tmp_path) == {"beam": 6, "lenpen": 1.2}
+    assert finished_summary(tmp_path, 60) is None  # killed before the summary
+    record = {"updates": 60, "decode": {"beam": 6, "lenpen": 1.2}}
+    (tmp_path / "summary.json").write_text(json.dumps(record), encoding="utf-8")
+    assert finished_summary(tmp_path, 60) == record
+    assert finished_summary(tmp_path, 80) is None  # another step's summary (e.g. copied without their times)
     os.utime(tmp_path / "summary.json", ns=(0, 0))  # an older run's summary, then a final.pt it does not describe
-    assert finished_search(tmp_path) is None
+    assert finished_summary(tmp_path, 60) is None
 
 
 def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):
@@ -208,22 +214,26 @@ def test_the_summarys_best_step_is_the_best_validation(tmp_path, valid_bleu, row
     lines += [{"split": "valid", "loss": 0.1}, {"step": "x", "split": "valid", "loss": 0.1}]  # no numeric step
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
     cfg = from_dict(tiny_config(tmp_path, train={"valid_bleu": valid_bleu}))
-    record = _training_record(tmp_path, cfg, {"step": 300, "data": {"epoch": 1}, "elapsed": 60.0, "tokens": 6000})
+    record = _training_record(tmp_path, cfg, {"step": 300, "data": {"epoch": 1}, "elapsed": 60.0, "tokens": 6000}, 0)
     assert (record["best_step"], record["seconds_to_best"]) == (best_step, float(best_step))
     assert record["best_valid_loss"] == 2.0 and record["tokens_per_s"] == 100
 
 
 def test_the_summary_reads_a_resumed_runs_later_validation_and_nothing_past_last_pt(tmp_path):
     """A kill between metrics.jsonl and last.pt: the step is validated again on resume (the later line wins);
-    never resumed, its line names no checkpoint."""
+    never resumed, its line names no checkpoint, unless best.pt was written before the kill."""
     from transformer.finish import _training_record
 
     lines = [(100, 3.0), (200, 1.0), (100, 2.5), (200, 2.0), (300, 2.2), (400, 0.5)]  # killed after 200, resumed
     rows = [{"step": s, "split": "valid", "loss": loss, "elapsed": float(i)} for i, (s, loss) in enumerate(lines)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     cfg = from_dict(tiny_config(tmp_path, train={"valid_bleu": False}))
-    record = _training_record(tmp_path, cfg, {"step": 300, "data": {"epoch": 1}, "elapsed": 60.0, "tokens": 6000})
+    last = {"step": 300, "data": {"epoch": 1}, "elapsed": 60.0, "tokens": 6000}
+    record = _training_record(tmp_path, cfg, last, 200)
     assert (record["best_step"], record["best_valid_loss"], record["seconds_to_best"]) == (200, 2.0, 3.0)
+    # Killed between best.pt and last.pt at step 400, then `transformer finish`: best.pt holds that validation.
+    record = _training_record(tmp_path, cfg, last, 400)
+    assert (record["best_step"], record["best_valid_loss"]) == (400, 0.5)
 
 
 def test_metrics_rows_without_a_numeric_step_are_skipped(tmp_path):

@@ -376,3 +376,12 @@ def test_the_vocabulary_log_says_whether_it_trains_on_a_sample(tmp_path, corpus,
     cfg = config(tmp_path, corpus, spm_max_sentences=spm_max_sentences)
     prepare(cfg, Path(cfg.train.run_dir), quiet=True)
     assert said in caplog.text
+
+
+def test_a_sample_sentencepiece_refuses_is_a_clear_error_only_where_a_vocabulary_is_trained(tmp_path, corpus):
+    cfg = config(tmp_path, corpus, spm_max_sentences=100)  # SentencePiece: INTERNAL error in trainer_interface.cc
+    with pytest.raises(UserError, match=r"spm_max_sentences must be 0 \(every sentence\) or above 100 .*got 100"):
+        prepare(cfg, Path(cfg.train.run_dir), quiet=True)
+    reused = config(tmp_path, corpus)
+    prepare(reused, Path(reused.train.run_dir), quiet=True)
+    prepare(cfg, Path(cfg.train.run_dir), quiet=True)  # the vocabulary is reused: the setting plays no part

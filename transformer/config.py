@@ -204,8 +204,7 @@ def validate(cfg: Config) -> None:
         (m.d_ff >= 1, "model.d_ff must be positive"),
         (m.max_positions >= 2, "model.max_positions must be at least 2"),
         (8 <= d.vocab_size < SPM_INT32, f"data.vocab_size must be in [8, {SPM_INT32 - 1}] (SentencePiece's range)"),
-        (d.spm_max_sentences == 0 or d.spm_max_sentences > 100,  # SentencePiece refuses a smaller sample
-         f"data.spm_max_sentences must be 0 (every sentence) or above 100, got {d.spm_max_sentences}"),
+        (d.spm_max_sentences >= 0, "data.spm_max_sentences must not be negative (0 = every sentence)"),
         (d.max_len >= 1, "data.max_len must be positive"),
         (d.max_len + 2 <= m.max_positions,
          f"data.max_len ({d.max_len}) + 2 special tokens exceeds model.max_positions ({m.max_positions})"),

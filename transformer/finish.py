@@ -77,12 +77,13 @@ def _search_settings(score, model, cfg: Config, at_config: dict) -> tuple[int, f
     return chosen[0], chosen[1], {f"beam{b}_lp{a:g}": round(s["bleu"], 2) for (b, a), s in sorted(tried.items())}
 
 
-def _training_record(run_dir: Path, cfg: Config, run: dict) -> dict:
+def _training_record(run_dir: Path, cfg: Config, run: dict, best_step: int) -> dict:
     """Wall time, updates, epochs, throughput and the best validation from metrics.jsonl and last.pt's run state."""
-    # A killed run's validations past its last.pt were done again on resume: the later line of a step wins, and a
-    # line past last.pt (a kill between writing metrics.jsonl and last.pt, never resumed) is no checkpoint's.
+    # A killed run's validations past its last.pt were done again on resume: the later line of a step wins. A line
+    # past both last.pt and best.pt (a kill between metrics.jsonl and the checkpoints, never resumed) is no model's.
+    newest = max(run["step"], best_step)
     valid = list({r["step"]: r for r in read_metrics(run_dir)
-                  if r.get("split") == "valid" and r["step"] <= run["step"]}.values())
+                  if r.get("split") == "valid" and r["step"] <= newest}.values())
     by = "bleu" if cfg.train.valid_bleu and all("bleu" in r for r in valid) else "loss"
     best = (max if by == "bleu" else min)(valid, key=lambda r: r[by]) if valid else {}
     elapsed = run.get("elapsed", 0.0)
@@ -95,33 +96,36 @@ def _training_record(run_dir: Path, cfg: Config, run: dict) -> dict:
     }
 
 
-def finished_search(run_dir: Path) -> Optional[dict]:
-    """The search settings the end of training chose ({"beam", "lenpen"}), when it completed: final.pt and a
-    summary.json written after it. A kill between the two leaves final.pt alone, and the end is done again."""
+def finished_summary(run_dir: Path, step: int) -> Optional[dict]:
+    """summary.json, when the end of training completed at `step`: final.pt and a summary.json of that step
+    written after it. A kill between the two leaves final.pt alone, and the end is done again."""
     final, summary = run_dir / FINAL, run_dir / "summary.json"
     try:
         if summary.stat().st_mtime_ns < final.stat().st_mtime_ns:
             return None
-        decode = json.loads(summary.read_text(encoding="utf-8"))["decode"]
-        return {"beam": int(decode["beam"]), "lenpen": float(decode["lenpen"])}
+        record = json.loads(summary.read_text(encoding="utf-8"))
+        record["decode"] = {"beam": int(record["decode"]["beam"]), "lenpen": float(record["decode"]["lenpen"])}
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    return record if record.get("updates") == step else None
 
 
-def end_of_training(run_dir: Path, cfg: Config, device: torch.device) -> None:
+def end_of_training(run_dir: Path, step: int, device: torch.device) -> None:
     """What `train` does once its updates are done: finish(), unless this process trained nothing and the end of
     training completed before (final.pt is gone once a run trains on): a job script that always passes --resume
     must not redo its minutes."""
-    chosen = finished_search(run_dir)
-    if chosen is None:
+    summary = finished_summary(run_dir, step)
+    if summary is None:
         with stop_at_once(lambda name: f"{name}: stopped while choosing the final model; the checkpoints are "
                           f"complete, and `transformer finish {run_dir}` does this part again"):
             finish(run_dir, device)
         return
-    if (cfg.decode.beam, cfg.decode.lenpen) != (chosen["beam"], chosen["lenpen"]):  # resumed from the CONFIG file
-        save_config(replace(cfg, decode=replace(cfg.decode, **chosen)), run_dir / "config.yaml")
+    # The resume wrote its own settings to config.yaml; nothing trained with them: the run's, as finish() wrote them.
+    trained = from_dict(load_checkpoint(run_dir / "last.pt")["config"])
+    save_config(replace(trained, decode=replace(trained.decode, **summary["decode"])), run_dir / "config.yaml")
     log.info("finish: nothing left to train; keeping final.pt and summary.json from the end of this training "
              "(`transformer finish %s` does it again)", run_dir)
+    _log_summary(summary)
 
 
 def finish(run_dir: str | Path, device: torch.device) -> dict:
@@ -161,7 +165,7 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
                "decode": {"beam": beam, "lenpen": lenpen}, "valid_grid_bleu": grid,
                "valid": {n: {"bleu": round(s["bleu"], 2), "length_ratio": round(length_ratio(s), 3)}
                          for n, s in valid_scores.items()},
-               **_training_record(run_dir, cfg, last["run"])}
+               **_training_record(run_dir, cfg, last["run"], candidates["best.pt"].get("run", {}).get("step", 0))}
     test = _score_test(cfg, vocab, model, beam, lenpen, device, run_dir)
     if test is not None:
         summary["test"] = test

@@ -359,6 +359,9 @@ def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
         log.info("vocab: reusing %s", path)
         return Vocab.load(path).check_reuse(path, cfg.data.vocab_size)
     d = cfg.data
+    if 0 < d.spm_max_sentences <= 100:  # checked here, not in the config: a run that reuses its vocabulary may keep it
+        raise UserError(f"data.spm_max_sentences must be 0 (every sentence) or above 100 (SentencePiece's smallest "
+                        f"sample) to train a vocabulary, got {d.spm_max_sentences}")
     sentences = 2 * train.n_pairs
     sampled = 0 < d.spm_max_sentences < sentences  # 0: all of them
     sample = f"a sample of {d.spm_max_sentences} of the" if sampled else "the"

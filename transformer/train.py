@@ -154,9 +154,11 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
     setup_logging(run_dir, info)
     if lock is not None and lock.took_over:
         log.warning(lock.took_over)
-    if from_scratch:
-        log.warning("resume: %s", f"{run_dir} did not exist; starting a new run there from step 0" if new_dir else
-                    f"no checkpoint at {last_path} yet (the run stopped before its first save); starting from step 0")
+    if from_scratch and new_dir:  # the first start of a job that always passes --resume (as `make train` does)
+        log.info("resume: %s did not exist; starting a new run there from step 0", run_dir)
+    elif from_scratch:
+        log.warning("resume: no checkpoint at %s yet (the run stopped before its first save); starting from step 0",
+                    last_path)
     if resume and source not in (None, last_path):
         log.warning("resume: %s is missing; continuing from %s, the newest checkpoint with training state",
                     last_path, source.name)
@@ -432,4 +434,4 @@ def end(run: Run) -> None:
     if run.cfg.train.finish and run.info.is_main:
         from transformer.finish import end_of_training
 
-        end_of_training(run.run_dir, run.cfg, run.device)
+        end_of_training(run.run_dir, run.state.step, run.device)
