@@ -1,5 +1,7 @@
 """Checkpoint averaging: the mean of the weights, a checkpoint translate loads, RUN_DIR --last N."""
 
+import os
+
 import pytest
 import torch
 
@@ -93,3 +95,16 @@ def test_the_same_checkpoint_named_twice_is_refused(run, tmp_path, call):
         status, _, err = call("average", *inputs, "--output", tmp_path / "avg.pt")
         assert status == 2 and "named twice" in err and "counts once" in err, err
         assert not (tmp_path / "avg.pt").exists()
+
+
+def test_a_hard_link_or_a_copy_of_the_same_weights_is_refused(run, tmp_path, call):
+    a, b = run / "step_00000100.pt", run / "step_00000200.pt"
+    os.link(a, tmp_path / "hard.pt")
+    state = load_checkpoint(a)
+    state["run"] = {"step": 100, "note": "a copy saved elsewhere"}  # other bytes, the same weights
+    save_checkpoint(state, tmp_path / "copy.pt")
+    status, _, err = call("average", a, b, tmp_path / "hard.pt", "--output", tmp_path / "avg.pt")
+    assert status == 2 and "are the same file" in err, err
+    status, _, err = call("average", a, b, tmp_path / "copy.pt", "--output", tmp_path / "avg.pt")
+    assert status == 2 and f"{a} and {tmp_path / 'copy.pt'} hold the same weights" in err, err
+    assert not (tmp_path / "avg.pt").exists()

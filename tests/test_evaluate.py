@@ -71,6 +71,10 @@ def test_results_that_cannot_be_written_fail_before_translating(run, tmp_path, c
     status, _, err = call("evaluate", tmp_path / "model.pt", "--src", tmp_path / "a.de", "--ref", tmp_path / "a.en")
     assert status == 2 and translated == []
     assert f"(it is a link to {tmp_path / 'gone'}, which does not exist)" in err.splitlines()[-1]
+    (tmp_path / "eval").unlink()
+    (tmp_path / "eval").symlink_to("a.de")  # relative to the link's directory; a file that exists
+    status, _, err = call("evaluate", tmp_path / "model.pt", "--src", tmp_path / "a.de", "--ref", tmp_path / "a.en")
+    assert status == 2 and "(it is a file, not a directory)" in err.splitlines()[-1]
 
 
 def test_scores_are_printed_before_the_files_are_written(run, tmp_path, call, monkeypatch):
@@ -179,3 +183,9 @@ def test_other_sentences_under_the_same_file_name_do_not_overwrite_results(run, 
     assert by_src[str(tmp_path / "wmt14" / "newstest.de")] == "newstest.de.beam1.lp0.6.json"
     assert by_src[str(tmp_path / "wmt17" / "newstest.de")].startswith("newstest.de.")  # with the inputs' digest
     assert "holds the scores of other sentences" in evaluated[1] and "other sentences" not in evaluated[2]
+    # The same file edited: its results are replaced, not kept beside the new ones.
+    (tmp_path / "wmt14" / "newstest.de").write_text("\n".join(SENTENCES[1:] + SENTENCES[:1]) + "\n", encoding="utf-8")
+    status, _, err = call("evaluate", run, "--src", tmp_path / "wmt14" / "newstest.de",
+                          "--ref", tmp_path / "wmt14" / "newstest.en", "--beam", "1")
+    assert status == 0 and "other sentences" not in err
+    assert len(list((run / "eval").glob("newstest.de*.beam1.lp0.6.json"))) == 2

@@ -122,6 +122,15 @@ def test_translate_defaults_and_shapes(client, translator):
     assert [t["text"] for t in broken] == translator.translate(["zwei katzen"])
 
 
+def test_a_source_longer_than_the_model_takes_is_flagged_in_the_answer_not_only_on_stderr(client, translator, capfd):
+    long_line = " ".join(["hund katze"] * 20)  # over max_positions 40, under the request's 400 characters
+    lines = [SENTENCES[0], long_line]
+    result = post(client, "/translate", {"text": lines})
+    assert [t["truncated"] for t in result["translations"]] == [False, True]
+    assert "warning: input line" not in capfd.readouterr().err  # nothing for the server's log to count
+    assert [t["text"] for t in result["translations"]] == translator.translate(lines)  # translated from its start
+
+
 def test_concurrent_requests_are_batched_and_match_one_by_one(run, translator):
     """A wide window: requests sent together share searches (per beam), with the outputs of each alone."""
     settings = ServeSettings(batch_window_ms=1500, max_sentences=8, max_chars=400, max_beam=5)

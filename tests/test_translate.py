@@ -402,3 +402,5 @@ def test_many_long_lines_warn_a_few_times_then_count(run, call, tmp_path):
     assert "warning: 8 of 9 input lines were longer than" in err
     status, _, err = call("translate", run, long_line)  # one long line: its warning, no count
     assert status == 0 and "input line 1 has" in err and "counted" not in err and "of 1 input" not in err
+    status, _, err = call("translate", run, *[long_line] * 5)  # exactly five: the count the fifth promised
+    assert status == 0 and "counted at the end" in err and "warning: 5 of 5 input lines were longer" in err

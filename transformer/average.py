@@ -25,18 +25,25 @@ def last_step_checkpoints(run_dir: str | Path, n: int) -> list[Path]:
     return found[-n:]
 
 
-def average_checkpoints(paths: Sequence[str | Path]) -> dict:
+def average_checkpoints(paths: Sequence[str | Path], refuse_copies: bool = False) -> dict:
     """A weights-only checkpoint whose weights are the mean of `paths`' weights; config and vocabulary of the
-    first. All must share the model config and the vocabulary."""
+    first. All must share the model config and the vocabulary. refuse_copies: two inputs with the same weights are
+    an error (what the user named; the end of training averages whatever its step checkpoints hold)."""
     if not paths:
         raise UserError("average: no checkpoints given")
     first = newest = load_checkpoint(paths[0])
     if not all(k in first for k in WEIGHT_KEYS):
         raise UserError(f"average: {paths[0]} lacks its config, vocabulary or weights")
     sums = {k: v.to(torch.float64) for k, v in first["model"].items()}
+    # last.pt and the step checkpoint of its step, or a copy: the same weights twice would count double.
+    fingerprints = {_fingerprint(first["model"]): paths[0]} if refuse_copies else {}
     for path in paths[1:]:
         newest = load_checkpoint(path)
         _check_same_model(newest, path, first, paths[0])
+        same = fingerprints.setdefault(_fingerprint(newest["model"]), path) if refuse_copies else path
+        if same != path:
+            raise UserError(f"average: {same} and {path} hold the same weights (e.g. last.pt and the step checkpoint "
+                            "of its step); each checkpoint counts once in the mean")
         for k, v in newest["model"].items():
             sums[k] += v.to(torch.float64)
     # Accumulated in float64 so averaging many checkpoints loses nothing; stored in each tensor's own dtype.
@@ -45,6 +52,11 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict:
     if "run" in newest:  # progress of the newest input, for the record
         about["averaged_at_step"] = newest["run"]["step"]
     return weights_checkpoint(first["config"], first["vocab"], averaged, **about)
+
+
+def _fingerprint(weights: dict) -> tuple:
+    """Equal for equal weights, and in practice only for them: each tensor's sum and its first values."""
+    return tuple((k, float(v.double().sum()), tuple(v.flatten()[:4].tolist())) for k, v in sorted(weights.items()))
 
 
 def _check_same_model(state: dict, path, first: dict, first_path) -> None:
@@ -63,10 +75,15 @@ def _check_same_model(state: dict, path, first: dict, first_path) -> None:
 
 
 def _check_distinct(paths: Sequence[Path]) -> None:
-    """The same file named twice (an overlapping glob, a symlink) would count double in the mean: refused."""
-    seen: dict[Path, Path] = {}
+    """The same file named twice (an overlapping glob, a symlink, a hard link) would count double in the mean:
+    refused before anything loads. Copies are caught by their weights (average_checkpoints)."""
+    seen: dict[tuple, Path] = {}
     for path in paths:
-        key = path.resolve()
+        try:
+            stat = path.stat()
+            key: tuple = (stat.st_dev, stat.st_ino)
+        except OSError:  # missing: load_checkpoint names it
+            key = (path,)
         if key in seen:
             same = "twice" if seen[key] == path else f"twice ({seen[key]} and {path} are the same file)"
             raise UserError(f"average: {path} is named {same}; each checkpoint counts once in the mean")
@@ -89,5 +106,5 @@ def average(inputs: Sequence[str | Path], last: Optional[int], output: Optional[
         _check_distinct(paths)
     # Never over an input or a training checkpoint (an earlier average's output may be replaced).
     check_output_path(target, paths, command="average", may_replace_weights=True)
-    save_checkpoint(average_checkpoints(paths), target)
+    save_checkpoint(average_checkpoints(paths, refuse_copies=True), target)
     return target, paths

@@ -179,7 +179,8 @@ def _add_evaluate(sub, decode: argparse.ArgumentParser) -> None:
                     "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
                     "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
                     "and .json (.early, .bf16, .int8 or .ct2 added for those settings; SPLIT is --src's file name, or "
-                    "'pipe' for a pipe; for a checkpoint file: eval/ next to it, named after it).",
+                    "'pipe' for a pipe, with a digest of the sentences added when another source's results hold "
+                    "that name; for a checkpoint file: eval/ next to it, named after it).",
     )
     p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
     p.add_argument("--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)")

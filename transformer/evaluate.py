@@ -92,21 +92,24 @@ def _check_writable(eval_dir: Path) -> None:
     except OSError as e:
         reason = e.strerror or str(e)
         if isinstance(e, FileExistsError):
-            reason = (f"it is a link to {os.readlink(eval_dir)}, which does not exist" if eval_dir.is_symlink()
-                      else "it is a file, not a directory")
+            target = eval_dir.parent / os.readlink(eval_dir) if eval_dir.is_symlink() else None
+            reason = ("it is a file, not a directory" if target is None or eval_dir.exists() else
+                      f"it is a link to {target}, which does not exist")
         raise UserError(f"evaluate: cannot write the results to {eval_dir} ({reason}); evaluate a copy of the run "
                         "or checkpoint in a directory you can write to") from None
 
 
-def _results_name(eval_dir: Path, name: str, settings: str, digest: str) -> str:
-    """`name.settings`, so that evaluating with another beam does not overwrite the last result; other sentences
-    or references under a name already scored (wmt14/test.de, then wmt17/test.de) get `name.DIGEST.settings`."""
+def _results_name(eval_dir: Path, name: str, settings: str, source: Optional[list], digest: str) -> str:
+    """`name.settings`, so that evaluating with another beam does not overwrite the last result. Another source
+    under a name already scored (wmt14/test.de, then wmt17/test.de) gets `name.DIGEST.settings`; the same files or
+    split again (edited or not) replace their results. A pipe has no source to compare (None): its sentences do."""
     try:
         record = json.loads((eval_dir / f"{name}.{settings}.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         record = None
     recorded = record.get("inputs_sha256") if isinstance(record, dict) else None
-    if recorded is None or recorded == digest:  # an older record without it is replaced, as it always was
+    same_source = source is not None and record.get("source") == source if recorded else False
+    if recorded is None or recorded == digest or same_source:  # an older record without it is replaced, as always
         return f"{name}.{settings}"
     print(f"note: {eval_dir / name}.{settings}.json holds the scores of other sentences "
           f"({record.get('src') or record.get('split')}); these results get the name {name}.{digest[:8]}",
@@ -152,7 +155,10 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         name = f"{checkpoint.stem}.{name}"
     text = "\n".join(sources) + "\0" + "\n".join(references)
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-    name = _results_name(eval_dir, name, translator.describe(), digest)
+    # What the results are of: the files (their absolute paths) or the split; a pipe is only its sentences.
+    source = (["files", str(Path(src).resolve()), str(Path(ref).resolve())] if src is not None and Path(src).is_file()
+              else None if src is not None else ["split", split])
+    name = _results_name(eval_dir, name, translator.describe(), source, digest)
     _check_writable(eval_dir)  # before the translating, not after it
     start = time.perf_counter()
     hypotheses = translator.translate(sources)
@@ -168,7 +174,7 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     record = {"checkpoint": str(run_dir), "split": split, "src": src, "ref": ref, "beam": translator.beam,
               "lenpen": translator.lenpen, "stop": translator.stop if translator.engine == "ours" else None,
               "dtype": translator.dtype, "engine": translator.engine, "seconds": round(seconds, 3),
-              "hypotheses": str(hyp_path), "inputs_sha256": digest, **scores}
+              "hypotheses": str(hyp_path), "source": source, "inputs_sha256": digest, **scores}
     summary = json.dumps(record, indent=2) + "\n"
     atomic_write(json_path, lambda f: f.write(summary.encode("utf-8")))
     print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({translator.describe()}); "

@@ -324,17 +324,18 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         beam = service.check_beam(body.beam, body.nbest)
         if service.batcher.pending_sentences() + len(lines) > settings.max_pending:
             raise ApiError(503, "too many sentences are waiting; try again shortly")
-        ids = service.translator.encode(lines)  # once: the batcher sizes batches by it and searches it
+        ids = service.translator.encode(lines, warn=False)  # once: the batcher sizes batches by it and searches it
         try:
             found = await service.batcher.translate(ids, beam, body.nbest) if lines else []
         except Exception as e:
             raise api_error(e, "translate") from None
+        limit = source_limit(service.cfg.model.max_positions)  # longer sources were translated from their start
         service.batcher.stats["requests"] += 1
         service.batcher.stats["sentences"] += len(lines)
         return {"beam": beam, "nbest": body.nbest,
-                "translations": [{"text": hyps[0][1], "score": hyps[0][0],
+                "translations": [{"text": hyps[0][1], "score": hyps[0][0], "truncated": len(src) > limit,
                                   "nbest": [{"text": text, "score": score} for score, text in hyps]}
-                                 for hyps in found]}
+                                 for hyps, src in zip(found, ids)]}
 
     @app.post("/attention")
     async def attention(body: AttentionBody) -> dict:

@@ -277,11 +277,13 @@ class Translator:
         finally:  # it sets the calling thread's OpenMP count, torch's too, to intra_threads
             torch.set_num_threads(ours)
 
-    def encode(self, lines: Sequence[str]) -> list[list[int]]:
+    def encode(self, lines: Sequence[str], warn: bool = True) -> list[list[int]]:
+        """Subword ids per line; a line longer than the model takes is truncated by the search, and said on stderr
+        (warn=False: the caller tells its own way, as serve does in its answer)."""
         ids = self.vocab.encode([line if line.strip() else "" for line in lines])
         limit = source_limit(self.cfg.model.max_positions)
         for i, seq in enumerate(ids):
-            if len(seq) > limit:
+            if warn and len(seq) > limit:
                 self.lines_truncated += 1
                 # A file of long lines would bury everything else on stderr: the first few, then a count at the end.
                 if self.lines_truncated <= TRUNCATION_WARNINGS:
@@ -293,7 +295,7 @@ class Translator:
 
     def truncation_summary(self) -> Optional[str]:
         """How many input lines were truncated in all, once more than the warned-about few were."""
-        if self.lines_truncated <= TRUNCATION_WARNINGS:
+        if self.lines_truncated < TRUNCATION_WARNINGS:  # at 5, the fifth warning promised a count
             return None
         return (f"warning: {self.lines_truncated} of {self.lines_seen} input lines were longer than "
                 f"{source_limit(self.cfg.model.max_positions)} subwords and were truncated")
