@@ -239,7 +239,8 @@ def _add_average(sub) -> None:
                     "config and vocabulary are kept, optimizer state is dropped. Either a run directory and "
                     "--last N (its N latest step_*.pt, written by the trainer when train.keep_last > 0; output "
                     "RUN_DIR/averaged.pt by default), or checkpoint files and --output FILE. All inputs must share "
-                    "the model config and the vocabulary.",
+                    "the model config and the vocabulary; each counts once (a file named twice, a link to it, or "
+                    "the same weights twice, such as last.pt beside its step's checkpoint, is refused).",
     )
     p.add_argument("inputs", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT", help="one run directory (with --last) or checkpoint files")
     p.add_argument("--last", type=int, metavar="N", help="average the N latest step checkpoints of RUN_DIR")
