@@ -87,7 +87,9 @@ function describeModel(info) {
 
 function showTranslation(result) {
   const best = result.translations[0];
-  $("translation").textContent = best.text || "(empty)";
+  // A sentence longer than the model takes was translated from its start only: say so beside the translation.
+  $("translation").textContent = (best.text || "(empty)") +
+    (best.truncated ? "  (the sentence is longer than this model takes: only its start was translated)" : "");
   $("translation").classList.toggle("muted", !best.text);
   const body = $("nbest-table").querySelector("tbody");
   body.replaceChildren(...best.nbest.map((h, i) => el("tr", {}, [
