@@ -183,9 +183,21 @@ def test_other_sentences_under_the_same_file_name_do_not_overwrite_results(run, 
     assert by_src[str(tmp_path / "wmt14" / "newstest.de")] == "newstest.de.beam1.lp0.6.json"
     assert by_src[str(tmp_path / "wmt17" / "newstest.de")].startswith("newstest.de.")  # with the inputs' digest
     assert "holds the scores of other sentences" in evaluated[1] and "other sentences" not in evaluated[2]
-    # The same file edited: its results are replaced, not kept beside the new ones.
-    (tmp_path / "wmt14" / "newstest.de").write_text("\n".join(SENTENCES[1:] + SENTENCES[:1]) + "\n", encoding="utf-8")
-    status, _, err = call("evaluate", run, "--src", tmp_path / "wmt14" / "newstest.de",
-                          "--ref", tmp_path / "wmt14" / "newstest.en", "--beam", "1")
+    # The same files edited, the plain name's and the digest name's: their results are replaced, not kept beside.
+    for corpus, edited in (("wmt14", SENTENCES[1:3] + SENTENCES[:1]), ("wmt17", SENTENCES[2:0:-1] + SENTENCES[:1])):
+        (tmp_path / corpus / "newstest.de").write_text("\n".join(edited) + "\n", encoding="utf-8")
+        status, _, err = call("evaluate", run, "--src", tmp_path / corpus / "newstest.de",
+                              "--ref", tmp_path / corpus / "newstest.en", "--beam", "1")
+        assert status == 0 and "other sentences" not in err, err
+    assert sorted(p.name for p in (run / "eval").glob("newstest.de*.beam1.lp0.6.json")) == sorted(by_src.values())
+
+
+def test_the_same_split_replaces_its_results_though_its_sentences_changed(run, call):
+    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "3")
+    record = run / "eval" / "test.beam3.lp0.6.json"
+    changed = {**json.loads(record.read_text()), "inputs_sha256": "0" * 64}  # as if the test files were edited
+    record.write_text(json.dumps(changed))
+    status, _, err = call("evaluate", run, "--split", "test", "--beam", "3")
     assert status == 0 and "other sentences" not in err
-    assert len(list((run / "eval").glob("newstest.de*.beam1.lp0.6.json"))) == 2
+    assert json.loads(record.read_text())["inputs_sha256"] != "0" * 64
+    assert not list((run / "eval").glob("test.*.beam3.lp0.6.json"))

@@ -71,15 +71,21 @@ def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path,
     assert len((run_dir / "eval" / "test.final.hyp").read_text().splitlines()) == 12
     # Resumed with nothing left to train (a job script that always passes --resume), with settings of its own: the
     # end of training is not done again, its summary is shown again, and config.yaml stays the run's, as it chose.
-    written = {name: (run_dir / name).stat().st_mtime_ns for name in ("final.pt", "summary.json", "averaged.pt")}
-    other = {**raw, "decode": {**raw["decode"], "beam": 5, "lenpen": 0.9}, "train": {**raw["train"], "lr": 0.5}}
+    # Moved first: config.yaml and the summary shown name where the run is now.
+    moved = tmp_path / "moved"
+    shutil.copytree(run_dir, moved)  # copied with their times, as `cp -a` does
+    written = {name: (moved / name).stat().st_mtime_ns for name in ("final.pt", "summary.json", "averaged.pt")}
+    other = {**raw, "decode": {**raw["decode"], "beam": 5, "lenpen": 0.9},
+             "train": {**raw["train"], "lr": 0.5, "run_dir": str(moved)}}
     train(from_dict(other), resume=True, quiet=True)
-    assert {name: (run_dir / name).stat().st_mtime_ns for name in written} == written
-    saved = load_config(run_dir / "config.yaml")
+    assert {name: (moved / name).stat().st_mtime_ns for name in written} == written
+    saved = load_config(moved / "config.yaml")
     assert (saved.decode.beam, saved.decode.lenpen) == (summary["decode"]["beam"], summary["decode"]["lenpen"])
     assert saved.train.lr == raw["train"]["lr"]  # nothing trained with the resume's 0.5
+    assert saved.train.run_dir == str(moved)
     err = capsys.readouterr().err
     assert "nothing left to train; keeping final.pt and summary.json" in err and "summary: test BLEU" in err
+    assert f"summary: use {moved / 'final.pt'}" in err
 
 
 def test_the_end_of_training_counts_as_done_only_with_a_summary_of_its_step_written_after_final_pt(tmp_path):

@@ -3,6 +3,7 @@ validation loss and BLEU that training logs."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -99,18 +100,27 @@ def _check_writable(eval_dir: Path) -> None:
                         "or checkpoint in a directory you can write to") from None
 
 
+def _read_record(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _results_name(eval_dir: Path, name: str, settings: str, source: Optional[list], digest: str) -> str:
     """`name.settings`, so that evaluating with another beam does not overwrite the last result. Another source
     under a name already scored (wmt14/test.de, then wmt17/test.de) gets `name.DIGEST.settings`; the same files or
-    split again (edited or not) replace their results. A pipe has no source to compare (None): its sentences do."""
-    try:
-        record = json.loads((eval_dir / f"{name}.{settings}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        record = None
-    recorded = record.get("inputs_sha256") if isinstance(record, dict) else None
-    same_source = source is not None and record.get("source") == source if recorded else False
-    if recorded is None or recorded == digest or same_source:  # an older record without it is replaced, as always
-        return f"{name}.{settings}"
+    split again (edited or not) replace their results, wherever they are. A pipe has no source to compare (None):
+    its sentences do."""
+    record = _read_record(eval_dir / f"{name}.{settings}.json")
+    recorded = record.get("inputs_sha256")
+    if recorded is None or recorded == digest or (source is not None and record.get("source") == source):
+        return f"{name}.{settings}"  # the same, or an older record without the digest: replaced, as it always was
+    if source is not None:  # this source's own results under a digest name, from before it was edited
+        for path in sorted(eval_dir.glob(f"{glob.escape(name)}.{'[0-9a-f]' * 8}.{glob.escape(settings)}.json")):
+            if _read_record(path).get("source") == source:
+                return path.name[: -len(".json")]
     print(f"note: {eval_dir / name}.{settings}.json holds the scores of other sentences "
           f"({record.get('src') or record.get('split')}); these results get the name {name}.{digest[:8]}",
           file=sys.stderr)
@@ -155,9 +165,14 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         name = f"{checkpoint.stem}.{name}"
     text = "\n".join(sources) + "\0" + "\n".join(references)
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-    # What the results are of: the files (their absolute paths) or the split; a pipe is only its sentences.
-    source = (["files", str(Path(src).resolve()), str(Path(ref).resolve())] if src is not None and Path(src).is_file()
-              else None if src is not None else ["split", split])
+    # What the results are of: the files (their absolute paths) or the split where it is read from; a pipe (on
+    # either side) is only its sentences.
+    if src is None:
+        data = translator.cfg.data
+        source = ["split", split, str(Path(data.dir).resolve()) if data.source == "local" else data.hub_name]
+    else:
+        source = (["files", str(Path(src).resolve()), str(Path(ref).resolve())]
+                  if Path(src).is_file() and Path(ref).is_file() else None)
     name = _results_name(eval_dir, name, translator.describe(), source, digest)
     _check_writable(eval_dir)  # before the translating, not after it
     start = time.perf_counter()

@@ -110,7 +110,7 @@ def finished_summary(run_dir: Path, step: int) -> Optional[dict]:
     return record if record.get("updates") == step else None
 
 
-def end_of_training(run_dir: Path, step: int, device: torch.device) -> None:
+def end_of_training(run_dir: Path, cfg: Config, step: int, device: torch.device) -> None:
     """What `train` does once its updates are done: finish(), unless this process trained nothing and the end of
     training completed before (final.pt is gone once a run trains on): a job script that always passes --resume
     must not redo its minutes."""
@@ -120,12 +120,15 @@ def end_of_training(run_dir: Path, step: int, device: torch.device) -> None:
                           f"complete, and `transformer finish {run_dir}` does this part again"):
             finish(run_dir, device)
         return
-    # The resume wrote its own settings to config.yaml; nothing trained with them: the run's, as finish() wrote them.
+    # The resume wrote its own settings to config.yaml and nothing trained with them: the run's, as finish() wrote
+    # them, but where the run and its data are now (a moved run directory, a corpus put elsewhere).
     trained = from_dict(load_checkpoint(run_dir / "last.pt")["config"])
-    save_config(replace(trained, decode=replace(trained.decode, **summary["decode"])), run_dir / "config.yaml")
+    save_config(replace(trained, decode=replace(trained.decode, **summary["decode"]),
+                        train=replace(trained.train, run_dir=cfg.train.run_dir),
+                        data=replace(trained.data, dir=cfg.data.dir)), run_dir / "config.yaml")
     log.info("finish: nothing left to train; keeping final.pt and summary.json from the end of this training "
              "(`transformer finish %s` does it again)", run_dir)
-    _log_summary(summary)
+    _log_summary({**summary, "run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL)})
 
 
 def finish(run_dir: str | Path, device: torch.device) -> dict:

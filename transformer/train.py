@@ -434,4 +434,4 @@ def end(run: Run) -> None:
     if run.cfg.train.finish and run.info.is_main:
         from transformer.finish import end_of_training
 
-        end_of_training(run.run_dir, run.state.step, run.device)
+        end_of_training(run.run_dir, run.cfg, run.state.step, run.device)
