@@ -552,13 +552,15 @@ def test_a_vocabulary_smaller_than_asked_is_logged_and_noted_in_config_yaml(env,
     from transformer.vocab import Vocab
 
     cfg = tiny_config(tmp_path, "run", data_dir=env["root"] / "corpus",
-                      data={"vocab_size": 3000}, train={"max_steps": 1, "valid_every": 1})
-    run_dir = train(from_dict(cfg), quiet=True)
+                      data={"vocab_size": 3000}, train={"max_steps": 1, "valid_every": 1, "finish": True},
+                      decode={"max_len_offset": 2})
+    run_dir = train(from_dict(cfg), quiet=True)  # the end of training writes config.yaml again: the note stays
     pieces = len(Vocab.load(run_dir / "spm.model"))
     assert pieces < 3000
     assert (f"the training data gives only {pieces} pieces, fewer than data.vocab_size 3000"
             in capsys.readouterr().err)
     text = (run_dir / "config.yaml").read_text()
+    assert (run_dir / "final.pt").is_file()
     assert f"# The vocabulary has {pieces} pieces (data.vocab_size 3000 is an upper bound" in text
     assert yaml.safe_load(text)["data"]["vocab_size"] == 3000  # the setting as asked: resume compares it
     assert load_checkpoint(run_dir / "last.pt")["config"]["data"]["vocab_size"] == 3000

@@ -365,8 +365,13 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Conf
 SAVED_HEADER = "# The effective config of the run in this directory (file + --set), written by transformer train."
 
 
-def save_config(cfg: Config, path: str | Path, note: str = "") -> None:
-    comments = [SAVED_HEADER] + [f"# {line}" for line in note.splitlines()]
+def save_config(cfg: Config, path: str | Path, pieces: Optional[int] = None) -> None:
+    """config.yaml of a run; pieces: the vocabulary's size, noted when SentencePiece made fewer than asked (the
+    setting stays as asked: a resume compares it)."""
+    comments = [SAVED_HEADER]
+    if pieces is not None and pieces != cfg.data.vocab_size:
+        comments.append(f"# The vocabulary has {pieces} pieces (data.vocab_size {cfg.data.vocab_size} is an upper "
+                        "bound; train.log says why).")
     text = "\n".join(comments) + "\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False)
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 

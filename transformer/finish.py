@@ -22,6 +22,7 @@ from transformer.evaluate import length_ratio, translate_and_score
 from transformer.resume import stop_at_once
 from transformer.runlog import read_metrics
 from transformer.store import Store
+from transformer.vocab import Vocab
 
 log = logging.getLogger("transformer")
 
@@ -122,10 +123,12 @@ def end_of_training(run_dir: Path, cfg: Config, step: int, device: torch.device)
         return
     # The resume wrote its own settings to config.yaml and nothing trained with them: the run's, as finish() wrote
     # them, but where the run and its data are now (a moved run directory, a corpus put elsewhere).
-    trained = from_dict(load_checkpoint(run_dir / "last.pt")["config"])
+    last = load_checkpoint(run_dir / "last.pt")
+    trained = from_dict(last["config"])
     save_config(replace(trained, decode=replace(trained.decode, **summary["decode"]),
                         train=replace(trained.train, run_dir=cfg.train.run_dir),
-                        data=replace(trained.data, dir=cfg.data.dir)), run_dir / "config.yaml")
+                        data=replace(trained.data, dir=cfg.data.dir)), run_dir / "config.yaml",
+                pieces=len(Vocab(last["vocab"])))
     log.info("finish: nothing left to train; keeping final.pt and summary.json from the end of this training "
              "(`transformer finish %s` does it again)", run_dir)
     _log_summary({**summary, "run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL)})
@@ -162,7 +165,7 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
     made = {"made_from": chosen, **({"run": candidates[chosen]["run"]} if "run" in candidates[chosen] else {})}
     save_checkpoint(weights_checkpoint(to_dict(tuned), candidates[chosen]["vocab"], candidates[chosen]["model"],
                                        **made), run_dir / FINAL)
-    save_config(tuned, run_dir / "config.yaml")
+    save_config(tuned, run_dir / "config.yaml", pieces=len(vocab))
 
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL), "made_from": chosen,
                "decode": {"beam": beam, "lenpen": lenpen}, "valid_grid_bleu": grid,

@@ -189,8 +189,7 @@ def load_data(cfg: Config, info: DistInfo, run_dir: Path, saved: Optional[dict],
     if not info.is_main:
         store = open_prepared(cfg, run_dir, vocab)
     if info.is_main and len(vocab) != cfg.data.vocab_size:  # so that config.yaml does not misstate it
-        save_config(cfg, run_dir / "config.yaml", note=f"The vocabulary has {len(vocab)} pieces (data.vocab_size "
-                    f"{cfg.data.vocab_size} is an upper bound; train.log says why).")
+        save_config(cfg, run_dir / "config.yaml", pieces=len(vocab))
     return vocab, store
 
 
