@@ -176,3 +176,13 @@ def test_attention_bad_indexes(checkpoint, tmp_path, capsys, argv, message):
     assert not list(tmp_path.iterdir())
 
 
+
+
+def test_a_target_is_read_up_to_the_decoders_positions_and_the_limit_counts_its_pieces(model, vocab, cfg):
+    """max_positions 64: BOS and 63 pieces fit; the message counts the target's pieces, not BOS."""
+    word = next(w for w in ("der", "die", "das", "hund") if len(vocab.encode([w])[0]) == 1)
+    fits = inspect_attention(model, vocab, "the dog", " ".join([word] * (cfg.model.max_positions - 1)))
+    assert len(fits.target_pieces) == cfg.model.max_positions
+    with pytest.raises(UserError, match=f"is {cfg.model.max_positions} pieces long; this model accepts at most "
+                                        f"{cfg.model.max_positions - 1}$"):
+        inspect_attention(model, vocab, "the dog", " ".join([word] * cfg.model.max_positions))

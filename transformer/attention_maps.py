@@ -141,10 +141,10 @@ def inspect_attention(
         target = vocab.decode([tgt_ids])[0]
     else:
         tgt_ids = vocab.encode([target])[0]
-    tgt_ids = [BOS_ID] + tgt_ids
-    limit = model.cfg.max_positions  # decoder positions
+    limit = model.cfg.max_positions - 1  # decoder positions, one of them BOS's
     if len(tgt_ids) > limit:
         raise UserError(f"the target sentence is {len(tgt_ids)} pieces long; this model accepts at most {limit}")
+    tgt_ids = [BOS_ID] + tgt_ids
     tgt_in = torch.tensor([tgt_ids], dtype=torch.long, device=device)
     _, weights = collect_attention(model, src, tgt_in)
     return AttentionMaps(
