@@ -40,10 +40,11 @@ def average_checkpoints(paths: Sequence[str | Path], refuse_copies: bool = False
     for path in paths[1:]:
         newest = load_checkpoint(path)
         _check_same_model(newest, path, first, paths[0])
-        same = fingerprints.setdefault(_fingerprint(newest["model"]), path) if refuse_copies else path
-        if same != path:
-            raise UserError(f"average: {same} and {path} hold the same weights (e.g. last.pt and the step checkpoint "
-                            "of its step); each checkpoint counts once in the mean")
+        if refuse_copies:
+            same = fingerprints.setdefault(_fingerprint(newest["model"]), path)
+            if same != path:
+                raise UserError(f"average: {same} and {path} hold the same weights (e.g. last.pt and the step "
+                                "checkpoint of its step); each checkpoint counts once in the mean")
         for k, v in newest["model"].items():
             sums[k] += v.to(torch.float64)
     # Accumulated in float64 so averaging many checkpoints loses nothing; stored in each tensor's own dtype.

@@ -178,8 +178,7 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     start = time.perf_counter()
     hypotheses = translator.translate(sources)
     seconds = time.perf_counter() - start
-    if translator.truncation_summary():
-        print(translator.truncation_summary(), file=sys.stderr)
+    translator.report_truncation()
     scores = bleu_chrf(hypotheses, references)
     print(f"{scores['bleu_detail']}\n  signature: {scores['bleu_signature']}")
     print(f"{scores['chrf_detail']}\n  signature: {scores['chrf_signature']}", flush=True)

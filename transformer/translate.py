@@ -293,12 +293,11 @@ class Translator:
         self.lines_seen += len(lines)
         return ids
 
-    def truncation_summary(self) -> Optional[str]:
-        """How many input lines were truncated in all, once more than the warned-about few were."""
-        if self.lines_truncated < TRUNCATION_WARNINGS:  # at 5, the fifth warning promised a count
-            return None
-        return (f"warning: {self.lines_truncated} of {self.lines_seen} input lines were longer than "
-                f"{source_limit(self.cfg.model.max_positions)} subwords and were truncated")
+    def report_truncation(self) -> None:
+        """At the end of the input: how many lines were truncated in all, once the warnings stopped naming them."""
+        if self.lines_truncated >= TRUNCATION_WARNINGS:  # at 5, the fifth warning promised a count
+            print(f"warning: {self.lines_truncated} of {self.lines_seen} input lines were longer than "
+                  f"{source_limit(self.cfg.model.max_positions)} subwords and were truncated", file=sys.stderr)
 
     def search(self, src_ids: Sequence[Sequence[int]], nbest: int = 1) -> list[list[Hypothesis]]:
         """Per source (subword ids), its n-best hypotheses, through this translator's engine."""

@@ -182,8 +182,7 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
             chunks = file_chunks(lines, progress=input is not None) if lines is not None else stdin_chunks()
             for chunk in chunks:
                 write_nbest(out, translator.translate_nbest(chunk, nbest), nbest)
-        if translator.truncation_summary():
-            print(translator.truncation_summary(), file=sys.stderr)
+        translator.report_truncation()
     except OSError as e:
         if isinstance(e, BrokenPipeError) or e.filename is not None:
             raise
