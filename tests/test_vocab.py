@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.conftest import sentences
+from tests.conftest import sentences, subprocess_env
 from transformer.errors import UserError
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, train_vocab
+from transformer.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, sample_sentences, train_vocab
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +52,30 @@ def test_vocab_errors(tmp_path):
         Vocab.load(tmp_path / "missing.model")
     with pytest.raises(UserError, match="SentencePiece"):
         Vocab(b"definitely not a model")
+
+
+def test_sample_sentences_is_uniform_reproducible_and_keeps_a_small_corpus_whole():
+    items = [f"s{i}" for i in range(10)]
+    assert sample_sentences(iter(items), 10, seed=1) == items
+    assert sample_sentences(iter(items), 20, seed=1) == items
+    picks = sample_sentences(iter(items), 5, seed=3)
+    assert len(picks) == 5 == len(set(picks)) and set(picks) <= set(items)
+    assert picks == sample_sentences(iter(items), 5, seed=3)
+    counts = dict.fromkeys(items, 0)
+    for seed in range(2000):
+        for s in sample_sentences(iter(items), 5, seed):
+            counts[s] += 1
+    assert all(850 <= c <= 1150 for c in counts.values()), counts  # each kept half the time, the last ones too
+
+
+def test_a_sampled_vocabulary_is_the_same_in_every_process(tmp_path):
+    """SentencePiece's own sample (input_sentence_size) changed from one process to the next whatever its seed;
+    the same corpus, size and seed must give the same vocabulary in two runs of a config."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(sentences(5, 3000, hi=12)) + "\n", encoding="utf-8")
+    script = ("import hashlib, sys\nfrom transformer.vocab import train_vocab\n"
+              f"lines = open({str(corpus)!r}, encoding='utf-8').read().splitlines()\n"
+              "print(hashlib.sha256(train_vocab(lines, 150, max_sentences=1000, seed=7).proto).hexdigest())\n")
+    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              env=subprocess_env()).stdout for _ in range(3)}
+    assert len(digests) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import random
 import re
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -93,6 +94,21 @@ class Vocab:
         return [self.sp.piece_to_id(p) for p in pieces]
 
 
+def sample_sentences(sentences: Iterable[str], k: int, seed: int) -> list[str]:
+    """A uniform sample of `k` of `sentences` in one pass with `k` of them in memory (reservoir sampling,
+    Algorithm R), the same for the same seed; all of them, in order, when there are no more than `k`."""
+    rng = random.Random(seed)
+    sample: list[str] = []
+    for i, sentence in enumerate(sentences):
+        if i < k:
+            sample.append(sentence)
+        else:
+            j = rng.randrange(i + 1)  # sentence i is kept with probability k / (i + 1)
+            if j < k:
+                sample[j] = sentence
+    return sample
+
+
 def train_vocab(
     sentences: Iterable[str],
     vocab_size: int,
@@ -101,10 +117,15 @@ def train_vocab(
     max_sentences: int = 2_000_000,
     seed: int = 1,
 ) -> Vocab:
-    """Train a joint SentencePiece model on `sentences` (both languages mixed)."""
+    """Train a joint SentencePiece model on `sentences` (both languages mixed), or on a sample of `max_sentences`
+    of them (0: all) drawn with `seed`."""
     model = io.BytesIO()
     sentences = (s for s in sentences if s.strip())
-    spm.set_random_generator_seed(seed)  # the sentence sample is reproducible when the corpus is larger
+    if max_sentences:
+        # Sampled here: SentencePiece's own sample (input_sentence_size) differs from one process to the next
+        # whatever set_random_generator_seed says (0.2.3), so one config gave another vocabulary each run.
+        sentences = iter(sample_sentences(sentences, max_sentences, seed))
+    spm.set_random_generator_seed(seed)
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=sentences,
@@ -112,6 +133,8 @@ def train_vocab(
             vocab_size=vocab_size,
             model_type=model_type,
             character_coverage=character_coverage,
+            # Given at most max_sentences, SentencePiece samples nothing; with these two as they were, a corpus
+            # below the limit (Multi30k) gets the vocabulary it always had.
             input_sentence_size=max_sentences,
             shuffle_input_sentence=True,
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
