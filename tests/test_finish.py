@@ -280,3 +280,28 @@ def test_the_chosen_search_settings_go_into_final_pt_and_config_yaml(tmp_path, m
     assert (final["beam"], final["lenpen"]) == (3, 1.4)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["decode"]["beam"], summary["decode"]["lenpen"]) == (3, 1.4)
+
+
+def test_finish_refuses_half_a_test_split_before_searching_and_skips_a_missing_one(tmp_path, capsys):
+    """A test split with one side missing, or sides of different lengths, is the one-line error `evaluate` gives,
+    before any search and with final.pt and summary.json as they were; only a corpus with no test files at all
+    finishes without a test score."""
+    from transformer.finish import finish
+
+    run_dir, _ = finished_run(tmp_path, max_steps=20)
+    corpus = tmp_path / "c"
+    kept = {name: (run_dir / name).stat().st_mtime_ns for name in ("final.pt", "summary.json")}
+    reference = (corpus / "test.en").read_text()
+    (corpus / "test.en").unlink()
+    with pytest.raises(UserError, match="no such file: .*test.en"):
+        finish(run_dir, torch.device("cpu"))
+    (corpus / "test.en").write_text("".join(reference.splitlines(keepends=True)[:-1]))
+    with pytest.raises(UserError, match=r"test.de has 12 lines but .*test.en has 11"):
+        finish(run_dir, torch.device("cpu"))
+    assert {name: (run_dir / name).stat().st_mtime_ns for name in kept} == kept
+    (corpus / "test.en").unlink()
+    (corpus / "test.de").unlink()
+    capsys.readouterr()
+    summary = finish(run_dir, torch.device("cpu"))
+    assert "test" not in summary and "test" not in json.loads((run_dir / "summary.json").read_text())
+    assert "the corpus has no test split 'test'" in capsys.readouterr().err

@@ -164,6 +164,19 @@ def resolve_split(cfg: DataConfig, split: str, log: Optional[Callable[[str], Non
     raise UserError(f"data: no such file: {missing} (split {split!r} in data.dir {cfg.dir!r}{where})")
 
 
+def has_split(cfg: DataConfig, split: str) -> bool:
+    """Whether the corpus has `split` at all, under its name or an alias: False when no file of it exists (or the
+    hub dataset lists no such split). Half a split, one side's file without the other, is resolve_split's error,
+    not an absent split; so is a hub that cannot be asked."""
+    if cfg.source == "hub":
+        available = _hub_split_names(cfg)
+        return any(name in available for name in _candidates(split))
+    if not any(path.exists() for name in _candidates(split) for path in split_paths(cfg, name)):
+        return False
+    resolve_split(cfg, split)
+    return True
+
+
 def open_split(cfg: DataConfig, split: str, limit: int = 0, log: Optional[Callable[[str], None]] = None) -> RawSplit:
     """A split by its config name (resolved through aliases), its first `limit` pairs when limit > 0."""
     name = resolve_split(cfg, split, log)

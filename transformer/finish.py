@@ -16,7 +16,7 @@ from transformer.atomic import atomic_write, step_checkpoints
 from transformer.average import average_checkpoints
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
-from transformer.corpus import load_split, resolve_split
+from transformer.corpus import has_split, load_split
 from transformer.errors import UserError
 from transformer.evaluate import length_ratio, translate_and_score
 from transformer.resume import stop_at_once
@@ -145,6 +145,10 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
         fix = ("put the corpus back there" if data_dir.is_absolute() else
                f"it is relative to {Path.cwd()}, where this runs: run from the directory training ran in")
         raise UserError(f"finish: data.dir {cfg.data.dir!r} is not a directory; {fix}")
+    # Read before the minutes of searching: half a test split, or sides of different lengths, is an error here.
+    test = load_split(cfg.data, cfg.data.test_split) if has_split(cfg.data, cfg.data.test_split) else None
+    if test is None:
+        log.info("finish: the corpus has no test split %r: the summary will have no test score", cfg.data.test_split)
     candidates = _candidates(run_dir, cfg)
     store = Store(run_dir / "store")
     valid = store.corpus("valid")
@@ -172,9 +176,8 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
                "valid": {n: {"bleu": round(s["bleu"], 2), "length_ratio": round(length_ratio(s), 3)}
                          for n, s in valid_scores.items()},
                **_training_record(run_dir, cfg, last["run"], candidates["best.pt"].get("run", {}).get("step", 0))}
-    test = _score_test(cfg, vocab, model, beam, lenpen, device, run_dir)
     if test is not None:
-        summary["test"] = test
+        summary["test"] = _score_test(cfg, test, vocab, model, beam, lenpen, device, run_dir)
     summary["finish_seconds"] = round(time.perf_counter() - started, 1)
     text = json.dumps(summary, indent=2) + "\n"
     atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode("utf-8")))
@@ -182,13 +185,9 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
     return summary
 
 
-def _score_test(cfg: Config, vocab, model, beam: int, lenpen: float, device, run_dir: Path) -> Optional[dict]:
-    try:
-        resolve_split(cfg.data, cfg.data.test_split)
-    except UserError:
-        log.info("finish: no test split %r: skipped", cfg.data.test_split)
-        return None
-    sources, references = load_split(cfg.data, cfg.data.test_split)
+def _score_test(cfg: Config, test: tuple[list[str], list[str]], vocab, model, beam: int, lenpen: float, device,
+                run_dir: Path) -> dict:
+    sources, references = test
     score = _Scorer(cfg, vocab.encode(sources), references, vocab, device)
     scores, hypotheses = score(model, beam, lenpen)
     (run_dir / "eval").mkdir(exist_ok=True)
