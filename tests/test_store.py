@@ -385,3 +385,13 @@ def test_a_sample_sentencepiece_refuses_is_a_clear_error_only_where_a_vocabulary
     reused = config(tmp_path, corpus)
     prepare(reused, Path(reused.train.run_dir), quiet=True)
     prepare(cfg, Path(cfg.train.run_dir), quiet=True)  # the vocabulary is reused: the setting plays no part
+
+def test_half_a_test_split_is_refused_at_the_start_when_training_will_score_it(tmp_path):
+    """The end of training scores the test split; one side's file missing is said before the vocabulary and
+    store are built, not when training ends. With train.finish off nothing reads it."""
+    corpus = write_corpus(tmp_path / "c", n_train=50, n_valid=8)
+    (corpus / "test.de").write_text("ein satz\n", encoding="utf-8")
+    with pytest.raises(UserError, match="no such file: .*test.en"):
+        prepare(from_dict(tiny_config(tmp_path, data_dir=corpus, train={"finish": True})), tmp_path / "run")
+    assert not (tmp_path / "run" / "spm.model").exists()
+    prepare(from_dict(tiny_config(tmp_path, data_dir=corpus, train={"finish": False})), tmp_path / "run")

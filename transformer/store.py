@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from transformer.atomic import atomic_write
 from transformer.config import Config
-from transformer.corpus import SPLIT_ALIASES, RawSplit, chain_lines, open_split
+from transformer.corpus import SPLIT_ALIASES, RawSplit, chain_lines, has_split, open_split
 from transformer.data import keep_mask
 from transformer.errors import UserError
 from transformer.vocab import Vocab, train_vocab
@@ -385,6 +385,8 @@ def prepare(cfg: Config, run_dir: Path, vocab: Optional[Vocab] = None, quiet: bo
         store = _store_without_corpus(cfg, run_dir, vocab, missing)
         log_counts(store, cfg.data.max_len)
         return store
+    if cfg.train.finish:  # half a test split stops the end of training: said now, not hours from now
+        has_split(cfg.data, cfg.data.test_split)
     if vocab is None:
         if not (run_dir / "spm.model").is_file():
             count_pairs(raw)  # a bad validation split found before the vocabulary is trained, not after
