@@ -20,6 +20,7 @@ from transformer.device import pick_precision
 from transformer.errors import UserError
 from transformer.finish import LENPENS, _search_settings
 from transformer.model import training_flops
+from transformer.store import Store
 from transformer.train import train
 
 
@@ -67,6 +68,8 @@ def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path,
     assert load_config(run_dir / "config.yaml").decode.lenpen == summary["decode"]["lenpen"]
     err = capsys.readouterr().err
     assert "summary: test BLEU" in err and "summary: use" in err and "final.pt" in err
+    kept = len(Store(run_dir / "store").corpus("valid"))  # 10 of the 12: not the raw split evaluate reads
+    assert kept < 12 and f"finish: choosing on the {kept} validation pairs training kept" in err
     # The test translations are where the summary says.
     assert len((run_dir / "eval" / "test.final.hyp").read_text().splitlines()) == 12
     # Resumed with nothing left to train (a job script that always passes --resume), with settings of its own: the

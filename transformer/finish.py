@@ -155,6 +155,8 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
     models = {name: model_from_checkpoint(state, device) for name, state in candidates.items()}
     vocab = next(iter(models.values()))[1]
     score = _Scorer(cfg, [valid.source(i) for i in range(len(valid))], store.references("valid"), vocab, device)
+    log.info("finish: choosing on the %d validation pairs training kept (data.max_valid_pairs, data.max_len); "
+             "`transformer evaluate --split valid` translates the whole split", len(valid))
 
     # The checkpoint first, at the config's search settings; then the settings for that checkpoint.
     valid_scores = {name: score(model, cfg.decode.beam, cfg.decode.lenpen)[0] for name, (model, _, _) in models.items()}
