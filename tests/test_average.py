@@ -29,6 +29,9 @@ def test_average_two_files_is_the_mean_and_loads(run, tmp_path, call):
 def test_average_last_n_of_run_dir(run, call):
     status, out, _ = call("average", run, "--last", "2")
     assert status == 0 and (run / "averaged.pt").is_file()
+    assert out.startswith("averaged 2 checkpoints (step_")
+    status, out, _ = call("average", run, "--last", "1", "--output", run.parent / "one.pt")
+    assert status == 0 and out.startswith("averaged 1 checkpoint (step_") and ".pt: its weights alone) into" in out
     status, _, err = call("average", run, "--last", "3")
     assert status == 2 and "holds 2" in err
 

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -460,6 +461,34 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env,
     assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == 0
     assert len(output.read_text(encoding="utf-8").splitlines()) == 2 and not partial.exists()
     assert output.stat().st_mode & 0o777 == 0o600
+
+
+def test_sigterm_during_translate_output_keeps_the_output_and_says_where_the_lines_are(env, monkeypatch, tmp_path,
+                                                                                      call):
+    """SIGTERM (kill, a scheduler) ends a translate --output like Ctrl-C: FILE unchanged, FILE.partial named."""
+    from transformer import translate_io
+    from transformer.translate import Translator
+
+    output = tmp_path / "out.txt"
+    output.write_text("yesterday's translations\n", encoding="utf-8")
+    real, calls, before = Translator.translate_nbest, [], signal.getsignal(signal.SIGTERM)
+
+    def terminated_in_second_chunk(self, lines, nbest=1):
+        calls.append(lines)
+        if len(calls) == 2:
+            handler = signal.getsignal(signal.SIGTERM)
+            assert callable(handler), "SIGTERM would end the process before FILE.partial is reported"
+            handler(signal.SIGTERM, None)  # as its delivery would, without risking this test process
+        return real(self, lines, nbest)
+
+    monkeypatch.setattr(translate_io, "CHUNK_LINES", 1)
+    monkeypatch.setattr(Translator, "translate_nbest", terminated_in_second_chunk)
+    status, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
+    assert status == 143 and output.read_text(encoding="utf-8") == "yesterday's translations\n"
+    partial = tmp_path / "out.txt.partial"
+    assert len(partial.read_text(encoding="utf-8").splitlines()) == 1
+    assert f"{output} is unchanged, and what was translated is in {partial}" in err
+    assert signal.getsignal(signal.SIGTERM) == before  # given back
 
 
 def test_translate_output_dev_stdout_appended_to_a_log(env, tmp_path):

@@ -160,4 +160,6 @@ def cmd_average(args: argparse.Namespace) -> None:
     from transformer.average import average
 
     target, paths = average(args.inputs, args.last, args.output)
-    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) into {target}")
+    names = ", ".join(p.name for p in paths)
+    what = f"1 checkpoint ({names}: its weights alone)" if len(paths) == 1 else f"{len(paths)} checkpoints ({names})"
+    print(f"averaged {what} into {target}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import stat
 import sys
 from pathlib import Path
@@ -116,7 +117,7 @@ def output_lines(output: Optional[str]) -> Iterator[TextIO]:
     final = Path(os.path.realpath(output))
     partial = check_output_path(final.with_name(final.name + PARTIAL_SUFFIX), command="translate")
     final.parent.mkdir(parents=True, exist_ok=True)
-    with open(partial, "w", encoding="utf-8") as f:
+    with open(partial, "w", encoding="utf-8") as f, _terminate_as_exit():
         try:
             yield f
             f.flush()
@@ -132,6 +133,24 @@ def output_lines(output: Optional[str]) -> Iterator[TextIO]:
     if final.exists():
         os.chmod(partial, stat.S_IMODE(final.stat().st_mode))
     os.replace(partial, final)
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (`kill`, a job scheduler) raises SystemExit(143) as Ctrl-C raises KeyboardInterrupt, so that
+    output_lines says where the translated lines are; by default it would end the process on the spot."""
+    def handle(signum, frame):
+        raise SystemExit(143)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handle)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def write_nbest(out: TextIO, results: list[list[tuple[float, str]]], nbest: int) -> None:
