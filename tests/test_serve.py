@@ -320,6 +320,9 @@ def test_ctranslate2_engine_serves_translate_and_our_model_the_page(ctranslate2,
                                           engine="ctranslate2"))) as theirs:
         assert ours.get("/info").json()["decode"]["engine"] == "ours"
         assert theirs.get("/info").json()["decode"]["engine"] == "ctranslate2"
+        # /translate's stop rule: CTranslate2 stops once `beam` hypotheses have finished, whatever decode.stop says
+        assert (ours.get("/info").json()["decode"]["stop"], theirs.get("/info").json()["decode"]["stop"]) == \
+            ("exact", "early")
         expected = post(ours, "/translate", {"text": lines, "beam": 1})["translations"]
         assert not calls
         got = post(theirs, "/translate", {"text": lines, "beam": 1})["translations"]

@@ -160,7 +160,9 @@ class Service:
                            **_validation_at(path.parent, run.get("step"))} if run else None,
             "model": {**asdict(m), "parameters": d.parameters},
             "vocab_size": len(self.vocab), "languages": [self.cfg.data.src_lang, self.cfg.data.tgt_lang],
-            "decode": {"engine": d.engine, "beam": d.beam, "lenpen": d.lenpen, "stop": d.stop,
+            # CTranslate2 has one stop rule, ours "early" (the page, /beam, still searches with ours)
+            "decode": {"engine": d.engine, "beam": d.beam, "lenpen": d.lenpen,
+                       "stop": "early" if d.engine == "ctranslate2" else d.stop,
                        "max_len_offset": d.max_len_offset, "max_tokens": d.max_tokens, "workers": d.workers},
             "device": str(d.device), "dtype": d.dtype, "limits": {**asdict(self.settings), "max_beam": self.max_beam},
         }
