@@ -434,47 +434,22 @@ def test_translate_that_fails_keeps_the_previous_output(env, monkeypatch, tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
 
 
-def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env, monkeypatch, tmp_path, call):
+@pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env, monkeypatch, tmp_path, call,
+                                                                           signal_name, status):
+    """Ctrl-C, or SIGTERM (kill, a job scheduler), mid-file: FILE unchanged, FILE.partial named."""
     from transformer import translate_io
     from transformer.translate import Translator
 
     output = tmp_path / "out.txt"
     output.write_text("yesterday's translations\n", encoding="utf-8")
     output.chmod(0o600)  # private translations stay private when replaced
-    real, calls = Translator.translate_nbest, []
+    real, calls, before = Translator.translate_nbest, [], signal.getsignal(signal.SIGTERM)
 
     def stop_in_second_chunk(self, lines, nbest=1):
         calls.append(lines)
-        if len(calls) == 2:
+        if len(calls) == 2 and signal_name == "SIGINT":
             raise KeyboardInterrupt
-        return real(self, lines, nbest)
-
-    monkeypatch.setattr(translate_io, "CHUNK_LINES", 1)
-    monkeypatch.setattr(Translator, "translate_nbest", stop_in_second_chunk)
-    status, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
-    assert status == 130 and output.read_text(encoding="utf-8") == "yesterday's translations\n"
-    partial = tmp_path / "out.txt.partial"
-    assert len(partial.read_text(encoding="utf-8").splitlines()) == 1  # the first line's translation
-    assert f"{output} is unchanged, and what was translated is in {partial}" in err
-
-    monkeypatch.setattr(Translator, "translate_nbest", real)
-    assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == 0
-    assert len(output.read_text(encoding="utf-8").splitlines()) == 2 and not partial.exists()
-    assert output.stat().st_mode & 0o777 == 0o600
-
-
-def test_sigterm_during_translate_output_keeps_the_output_and_says_where_the_lines_are(env, monkeypatch, tmp_path,
-                                                                                      call):
-    """SIGTERM (kill, a scheduler) ends a translate --output like Ctrl-C: FILE unchanged, FILE.partial named."""
-    from transformer import translate_io
-    from transformer.translate import Translator
-
-    output = tmp_path / "out.txt"
-    output.write_text("yesterday's translations\n", encoding="utf-8")
-    real, calls, before = Translator.translate_nbest, [], signal.getsignal(signal.SIGTERM)
-
-    def terminated_in_second_chunk(self, lines, nbest=1):
-        calls.append(lines)
         if len(calls) == 2:
             handler = signal.getsignal(signal.SIGTERM)
             assert callable(handler), "SIGTERM would end the process before FILE.partial is reported"
@@ -482,13 +457,18 @@ def test_sigterm_during_translate_output_keeps_the_output_and_says_where_the_lin
         return real(self, lines, nbest)
 
     monkeypatch.setattr(translate_io, "CHUNK_LINES", 1)
-    monkeypatch.setattr(Translator, "translate_nbest", terminated_in_second_chunk)
-    status, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
-    assert status == 143 and output.read_text(encoding="utf-8") == "yesterday's translations\n"
+    monkeypatch.setattr(Translator, "translate_nbest", stop_in_second_chunk)
+    got, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
+    assert got == status and output.read_text(encoding="utf-8") == "yesterday's translations\n"
     partial = tmp_path / "out.txt.partial"
-    assert len(partial.read_text(encoding="utf-8").splitlines()) == 1
+    assert len(partial.read_text(encoding="utf-8").splitlines()) == 1  # the first line's translation
     assert f"{output} is unchanged, and what was translated is in {partial}" in err
     assert signal.getsignal(signal.SIGTERM) == before  # given back
+
+    monkeypatch.setattr(Translator, "translate_nbest", real)
+    assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == 0
+    assert len(output.read_text(encoding="utf-8").splitlines()) == 2 and not partial.exists()
+    assert output.stat().st_mode & 0o777 == 0o600
 
 
 def test_translate_output_dev_stdout_appended_to_a_log(env, tmp_path):
