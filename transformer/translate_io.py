@@ -139,18 +139,16 @@ def output_lines(output: Optional[str]) -> Iterator[TextIO]:
 def _terminate_as_exit() -> Iterator[None]:
     """SIGTERM (`kill`, a job scheduler) raises SystemExit(143) as Ctrl-C raises KeyboardInterrupt, so that
     output_lines says where the translated lines are; by default it would end the process on the spot."""
-    def handle(signum, frame):
-        raise SystemExit(143)
+    from transformer.resume import restore_handlers, set_stop_handlers
 
-    try:
-        previous = signal.signal(signal.SIGTERM, handle)
-    except ValueError:  # not the main thread: signals are not ours to handle
-        yield
-        return
+    def handle(signum, frame):
+        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(143)
+
+    previous = set_stop_handlers(handle)  # the main thread's only, as training's stop handlers
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        restore_handlers(previous, handle)
 
 
 def write_nbest(out: TextIO, results: list[list[tuple[float, str]]], nbest: int) -> None:
