@@ -307,6 +307,19 @@ def test_ctranslate2_engine_greedy_equals_ours(ctranslate2, copy_model, capsys, 
     assert status == 0 and out.splitlines() == ours[:5] and "converting" not in err
 
 
+def test_ctranslate2_engine_auto_dtype_is_one_ctranslate2_computes(ctranslate2, copy_model, monkeypatch, call):
+    """auto means bf16 for our engine on a CPU with native bf16, but CTranslate2's CPU builds compute no bf16:
+    the default --dtype must not turn --engine ctranslate2 into an error there."""
+    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    monkeypatch.setattr(ctranslate2, "get_supported_compute_types", lambda device: {"float32", "int8"})
+    status, out, err = call("translate", copy_model, "--engine", "ctranslate2", "--beam", "1", LINES[0])
+    assert status == 0 and len(out.splitlines()) == 1, err
+    assert "dtype: fp32 (auto: CTranslate2 has no bf16 on this cpu)" in err
+    assert pick_dtype("auto", torch.device("cpu"))[0] == "bf16"  # ours, on the same CPU
+    monkeypatch.setattr(ctranslate2, "get_supported_compute_types", lambda device: {"float32", "bfloat16"})
+    assert pick_dtype("auto", torch.device("cpu"), "ctranslate2")[0] == "bf16"
+
+
 def test_ctranslate2_engine_says_it_ignores_an_exact_stop(ctranslate2, copy_model, call):
     status, out, err = call("translate", copy_model, "--engine", "ctranslate2", "--stop", "exact", "--dtype", "fp32",
                             LINES[0])

@@ -30,13 +30,20 @@ TRUNCATION_WARNINGS = 5  # lines named one by one before the rest are only count
 CT2_COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
 
 
-def pick_dtype(name: str, device: torch.device) -> tuple[str, str]:
+def pick_dtype(name: str, device: torch.device, engine: str = "ours") -> tuple[str, str]:
     """-> (fp32|bf16|int8, why). "auto" takes the fastest that keeps BLEU: bf16 on a CUDA device that supports
-    it and on a CPU with native bf16, else fp32 (int8 is never chosen for you: it changes more outputs)."""
+    it and on a CPU with native bf16, else fp32 (int8 is never chosen for you: it changes more outputs). For
+    CTranslate2, bf16 only where CTranslate2 itself computes it on the device (its CPU builds do not)."""
     if name not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     if name != "auto":
         return name, "asked for"
+    if engine == "ctranslate2":
+        from transformer.export import require_ctranslate2
+
+        if "bfloat16" in require_ctranslate2().get_supported_compute_types(device.type):
+            return "bf16", f"auto: CTranslate2 computes bf16 on this {device.type}"
+        return "fp32", f"auto: CTranslate2 has no bf16 on this {device.type}"
     return auto_precision(device)
 
 
@@ -211,7 +218,7 @@ class Translator:
         if engine not in ENGINES:
             raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.device = pick_device(device)
-        self.dtype, why = pick_dtype(dtype, self.device)
+        self.dtype, why = pick_dtype(dtype, self.device, engine)
         self.engine = engine
         state = load_checkpoint(resolve_checkpoint(checkpoint))
         self.model, self.vocab, self.cfg = model_from_checkpoint(state, self.device if engine == "ours" else "cpu")
