@@ -14,9 +14,13 @@ from transformer import evaluate as evaluate_module
 from transformer.evaluate import bleu_chrf
 from transformer.translate import Translator
 
+# Result names carry the dtype unless it is fp32, and --dtype auto is bf16 on CPUs with native bf16: tests of
+# the names pin fp32 so they hold on any CPU.
+FP32 = ("--dtype", "fp32")
+
 
 def test_evaluate_writes_hypotheses_and_scores(run, call):
-    status, out, _ = call("evaluate", run, "--split", "test", "--beam", "2")
+    status, out, _ = call("evaluate", run, "--split", "test", "--beam", "2", *FP32)
     assert status == 0
     hyp = (run / "eval" / "test.beam2.lp0.6.hyp").read_text(encoding="utf-8").split("\n")[:-1]
     assert len(hyp) == len((run.parent / "data" / "test.de").read_text(encoding="utf-8").splitlines())
@@ -25,7 +29,7 @@ def test_evaluate_writes_hypotheses_and_scores(run, call):
     assert "tok:13a" in scores["bleu_signature"] and "case:mixed" in scores["chrf_signature"]
     assert "BLEU" in out and "chrF" in out and scores["bleu_signature"] in out
     # Another beam writes beside it instead of over it.
-    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "1", "--lenpen", "0")
+    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "1", "--lenpen", "0", *FP32)
     assert status == 0 and json.loads((run / "eval" / "test.beam1.lp0.json").read_text())["beam"] == 1
     assert json.loads((run / "eval" / "test.beam2.lp0.6.json").read_text())["beam"] == 2
 
@@ -45,7 +49,7 @@ def test_evaluate_src_from_a_pipe_names_its_results_pipe(run, tmp_path, call):
                               daemon=True)
     writer.start()
     (tmp_path / "a.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
-    status, out, err = call("evaluate", run, "--src", fifo, "--ref", tmp_path / "a.en", "--beam", "1")
+    status, out, err = call("evaluate", run, "--src", fifo, "--ref", tmp_path / "a.en", "--beam", "1", *FP32)
     writer.join(timeout=10)
     assert status == 0 and not writer.is_alive(), err
     record = json.loads((run / "eval" / "pipe.beam1.lp0.6.json").read_text())
@@ -159,7 +163,7 @@ def test_length_ratio_is_hypothesis_over_reference():
 def test_two_checkpoints_of_one_run_write_results_of_their_own(run, call):
     """evaluate RUN/best.pt and RUN/step_...pt on the same split must not overwrite each other's results."""
     for name in ("best", "step_00000100"):
-        status, _, err = call("evaluate", run / f"{name}.pt", "--split", "test", "--beam", "1")
+        status, _, err = call("evaluate", run / f"{name}.pt", "--split", "test", "--beam", "1", *FP32)
         assert status == 0, err
     assert (run / "eval" / "best.test.beam1.lp0.6.json").is_file()
     assert (run / "eval" / "step_00000100.test.beam1.lp0.6.json").is_file()
@@ -174,7 +178,7 @@ def test_other_sentences_under_the_same_file_name_do_not_overwrite_results(run, 
     evaluated = []
     for corpus in ("wmt14", "wmt17", "wmt14"):
         status, _, err = call("evaluate", run, "--src", tmp_path / corpus / "newstest.de",
-                              "--ref", tmp_path / corpus / "newstest.en", "--beam", "1")
+                              "--ref", tmp_path / corpus / "newstest.en", "--beam", "1", *FP32)
         assert status == 0, err
         evaluated.append(err)
     results = sorted((run / "eval").glob("newstest.de*.beam1.lp0.6.json"))
@@ -187,17 +191,17 @@ def test_other_sentences_under_the_same_file_name_do_not_overwrite_results(run, 
     for corpus, edited in (("wmt14", SENTENCES[1:3] + SENTENCES[:1]), ("wmt17", SENTENCES[2:0:-1] + SENTENCES[:1])):
         (tmp_path / corpus / "newstest.de").write_text("\n".join(edited) + "\n", encoding="utf-8")
         status, _, err = call("evaluate", run, "--src", tmp_path / corpus / "newstest.de",
-                              "--ref", tmp_path / corpus / "newstest.en", "--beam", "1")
+                              "--ref", tmp_path / corpus / "newstest.en", "--beam", "1", *FP32)
         assert status == 0 and "other sentences" not in err, err
     assert sorted(p.name for p in (run / "eval").glob("newstest.de*.beam1.lp0.6.json")) == sorted(by_src.values())
 
 
 def test_the_same_split_replaces_its_results_though_its_sentences_changed(run, call):
-    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "3")
+    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "3", *FP32)
     record = run / "eval" / "test.beam3.lp0.6.json"
     changed = {**json.loads(record.read_text()), "inputs_sha256": "0" * 64}  # as if the test files were edited
     record.write_text(json.dumps(changed))
-    status, _, err = call("evaluate", run, "--split", "test", "--beam", "3")
+    status, _, err = call("evaluate", run, "--split", "test", "--beam", "3", *FP32)
     assert status == 0 and "other sentences" not in err
     assert json.loads(record.read_text())["inputs_sha256"] != "0" * 64
     assert not list((run / "eval").glob("test.*.beam3.lp0.6.json"))
