@@ -1,5 +1,6 @@
-"""Inference weight formats (transformer/quantize.py): input-major float linears compute what nn.Linear does, and
-a model converted to them searches the same hypotheses; the Translator uses them for fp32 on a CPU."""
+"""Inference weight formats (transformer/quantize.py): input-major float linears and packed bf16 linears compute
+what nn.Linear does, and a model converted to them searches the same hypotheses; the Translator uses them for fp32
+and bf16 on a CPU."""
 
 import copy
 import sys
@@ -11,7 +12,7 @@ from torch import nn
 from tests.conftest import LINES
 from transformer.batch import prepare_sources
 from transformer.checkpoint import load_model
-from transformer.quantize import InputMajorLinear, input_major
+from transformer.quantize import InputMajorLinear, PackedBF16Linear, can_pack_bf16, input_major, pack_bf16
 from transformer.search import search
 from transformer.translate import Translator
 
@@ -50,10 +51,33 @@ def test_input_major_model_searches_the_same(copy_model):
     assert len({tuple(h[0].tokens) for h in a.hypotheses}) > len(LINES) // 2  # varied outputs: the check means something
 
 
-def test_translator_uses_input_major_weights_for_fp32_on_a_cpu(run):
+def test_translator_uses_input_major_weights_for_fp32_and_packed_ones_for_bf16_on_a_cpu(run, monkeypatch):
     assert isinstance(Translator(run, device="cpu").model.output, InputMajorLinear)
     bf16 = Translator(run, device="cpu", dtype="bf16").model
-    assert isinstance(bf16.output, nn.Linear) and bf16.output.weight.dtype == torch.bfloat16  # measured for fp32 only
+    assert isinstance(bf16.output, PackedBF16Linear if can_pack_bf16() else nn.Linear)
+    assert bf16.tgt_embed.weight.dtype == torch.bfloat16
+    # Where oneDNN has no bf16 kernel (CPUs without AVX512-BF16/AMX), the weights are only cast.
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    plain = Translator(run, device="cpu", dtype="bf16").model
+    assert isinstance(plain.output, nn.Linear) and plain.output.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not can_pack_bf16(), reason="oneDNN runs no bf16 on this CPU (no AVX512-BF16/AMX)")
+def test_packed_bf16_search_equals_the_plain_bf16_one(copy_model):
+    model, vocab, _ = load_model(copy_model)
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    packed = pack_bf16(copy.deepcopy(model))
+    assert isinstance(packed.output, PackedBF16Linear)
+    assert not any(isinstance(m, nn.Linear) for m in packed.modules())  # every projection packed
+    src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
+    for beam in (1, 3):
+        with torch.inference_mode():
+            a = search(plain, src, beam=beam, nbest=beam)
+            b = search(packed, src, beam=beam, nbest=beam)
+        # The same oneDNN product, only without the per-call weight reorder: the same numbers, not merely close.
+        assert [[(h.tokens, h.score) for h in hyps] for hyps in a.hypotheses] == \
+            [[(h.tokens, h.score) for h in hyps] for hyps in b.hypotheses]
+    assert len({tuple(h[0].tokens) for h in a.hypotheses}) > len(LINES) // 2
 
 
 def test_int8_without_torch_dynamic_quantization_is_a_one_line_error(run, monkeypatch, call):

@@ -1,5 +1,6 @@
 """How the linear layers hold their weights for CPU inference: int8 (dynamic quantization: weights int8,
-activations quantized on the fly), or float stored input-major, (in, out), for MKL's faster untransposed product."""
+activations quantized on the fly), fp32 stored input-major, (in, out), for MKL's faster untransposed product, or
+bf16 packed once into oneDNN's blocked layout for CPUs with native bf16 (AMX / AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -60,4 +61,46 @@ def input_major(model: nn.Module) -> nn.Module:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, InputMajorLinear(child))
+    return model.eval()
+
+
+def can_pack_bf16() -> bool:
+    """Whether PackedBF16Linear runs here: a torch with oneDNN's linear ops, on a CPU that oneDNN runs bf16 on
+    (AVX512-BF16/AMX; on others oneDNN has no bf16 kernel and a plain cast is all there is)."""
+    mkldnn = torch.ops.mkldnn
+    if not torch.backends.mkldnn.is_available() or not all(
+            hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")):
+        return False
+    return bool(mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedBF16Linear(nn.Module):
+    """nn.Linear for bf16 inference on a CPU: the weight reordered once into oneDNN's blocked layout, which a
+    plain bf16 F.linear reorders again at every call, reading and writing the whole weight for decoding's few
+    rows (a search 5-6 % faster end to end; docs/PERFORMANCE.md, "bf16 on a CPU with AMX"). The product is the
+    same oneDNN kernel, so outputs are identical to F.linear in bf16. The packed weight is an opaque oneDNN
+    tensor: it cannot be copied, saved or moved, only multiplied."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().to(torch.bfloat16)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)  # (out, in), blocked
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def pack_bf16(model: nn.Module) -> nn.Module:
+    """`model` in bf16, changed in place for CPU inference: every nn.Linear becomes a PackedBF16Linear where this
+    torch can pack (can_pack_bf16); otherwise only cast. A tied output projection gets its own packed copy."""
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        raise ValueError("packed bf16 weights are a CPU layout")
+    model = model.to(torch.bfloat16)
+    if can_pack_bf16():
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, PackedBF16Linear(child))
     return model.eval()

@@ -254,6 +254,10 @@ class Translator:
             self.ct2 = self._load_ctranslate2(checkpoint)
             if not keep_model:
                 self.model = None  # converted: the PyTorch copy is not needed any more
+        elif self.dtype == "bf16" and self.device.type == "cpu":
+            from transformer.quantize import pack_bf16
+
+            self.model = pack_bf16(self.model)
         elif self.dtype == "bf16":
             self.model = self.model.to(torch.bfloat16)
         elif self.dtype == "int8":
