@@ -2,7 +2,8 @@
 """Where decoding time goes, encoder against decoder, for our search and for CTranslate2 on the same weights.
 
     python scripts/bench_phases.py data/multi30k/test.de --checkpoint runs/multi30k [--beam 1] [--threads 1]
-        [--limit 500] [--rounds 6] [--no-ctranslate2] [--json phases.json]
+        [--dtype fp32] [--stop early] [--limit 500] [--rounds 6] [--no-ctranslate2] [--profile 12]
+        [--json phases.json]
 
 Per engine, two passes over the same batches of subword ids (tokenisation excluded), timed in interleaved rounds
 (every pass once per round, the order reversed every other round, against this machine's drift):
@@ -11,6 +12,7 @@ Per engine, two passes over the same batches of subword ids (tokenisation exclud
 - CTranslate2: `translate_batch` with max_decoding_length=1 (the encoder and one decoder step: it has no
   encoder-only call for a translator), and the whole search (`ctranslate2_search`, as `--engine ctranslate2`).
 The decoder's share is the whole pass less the first one. One search at a time (1 worker) on --threads threads.
+--profile N: one more pass of our whole search under torch.profiler, and its N operators with the most time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from transformer.batch import padding_mask, prepare_sources
 from transformer.corpus import read_lines
 from transformer.device import cpu_description
 from transformer.model import evaluating
+from transformer.search import STOP_RULES
 from transformer.translate import Translator, source_batches
 
 
@@ -44,20 +47,37 @@ def interleaved(passes: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def operator_profile(run, top: int) -> list[dict]:
+    """The `top` operators of one call of `run` by self CPU time: name, seconds, share of all operators' time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total,
+             "calls": e.count} for e in events[:top]]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="source sentences, one per line")
     ap.add_argument("--checkpoint", required=True, help="run directory or checkpoint file")
     ap.add_argument("--beam", type=int, default=1)
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                    help="ours; CTranslate2 runs int8 for int8, else fp32 (it has no bf16 on a CPU)")
+    ap.add_argument("--stop", choices=STOP_RULES, default="early", help="our stop rule (default early)")
     ap.add_argument("--threads", type=int, default=1, help="torch / CTranslate2 threads (default 1)")
     ap.add_argument("--limit", type=int, default=500, help="first N sentences (default 500)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--no-ctranslate2", action="store_true", help="time our engine only")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile one pass of our search and show its N costliest operators")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    ours = Translator(args.checkpoint, device="cpu", dtype="fp32", beam=args.beam, workers=1, stop="early")
+    ours = Translator(args.checkpoint, device="cpu", dtype=args.dtype, beam=args.beam, workers=1, stop=args.stop)
     lines = read_lines(args.source)[: args.limit]
     ids = ours.encode(lines)
     model, positions = ours.model, ours.cfg.model.max_positions
@@ -72,8 +92,8 @@ def main(argv=None) -> int:
 
     passes = {"ours: encoder": ours_encoder, "ours: whole search": lambda: ours.search(ids)}
     if not args.no_ctranslate2:
-        ct2 = Translator(args.checkpoint, device="cpu", dtype="fp32", beam=args.beam, workers=1,
-                         engine="ctranslate2")
+        ct2 = Translator(args.checkpoint, device="cpu", dtype="int8" if args.dtype == "int8" else "fp32",
+                         beam=args.beam, workers=1, engine="ctranslate2")
         torch.set_num_threads(args.threads)
         pieces = [[ct2.vocab.pieces(ids[i]) for i in batch] for batch in batches]
 
@@ -87,8 +107,8 @@ def main(argv=None) -> int:
     times = interleaved(passes, args.rounds)
     median = {name: statistics.median(t) for name, t in times.items()}
 
-    print(f"cpu, {len(ids)} sentences in {len(batches)} batches, beam {args.beam}, {args.threads} thread(s), "
-          f"{args.rounds} rounds")
+    print(f"cpu, {len(ids)} sentences in {len(batches)} batches, beam {args.beam}, ours {args.dtype} "
+          f"{args.stop}, {args.threads} thread(s), {args.rounds} rounds")
     print(f"{'pass':32} {'median s':>9}  rounds")
     for name, t in times.items():
         print(f"{name:32} {median[name]:9.3f}  {' '.join(f'{x:.2f}' for x in t)}")
@@ -103,11 +123,18 @@ def main(argv=None) -> int:
     if len(split) == 2:
         print(f"CTranslate2's time / ours: whole {split['CTranslate2']['whole_s'] / split['ours']['whole_s']:.2f}, "
               f"decoder {split['CTranslate2']['rest_s'] / split['ours']['rest_s']:.2f}")
+    profile = operator_profile(lambda: ours.search(ids), args.profile) if args.profile else []
+    if profile:
+        print(f"ours, one pass under torch.profiler: the {len(profile)} operators with the most self time")
+        print(f"{'operator':52} {'self s':>8} {'share':>6} {'calls':>7}")
+        for op in profile:
+            print(f"{op['op'][:52]:52} {op['self_s']:8.3f} {op['share']:6.1%} {op['calls']:7d}")
     if args.json:
         args.json.write_text(json.dumps({
             "source": args.source, "checkpoint": str(args.checkpoint), "sentences": len(ids), "batches": len(batches),
-            "beam": args.beam, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
-            "cpu": cpu_description(), "times_s": times, "split": split}, indent=2) + "\n")
+            "beam": args.beam, "dtype": args.dtype, "stop": args.stop, "threads": args.threads,
+            "rounds": args.rounds, "torch": torch.__version__, "cpu": cpu_description(), "times_s": times,
+            "split": split, "profile": profile}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

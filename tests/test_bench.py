@@ -149,7 +149,7 @@ def test_bench_phases_splits_encoder_from_decoder(untrained_checkpoint, tmp_path
     out = tmp_path / "phases.json"
     result = subprocess.run([sys.executable, "scripts/bench_phases.py", str(tmp_path / "test.de"), "--checkpoint",
                              str(untrained_checkpoint), "--beam", "2", "--rounds", "3", "--json", str(out),
-                             *(["--no-ctranslate2"] if engines == "ours" else [])],
+                             *(["--no-ctranslate2", "--profile", "4"] if engines == "ours" else [])],
                             capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -162,3 +162,10 @@ def test_bench_phases_splits_encoder_from_decoder(untrained_checkpoint, tmp_path
         first, whole = (statistics.median(t) for name, t in report["times_s"].items() if name.startswith(engine))
         assert split == pytest.approx({"first_s": first, "whole_s": whole, "rest_s": whole - first})
         assert f"{engine:12} first pass {first:.3f}s" in result.stdout
+    profile = report["profile"]
+    if engines == "ours":  # the costliest operators first, each a share of all operators' time
+        assert len(profile) == 4 and all(op["calls"] > 0 and 0 < op["share"] <= 1 for op in profile)
+        assert [op["self_s"] for op in profile] == sorted((op["self_s"] for op in profile), reverse=True)
+        assert sum(op["share"] for op in profile) <= 1 + 1e-9 and profile[0]["op"] in result.stdout
+    else:
+        assert profile == []
