@@ -55,12 +55,17 @@ class InputMajorLinear(nn.Module):
 def input_major(model: nn.Module) -> nn.Module:
     """`model`, changed in place for CPU inference: every nn.Linear becomes an InputMajorLinear. A tied output
     projection gets its own transposed copy of the shared matrix; the embeddings keep theirs."""
+    return _replace_linears(model, InputMajorLinear, "input-major weights")
+
+
+def _replace_linears(model: nn.Module, make, layout: str) -> nn.Module:
+    """`model` in eval mode with every nn.Linear replaced, in place, by make(linear): a CPU-only layout."""
     if any(p.device.type != "cpu" for p in model.parameters()):
-        raise ValueError("input-major weights are a CPU layout")
+        raise ValueError(f"{layout} are a CPU layout")
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, InputMajorLinear(child))
+                setattr(module, name, make(child))
     return model.eval()
 
 
@@ -95,12 +100,5 @@ class PackedBF16Linear(nn.Module):
 def pack_bf16(model: nn.Module) -> nn.Module:
     """`model` in bf16, changed in place for CPU inference: every nn.Linear becomes a PackedBF16Linear where this
     torch can pack (can_pack_bf16); otherwise only cast. A tied output projection gets its own packed copy."""
-    if any(p.device.type != "cpu" for p in model.parameters()):
-        raise ValueError("packed bf16 weights are a CPU layout")
     model = model.to(torch.bfloat16)
-    if can_pack_bf16():
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(module, name, PackedBF16Linear(child))
-    return model.eval()
+    return _replace_linears(model, PackedBF16Linear, "packed bf16 weights") if can_pack_bf16() else model.eval()

@@ -41,7 +41,7 @@ def pick_dtype(name: str, device: torch.device, engine: str = "ours") -> tuple[s
     if engine == "ctranslate2":
         from transformer.export import require_ctranslate2
 
-        if "bfloat16" in require_ctranslate2().get_supported_compute_types(device.type):
+        if CT2_COMPUTE_TYPES["bf16"] in require_ctranslate2().get_supported_compute_types(device.type):
             return "bf16", f"auto: CTranslate2 computes bf16 on this {device.type}"
         return "fp32", f"auto: CTranslate2 has no bf16 on this {device.type}"
     return auto_precision(device)
