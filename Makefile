@@ -10,6 +10,9 @@ CONFIG      ?= configs/multi30k.yaml
 # downloads Multi30k from the Hugging Face hub through `datasets`.
 DATA_MIRROR ?= ../shared/data
 ARGS        ?=
+# Test processes side by side (pytest-xdist): every test runs one thread, so the suite scales with the cores;
+# a module's tests stay in one process (its fixtures are built once). TEST_JOBS=0 runs them in this process.
+TEST_JOBS   ?= auto
 
 .PHONY: install data train test clean
 
@@ -40,7 +43,7 @@ train: install data
 	$(PY) -m transformer train $(CONFIG) --resume $(ARGS)
 
 test: install
-	TRANSFORMER_DATA="$(abspath $(DATA_MIRROR))" $(PY) -m pytest -q tests
+	TRANSFORMER_DATA="$(abspath $(DATA_MIRROR))" $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope tests
 
 clean:
 	rm -rf $(VENV) data build *.egg-info .pytest_cache
