@@ -219,36 +219,6 @@ def test_cached_decoding_matches_full(norm):
     assert cache.self_attn[0].k.shape == (3, 2, batch.tgt_in.size(1), 16)  # grew one step at a time
 
 
-def test_fused_qkv_gives_the_same_outputs_padded_and_cached():
-    """Inference's one Q/K/V product (fuse_qkv) holds the same weights: encoder outputs over padded sources (the
-    packed-token path), teacher-forced logits and cached steps all match the three-projection model's."""
-    model = make_model()
-    fused = make_model().fuse_qkv()
-    assert all(a.qkv_proj is not None and not hasattr(a, "q_proj")
-               for a in fused.attention_modules()["encoder"] + fused.attention_modules()["decoder"])
-    assert all(a.qkv_proj is None and hasattr(a, "q_proj") for a in fused.attention_modules()["cross"])
-    batch = Batch.from_pairs(random_pairs(lengths=[(5, 6), (3, 2), (8, 4)], seed=5, vocab=VOCAB))
-    with torch.inference_mode():
-        memory, memory_fused = (m.encode(batch.src, batch.src_mask) for m in (model, fused))
-        torch.testing.assert_close(memory_fused, memory, **TOL)
-        full = model.decode(batch.tgt_in, memory, batch.src_mask, batch.tgt_mask)
-        torch.testing.assert_close(fused.decode(batch.tgt_in, memory, batch.src_mask, batch.tgt_mask), full, **TOL)
-        cache = fused.new_cache(memory, batch.src_mask)
-        steps = torch.cat([fused.decode(batch.tgt_in[:, t: t + 1], cache=cache)
-                           for t in range(batch.tgt_in.size(1))], dim=1)
-    real = batch.tgt_in != PAD_ID
-    torch.testing.assert_close(steps[real], full[real], **TOL)
-
-
-def test_fused_qkv_is_for_self_attention_only():
-    mha = MultiHeadAttention(32, 2, 0.0).eval()
-    mha.fuse_qkv()
-    x, memory = torch.randn(2, 3, 32), torch.randn(2, 5, 32)
-    assert mha(x, x, None).shape == (2, 3, 32)
-    with pytest.raises(ValueError, match="self-attention"):
-        mha(x, memory, None)
-
-
 def test_decode_with_a_cache_takes_no_memory():
     model = make_model()
     batch = Batch.from_pairs(random_pairs(lengths=[(5, 3), (4, 3)], vocab=VOCAB))

@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from tests.conftest import LINES
-from transformer.batch import padding_mask, prepare_sources
+from transformer.batch import prepare_sources
 from transformer.checkpoint import load_model
-from transformer.quantize import (InputMajorLinear, PackedBF16Linear, can_pack_bf16, input_major, pack_bf16,
-                                  quantize_int8)
+from transformer.quantize import InputMajorLinear, PackedBF16Linear, can_pack_bf16, input_major, pack_bf16
 from transformer.search import search
 from transformer.translate import Translator
 
@@ -87,32 +86,3 @@ def test_int8_without_torch_dynamic_quantization_is_a_one_line_error(run, monkey
     status, _, err = call("translate", run, "--dtype", "int8", "--device", "cpu", "ein hund")
     assert status == 2 and len(err.splitlines()) == 1, err
     assert "--dtype int8 needs torch's dynamic quantization" in err and "--engine ctranslate2" in err
-
-
-def test_fused_qkv_searches_the_same_in_fp32_and_int8(copy_model):
-    """The Translator fuses self-attention's Q/K/V (Transformer.fuse_qkv) before any weight format: the same
-    hypotheses in fp32, and in int8 too, where each projection keeps its own quantization scale (one per row)."""
-    model, vocab, _ = load_model(copy_model)
-    src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
-    for convert in (lambda m: m, quantize_int8):
-        plain, fused = convert(copy.deepcopy(model)), convert(copy.deepcopy(model).fuse_qkv())
-        for beam in (1, 3):
-            with torch.inference_mode():
-                a, b = search(plain, src, beam=beam, nbest=beam), search(fused, src, beam=beam, nbest=beam)
-            assert [[h.tokens for h in x] for x in a.hypotheses] == [[h.tokens for h in x] for x in b.hypotheses]
-            for x, y in zip(a.hypotheses, b.hypotheses):
-                assert [h.score for h in x] == pytest.approx([h.score for h in y], abs=1e-4)
-
-
-def test_int8_scales_each_output_row_so_a_fused_projection_loses_nothing(copy_model):
-    """Values 8x larger would set the scale of a whole fused (Q|K|V) matrix quantized per tensor, coarsening Q
-    and K; with a scale per row the fused int8 encoder computes what the unfused one does."""
-    model, vocab, _ = load_model(copy_model)
-    with torch.no_grad():
-        for layer in model.encoder_layers:
-            layer.self_attn.v_proj.weight.mul_(8.0)
-    src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
-    mask = padding_mask(src)
-    plain, fused = quantize_int8(copy.deepcopy(model)), quantize_int8(copy.deepcopy(model).fuse_qkv())
-    with torch.inference_mode():
-        torch.testing.assert_close(fused.encode(src, mask), plain.encode(src, mask), atol=1e-4, rtol=1e-4)

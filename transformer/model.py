@@ -81,7 +81,6 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
         self.attention_dropout = attention_dropout
-        self.qkv_proj: Optional[nn.Linear] = None  # inference only: set by fuse_qkv()
         # When set to a list, forward() appends its attention probabilities (B, H, Tq, Tk)
         # computed by the explicit (slower) path; None keeps the fused SDPA kernel.
         self.record: Optional[list] = None
@@ -94,30 +93,6 @@ class MultiHeadAttention(nn.Module):
         """(B, T, C), or (N, C) packed tokens -> (B, H, T, Dh)."""
         y = proj(x)
         return self._split(packing.unpack(y) if packing is not None else y)
-
-    def fuse_qkv(self) -> None:
-        """For inference in self-attention: Q, K and V from one (C -> 3C) product of the same weights instead of
-        three (C -> C) ones. Decoding multiplies a few rows per call, where a call's fixed cost is much of its
-        time; CTranslate2 fuses them the same way. Training keeps the three (checkpoints name them)."""
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        fused = nn.Linear(parts[0].in_features, 3 * parts[0].out_features,
-                          device=parts[0].weight.device, dtype=parts[0].weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([p.weight for p in parts]))  # (3C, C): rows Q, then K, then V
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
-        self.qkv_proj = fused.requires_grad_(False)
-        del self.q_proj, self.k_proj, self.v_proj  # not read again: a fused module is only ever self-attention
-
-    def _project_qkv(self, query: torch.Tensor, key_value: torch.Tensor, packing: Optional[TokenPacking]):
-        """Q, K, V (B, H, T, Dh) each; from the fused projection where fuse_qkv() made one."""
-        if self.qkv_proj is None:
-            return tuple(self._project(proj, x, packing)
-                         for proj, x in ((self.q_proj, query), (self.k_proj, key_value), (self.v_proj, key_value)))
-        if key_value is not query:
-            raise ValueError("a fused Q/K/V projection is for self-attention: key_value must be the query")
-        qkv = self.qkv_proj(query)
-        qkv = packing.unpack(qkv) if packing is not None else qkv  # (B, T, 3C)
-        return tuple(self._split(part) for part in qkv.chunk(3, dim=-1))  # 3 x (B, H, T, Dh)
 
     def static_kv(self, key_value: torch.Tensor) -> KVCache:
         """K/V of a fixed input (B, Tk, C), e.g. the encoder output for cross-attention, computed once."""
@@ -132,15 +107,16 @@ class MultiHeadAttention(nn.Module):
         static_kv: bool = False,             # cross-attention: K/V depend only on the encoder output
         packing: Optional[TokenPacking] = None,  # self-attention over packed tokens: query is (N, C)
     ) -> torch.Tensor:
+        q = self._project(self.q_proj, query, packing)
         group = 1
         if cache is not None and static_kv:
-            q = self._project(self.q_proj, query, packing)
             k, v = cache.k, cache.v  # the encoder's K/V, once per source, computed once by static_kv()
             group = q.size(0) // k.size(0)  # rows per source (DecoderCache)
             if group * k.size(0) != q.size(0):
                 raise ValueError(f"{q.size(0)} decoder rows do not split into groups for {k.size(0)} sources")
         else:
-            q, k, v = self._project_qkv(query, key_value, packing)
+            k = self._project(self.k_proj, key_value, packing)
+            v = self._project(self.v_proj, key_value, packing)
             if cache is not None:  # self-attention while decoding: append the new positions
                 cache.append(k, v)
                 k, v = cache.k, cache.v
@@ -304,13 +280,6 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length += tgt.size(1)
         return self.output(self.decoder_norm(x))
-
-    def fuse_qkv(self) -> Transformer:
-        """For inference: every self-attention computes Q, K, V in one product (MultiHeadAttention.fuse_qkv);
-        same outputs up to rounding, fewer calls per decoder step. In place; returns the model."""
-        for attention in self.attention_modules()["encoder"] + self.attention_modules()["decoder"]:
-            attention.fuse_qkv()
-        return self
 
     def new_cache(self, memory: torch.Tensor, memory_mask: torch.Tensor) -> DecoderCache:
         """A decoding cache for encoder output `memory` (B, S, C) under `memory_mask` (B, 1, 1, S): each

@@ -1,6 +1,6 @@
-"""How the linear layers hold their weights for CPU inference: int8 (dynamic quantization: weights int8 with a
-scale per output row, activations quantized on the fly), fp32 stored input-major, (in, out), for MKL's faster
-untransposed product, or bf16 packed once into oneDNN's blocked layout for CPUs with native bf16 (AMX / AVX512-BF16)."""
+"""How the linear layers hold their weights for CPU inference: int8 (dynamic quantization: weights int8,
+activations quantized on the fly), fp32 stored input-major, (in, out), for MKL's faster untransposed product, or
+bf16 packed once into oneDNN's blocked layout for CPUs with native bf16 (AMX / AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -25,16 +25,13 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+            from torch.ao.quantization import quantize_dynamic
         except ImportError:
             raise UserError(f"--dtype int8 needs torch's dynamic quantization, which this torch ({torch.__version__}) "
                             "does not have: use --dtype fp32, or --engine ctranslate2 --dtype int8") from None
         if "fbgemm" in torch.backends.quantized.supported_engines:
             torch.backends.quantized.engine = "fbgemm"  # x86 int8 GEMM
-        # A scale per output row, as CTranslate2 quantizes: a fused Q/K/V weight (Transformer.fuse_qkv) keeps
-        # each projection's own range, where one scale per matrix would take the largest of the three.
-        quantized = quantize_dynamic(copy.deepcopy(model).eval(), {nn.Linear: per_channel_dynamic_qconfig},
-                                     dtype=torch.qint8)
+        quantized = quantize_dynamic(copy.deepcopy(model).eval(), {nn.Linear}, dtype=torch.qint8)
     return quantized
 
 

@@ -249,7 +249,6 @@ class Translator:
         if engine == "ctranslate2" and stop == "exact":  # asked for, not the checkpoint's default
             warning = "warning: --stop exact does not apply to --engine ctranslate2, which stops like --stop early"
             self.note = f"{self.note}\n{warning}" if self.note else warning
-        self.model.fuse_qkv()  # before the layouts below: they convert the fused projection like any linear
         self.ct2 = None
         if engine == "ctranslate2":
             self.ct2 = self._load_ctranslate2(checkpoint)
