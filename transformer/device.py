@@ -202,8 +202,8 @@ def datasheet_tflops(device_name: str, precision: str) -> Optional[tuple[float, 
     return None
 
 
-def matmul_tflops(device: torch.device, precision: str, size: int = 0, repeats: int = 5,
-                  seconds: float = 1.0) -> float:
+def matmul_tflops(device: torch.device, precision: str, size: int = 0, repeats: int = 3,
+                  seconds: float = 0.5) -> float:
     """The dense matmul rate this device reaches in `precision` (TFLOP/s), measured with square matmuls: the best
     of rounds of `repeats` products over about `seconds` (at least three rounds). The best round, because another
     process (or a busy moment) can only slow a round down: a single short probe at start-up on a busy 2-core CPU
