@@ -138,7 +138,7 @@ def test_a_step_past_its_limit_is_stopped_the_recipe_finished_and_decoded_and_re
     out = tmp / "capped"
     result = gpu_report(tmp, "--device", "cpu", "--data", str(tmp / "corpus"), "--out-dir", str(out),
                         "--steps", "check_sdpa,recipe,bench_decode", "--limit", "check_sdpa=0.5", "--limit",
-                        "recipe=10", "--recipe-set", "train.max_steps=1000000", "--recipe-set", "train.valid_every=1",
+                        "recipe=25", "--recipe-set", "train.max_steps=1000000", "--recipe-set", "train.valid_every=1",
                         "--budget", "300")
     assert result.returncode == 1, result.stderr[-3000:]  # a step timed out
     report = json.loads((out / "gpu_report.json").read_text())
