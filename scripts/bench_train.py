@@ -8,12 +8,16 @@ Each implementation runs in its own subprocess (clean memory statistics, no shar
 batch is synthetic: fixed-length random sentences, so every token counted is a real token. FLOPs
 per update = 6 x (encoder matmul parameters x source tokens + decoder matmul parameters incl. the
 output projection x target tokens) + the attention matmuls (QK^T and AV, forward and backward).
-MFU = FLOPs / step time / peak rate; the peak is --peak-tflops or measured with a large matmul.
+MFU = FLOPs / step time / peak rate; the peak is --peak-tflops, else the datasheet's dense peak of a known GPU
+in this precision (TF32 for fp32), else measured with large matmuls (device.mfu_peak, as training does).
+Ours runs as the trainer runs it: train.TrainingLoss (model and loss in one module, compiled together with
+--compile), the decoder's self-attention mask as CAUSAL, fused Adam on CUDA, fp32 products in TF32 on CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -25,11 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from transformer.batch import padding_mask, target_mask
+from transformer.batch import CAUSAL, padding_mask
 from transformer.config import load_config
-from transformer.device import cpu_description, matmul_tflops
+from transformer.device import cpu_description, mfu_peak, tf32_matmuls
 from transformer.model import build_model, training_flops
-from transformer.optim import label_smoothed_loss
+from transformer.train import TrainingLoss
 from transformer.vocab import PAD_ID
 
 IMPLS = ("ours", "marian", "torch")
@@ -44,22 +48,16 @@ def flops_per_update(m, n_seq: int, src_len: int, tgt_len: int, vocab: int) -> f
     return training_flops(m, vocab, n_seq * src_len, n_seq * tgt_len, [(n_seq, src_len, tgt_len)])
 
 
-def measure_peak(device, dtype) -> float:
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    return 1e12 * matmul_tflops(device, precision, size=8192 if device.type == "cuda" else 2048,
-                                repeats=20 if device.type == "cuda" else 5)
-
-
 def build(impl: str, m, vocab: int, device, compile: bool = False):
     """Model and a function (src, tgt_in, tgt_out) -> loss for one implementation; with compile, the
     function runs the model through torch.compile (static shapes: the benchmark batch never changes)."""
     if impl == "ours":
         model = build_model(m, vocab).to(device)
-        fwd = torch.compile(model) if compile else model
+        fwd = TrainingLoss(model, 0.1)  # the trainer's module: model and loss, compiled together
+        fwd = torch.compile(fwd) if compile else fwd
 
         def loss_fn(src, tgt_in, tgt_out):  # the trainer's loss, per target token (as Marian's below)
-            logits = fwd(src, tgt_in, padding_mask(src), target_mask(tgt_in))
-            return label_smoothed_loss(logits, tgt_out, 0.1) / (tgt_out != PAD_ID).sum()
+            return fwd(src, tgt_in, tgt_out, padding_mask(src), CAUSAL) / (tgt_out != PAD_ID).sum()
         return model, loss_fn
     if impl == "marian":
         from transformers import MarianConfig, MarianMTModel
@@ -131,17 +129,18 @@ def run_one(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(args.warmup):
-        step()
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
+    with tf32_matmuls(device) if args.impl == "ours" else contextlib.nullcontext():  # as the trainer runs
+        for _ in range(args.warmup):
+            step()
         sync(device)
-        times.append(time.perf_counter() - start)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step()
+            sync(device)
+            times.append(time.perf_counter() - start)
     median = statistics.median(times)
     tokens = n_seq * args.length
     flops = flops_per_update(m, n_seq, args.length, args.length, args.vocab)
@@ -180,8 +179,10 @@ def main() -> None:
         return
 
     device = torch.device(args.device)
-    peak = (args.peak_tflops * 1e12 if args.peak_tflops
-            else measure_peak(device, torch.bfloat16 if args.precision == "bf16" else torch.float32))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    found = mfu_peak(device, args.precision, args.peak_tflops or 0.0)
+    peak = found.tflops * 1e12
     results, failed = [], []
     for impl in args.impls.split(","):
         command = [sys.executable, __file__, "--impl", impl] + [
@@ -200,7 +201,7 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"device {device} ({device_name}), "
           f"torch {torch.__version__}, {args.precision}, {args.tokens} target tokens/update, "
-          f"peak {peak / 1e12:.1f} TFLOP/s ({'given' if args.peak_tflops else 'measured'})")
+          f"MFU against {found.describe()}")
     print(f"{'impl':14} {'step s':>8} {'tgt tok/s':>10} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'ours x':>7}")
     for r in results:
         ratio = ours["tgt_tokens_per_s"] / r["tgt_tokens_per_s"] if ours else float("nan")
@@ -211,7 +212,7 @@ def main() -> None:
     Path(args.json).write_text(json.dumps({
         "device": str(device), "device_name": device_name, "cpu": cpu_description(), "torch": torch.__version__,
         "precision": args.precision,
-        "peak_flops": peak, "peak_measured": not args.peak_tflops,
+        "peak_flops": peak, "peak_source": found.source, "peak_measured": found.measure is not None,
         "config": args.config, "compile": args.compile, "vocab": args.vocab, "tokens": args.tokens, "length": args.length,
         "results": results, "failed": failed}, indent=2))
     print(f"wrote {args.json}")

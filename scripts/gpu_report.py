@@ -1,29 +1,31 @@
 #!/usr/bin/env python
-"""Every CUDA path and benchmark in one command: the CUDA tests, check_sdpa.py, bench_train.py (eager and compiled),
-a one-GPU torchrun training, bench_decode.py (ours against Marian, and CTranslate2 where it imports) and the Multi30k
-recipe to its end. Each step is a subprocess with a time limit; a failing step is recorded and the next one runs.
-Writes one JSON (every step's command, exit status, wall time and the figures read from the step's own JSON) and
-the generated block of docs/PERFORMANCE.md between its marker comments.
+"""The GPU check in one command of at most 7 minutes: the CUDA tests, which attention kernel serves each call
+(check_sdpa.py), a training step at base dims in bf16 beside MarianMTModel with MFU (bench_train.py), the Multi30k
+recipe on the GPU to its test BLEU, decoding that model greedy and beam 4 beside MarianMTModel.generate
+(bench_decode.py), and a compiled training step if time is left. Each step is a subprocess with its own time
+limit, in this order (the order of value); --budget bounds the whole command, and a step that would not get
+MIN_STEP_S seconds is skipped and said so. A failing step is recorded and the next one runs. Writes one JSON
+(every step's command, exit status, wall time and the figures read from the step's own output) and the generated
+block of docs/PERFORMANCE.md between its marker comments.
 
-    mkdir -p data/gpu && cp -rL ../shared/data/multi30k data/gpu/      # a copy inside the repo (git-ignored)
-    PYTHONPATH=. python3 scripts/gpu_report.py --data data/gpu/multi30k                  # everything, on CUDA
-    PYTHONPATH=. python3 scripts/gpu_report.py --data data/gpu/multi30k --device cpu     # dry run at toy sizes
-    PYTHONPATH=. python3 scripts/gpu_report.py --data data/gpu/multi30k --skip recipe --budget 560 --json A.json
-    PYTHONPATH=. python3 scripts/gpu_report.py --data data/gpu/multi30k --steps recipe --budget 560 --json B.json
-    python3 scripts/gpu_report.py --render A.json B.json --json docs/gpu_report.json    # merge; write the block
+    PYTHONPATH=. python3 scripts/gpu_report.py --prepare-data ../shared/data/multi30k   # here, once: data/gpu/
+    PYTHONPATH=. python3 scripts/gpu_report.py --budget 420 --json $OUT/gpu_report.json --out-md $OUT/gpu_report.md
+    PYTHONPATH=. python3 scripts/gpu_report.py --device cpu                              # dry run at toy sizes
+    PYTHONPATH=. python3 scripts/gpu_report.py --steps recipe,bench_decode --budget 400 --json B.json   # a second call
+    python3 scripts/gpu_report.py --render A.json B.json --json docs/gpu_report.json      # merge; write the block
 
-Steps, in order: cuda_tests, check_sdpa, bench_train, bench_train_compile, torchrun, bench_decode,
-bench_decode_ct2, recipe. bench_decode decodes the model the torchrun step trained (or --checkpoint), so it
-runs after it; the recipe runs last, as the longest. --device cpu runs every step at toy sizes on the first
-lines of --data (the CUDA tests then report themselves skipped): it checks the pipeline, not the speed.
-The recipe's training stops at its limit less 90 s (SIGTERM: it saves last.pt), and `transformer finish`
-then scores what it has. Nothing on this script's path imports `datasets`.
+Everything the GPU machine needs travels with the repository: the corpus and its SentencePiece vocabulary in
+data/gpu/ (git-ignored), written here by --prepare-data; nothing is read from ../shared, nothing imports
+`datasets`, and there is no torchrun step (one GPU runs no DDP) and no CTranslate2 one (its wheels need CUDA 12).
+--device cpu runs every step at toy sizes on the first lines of --data (the CUDA tests skip themselves; the
+stand-in tests of the CUDA paths, tests/test_cuda_paths.py, run instead): it checks the pipeline, not the speed.
+The recipe's training stops at its limit less FINISH_RESERVE_S (SIGTERM: it saves last.pt), and `transformer
+finish` then scores what it has.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -48,6 +50,8 @@ TOY_LINES = {"train": 400, "valid": 16, "test": 16}
 TOY_MODEL = ["model.d_model=32", "model.n_heads=2", "model.n_encoder_layers=1", "model.n_decoder_layers=1",
              "model.d_ff=64", "data.vocab_size=200", "train.warmup_steps=2", "train.log_every=1",
              "decode.max_len_offset=10"]
+DATA, VOCAB = "data/gpu/multi30k", "data/gpu/vocab/spm.model"  # what --prepare-data writes
+RECIPE = "configs/multi30k.yaml"
 GRACE_S = 30            # after SIGTERM at a limit: time to save a checkpoint before SIGKILL
 FINISH_RESERVE_S = 90   # of the recipe's limit, kept for `transformer finish` when training hits the limit
 MIN_STEP_S = 20         # a step with less time than this left in --budget is skipped
@@ -57,16 +61,6 @@ def fail(message: str) -> None:
     """A usage error: one line, exit status 2."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def datasheet_peak_tflops(name: str) -> Optional[float]:
-    """Dense bf16 tensor-core peak of the GPUs this report is meant for: NVIDIA's datasheets give 1,979 TFLOP/s
-    "with sparsity" for the H100 SXM and the H200 SXM, half of it dense. MFU against it is the issue's target."""
-    if "NVL" in name or "PCIe" in name:
-        return None
-    if "H200" in name or ("H100" in name and ("HBM3" in name or "SXM" in name)):
-        return 989.4
-    return None
 
 
 @dataclass
@@ -97,12 +91,15 @@ class Step:
     command: Callable[[Context], Union[list[str], str]]         # argv, or why the step is skipped
     parse: Callable[[Context, dict], dict]                      # the step's figures, from its own output files
     rescue: Optional[Callable[[Context], Optional[list[str]]]] = None  # run after a timeout, in the reserve
+    keep_after: int = 0     # seconds of --budget this step leaves for the selected steps after it
 
 
 # --------------------------------------------------------------------------- the steps
 
 def cuda_tests(ctx: Context):
-    return ctx.py("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
+    # On a CPU the CUDA tests skip themselves: the dry run runs the stand-in tests of the same paths beside them.
+    files = ["tests/test_cuda.py"] + (["tests/test_cuda_paths.py"] if ctx.device == "cpu" else [])
+    return ctx.py("-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
                   f"--junitxml={ctx.dir('cuda_tests') / 'junit.xml'}")
 
 
@@ -112,8 +109,8 @@ def parse_cuda_tests(ctx: Context, record: dict) -> dict:
     for case in suite.iter("testcase"):
         outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
         message = next((c.get("message") or "" for c in case if c.tag in ("failure", "error", "skipped")), "")
-        cases.append({"name": case.get("name"), "outcome": outcome, "message": message.splitlines()[0][:200]
-                      if message else ""})
+        cases.append({"name": case.get("name"), "file": case.get("classname"), "outcome": outcome,
+                      "message": message.splitlines()[0][:200] if message else ""})
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
     if record["status"] == "ok" and cases and counts["skipped"] == len(cases):
         record["status"], record["reason"] = "skipped", "every test skipped itself: " + cases[0]["message"]
@@ -122,17 +119,19 @@ def parse_cuda_tests(ctx: Context, record: dict) -> dict:
 
 
 def check_sdpa(ctx: Context):
-    toy = ["--batch", "2", "--length", "8", "--reps", "1"] if ctx.toy else []
+    toy = ["--batch", "2", "--length", "8", "--reps", "1"] if ctx.toy else ["--reps", "10"]
     return ctx.py("scripts/check_sdpa.py", "--device", ctx.device, *toy, "--json",
                   str(ctx.dir("check_sdpa") / "check_sdpa.json"))
 
 
 def parse_check_sdpa(ctx: Context, record: dict) -> dict:
     report = json.loads((ctx.dir("check_sdpa") / "check_sdpa.json").read_text())
-    masks: dict = {}
-    for row in report["rows"]:
-        masks.setdefault(row["mask"], {})[row["backend"]] = row["ms"]
-    return {"dtype": report.get("dtype"), "shape": report.get("shape"), "ms": masks}
+    # The masks the model passes now: additive key padding, is_causal in decoder self-attention.
+    ours = [r for r in report["rows"] if r["mask"] == "is_causal" or
+            (r["mask"] == "additive" and r["call"] != "decoder self-attention")]
+    return {"dtype": report["dtype"], "shape": report["shape"], "rows": report["rows"],
+            "math_for_ours": sorted({f"{r['call']} ({r['mask']})" for r in ours
+                                     if "math" in (r["kernel_train"], r["kernel_eval"])})}
 
 
 def bench_train(ctx: Context, compile_: bool = False):
@@ -140,114 +139,47 @@ def bench_train(ctx: Context, compile_: bool = False):
     if ctx.toy:
         size = ["--config", "configs/tiny.yaml", "--vocab", "128", "--tokens", "64", "--length", "8", "--steps", "2",
                 "--warmup", "1", "--precision", "fp32"]
-        impls = "ours" if compile_ else "ours,marian,torch"  # compiling on a CPU takes ~30 s an implementation
     else:
         size = ["--config", "configs/base.yaml", "--vocab", "37000", "--tokens", "25000", "--length", "32",
                 "--steps", "10", "--warmup", "3", "--precision", "bf16"]
-        impls = "ours,marian,torch"
-    # bench_train measures the matmul rate; the datasheet's peak (--peak-tflops or known) is applied when parsing
-    return ctx.py("scripts/bench_train.py", "--device", ctx.device, *size, "--impls", impls,
-                  *(["--compile", "all"] if compile_ else []), "--json", str(json_path))
+    peak = ["--peak-tflops", str(ctx.args.peak_tflops)] if ctx.args.peak_tflops else []  # else the datasheet's
+    what = ["--impls", "ours", "--compile", "ours"] if compile_ else ["--impls", "ours,marian"]
+    return ctx.py("scripts/bench_train.py", "--device", ctx.device, *size, *what, *peak, "--json", str(json_path))
 
 
 def parse_bench_train(ctx: Context, record: dict, compile_: bool = False) -> dict:
     step = "bench_train_compile" if compile_ else "bench_train"
     report = json.loads((ctx.dir(step) / "bench_train.json").read_text())
-    datasheet = ctx.args.peak_tflops or datasheet_peak_tflops(ctx.device_name)
     keep = ("impl", "compiled", "step_s_median", "tgt_tokens_per_s", "tokens_per_s", "tflops_per_s", "mfu",
             "peak_mem_gib", "params", "sentences", "ours_speedup")
-    rows = [{k: r.get(k) for k in keep} for r in report["results"]]
-    for row in rows:
-        row["mfu_datasheet"] = row["tflops_per_s"] / datasheet if datasheet and ctx.device == "cuda" else None
     return {"config": report["config"], "compile": report["compile"], "precision": report["precision"],
             "tokens": report["tokens"], "length": report["length"], "vocab": report["vocab"],
-            "peak_tflops_measured": report["peak_flops"] / 1e12, "results": rows, "failed": report.get("failed", []),
-            "peak_tflops_datasheet": datasheet if ctx.device == "cuda" else None}
+            "peak_tflops": report["peak_flops"] / 1e12, "peak_source": report.get("peak_source"),
+            "peak_measured": report.get("peak_measured"), "results": [{k: r.get(k) for k in keep}
+                                                                      for r in report["results"]],
+            "failed": report.get("failed", [])}
 
 
-def torchrun(ctx: Context):
-    run_dir = ctx.dir("torchrun") / "run"
-    size = (["train.max_steps=4", "train.valid_every=2", *TOY_MODEL] if ctx.toy else
-            ["train.max_steps=1000", "train.valid_every=500", "train.log_every=100", "train.warmup_steps=800",
-             "train.lr=1.0", "train.precision=bf16"])
-    return ctx.py("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "transformer", "train",
-                  "configs/multi30k.yaml", *ctx.sets(f"data.dir={ctx.data}", f"train.run_dir={run_dir}",
-                                                     f"train.device={ctx.device}", "train.finish=false", *size))
-
-
-def parse_torchrun(ctx: Context, record: dict) -> dict:
-    metrics = (ctx.dir("torchrun") / "run" / "metrics.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in metrics if line]
-    train = [r for r in rows if r.get("split") == "train"]
-    valid = [r for r in rows if r.get("split") == "valid"]
-    done = next((r for r in rows if r.get("event") == "done"), {})
-    first = next((r for r in rows if r.get("event") == "first_update"), {})
-    last = train[-1] if train else {}
-    return {"processes": 1, "updates": done.get("step"), "training_seconds": done.get("elapsed"),
-            "first_update_seconds": first.get("seconds"), "tokens_per_s": last.get("tokens_per_s"),
-            "mfu": last.get("mfu"), "train_loss": last.get("loss"),
-            "valid_loss": valid[-1]["loss"] if valid else None, "peak_rss_mib": done.get("peak_rss_mib")}
-
-
-def decode_checkpoint(ctx: Context) -> Union[str, None]:
-    if ctx.args.checkpoint:
-        return ctx.args.checkpoint
-    run_dir = ctx.dir("torchrun") / "run"
-    return str(run_dir) if (run_dir / "best.pt").is_file() else None
-
-
-def bench_decode(ctx: Context, ct2: bool = False):
-    checkpoint = decode_checkpoint(ctx)
-    if checkpoint is None:
-        return "no model to decode: the torchrun step left no best.pt (or pass --checkpoint)"
-    if ct2 and not ctranslate2_imports():
-        return "ctranslate2 does not import here (carry its wheel to run this step)"
-    common = ["--device", ctx.device, "--beam", "1", "4", "--limit", "8" if ctx.toy else "500",
-              "--repeats", "1" if ctx.toy else "3"]
-    if ct2:
-        what = ["--stop", "exact", "--dtype", "fp32", "--no-hf", "--ctranslate2", "--ct2-dtype",
-                *(["fp32"] if ctx.toy else ["fp32", "bf16", "int8"])]
-    else:
-        what = ["--stop", "exact", "early", "--dtype", *(["fp32"] if ctx.device == "cpu" else ["fp32", "bf16"])]
-    return ctx.py("scripts/bench_decode.py", str(ctx.data / "test.de"), "--ref", str(ctx.data / "test.en"),
-                  "--checkpoint", checkpoint, *common, *what, "--json",
-                  str(ctx.dir("bench_decode_ct2" if ct2 else "bench_decode") / "bench_decode.json"))
-
-
-def ctranslate2_imports() -> bool:
-    try:
-        importlib.import_module("ctranslate2")
-    except (ImportError, OSError):  # absent, or its shared libraries do not load
-        return False
-    return True
-
-
-def parse_bench_decode(ctx: Context, record: dict, ct2: bool = False) -> dict:
-    report = json.loads((ctx.dir("bench_decode_ct2" if ct2 else "bench_decode") / "bench_decode.json").read_text())
-    keep = ("beam", "impl", "stop", "dtype", "sentences", "batches", "steps_per_sentence", "median_s",
-            "sentences_per_s", "tokens_per_s", "bleu", "chrf", "same_as_first", "vs_ct2_fp32", "vs_ct2_int8")
-    rows = [{k: r[k] for k in keep if k in r} for r in report["results"]]
-    for row in rows:
-        marian = next((m for m in rows if m["impl"] == "hf_marian" and m["beam"] == row["beam"]), None)
-        if marian is not None and row["impl"] == "ours":
-            row["vs_marian"] = row["sentences_per_s"] / marian["sentences_per_s"]
-    return {"checkpoint": report["checkpoint"], "transformers": report.get("transformers"),
-            "ctranslate2": report.get("ctranslate2"), "marian": any(r["impl"] == "hf_marian" for r in rows),
-            "results": rows}
+def recipe_dir(ctx: Context) -> Path:
+    return ctx.dir("recipe") / "run"
 
 
 def recipe(ctx: Context):
-    run_dir = ctx.dir("recipe") / "run"
+    run_dir = recipe_dir(ctx)
     size = (["train.max_steps=6", "train.valid_every=3", "train.keep_last=2", *TOY_MODEL] if ctx.toy else
             ["train.precision=bf16", "data.pad_to_multiple=8"])
-    return ctx.py("-m", "transformer", "train", "configs/multi30k.yaml",
+    vocab = Path(ctx.args.vocab)
+    if not ctx.toy and vocab.is_file():  # SentencePiece trained once, here: not on the GPU's clock
+        run_dir.mkdir(parents=True)
+        shutil.copyfile(vocab, run_dir / "spm.model")
+    return ctx.py("-m", "transformer", "train", RECIPE,
                   *ctx.sets(f"data.dir={ctx.data}", f"train.run_dir={run_dir}", f"train.device={ctx.device}",
                             *size, *ctx.args.recipe_set))
 
 
 def recipe_rescue(ctx: Context) -> Optional[list[str]]:
     """Stopped at its limit: score the best checkpoint so far, as the end of training would have."""
-    run_dir = ctx.dir("recipe") / "run"
+    run_dir = recipe_dir(ctx)
     if not (run_dir / "best.pt").is_file() or (run_dir / "summary.json").is_file():
         return None
     return ctx.py("-m", "transformer", "finish", str(run_dir), "--device", ctx.device)
@@ -256,31 +188,60 @@ def recipe_rescue(ctx: Context) -> Optional[list[str]]:
 def parse_recipe(ctx: Context, record: dict) -> dict:
     import yaml  # the package's own dependency, like everything the steps run
 
-    run_dir = ctx.dir("recipe") / "run"
+    run_dir = recipe_dir(ctx)
     summary = json.loads((run_dir / "summary.json").read_text())
     max_steps = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("split") == "train"]
+    first = next((r for r in rows if r.get("event") == "first_update"), {})
     test = summary.get("test", {})
     return {"test_bleu": test.get("bleu"), "test_chrf": test.get("chrf"), "bleu_signature": test.get("bleu_signature"),
             "length_ratio": test.get("length_ratio"), "updates": summary["updates"], "max_steps": max_steps,
             "reached_end": summary["updates"] >= max_steps, "epochs": summary["epochs"],
             "training_seconds": summary["training_seconds"], "finish_seconds": summary.get("finish_seconds"),
             "tokens_per_s": summary.get("tokens_per_s"), "best_valid_loss": summary.get("best_valid_loss"),
+            "first_update_seconds": first.get("seconds"), "mfu_last": train[-1].get("mfu") if train else None,
+            "peak_tflops": train[-1].get("peak_tflops") if train else None,
+            "peak_cuda_allocated_mib": summary.get("peak_cuda_allocated_mib"),
+            "peak_cuda_reserved_mib": summary.get("peak_cuda_reserved_mib"),
             "made_from": summary.get("made_from"), "decode": summary.get("decode"),
             "wall_s": record["wall_s"] + record.get("rescue", {}).get("wall_s", 0.0)}
 
 
-# Limits (seconds, at full size and at toy size): at full size they add up to under 25 minutes.
+def bench_decode(ctx: Context):
+    run_dir = Path(ctx.args.checkpoint) if ctx.args.checkpoint else recipe_dir(ctx)
+    if not any((run_dir / name).is_file() for name in ("final.pt", "best.pt")) and not run_dir.is_file():
+        return f"no model to decode: {run_dir} holds no final.pt or best.pt (the recipe step made none)"
+    dtypes = ["fp32"] if ctx.device == "cpu" else ["fp32", "bf16"]
+    return ctx.py("scripts/bench_decode.py", str(ctx.data / "test.de"), "--ref", str(ctx.data / "test.en"),
+                  "--checkpoint", str(run_dir), "--device", ctx.device, "--beam", "1", "4", "--stop", "exact",
+                  "--dtype", *dtypes, "--limit", "8" if ctx.toy else "500", "--repeats", "1" if ctx.toy else "2",
+                  "--json", str(ctx.dir("bench_decode") / "bench_decode.json"))
+
+
+def parse_bench_decode(ctx: Context, record: dict) -> dict:
+    report = json.loads((ctx.dir("bench_decode") / "bench_decode.json").read_text())
+    keep = ("beam", "impl", "stop", "dtype", "sentences", "batches", "steps_per_sentence", "median_s",
+            "sentences_per_s", "tokens_per_s", "bleu", "chrf", "same_as_first")
+    rows = [{k: r[k] for k in keep if k in r} for r in report["results"]]
+    for row in rows:
+        marian = next((m for m in rows if m["impl"] == "hf_marian" and m["beam"] == row["beam"]), None)
+        if marian is not None and row["impl"] == "ours":
+            row["vs_marian"] = row["sentences_per_s"] / marian["sentences_per_s"]
+    return {"checkpoint": report["checkpoint"], "transformers": report.get("transformers"),
+            "marian": any(r["impl"] == "hf_marian" for r in rows), "results": rows}
+
+
+# In the order of value. Limits (seconds, at full size and at toy size): --budget 420 gives the first five their
+# time, and the compiled step what is left, if anything.
 STEPS = [
-    Step("cuda_tests", "CUDA tests", (150, 60), cuda_tests, parse_cuda_tests),
-    Step("check_sdpa", "SDPA kernels", (60, 60), check_sdpa, parse_check_sdpa),
-    Step("bench_train", "training step, eager", (150, 120), bench_train, parse_bench_train),
-    Step("bench_train_compile", "training step, torch.compile", (270, 180), lambda c: bench_train(c, True),
+    Step("cuda_tests", "CUDA tests", (150, 240), cuda_tests, parse_cuda_tests),
+    Step("check_sdpa", "SDPA kernels", (40, 60), check_sdpa, parse_check_sdpa),
+    Step("bench_train", "training step, base dims, ours and Marian", (90, 150), bench_train, parse_bench_train),
+    Step("recipe", "Multi30k recipe", (300, 150), recipe, parse_recipe, rescue=recipe_rescue, keep_after=45),
+    Step("bench_decode", "decoding, ours and Marian", (60, 60), bench_decode, parse_bench_decode),
+    Step("bench_train_compile", "training step, torch.compile", (150, 480), lambda c: bench_train(c, True),
          lambda c, r: parse_bench_train(c, r, True)),
-    Step("torchrun", "torchrun, one process", (120, 60), torchrun, parse_torchrun),
-    Step("bench_decode", "decoding, ours and Marian", (150, 60), bench_decode, parse_bench_decode),
-    Step("bench_decode_ct2", "decoding, ours and CTranslate2", (90, 60), lambda c: bench_decode(c, True),
-         lambda c, r: parse_bench_decode(c, r, True)),
-    Step("recipe", "Multi30k recipe", (500, 120), recipe, parse_recipe, rescue=recipe_rescue),
 ]
 NAMES = [s.name for s in STEPS]
 
@@ -324,7 +285,17 @@ def tail(path: Path, chars: int = 3000) -> str:
     return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines())[-chars:]
 
 
-def run_step(ctx: Context, step: Step, deadline: Optional[float]) -> dict:
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    """The end of a log, progress-bar redraws ('\\r') reduced to their last state."""
+    text = path.read_text(encoding="utf-8", errors="replace")[-4 * chars:]
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines())[-chars:]
+
+
+def run_step(ctx: Context, step: Step, deadline: Optional[float], later: bool) -> dict:
+    """Run one step within its limit, and within what --budget has left less what it keeps for the steps after it
+    (`later`: some are selected)."""
     record = {"name": step.name, "title": step.title, "selected": True, "device_name": ctx.device_name,
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "figures": {}}
     limit = ctx.args.limit.get(step.name, step.limits[1] if ctx.toy else step.limits[0])
@@ -332,12 +303,12 @@ def run_step(ctx: Context, step: Step, deadline: Optional[float]) -> dict:
         left = deadline - time.monotonic()
         if left < MIN_STEP_S:
             return {**record, "status": "skipped", "reason": f"--budget spent ({left:.0f} s left)"}
-        limit = min(limit, left)
+        limit = min(limit, max(left - (step.keep_after if later else 0), MIN_STEP_S))
     shutil.rmtree(ctx.dir(step.name), ignore_errors=True)
     argv = step.command(ctx)
     if isinstance(argv, str):
         return {**record, "status": "skipped", "reason": argv}
-    ctx.dir(step.name).mkdir(parents=True)
+    ctx.dir(step.name).mkdir(parents=True, exist_ok=True)
     cap = limit - FINISH_RESERVE_S if step.rescue and limit > 2 * FINISH_RESERVE_S else limit
     log = ctx.dir(step.name) / "output.log"
     print(f"gpu_report: {step.name} (limit {cap:.0f} s): {shown(argv)}", flush=True)
@@ -363,7 +334,7 @@ def machine(device: str, device_name: str) -> dict:
     import torch
 
     versions = {}
-    for package in ("torch", "transformers", "ctranslate2", "sentencepiece", "sacrebleu", "numpy"):
+    for package in ("torch", "transformers", "sentencepiece", "sacrebleu", "numpy"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -394,6 +365,31 @@ def write_json(path: Path, report: dict) -> None:
     os.replace(tmp, path)
 
 
+def prepare_data(source: Path, data: Path, vocab: Path) -> None:
+    """--prepare-data: Multi30k copied into `data` (data/gpu/multi30k: a copy, since a link would arrive dangling
+    on the GPU machine, which gets only the repository) and its SentencePiece vocabulary, trained as the recipe
+    trains it (`transformer prepare`), into `vocab` (data/gpu/vocab/spm.model)."""
+    missing = [name for name in SPLITS if not (source / name).is_file()]
+    if missing:
+        fail(f"{source} lacks {', '.join(missing)}: give the directory of Multi30k's "
+             "{train,valid,test}.{de,en}, e.g. ../shared/data/multi30k")
+    data, vocab = data.resolve(), vocab.resolve()
+    data.mkdir(parents=True, exist_ok=True)
+    for name in SPLITS:
+        shutil.copyfile(source / name, data / name)
+    scratch = vocab.parent / "run"
+    shutil.rmtree(scratch, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    result = subprocess.run([sys.executable, "-m", "transformer", "prepare", RECIPE, "--set", f"data.dir={data}",
+                             "--set", f"train.run_dir={scratch}"], cwd=ROOT, env=env)
+    if result.returncode != 0:
+        fail("`transformer prepare` failed (above): no vocabulary written")
+    shutil.copyfile(scratch / "spm.model", vocab)
+    shutil.rmtree(scratch)
+    print(f"gpu_report: wrote {shown([str(data)])}/ and {shown([str(vocab)])}: carry their folder (data/gpu, "
+          "git-ignored) to the GPU machine")
+
+
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
@@ -402,9 +398,12 @@ def measure(args: argparse.Namespace) -> dict:
     data = Path(args.data)
     missing = [name for name in SPLITS if not (data / name).is_file()]
     if missing:
-        fail(f"{data} lacks {', '.join(missing)}: copy Multi30k into the repository first, e.g. mkdir -p data/gpu "
-             "&& cp -rL ../shared/data/multi30k data/gpu/ (then --data data/gpu/multi30k)")
+        fail(f"{data} lacks {', '.join(missing)}: write the corpus into the repository first with "
+             "--prepare-data ../shared/data/multi30k (then carry data/gpu to the GPU machine)")
     toy = args.toy or args.device == "cpu"
+    if not toy and not Path(args.vocab).is_file():
+        print(f"gpu_report: warning: no vocabulary at {args.vocab}: the recipe trains SentencePiece on the GPU's "
+              "time (--prepare-data writes one)", flush=True)
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     from transformer.device import cpu_description
@@ -422,13 +421,14 @@ def measure(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     # A SIGTERM (a limit outside this script) raises SystemExit: the running step is stopped, the JSON written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    for step in STEPS:
+    for i, step in enumerate(STEPS):
         if step.name not in selected:
             report["steps"].append({"name": step.name, "title": step.title, "selected": False, "status": "skipped",
                                     "reason": "not selected (--steps / --skip)", "figures": {}})
             continue
+        later = any(s.name in selected for s in STEPS[i + 1:])
         try:
-            report["steps"].append(run_step(ctx, step, deadline))
+            report["steps"].append(run_step(ctx, step, deadline, later))
         except BaseException:  # SIGTERM or Ctrl-C: keep what was measured, say which step was cut
             report["steps"].append({"name": step.name, "title": step.title, "selected": True,
                                     "status": "interrupted", "figures": {}})
@@ -480,11 +480,12 @@ def render(report: dict) -> str:
     if len(names) > 1:
         out += [f"**The steps ran on different devices ({', '.join(names)}): compare figures within a step only.**",
                 ""]
-    out += [f"Written {when} by `scripts/gpu_report.py`: torch {pk.get('torch')} (CUDA {m.get('cuda')}), Python "
-            f"{m.get('python')}, transformers {pk.get('transformers')}, ctranslate2 {pk.get('ctranslate2')}, "
-            f"sacrebleu {pk.get('sacrebleu')}, sentencepiece {pk.get('sentencepiece')}; `datasets` "
-            f"{'installed' if m.get('datasets_installed') else 'not installed'}. Each command below ran from the "
-            "repository root with `PYTHONPATH=.`, one after the other.", "",
+    budgets = [p.get("budget_s") for p in parts]
+    out += [f"Written {when} by `scripts/gpu_report.py` (--budget {', '.join(fmt(b, '.0f') for b in budgets)} s): "
+            f"torch {pk.get('torch')} (CUDA {m.get('cuda')}), Python {m.get('python')}, transformers "
+            f"{pk.get('transformers')}, sacrebleu {pk.get('sacrebleu')}, sentencepiece {pk.get('sentencepiece')}; "
+            f"`datasets` {'installed' if m.get('datasets_installed') else 'not installed'}. Each command below ran "
+            "from the repository root with `PYTHONPATH=.`, one after the other.", "",
             "| step | status | wall s | limit s |", "| --- | --- | ---: | ---: |"]
     for s in report["steps"]:
         status = s["status"] + (f": {s['reason']}" if s.get("reason") else "")
@@ -499,7 +500,7 @@ def render(report: dict) -> str:
             out.append(f"# {s['name']}: stopped at its limit, then\n{s['rescue']['command']}")
     out += ["```", ""]
     for name, section in (("cuda_tests", md_cuda_tests), ("check_sdpa", md_sdpa), ("bench_train", md_train),
-                          ("bench_decode", md_decode), ("torchrun", md_torchrun), ("recipe", md_recipe)):
+                          ("recipe", md_recipe), ("bench_decode", md_decode)):
         if any(s["name"].startswith(name) and s.get("figures") for s in report["steps"]):
             out += section(steps) + [""]
     out += md_targets(steps, bool(report.get("toy"))) + ["", END]
@@ -508,19 +509,29 @@ def render(report: dict) -> str:
 
 def md_cuda_tests(steps: dict) -> list[str]:
     f = steps["cuda_tests"]["figures"]
-    lines = [f"**CUDA tests** (`tests/test_cuda.py`): {f['tests']} tests, {f['passed']} passed, {f['failed']} failed, "
-             f"{f['errors']} errors, {f['skipped']} skipped."]
+    files = sorted({f"tests/{c['file'].split('.')[-1]}.py" for c in f["cases"] if c.get("file")})
+    lines = [f"**CUDA tests** (`{'`, `'.join(files) or 'tests/test_cuda.py'}`): {f['tests']} tests, {f['passed']} "
+             f"passed, {f['failed']} failed, {f['errors']} errors, {f['skipped']} skipped."]
     return lines + [f"- `{c['name']}`: {c['outcome']}: {c['message']}" for c in f["cases"] if c["outcome"] != "passed"]
 
 
 def md_sdpa(steps: dict) -> list[str]:
     f = steps["check_sdpa"]["figures"]
-    backends = list(next(iter(f["ms"].values())))
-    lines = [f"**SDPA kernels** (`scripts/check_sdpa.py`): forward + backward ms per call, q/k/v {f['shape']} "
-             f"{f['dtype']}; — = the backend cannot serve the call.", "",
-             "| mask | " + " | ".join(backends) + " |", "| --- |" + " ---: |" * len(backends)]
-    return lines + [f"| {mask} | " + " | ".join(fmt(ms.get(b), ".3f") for b in backends) + " |"
-                    for mask, ms in f["ms"].items()]
+    shape = f["shape"]
+    backends = list(f["rows"][0]["backends"]) if f["rows"] else []
+    lines = [f"**SDPA kernels** (`scripts/check_sdpa.py`, {f['dtype']}, batch {shape['batch']}, {shape['heads']} "
+             f"heads of {shape['head_dim']}, targets of {shape['tgt_len']}, sources of {shape['src_len']}): the "
+             "kernel torch picks with dropout 0.1 (training) and 0 (validation, search), forward + backward ms at "
+             "dropout 0.1, the largest difference from the math kernel (boolean mask, dropout 0) over real query "
+             "positions, and each backend forced alone (ms; — = it cannot serve the call). The model passes the "
+             "additive masks and is_causal; boolean is what it passed before issue 32. "
+             + ("**The math kernel serves " + ", ".join(f["math_for_ours"]) + ".**" if f["math_for_ours"] else
+                "The math kernel serves none of the model's calls."), "",
+             "| call | mask | kernel (train) | kernel (eval) | ms | Δ out | Δ grad | " + " | ".join(backends) + " |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: |" + " ---: |" * len(backends)]
+    return lines + [f"| {r['call']} | {r['mask']} | {r['kernel_train']} | {r['kernel_eval']} | {fmt(r['ms'], '.3f')} | "
+                    f"{fmt(r['max_diff_out'], '.1e')} | {fmt(r['max_diff_grad'], '.1e')} | "
+                    + " | ".join(fmt(r["backends"][b], ".3f") for b in backends) + " |" for r in f["rows"]]
 
 
 def md_train(steps: dict) -> list[str]:
@@ -528,50 +539,31 @@ def md_train(steps: dict) -> list[str]:
     f = runs[0]
     lines = [f"**Training step** (`scripts/bench_train.py`, {f['config']}, vocabulary {f['vocab']}): "
              f"{f['tokens']} target tokens per update ({f['tokens'] // f['length']} sentences of {f['length']}), "
-             f"{f['precision']}; MFU against the matmul rate measured in each run ("
-             f"{' and '.join(fmt(r['peak_tflops_measured']) for r in runs)} TFLOP/s) and "
-             f"the datasheet's dense bf16 peak ({fmt(f['peak_tflops_datasheet'])} TFLOP/s).", "",
-             "| impl | compiled | step s | target tok/s | TFLOP/s | MFU measured | MFU datasheet | peak GiB "
-             "| ours × |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"{f['precision']}; MFU against "
+             + " and ".join(f"{fmt(r['peak_tflops'], '.4g')} TFLOP/s ({r['peak_source']})" for r in runs) + ".", "",
+             "| impl | compiled | step s | target tok/s | TFLOP/s | MFU | peak GiB | ours × |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for run in runs:
         for r in run["results"]:
             lines.append(f"| {r['impl']} | {'yes' if r['compiled'] else 'no'} | {fmt(r['step_s_median'], '.4f')} | "
                          f"{fmt(r['tgt_tokens_per_s'], ',.0f')} | {fmt(r['tflops_per_s'])} | {fmt(r['mfu'], '.1%')} | "
-                         f"{fmt(r['mfu_datasheet'], '.1%')} | {fmt(r['peak_mem_gib'], '.2f')} | "
-                         f"{fmt(r['ours_speedup'], '.2f')} |")
+                         f"{fmt(r['peak_mem_gib'], '.2f')} | {fmt(r['ours_speedup'], '.2f')} |")
         compiled = "no" if run["compile"] == "none" else "yes"
-        lines += [f"| {x['impl']} | {compiled} | failed: {x['error'][:120]} | | | | | | |" for x in run["failed"]]
+        lines += [f"| {x['impl']} | {compiled} | failed: {x['error'][:120]} | | | | | |" for x in run["failed"]]
     return lines
 
 
 def md_decode(steps: dict) -> list[str]:
-    lines = []
-    for name, versus in (("bench_decode", "Marian"), ("bench_decode_ct2", "CTranslate2")):
-        f = steps[name].get("figures")
-        if not f:
-            continue
-        rows, key = sorted(f["results"], key=lambda r: r["beam"]), "vs_marian" if versus == "Marian" else "vs_ct2_fp32"
-        lines += [f"**Decoding, ours and {versus}** (`scripts/bench_decode.py`, checkpoint "
-                  f"`{shown([f['checkpoint']])}`, {rows[0]['sentences']} test sentences, median of the timed passes"
-                  + ("; Marian has random weights and runs exactly our number of decoder steps, so it has no BLEU)"
-                     if versus == "Marian" else "; CTranslate2 runs our weights)"), "",
-                  f"| beam | impl | stop | dtype | steps/sentence | sentences/s | tokens/s | BLEU | ours / {versus} |",
-                  "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {r['beam']} | {r['impl']} | {r['stop']} | {r['dtype']} | {fmt(r.get('steps_per_sentence'))} | "
-                  f"{fmt(r['sentences_per_s'])} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('bleu'), '.2f')} | "
-                  f"{fmt(r.get(key), '.2f') if r['impl'] == 'ours' else ''} |" for r in rows]
-        lines.append("")
-    return lines[:-1]
-
-
-def md_torchrun(steps: dict) -> list[str]:
-    f = steps["torchrun"]["figures"]
-    return [f"**torchrun, one process**: {f['updates']} updates in {fmt(f['training_seconds'])} s (first update "
-            f"{fmt(f['first_update_seconds'])} s after start), {fmt(f['tokens_per_s'], ',.0f')} tokens/s and MFU "
-            f"{fmt(f['mfu'], '.1%')} (against the measured matmul rate) at the last log line, valid loss "
-            f"{fmt(f['valid_loss'], '.3f')}. With one process torchrun sets WORLD_SIZE=1, so no process group or "
-            "DDP is set up (transformer/distributed.py): NCCL needs two GPUs."]
+    f = steps["bench_decode"]["figures"]
+    rows = sorted(f["results"], key=lambda r: r["beam"])
+    return [f"**Decoding, ours and Marian** (`scripts/bench_decode.py`, checkpoint `{shown([f['checkpoint']])}`, "
+            f"{rows[0]['sentences']} test sentences, median of the timed passes; Marian has random weights and runs "
+            "exactly our number of decoder steps, so it has no BLEU)", "",
+            "| beam | impl | stop | dtype | steps/sentence | sentences/s | tokens/s | BLEU | ours / Marian |",
+            "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"] + [
+        f"| {r['beam']} | {r['impl']} | {r['stop']} | {r['dtype']} | {fmt(r.get('steps_per_sentence'))} | "
+        f"{fmt(r['sentences_per_s'])} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('bleu'), '.2f')} | "
+        f"{fmt(r.get('vs_marian'), '.2f') if r['impl'] == 'ours' else ''} |" for r in rows]
 
 
 def md_recipe(steps: dict) -> list[str]:
@@ -579,13 +571,17 @@ def md_recipe(steps: dict) -> list[str]:
     decode = f["decode"] or {}
     end = ("to its end" if f["reached_end"] else f"**stopped at its time limit** after {f['updates']} of "
            f"{f['max_steps']} updates, then `transformer finish`")
-    return [f"**Multi30k recipe** (`configs/multi30k.yaml`), {end}: test BLEU **{fmt(f['test_bleu'], '.2f')}** "
+    gpu = (f"; GPU peak {fmt(max(f['peak_cuda_allocated_mib']), ',.0f')} MiB allocated, "
+           f"{fmt(max(f['peak_cuda_reserved_mib']), ',.0f')} MiB reserved" if f.get("peak_cuda_reserved_mib") else "")
+    return [f"**Multi30k recipe** (`{RECIPE}`), {end}: test BLEU **{fmt(f['test_bleu'], '.2f')}** "
             f"(chrF {fmt(f['test_chrf'], '.2f')}, length ratio {fmt(f['length_ratio'], '.3f')}, "
             f"`{f['bleu_signature']}`) with {f['made_from']}, beam {decode.get('beam')}, "
             f"lenpen {decode.get('lenpen')}; "
-            f"{f['updates']} updates, {f['epochs']} epochs, {fmt(f['tokens_per_s'], ',')} tokens/s; wall clock "
-            f"{fmt(f['wall_s'])} s for the whole command, of which training {fmt(f['training_seconds'])} s and the "
-            f"end of training (averaging, choosing, test) {fmt(f['finish_seconds'])} s (`summary.json`)."]
+            f"{f['updates']} updates, {f['epochs']} epochs, {fmt(f['tokens_per_s'], ',')} tokens/s, MFU "
+            f"{fmt(f['mfu_last'], '.1%')} at the last log line (against {fmt(f['peak_tflops'], '.4g')} TFLOP/s){gpu}; "
+            f"first update {fmt(f['first_update_seconds'])} s after start; wall clock {fmt(f['wall_s'])} s for the "
+            f"whole command, of which training {fmt(f['training_seconds'])} s and the end of training (averaging, "
+            f"choosing, test) {fmt(f['finish_seconds'])} s (`summary.json`)."]
 
 
 def md_targets(steps: dict, toy: bool) -> list[str]:
@@ -594,31 +590,34 @@ def md_targets(steps: dict, toy: bool) -> list[str]:
 
     rows = []
     train = [r for n in ("bench_train", "bench_train_compile") for r in steps[n].get("figures", {}).get("results", [])]
-    ours = [r for r in train if r["impl"] == "ours"]
-    datasheet = all(r["mfu_datasheet"] is not None for r in ours)  # else only against the measured matmul rate
-    mfu = [(r["mfu_datasheet"] if datasheet else r["mfu"], r["compiled"]) for r in ours]
+    sources = {steps[n]["figures"]["peak_source"] for n in ("bench_train", "bench_train_compile")
+               if steps[n].get("figures")}
+    datasheet = bool(sources) and all("datasheet" in (s or "") for s in sources)
+    mfu = [(r["mfu"], r["compiled"]) for r in train if r["impl"] == "ours"]
     rows.append(("training at base dims: ≥ 45 % MFU in bf16 (datasheet peak)",
-                 ", ".join(f"{'compiled' if c else 'eager'} {v:.1%}" for v, c in mfu) + ("" if datasheet or not mfu
-                 else " (against the measured matmul rate: no datasheet peak, see --peak-tflops)") or "—",
-                 verdict(max(v for v, _ in mfu) >= 0.45 if mfu and datasheet else None)))
+                 ", ".join(f"{'compiled' if c else 'eager'} {v:.1%}" for v, c in mfu)
+                 + ("" if datasheet or not mfu else f" (against {', '.join(sorted(sources))}: no datasheet peak)")
+                 or "—", verdict(max(v for v, _ in mfu) >= 0.45 if mfu and datasheet else None)))
     # bench_train's ours_speedup on Marian's row: our target tokens/s over Marian's, same compile setting
     marian = [(r["ours_speedup"], r["compiled"]) for r in train if r["impl"] == "marian" and r["ours_speedup"]]
     rows.append(("training: ≥ 2× MarianMTModel's tokens/s", ", ".join(f"{'compiled' if c else 'eager'} {v:.2f}×"
                  for v, c in marian) or "—", verdict(max(v for v, _ in marian) >= 2 if marian else None)))
-    decode = [r for n in ("bench_decode", "bench_decode_ct2") for r in steps[n].get("figures", {}).get("results", [])]
+    decode = steps["bench_decode"].get("figures", {}).get("results", [])
     beam4 = [r for r in decode if r["beam"] == 4 and r["impl"] == "ours" and r["dtype"] == "fp32"]
     vs_marian = [(r["vs_marian"], r["stop"]) for r in beam4 if r.get("vs_marian")]
     rows.append(("beam-4 decoding: ≥ 3× MarianMTModel.generate's sentences/s (both fp32)",
                  ", ".join(f"stop {s} {v:.2f}×" for v, s in vs_marian) or "—",
                  verdict(max(v for v, _ in vs_marian) >= 3 if vs_marian else None)))
-    vs_ct2 = [r["vs_ct2_fp32"] for r in beam4 if r.get("vs_ct2_fp32")]
-    rows.append(("beam-4 decoding beside CTranslate2 (fp32)", ", ".join(f"ours {v:.2f}× CT2" for v in vs_ct2) or "—",
-                 "dry run" if toy else ("reported" if vs_ct2 else "not measured")))
     r = steps["recipe"].get("figures")
     rows.append(("Multi30k recipe: test BLEU ≥ 40 in ≤ 5 min wall clock",
-                 f"BLEU {r['test_bleu']:.2f} in {r['wall_s'] / 60:.1f} min" if r else "—",
+                 f"BLEU {r['test_bleu']:.2f} in {r['wall_s'] / 60:.1f} min" + ("" if r["reached_end"] else
+                 f" (stopped after {r['updates']} of {r['max_steps']} updates)") if r else "—",
                  verdict(r["test_bleu"] >= 40 and r["wall_s"] <= 300 and r["reached_end"] if r else None)))
-    return (["**Targets** (issue 14; same run, same device, same precision for every implementation)", "",
+    sdpa = steps["check_sdpa"].get("figures")
+    rows.append(("attention: no math kernel for the model's masks (training and eval)",
+                 ("math for " + ", ".join(sdpa["math_for_ours"]) if sdpa["math_for_ours"] else "none") if sdpa
+                 else "—", verdict(not sdpa["math_for_ours"] if sdpa else None)))
+    return (["**Targets** (issues 14 and 32; same run, same device, same precision for every implementation)", "",
              "| target | measured | status |", "| --- | --- | --- |"] + [f"| {a} | {b} | {c} |" for a, b, c in rows])
 
 
@@ -638,9 +637,13 @@ def write_block(path: Path, block: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="data/gpu/multi30k",
-                    help="directory with Multi30k's {train,valid,test}.{de,en}, inside the repository on the GPU "
-                         "machine (default data/gpu/multi30k)")
+    ap.add_argument("--data", default=DATA,
+                    help=f"directory with Multi30k's {{train,valid,test}}.{{de,en}}, inside the repository on the GPU "
+                         f"machine (default {DATA}, which --prepare-data writes)")
+    ap.add_argument("--vocab", default=VOCAB, help=f"the recipe's SentencePiece model, trained beforehand (default "
+                    f"{VOCAB}); without it the recipe trains one on the GPU's time")
+    ap.add_argument("--prepare-data", metavar="MULTI30K_DIR", help="run nothing on a GPU: copy Multi30k into "
+                    "--data and train its vocabulary into --vocab, for carrying data/gpu to the GPU machine")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cuda (default); cpu: the dry run, every step at toy sizes")
     ap.add_argument("--toy", action="store_true", help="toy sizes on CUDA too (a quick check that every step runs)")
@@ -649,11 +652,11 @@ def main() -> None:
     ap.add_argument("--skip", type=lambda s: s.split(","), default=[], help="skip these steps (comma-separated)")
     ap.add_argument("--limit", action="append", default=[], metavar="STEP=SECONDS",
                     help="a step's time limit instead of its default (repeatable)")
-    ap.add_argument("--budget", type=float, help="seconds for the whole command: steps get at most what is left, "
-                    "and are skipped with less than 20 s (560 fits a 10-minute device call)")
-    ap.add_argument("--checkpoint", help="the model bench_decode decodes (default: the torchrun step's run)")
+    ap.add_argument("--budget", type=float, help="seconds for the whole command: each step gets at most what is "
+                    f"left, and is skipped with less than {MIN_STEP_S} s (420 fits the device tool's one call)")
+    ap.add_argument("--checkpoint", help="the model bench_decode decodes (default: the recipe step's run)")
     ap.add_argument("--peak-tflops", type=float, default=0.0,
-                    help="the GPU's dense bf16 peak for MFU (default: the datasheet's, for the H100 SXM and H200)")
+                    help="the GPU's dense peak for MFU (default: the datasheet's for known GPUs, else measured)")
     ap.add_argument("--recipe-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="another --set for the recipe's training (repeatable)")
     ap.add_argument("--out-dir", default="runs/gpu_report",
@@ -664,13 +667,16 @@ def main() -> None:
     ap.add_argument("--render", nargs="+", metavar="JSON",
                     help="run nothing: merge these reports (later ones win per step) and write the block")
     args = ap.parse_args()
+    if args.prepare_data:
+        prepare_data(Path(args.prepare_data), Path(args.data), Path(args.vocab))
+        return
     limits = {}
     for item in args.limit:
         name, _, seconds = item.partition("=")
         try:
             limits[name] = float(seconds)
         except ValueError:
-            fail(f"--limit takes STEP=SECONDS, e.g. --limit recipe=400, got {item!r}")
+            fail(f"--limit takes STEP=SECONDS, e.g. --limit recipe=300, got {item!r}")
     args.limit = limits
     for name in [*(args.steps or []), *args.skip, *limits]:
         if name not in NAMES:

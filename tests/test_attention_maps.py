@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import png_size, sentences
 from transformer.attention_maps import KINDS, collect_attention, inspect_attention, recording
-from transformer.batch import Batch
+from transformer.batch import Batch, target_mask
 from transformer.checkpoint import save_checkpoint
 from transformer.cli import main
 from transformer.config import Config, DataConfig, ModelConfig, to_dict
@@ -85,8 +85,8 @@ def test_weights_reproduce_the_fast_path_output(model, vocab):
     handles = [m.register_forward_hook(hook((kind, i)), with_kwargs=True)
                for kind in KINDS for i, m in enumerate(modules[kind])]
     try:
-        with torch.no_grad():  # fast path: record is None
-            fast_logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+        with torch.no_grad():  # fast path: record is None; the explicit mask collect_attention uses
+            fast_logits = model(batch.src, batch.tgt_in, batch.src_mask, target_mask(batch.tgt_in))
         logits, weights = collect_attention(model, batch.src, batch.tgt_in)
     finally:
         for h in handles:

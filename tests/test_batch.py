@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.conftest import batches_equal, random_pairs
-from transformer.batch import (Batch, causal_mask, pad_sequences, padding_mask, prepare_sources, round_up,
-                               source_limit)
+from transformer.batch import (CAUSAL, Batch, attention_bias, causal_mask, pad_sequences, padding_mask,
+                               prepare_sources, round_up, source_limit, target_mask)
 from transformer.config import from_dict
 from transformer.errors import UserError
 from transformer.store import Corpus
@@ -42,7 +42,8 @@ def test_batch_pad_to_multiple():
 def test_batch_masks():
     pairs = [([5, 6, 7], [8, 9]), ([10], [11, 12, 13, 14])]
     b = Batch.from_pairs(pairs)
-    src_mask, tgt_mask = b.src_mask, b.tgt_mask
+    src_mask, tgt_mask = b.src_mask, target_mask(b.tgt_in)
+    assert b.tgt_mask is CAUSAL  # what training passes: right-padded targets need no key-padding mask (test_model)
     assert src_mask.dtype == torch.bool and src_mask.shape == (2, 1, 1, 4)
     assert src_mask[:, 0, 0].tolist() == [[True] * 4, [True, True, False, False]]
     T = b.tgt_in.size(1)
@@ -56,6 +57,19 @@ def test_batch_masks():
         assert torch.equal(m, m.tril())
     assert torch.equal(causal_mask(3)[0, 0], torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool))
     assert torch.equal(padding_mask(torch.tensor([[4, 0]]))[0, 0, 0], torch.tensor([True, False]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("length", [1, 5, 8, 13])
+def test_attention_bias_is_the_boolean_mask_additive_in_the_dtype_with_rows_aligned_to_8(dtype, length):
+    tokens = torch.tensor([[4] * length, [4] * (length - 1) + [PAD_ID]])
+    for mask in (padding_mask(tokens), target_mask(tokens), causal_mask(length)):
+        bias = attention_bias(mask, dtype)
+        assert bias.dtype == dtype and bias.shape == mask.shape
+        assert torch.equal(bias == 0, mask) and torch.equal(bias == float("-inf"), ~mask)
+        # every stride but the last a multiple of 8 elements: CUDA's memory-efficient kernel takes it uncopied
+        assert bias.stride(-1) == 1 and all(stride % 8 == 0 for stride in bias.stride()[:-1])
+        assert attention_bias(bias, dtype) is bias  # already additive: as it is
 
 
 def test_pad_sequences():

@@ -442,3 +442,17 @@ def test_a_resumed_run_lets_go_of_the_checkpoint_it_loaded(tmp_path, monkeypatch
     train(from_dict(tiny_config(tmp_path, train={"max_steps": 4, "valid_every": 2})), resume=True, quiet=True)
     assert loaded and alive == [0]
     assert _state(tmp_path / "run" / "last.pt")["run"]["step"] == 4
+
+
+@pytest.mark.slow  # 40 s with Inductor's caches warm, over 2 minutes cold on 2 loaded cores: `pytest -m slow`
+def test_a_compiled_training_step_runs_on_a_cpu(tmp_path):
+    # train.compile: the model and its loss compiled together (train.TrainingLoss), dynamic shapes, as one graph
+    # (no token packing inside it); the tiniest model, since Inductor compiles C++ on a CPU. Lengths padded to 8, as
+    # CUDA needs, so that one compilation serves every batch. tests/test_cuda.py compiles one on a GPU.
+    raw = tiny_config(tmp_path, data={"pad_to_multiple": 8},
+                      train={"compile": True, "max_steps": 2, "valid_every": 2, "precision": "fp32"})
+    run_dir = train(from_dict(raw), quiet=True)
+    state = _state(run_dir / "last.pt")
+    assert state["run"]["step"] == 2
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert [m["step"] for m in read_metrics(run_dir) if m.get("split") == "train"] == [1, 2]

@@ -2,7 +2,12 @@
 preparation for translation (EOS, the length limit, padding).
 
 Mask convention everywhere: boolean, True = this query may attend to this key, shaped
-(B|1, 1, T_query|1, T_key) so it broadcasts over attention heads.
+(B|1, 1, T_query|1, T_key) so it broadcasts over attention heads. Two forms stand for one for the attention
+kernels (scaled_dot_product_attention), built here too:
+- `attention_bias(mask, dtype)`: the same mask additive, 0 = may attend and -inf = may not, in the queries' dtype;
+  the model turns a boolean mask into it once per forward pass, not once per attention call.
+- `CAUSAL`: causal masking with no tensor (SDPA's is_causal). What a teacher-forced pass over right-padded
+  targets needs in decoder self-attention (Batch.tgt_mask says why); a mask tensor would rule out the flash kernel.
 """
 
 from __future__ import annotations
@@ -37,6 +42,29 @@ def causal_mask(length: int, device=None) -> torch.Tensor:
 def target_mask(tgt_in: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
     """(B, T) decoder input ids -> (B, 1, T, T): causal and key padding together, what a teacher-forced pass uses."""
     return padding_mask(tgt_in, pad_id) & causal_mask(tgt_in.size(1), tgt_in.device)
+
+
+class Causal:
+    """The type of CAUSAL: position i may attend to positions <= i, with no mask tensor (square attention only)."""
+
+    def __repr__(self) -> str:
+        return "CAUSAL"
+
+
+CAUSAL = Causal()
+
+
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask -> the additive mask scaled_dot_product_attention takes as it is: 0 where True, -inf where
+    False, in `dtype`, which must be the queries' (SDPA refuses a float mask of another dtype, and converts a
+    boolean one at every call). Its rows sit in a buffer whose last dimension is padded to a multiple of 8, the
+    alignment CUDA's memory-efficient kernel needs: it pads a copy of any other mask at every call. A mask that is
+    already additive comes back as it is."""
+    if mask.is_floating_point():
+        return mask
+    length = mask.size(-1)
+    buffer = torch.zeros(*mask.shape[:-1], round_up(length, 8), dtype=dtype, device=mask.device)
+    return buffer[..., :length].masked_fill_(~mask, float("-inf"))
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], pad_to_multiple: int = 1, pad_id: int = PAD_ID) -> torch.Tensor:
@@ -108,9 +136,12 @@ class Batch:
         return padding_mask(self.src)
 
     @property
-    def tgt_mask(self) -> torch.Tensor:
-        """Causal and key padding together: (B, 1, T, T)."""
-        return target_mask(self.tgt_in)
+    def tgt_mask(self) -> Causal:
+        """CAUSAL: decoder self-attention in a teacher-forced pass needs no key-padding mask. Targets are
+        right-padded, so a real position i attends only to positions <= i, all of them real: target_mask's padding
+        part changes nothing there, and the outputs at padded positions, which it would change, are never scored
+        (their targets are PAD, ignored by the loss). target_mask(tgt_in) is the explicit equivalent."""
+        return CAUSAL
 
     def __len__(self) -> int:
         return self.src.size(0)

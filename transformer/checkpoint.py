@@ -12,6 +12,7 @@ from transformer.atomic import atomic_write
 from transformer.config import Config, from_dict
 from transformer.errors import UserError, first_line
 from transformer.model import Transformer
+from transformer.optim import load_optimizer_state
 from transformer.resume import RunState
 from transformer.vocab import Vocab
 
@@ -62,7 +63,7 @@ def restore_training(saved: dict, model: torch.nn.Module, optimizer: torch.optim
                      scaler: torch.amp.GradScaler) -> None:
     """Load a resumable checkpoint's weights, optimizer and scaler (the caller restores counters and RNG)."""
     model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
+    load_optimizer_state(optimizer, saved["optimizer"])  # with the flags of this run's device
     if saved["scaler"]:  # empty when the run was saved without fp16
         scaler.load_state_dict(saved["scaler"])
 

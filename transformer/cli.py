@@ -287,10 +287,11 @@ def _search_options() -> argparse.ArgumentParser:
                         help="where to run (default auto: CUDA when available)")
     # No default here: commands.py tells "--dtype X --int8" (refused) from "--int8" alone, then makes it auto.
     decode.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"),
-                        help="number format: fp32; bf16 (fast on CUDA and on CPUs with avx512_bf16/amx_bf16, "
-                             "emulated and slow elsewhere); int8 (CPU: linear layers quantized, faster at a small "
-                             "cost in accuracy); auto (default): bf16 where it is native, else fp32, printed on "
-                             "stderr. `evaluate` measures what a choice costs")
+                        help="number format: fp32 (on CUDA full fp32, TF32 tensor cores off, as in torch's "
+                             "default: exact but several times slower than bf16 there); bf16 (fast on CUDA and on "
+                             "CPUs with avx512_bf16/amx_bf16, emulated and slow elsewhere); int8 (CPU: linear layers "
+                             "quantized, faster at a small cost in accuracy); auto (default): bf16 where it is "
+                             "native, else fp32, printed on stderr. `evaluate` measures what a choice costs")
     decode.add_argument("--int8", action="store_true", help="the same as --dtype int8")
     decode.add_argument("--engine", choices=("ours", "ctranslate2"), default="ours",
                         help="ours (PyTorch search, default) or ctranslate2: the checkpoint is converted once "
@@ -386,6 +387,9 @@ def _exit_without_finalizing(argv: Optional[Sequence[str]]) -> NoReturn:
 def _main(argv: Optional[Sequence[str]]) -> None:
     _fill_closed_outputs()
     args = build_parser().parse_args(argv)
+    from transformer.device import default_cuda_allocator  # torch: not imported for --help
+
+    default_cuda_allocator()  # before any command allocates on a GPU
     try:
         args.func(args)
         if sys.stdout is not None:

@@ -14,6 +14,7 @@ import torch
 
 from transformer.batch import Batch, round_up
 from transformer.config import DataConfig
+from transformer.device import cuda_index
 from transformer.errors import UserError
 
 
@@ -230,14 +231,17 @@ class Prefetcher:
         self.wait_seconds = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(stream, pin_memory, device), daemon=True,
+        # The GPU as an index, resolved here: the current CUDA device is per thread (the new thread's is GPU 0,
+        # not this rank's), and set_device refuses a torch.device("cuda") without one.
+        gpu = cuda_index(device) if pin_memory and device is not None and device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._work, args=(stream, pin_memory, gpu), daemon=True,
                                         name="batch-prefetch")
         self._thread.start()
 
-    def _work(self, stream: BatchStream, pin_memory: bool, device) -> None:
+    def _work(self, stream: BatchStream, pin_memory: bool, gpu: Optional[int]) -> None:
         try:
-            if pin_memory and device is not None:  # the current CUDA device is per thread: not GPU 0 on every rank
-                torch.cuda.set_device(device)
+            if gpu is not None:  # pinned memory is allocated for, and its copies ordered on, the current device
+                torch.cuda.set_device(gpu)
             while not self._stop.is_set():
                 update = stream.next_update()
                 if pin_memory:  # pinned host memory lets the copy to the GPU overlap its kernels

@@ -1,11 +1,16 @@
-"""Devices: which one to run on, whether it computes bf16 natively, the training precision `auto` picks, and the
-matmul rate that model FLOPs utilisation (MFU) divides by."""
+"""Devices: which one to run on (a CUDA device always with its index), whether it computes bf16 natively, the
+training precision `auto` picks, the CUDA settings a run starts with (TF32 matmuls, the allocator), and the peak
+rate that model FLOPs utilisation (MFU) divides by."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -14,15 +19,30 @@ from transformer.errors import UserError
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def pick_device(name: str, setting: str = "--device") -> torch.device:
-    """auto, cpu or cuda -> the device; `setting` names where the choice came from, for the error."""
+def device_type(name: str, setting: str = "--device") -> str:
+    """auto, cpu or cuda -> "cuda" or "cpu", without touching a GPU; `setting` names where the choice came
+    from, for the error."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError(f"{setting} is 'cuda' but no CUDA device is available")
     if name not in ("cpu", "cuda"):
         raise UserError(f"{setting} must be auto, cpu or cuda, got {name!r}")
-    return torch.device(name)
+    return name
+
+
+def pick_device(name: str, setting: str = "--device") -> torch.device:
+    """auto, cpu or cuda -> the device. A CUDA device comes with its index (the current device, cuda:0 unless
+    the process chose another): torch.cuda.set_device, which a thread needs to work on the same GPU, refuses
+    a device without one ("Expected a torch.device with a specified index")."""
+    kind = device_type(name, setting)
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device, the current one where `device` names none: resolved in the calling thread
+    (the current device is per thread), for handing to another."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _cpuinfo_fields(cpuinfo: str | Path) -> dict[str, str]:
@@ -100,21 +120,159 @@ def autocast_context(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def matmul_tflops(device: torch.device, precision: str, size: int = 0, repeats: int = 5) -> float:
-    """The dense matmul rate this device reaches in `precision` (TFLOP/s), measured with square matmuls:
-    the peak that MFU divides by when train.peak_tflops does not give one. About a second on a CPU."""
+# --------------------------------------------------------------------------- CUDA settings of a run
+
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the second: torch >= 2.9's name
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
+
+
+def default_cuda_allocator(environ: Optional[dict] = None) -> bool:
+    """Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set either allocator variable, or CUDA
+    has allocated already (the allocator reads it once, at its first allocation). Every training batch has another
+    shape: with fixed-size segments the cached blocks fragment and reserved memory climbs far above what is in use
+    (out of memory with half the GPU free); expandable segments grow one mapping instead. Returns whether it set
+    it. Called first thing by the command line and by train()."""
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in ALLOC_CONF_VARIABLES) or torch.cuda.is_initialized():
+        return False
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT_ALLOC_CONF
+    return True
+
+
+@contextlib.contextmanager
+def tf32_matmuls(device: torch.device) -> Iterator[None]:
+    """Inside the block, fp32 matrix products on a CUDA device run on tensor cores in TF32 (Ampere and newer:
+    inputs rounded to 10 mantissa bits, fp32 accumulation), about 8x the plain fp32 rate: for training in
+    `precision: fp32`, validation and the end of training, whose results do not hang on fp32's last bits. torch
+    leaves it off by default; translation keeps it off (`--dtype fp32` means full fp32; bf16 is the fast path).
+    The flag is put back after the block; nothing changes on a CPU, or where the user chose through torch's newer
+    setting (torch.backends.cuda.matmul.fp32_precision), which this one may not be mixed with."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        # The older flag: torch.compile's caches still read it, and they raise once the two settings disagree.
+        before = matmul.allow_tf32 if device.type == "cuda" else None
+    except RuntimeError:  # the user set fp32_precision: theirs stands
+        before = None
+    if before is None:
+        yield
+        return
+    matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = before
+
+
+def cuda_memory_peaks(device: torch.device) -> dict:
+    """Peak GPU memory since the start (MiB): what tensors held (allocated) and what the caching allocator took
+    from the GPU (reserved, what nvidia-smi shows and what runs out); empty on a CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_cuda_allocated_mib": round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1),
+            "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved(device) / 2 ** 20, 1)}
+
+
+# --------------------------------------------------------------------------- the peak MFU divides by
+
+# Dense tensor-core peaks from NVIDIA's datasheets, TFLOP/s, for (bf16 and fp16, TF32): the datasheets print the
+# figures "with sparsity", twice these. Matched on torch.cuda.get_device_name(), first match wins.
+DATASHEET_TFLOPS = (
+    (r"GH200", "GH200", 989.4, 494.7),
+    (r"\bH200 NVL", "H200 NVL", 835.5, 417.5),
+    (r"\bH200", "H200 SXM", 989.4, 494.7),
+    (r"\bH100 NVL", "H100 NVL", 835.5, 417.5),
+    (r"\bH100 PCIe", "H100 PCIe", 756.5, 378.0),
+    (r"\bH100\b.*(HBM3|SXM)", "H100 SXM", 989.4, 494.7),
+    (r"\bA100\b", "A100", 312.0, 156.0),
+    (r"\bL40S\b", "L40S", 362.05, 183.0),
+    (r"\bL40\b", "L40", 181.05, 90.5),
+    (r"\bL4\b", "L4", 121.0, 60.0),
+    (r"\bA10\b", "A10", 125.0, 62.5),
+)
+
+
+def datasheet_tflops(device_name: str, precision: str) -> Optional[tuple[float, str]]:
+    """(dense peak TFLOP/s, which datasheet figure) for a GPU by its name, in bf16/fp16 or, for fp32 (which runs
+    in TF32 where training enables it), TF32; None for a device not in the table."""
+    for pattern, name, half, tf32 in DATASHEET_TFLOPS:
+        if re.search(pattern, device_name):
+            if precision == "fp32":
+                return tf32, f"{name} datasheet, dense TF32"
+            return half, f"{name} datasheet, dense {precision}"
+    return None
+
+
+def matmul_tflops(device: torch.device, precision: str, size: int = 0, repeats: int = 3,
+                  seconds: float = 0.5) -> float:
+    """The dense matmul rate this device reaches in `precision` (TFLOP/s), measured with square matmuls: the best
+    of rounds of `repeats` products over about `seconds` (at least three rounds). The best round, because another
+    process (or a busy moment) can only slow a round down: a single short probe at start-up on a busy 2-core CPU
+    gave a peak that training then beat by 9 %. fp32 on CUDA is measured as training runs it, in TF32."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     n = size or (8192 if device.type == "cuda" else 1024)
     generator = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG streams alone
     a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-    for _ in range(2):
-        a @ b
+    best, rounds = float("inf"), 0
+    with tf32_matmuls(device):
+        for _ in range(2):
+            a @ b
+        _synchronize(device)
+        started = time.perf_counter()
+        while rounds < 3 or time.perf_counter() - started < seconds:
+            start = time.perf_counter()
+            for _ in range(repeats):
+                a @ b
+            _synchronize(device)
+            best, rounds = min(best, time.perf_counter() - start), rounds + 1
+    return 2 * n ** 3 * repeats / best / 1e12
+
+
+def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
+
+
+@dataclass
+class Peak:
+    """What MFU divides by (TFLOP/s) and where the figure comes from, for the log. A figure above 100 % is never
+    reported: before one would be, a measured peak is measured again, and a peak of any source is raised to what
+    training reached (a datasheet's is then wrong for this device, or train.peak_tflops is set too low)."""
+
+    tflops: float
+    source: str                                    # where the first figure came from
+    measure: Optional[Callable[[], float]] = None  # the probe, for a measured peak
+    changed: str = ""                              # how it has changed since, if it has
+
+    def describe(self) -> str:
+        return f"{self.tflops:.3g} TFLOP/s ({self.source}{'; ' + self.changed if self.changed else ''})"
+
+    def utilisation(self, achieved_tflops: float) -> tuple[float, Optional[str]]:
+        """-> (MFU of `achieved_tflops`, at most 1; what changed in the peak, for the log, or None)."""
+        if achieved_tflops <= self.tflops:
+            return achieved_tflops / self.tflops, None
+        before = self.tflops
+        if self.measure is not None:
+            self.tflops = max(self.tflops, self.measure())
+            self.changed = "measured again"
+        if achieved_tflops > self.tflops:
+            self.tflops = achieved_tflops
+            self.changed = "raised to the rate training reached"
+        return achieved_tflops / self.tflops, (f"training reached {achieved_tflops:.3g} TFLOP/s, above the peak of "
+                                               f"{before:.3g}: MFU from here is against {self.describe()}")
+
+
+def mfu_peak(device: torch.device, precision: str, configured: float = 0.0) -> Peak:
+    """The peak for MFU: train.peak_tflops when set; else the datasheet's dense peak of a known GPU in this precision
+    (TF32 for fp32); else measured with matmul_tflops."""
+    if configured:
+        return Peak(configured, "train.peak_tflops")
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n ** 3 * repeats / (time.perf_counter() - start) / 1e12
+        found = datasheet_tflops(torch.cuda.get_device_name(device), precision)
+        if found is not None:
+            return Peak(found[0], found[1])
+
+    def measure() -> float:
+        return matmul_tflops(device, precision)
+
+    return Peak(measure(), f"measured: the best {precision} matmul rate on {device}", measure)

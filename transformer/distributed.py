@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import json
 import os
 import signal
@@ -13,8 +14,9 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from transformer.device import pick_device
+from transformer.device import device_type
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.resume import set_stop_handlers
 
@@ -36,11 +38,12 @@ class DistInfo:
 
 def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
     """Join the process group torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK,
-    MASTER_ADDR/PORT); without torchrun, a single process. NCCL on CUDA, gloo on CPU."""
+    MASTER_ADDR/PORT); without torchrun, a single process. NCCL on CUDA, gloo on CPU. A CUDA device always comes
+    with its index (the rank's GPU; a single process's current one), since the batch thread's set_device needs one."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    use_cuda = pick_device(device_name, "train.device").type == "cuda"
+    use_cuda = device_type(device_name, "train.device") == "cuda"  # nothing touches a GPU before set_device
     if world_size == 1:
-        return DistInfo(), torch.device("cuda" if use_cuda else "cpu")
+        return DistInfo(), torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     info = DistInfo(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world_size)
     if use_cuda:
         torch.cuda.set_device(info.local_rank)
@@ -51,8 +54,21 @@ def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
         # A finite timeout turns a rank stuck on a dead peer into an error instead of a hang.
         # Long enough for rank 0's solo work (SentencePiece training, validation BLEU) while the others wait.
         timeout = datetime.timedelta(seconds=int(os.environ.get("TRANSFORMER_DIST_TIMEOUT", "1800")))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+        # device_id binds the NCCL communicator to this rank's GPU at once (torch >= 2.3), instead of guessing
+        # it at the first collective; barrier() then knows its device too.
+        bound = {"device_id": device} if use_cuda and "device_id" in inspect.signature(
+            dist.init_process_group).parameters else {}
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **bound)
     return info, device
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """The module under DistributedDataParallel: gradients averaged over ranks in buckets during backward.
+    gradient_as_bucket_view: the gradients are views of the buckets, so DDP neither copies them in and out of the
+    buckets nor keeps a second copy (a model's gradient size less memory). broadcast_buffers=False: the only
+    buffer is the constant sinusoid table."""
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
 def shutdown_distributed() -> None:

@@ -17,6 +17,7 @@ from transformer.average import average_checkpoints
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.corpus import has_split, load_split
+from transformer.device import tf32_matmuls
 from transformer.errors import UserError
 from transformer.evaluate import length_ratio, translate_and_score
 from transformer.resume import stop_at_once
@@ -78,13 +79,18 @@ def _search_settings(score, model, cfg: Config, at_config: dict) -> tuple[int, f
     return chosen[0], chosen[1], {f"beam{b}_lp{a:g}": round(s["bleu"], 2) for (b, a), s in sorted(tried.items())}
 
 
+MEMORY_KEYS = ("peak_rss_mib", "peak_cuda_allocated_mib", "peak_cuda_reserved_mib")  # per rank, MiB (train.end)
+
+
 def _training_record(run_dir: Path, cfg: Config, run: dict, best_step: int) -> dict:
-    """Wall time, updates, epochs, throughput and the best validation from metrics.jsonl and last.pt's run state."""
+    """Wall time, updates, epochs, throughput, the best validation and the peak memory of the last training
+    process (host, and GPU where there was one) from metrics.jsonl and last.pt's run state."""
     # A killed run's validations past its last.pt were done again on resume: the later line of a step wins. A line
     # past both last.pt and best.pt (a kill between metrics.jsonl and the checkpoints, never resumed) is no model's.
     newest = max(run["step"], best_step)
-    valid = list({r["step"]: r for r in read_metrics(run_dir)
-                  if r.get("split") == "valid" and r["step"] <= newest}.values())
+    metrics = read_metrics(run_dir)
+    valid = list({r["step"]: r for r in metrics if r.get("split") == "valid" and r["step"] <= newest}.values())
+    done = next((r for r in reversed(metrics) if r.get("event") == "done"), {})
     by = "bleu" if cfg.train.valid_bleu and all("bleu" in r for r in valid) else "loss"
     best = (max if by == "bleu" else min)(valid, key=lambda r: r[by]) if valid else {}
     elapsed = run.get("elapsed", 0.0)
@@ -94,6 +100,7 @@ def _training_record(run_dir: Path, cfg: Config, run: dict, best_step: int) -> d
         "best_valid_loss": min((r["loss"] for r in valid), default=None),
         "best_valid_bleu": max((r["bleu"] for r in valid if "bleu" in r), default=None),
         "best_step": best.get("step"), "seconds_to_best": best.get("elapsed"),
+        **{key: done[key] for key in MEMORY_KEYS if key in done},
     }
 
 
@@ -135,7 +142,13 @@ def end_of_training(run_dir: Path, cfg: Config, step: int, device: torch.device)
 
 
 def finish(run_dir: str | Path, device: torch.device) -> dict:
-    """Choose and score the run's final model; write final.pt (weights + tuned decode settings) and summary.json."""
+    """Choose and score the run's final model; write final.pt (weights + tuned decode settings) and summary.json.
+    fp32 products run in TF32 on a GPU, as in training's validations (device.tf32_matmuls)."""
+    with tf32_matmuls(device):
+        return _finish(run_dir, device)
+
+
+def _finish(run_dir: str | Path, device: torch.device) -> dict:
     started = time.perf_counter()
     run_dir = Path(run_dir)
     last = load_checkpoint(run_dir / "last.pt")

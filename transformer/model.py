@@ -2,7 +2,10 @@
 
 Tensors are batch-first: (B, T, C). Masks are boolean with True = "may attend" and have
 shape (B or 1, 1, T_query or 1, T_key) so they broadcast over heads; they are built in
-transformer/batch.py (`padding_mask`, `causal_mask`, `target_mask`) and nowhere else.
+transformer/batch.py (`padding_mask`, `causal_mask`, `target_mask`) and nowhere else. Two other forms, also from
+batch.py, go where the attention kernels run faster with them: `attention_bias`, the additive form a boolean mask
+is turned into once per forward pass (encode, decode), in the dtype of attention's queries; and `CAUSAL`, the
+decoder's self-attention mask in a teacher-forced pass (Batch.tgt_mask), which SDPA applies as is_causal.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer.batch import CAUSAL, Causal, attention_bias, causal_mask
 from transformer.cache import DecoderCache, KVCache, by_row, by_source
 from transformer.config import ModelConfig
 from transformer.errors import UserError, out_of_memory_names
@@ -54,12 +58,14 @@ class TokenPacking:
 
     @staticmethod
     def of(mask: torch.Tensor) -> Optional[TokenPacking]:
-        """The packing for a padding mask (B, 1, 1, S), or None where it does not pay: without padding, and on
-        CUDA, where padded positions cost little and the nonzero() would stall the host every batch."""
-        keep = mask[:, 0, 0, :]
-        if mask.device.type != "cpu" or bool(keep.all()):
+        """The packing for a padding mask (B, 1, 1, S), boolean or additive, or None where it does not pay: without
+        padding; on CUDA, where padded positions cost little and the nonzero() would stall the host every batch; and
+        inside torch.compile, where that data-dependent nonzero() would split the graph."""
+        if mask.device.type != "cpu" or torch.compiler.is_compiling():
             return None
-        return TokenPacking(keep)
+        keep = mask[:, 0, 0, :]
+        keep = keep == 0 if keep.is_floating_point() else keep
+        return None if bool(keep.all()) else TokenPacking(keep)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.size(-1)).index_select(0, self.index)  # (B, S, C) -> (N, C)
@@ -102,7 +108,7 @@ class MultiHeadAttention(nn.Module):
         self,
         query: torch.Tensor,                 # (B, Tq, C)
         key_value: Optional[torch.Tensor],   # (B, Tk, C); None when a static cache holds its K/V
-        mask: Optional[torch.Tensor],        # (B|1, 1, Tq|1, Tk_total) bool, True = may attend
+        mask: Optional[torch.Tensor | Causal],  # (B|1, 1, Tq|1, Tk_total): bool (True = may attend) or additive; CAUSAL
         cache: Optional[KVCache] = None,
         static_kv: bool = False,             # cross-attention: K/V depend only on the encoder output
         packing: Optional[TokenPacking] = None,  # self-attention over packed tokens: query is (N, C)
@@ -123,8 +129,12 @@ class MultiHeadAttention(nn.Module):
         if group > 1:
             q = by_source(q, group)  # (B*g, H, Tq, Dh) -> (B, H, g*Tq, Dh)
         dropout = self.attention_dropout if self.training else 0.0
+        if mask is CAUSAL and q.size(2) != k.size(2):
+            raise ValueError(f"CAUSAL needs square attention, got {q.size(2)} queries and {k.size(2)} keys")
         if self.record is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            causal = mask is CAUSAL  # no mask tensor: the flash kernel stays possible
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, dropout_p=dropout,
+                                                 is_causal=causal)
         else:
             out, probs = attention_reference(q, k, v, mask, dropout, self.training)
             self.record.append((by_row(probs, group) if group > 1 else probs).detach())
@@ -136,9 +146,13 @@ class MultiHeadAttention(nn.Module):
 
 
 def attention_reference(q, k, v, mask, dropout: float = 0.0, training: bool = False):
-    """softmax(QK^T / sqrt(d)) V written out, returning the probabilities too."""
+    """softmax(QK^T / sqrt(d)) V written out, returning the probabilities too; `mask` in any of its forms."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, Tq, Tk)
-    if mask is not None:
+    if mask is CAUSAL:
+        mask = causal_mask(q.size(2), q.device)
+    if mask is not None and mask.is_floating_point():
+        scores = scores + mask  # -inf where it may not attend: the same as masked_fill below
+    elif mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = scores.softmax(dim=-1)
     dropped = F.dropout(probs, dropout, training) if dropout > 0 else probs
@@ -245,12 +259,21 @@ class Transformer(nn.Module):
         x = embedding(tokens) * math.sqrt(self.cfg.d_model)  # (B, T, C)
         return self.embed_dropout(x + self.positions(tokens.size(1), offset))
 
+    def attention_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of attention's queries, which an additive mask must have: autocast's where autocast is on,
+        else the model's own (its embeddings'; the linear layers of every weight format give that dtype too)."""
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.src_embed.weight.dtype
+
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
-        """src (B, S) token ids, src_mask (B, 1, 1, S) -> memory (B, S, C); zeros at padding on a CPU."""
+        """src (B, S) token ids, src_mask (B, 1, 1, S), boolean or additive -> memory (B, S, C); zeros at padding
+        on a CPU."""
         x = self._embed(self.src_embed, src)
         packing = TokenPacking.of(src_mask)
         if packing is not None:
             x = packing.pack(x)  # (B, S, C) -> (N, C): the layers skip padding
+        src_mask = attention_bias(src_mask, self.attention_dtype(src.device))  # once for every layer
         for layer in self.encoder_layers:
             x = layer(x, src_mask, packing)
         x = self.encoder_norm(x)
@@ -260,8 +283,8 @@ class Transformer(nn.Module):
         self,
         tgt: torch.Tensor,                        # (B, T) ids; with a cache, only the new positions
         memory: Optional[torch.Tensor] = None,    # (B, S, C); None with a cache
-        memory_mask: Optional[torch.Tensor] = None,  # (B, 1, 1, S); None with a cache
-        tgt_mask: Optional[torch.Tensor] = None,  # (B|1, 1, T, cache.length + T); None: no masking
+        memory_mask: Optional[torch.Tensor] = None,  # (B, 1, 1, S), boolean or additive; None with a cache
+        tgt_mask: Optional[torch.Tensor | Causal] = None,  # (B|1, 1, T, cache.length + T) or CAUSAL; None: none
         cache: Optional[DecoderCache] = None,
     ) -> torch.Tensor:
         """-> logits (B, T, V). Without a cache, attends to `memory` under `memory_mask`. With one (from
@@ -272,6 +295,10 @@ class Transformer(nn.Module):
             if memory is not None or memory_mask is not None:
                 raise ValueError("decode with a cache takes no memory: the cache holds the encoder K/V and mask")
             offset, memory_mask = cache.length, cache.memory_mask
+        dtype = self.attention_dtype(tgt.device)  # the masks once for every layer
+        memory_mask = attention_bias(memory_mask, dtype) if memory_mask is not None else None
+        if tgt_mask is not None and tgt_mask is not CAUSAL:
+            tgt_mask = attention_bias(tgt_mask, dtype)
         x = self._embed(self.tgt_embed, tgt, offset)
         for i, layer in enumerate(self.decoder_layers):
             self_cache = cache.self_attn[i] if cache is not None else None
@@ -288,7 +315,9 @@ class Transformer(nn.Module):
         return DecoderCache([KVCache() for _ in self.decoder_layers], cross, memory_mask)
 
     def forward(self, src, tgt_in, src_mask, tgt_mask) -> torch.Tensor:
-        """Teacher-forced training pass: logits (B, T, V) for every target position."""
+        """Teacher-forced training pass: logits (B, T, V) for every target position. tgt_mask: Batch.tgt_mask
+        (CAUSAL) for right-padded targets, or a mask tensor."""
+        src_mask = attention_bias(src_mask, self.attention_dtype(src.device))  # once, for encoder and decoder
         return self.decode(tgt_in, self.encode(src, src_mask), src_mask, tgt_mask)
 
     def attention_modules(self) -> dict[str, list[MultiHeadAttention]]:

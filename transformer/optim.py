@@ -56,6 +56,21 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     return opt_cls(params, lr=t.lr, betas=t.adam_betas, eps=t.adam_eps, fused=fused or None, **kwargs)
 
 
+# How the optimizer computes, not what: chosen for the device the run is on (build_optimizer), never taken from a
+# checkpoint. Optimizer.load_state_dict restores them with the parameter groups, so a run started on a CPU and
+# resumed on CUDA would keep the slow per-tensor path (and one started on CUDA would ask a CPU for fused kernels).
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Load a saved optimizer state (moments, step counts, hyperparameters) into `optimizer`, keeping its own
+    implementation flags (IMPLEMENTATION_FLAGS). They are put into the saved groups before loading, because
+    loading also places the step counts by them (on the device for fused kernels, on the CPU otherwise)."""
+    groups = [{**group, **{key: fresh[key] for key in IMPLEMENTATION_FLAGS if key in fresh}}
+              for group, fresh in zip(saved["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**saved, "param_groups": groups})
+
+
 def set_hyperparameters(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
     """Set update `step`'s learning rate (and the config's Adam settings, which a resumed run may have changed)
     on every parameter group; return the rate. Nothing about the schedule lives in the optimizer's state."""

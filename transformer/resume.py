@@ -36,10 +36,13 @@ FROZEN_ON_RESUME = ("model", "data.vocab_size", "data.spm_model_type", "data.src
 DATA_ORDER = ("train.seed", "data.source", "data.dir", "data.hub_name", "data.hub_config", "data.train_split",
               "data.max_len", "data.max_tokens", "data.pad_to_multiple", "data.max_train_pairs")
 
-def rng_state() -> dict:
+def rng_state(device: Optional[torch.device] = None) -> dict:
+    """The RNG streams a run continues with: Python's, torch's CPU one, NumPy's, and on CUDA the stream of the
+    run's own GPU (`device`) alone. Not every visible GPU's, as torch.cuda.get_rng_state_all gives: restoring
+    those with set_rng_state_all fails on a machine with fewer GPUs, and the others' streams are not the run's."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     try:
         import numpy as np
         name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -49,11 +52,19 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
+    """Continue rng_state()'s streams; the CUDA one on the run's GPU `device`, when both sides have CUDA (a run
+    saved on a CPU keeps its seeded CUDA stream, a run resumed on a CPU has none). Checkpoints written before
+    hold every visible GPU's stream, by index: the one at the run's index is taken, else the first."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and device is not None and device.type == "cuda":
+        if isinstance(cuda, (list, tuple)):  # an older checkpoint: torch.cuda.get_rng_state_all()
+            index = device.index or 0
+            cuda = cuda[index] if index < len(cuda) else cuda[0] if cuda else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
     if "numpy" in state:
         import numpy as np
         name, keys, pos, has_gauss, cached = state["numpy"]

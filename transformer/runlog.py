@@ -12,6 +12,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from transformer.device import Peak
 from transformer.distributed import DistInfo
 from transformer.errors import UserError
 from transformer.model import training_flops
@@ -112,12 +113,13 @@ class MetricsLog:
 
 class Progress:
     """Training lines: every train.log_every updates, after the first few, and at least every 30 seconds. Each
-    goes to metrics.jsonl and train.log, and to the console when no progress bar shows it."""
+    goes to metrics.jsonl and train.log, and to the console when no progress bar shows it. MFU is against `peak`
+    (device.Peak), never above 100 %: a rate above the peak changes the peak first, and the log says so."""
 
     def __init__(self, metrics: MetricsLog, bar: tqdm, prefetch, model, log_every: int, max_steps: int,
-                 first_step: int, peak_tflops: float):
+                 first_step: int, peak: Peak):
         self.metrics, self.bar, self.prefetch, self.model = metrics, bar, prefetch, model
-        self.log_every, self.max_steps, self.first_step, self.peak_tflops = log_every, max_steps, first_step, peak_tflops
+        self.log_every, self.max_steps, self.first_step, self.peak = log_every, max_steps, first_step, peak
         self._reset()
 
     def _reset(self) -> None:
@@ -142,10 +144,13 @@ class Progress:
 
     def write(self, step: int, epoch: int, lr: float, grad_norm: float) -> None:
         seconds = time.perf_counter() - self.since
+        mfu, changed = self.peak.utilisation(self.flops / seconds / 1e12)
+        if changed:
+            log.warning("step %d: %s", step, changed)
         entry = {"step": step, "split": "train", "loss": self.loss / max(self.tgt_tokens, 1), "lr": lr,
                  "tgt_tokens_per_s": self.tgt_tokens / seconds,
                  "tokens_per_s": (self.tgt_tokens + self.src_tokens) / seconds, "epoch": epoch,
-                 "grad_norm": grad_norm, "mfu": self.flops / seconds / (self.peak_tflops * 1e12),
+                 "grad_norm": grad_norm, "mfu": mfu, "peak_tflops": self.peak.tflops,
                  "data_wait": (self.prefetch.wait_seconds - self.wait_before) / seconds}
         self.metrics.record(entry)
         log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s, MFU %.1f%%, grad norm %.3g, epoch %d, waiting for "

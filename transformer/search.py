@@ -31,6 +31,12 @@ to finish is the answer, as the early rule says.
 
 Tracing (`trace`, a list): search() appends one TraceStep per decoder step, for showing the search at work
 (`transformer serve`'s page). It only reads what the search computed; without a trace nothing extra is done.
+
+The host and the device: what the search decides in Python (which hypotheses finish, which sentences stop) it
+reads from the device once per decoder step, in one copy (`_to_host`); on CUDA every read is a synchronisation
+that leaves the GPU idle until the host has queued the next step, and a step used to make four to seven of them.
+The length limits live on the host from the start, and row indices go to the device from pinned memory without
+waiting. On a CPU the reads are the tensors' own memory.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -153,9 +160,30 @@ def _max_lengths(model, src: torch.Tensor, max_len_offset: int) -> torch.Tensor:
     return max_output_lengths(src_len, max_len_offset, model.cfg.max_positions)
 
 
-def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor) -> torch.Tensor:
-    """Rows at their length limit may only emit EOS."""
-    if not bool(at_limit.any()):  # the common case: skip a full (rows, vocab) rewrite
+def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """The tensors as numpy arrays of their own dtypes, read from a GPU in one copy (one synchronisation; float64
+    holds token ids and float32 scores exactly); on a CPU, views of the tensors' memory."""
+    if tensors[0].device.type == "cpu":
+        return [t.detach().numpy() for t in tensors]
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+    out, start = [], 0
+    for t in tensors:
+        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+        out.append(flat[start:start + t.numel()].reshape(tuple(t.shape)).astype(dtype))
+        start += t.numel()
+    return out
+
+
+def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices chosen on the host, as a tensor on `device`; to a GPU from pinned memory without waiting (a copy
+    from ordinary host memory waits until the GPU has done its queued work)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return index if device.type == "cpu" else index.pin_memory().to(device, non_blocking=True)
+
+
+def _force_eos(lprobs: torch.Tensor, at_limit: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rows at their length limit may only emit EOS; at_limit None: no row is (known on the host)."""
+    if at_limit is None:  # the common case: skip a full (rows, vocab) rewrite
         return lprobs
     not_eos = torch.ones(lprobs.size(1), dtype=torch.bool, device=lprobs.device)
     not_eos[EOS_ID] = False
@@ -171,6 +199,7 @@ def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int,
     """Most probable next token at each step; finished sentences leave the batch."""
     decoder = _Decoder(model, src, use_cache)
     max_len = _max_lengths(model, src, max_len_offset)  # (B,)
+    limits = _to_host(max_len)[0]                        # the same on the host
     alive = list(range(src.size(0)))                     # original index of each row
     prefix = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)  # (R, t+1)
     scores = torch.zeros(src.size(0), device=src.device)
@@ -178,31 +207,32 @@ def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int,
     sentence_steps = [0] * src.size(0)
     t = 0
     while alive:
-        lprobs = _force_eos(decoder.log_probs(prefix), t >= max_len)
+        lprobs = _force_eos(decoder.log_probs(prefix), (t >= max_len) if t >= limits.min() else None)
         best, token = lprobs.max(dim=-1)  # (R,)
         scores = scores + best
         prefix = torch.cat([prefix, token[:, None]], dim=1)
-        done = token == EOS_ID
+        tokens, totals, prefixes = _to_host(token, scores, prefix)  # the step's one read
+        done = tokens == EOS_ID
         if trace is not None:
-            trace.append(_greedy_step(src.size(0), alive, prefix, scores, done, length_penalty(t + 1, lenpen)))
+            trace.append(_greedy_step(src.size(0), alive, prefixes, totals, done, length_penalty(t + 1, lenpen)))
         if done.any():
-            rows = done.nonzero().view(-1)
+            rows = np.flatnonzero(done)
             penalty = length_penalty(t + 1, lenpen)
-            for row, row_tokens, total in zip(rows.tolist(), prefix[rows, 1:-1].tolist(), scores[rows].tolist()):
+            for row, row_tokens, total in zip(rows.tolist(), prefixes[rows, 1:-1].tolist(), totals[rows].tolist()):
                 out[alive[row]] = [Hypothesis(row_tokens, total / penalty)]
                 sentence_steps[alive[row]] = t + 1
-            keep_list = (~done).nonzero().view(-1).tolist()
+            keep_list = np.flatnonzero(~done).tolist()
             if not keep_list:
                 break
-            keep = torch.tensor(keep_list, dtype=torch.long, device=src.device)
+            keep = _device_index(keep_list, src.device)
             alive = [alive[row] for row in keep_list]
-            prefix, scores, max_len = prefix[keep], scores[keep], max_len[keep]
+            prefix, scores, max_len, limits = prefix[keep], scores[keep], max_len[keep], limits[keep_list]
             decoder.keep_rows(keep, keep)
         t += 1
     return SearchResult(out, decoder.steps, sentence_steps)  # type: ignore[arg-type]
 
 
-def _greedy_step(rows: int, alive: list[int], prefix: torch.Tensor, scores: torch.Tensor, done: torch.Tensor,
+def _greedy_step(rows: int, alive: list[int], prefix: np.ndarray, scores: np.ndarray, done: np.ndarray,
                  penalty: float) -> TraceStep:
     """The trace of one greedy step: each row's one hypothesis, alive or finished (prefix (R, t+2) from BOS)."""
     step = _new_step(rows)
@@ -242,8 +272,10 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
     # Encoded once per sentence; rows are copied per beam after the first step.
     decoder = _Decoder(model, src, use_cache)
     max_len = _max_lengths(model, src, max_len_offset)  # (B,) per live sentence
-    # The exact rule's divisor: the largest penalty a live hypothesis can reach (module docstring).
-    best_lp = length_penalty(max_len.double() + 1, lenpen).tolist()
+    # The exact rule's divisor: the largest penalty a live hypothesis can reach (module docstring). The limits,
+    # the same on the host.
+    limits, best_lp = _to_host(max_len, length_penalty(max_len.double() + 1, lenpen))
+    best_lp = best_lp.tolist()
     alive = list(range(src.size(0)))  # original index of each live sentence
     finished: list[list[Hypothesis]] = [[] for _ in alive]  # by original index
     sentence_steps = [0] * src.size(0)
@@ -251,12 +283,13 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
     prefix = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=device)  # (B*n, t+1)
     scores = torch.zeros(src.size(0), device=device)  # (B*n,) summed log-probabilities
     rank = torch.arange(2 * k, device=device)
+    host_rank = np.arange(2 * k)
     t = 0
     while alive:
         b = len(alive)
         step = _new_step(src.size(0)) if trace is not None else None
         lprobs = decoder.log_probs(prefix)  # (B*n, V)
-        at_limit = (t >= max_len).repeat_interleave(n)  # (B,) -> (B*n,)
+        at_limit = (t >= max_len).repeat_interleave(n) if t >= limits.min() else None  # (B,) -> (B*n,)
         # A sentence's 2k best (row, token) candidates are among each of its rows' 2k best tokens: rank
         # those, rather than adding every row's score to all V log-probabilities and ranking n*V per sentence.
         per_row = min(2 * k, lprobs.size(1))
@@ -271,25 +304,29 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
         token = row_tokens.gather(1, top_idx)
         is_eos = token == EOS_ID
 
-        # Finish EOS candidates ranked within the top k (host side: only these few rows are copied).
-        finishing = is_eos & (rank < k) & (top_scores > inf)
-        if finishing.any():
-            sent, pos = finishing.nonzero(as_tuple=True)
-            rows = sent * n + origin[sent, pos]
-            penalty = length_penalty(t + 1, lenpen)
-            for s, row_tokens, total in zip(sent.tolist(), prefix[rows, 1:].tolist(), top_scores[sent, pos].tolist()):
-                hyp = Hypothesis(row_tokens, total / penalty)
-                finished[alive[s]].append(hyp)
-                if step is not None:
-                    step.finished[alive[s]].append(hyp)
-
         # The k best non-EOS candidates stay alive (there are at least k: each beam adds one EOS at most).
         order = (is_eos.long() * (2 * k) + rank).argsort(dim=1)[:, :k]  # (B, k) positions among the 2k
         scores = top_scores.gather(1, order)  # (B, k)
         parent = torch.arange(b, device=device)[:, None] * n + origin.gather(1, order)  # (B, k) row indices
         new_token = token.gather(1, order)  # (B, k)
 
-        keep = _still_searching(alive, finished, scores[:, 0].tolist(), (t >= max_len).tolist(), best_lp, k, nbest,
+        # The step's one read: the candidates, the prefixes they extend, each sentence's best live score.
+        host_scores, host_token, host_origin, host_prefix, best_live = _to_host(top_scores, token, origin, prefix,
+                                                                                scores[:, 0])
+        # Finish EOS candidates ranked within the top k.
+        finishing = (host_token == EOS_ID) & (host_rank < k) & (host_scores > inf)
+        if finishing.any():
+            sent, pos = np.nonzero(finishing)
+            rows = sent * n + host_origin[sent, pos]
+            penalty = length_penalty(t + 1, lenpen)
+            for s, row_tokens, total in zip(sent.tolist(), host_prefix[rows, 1:].tolist(),
+                                            host_scores[sent, pos].tolist()):
+                hyp = Hypothesis(row_tokens, total / penalty)
+                finished[alive[s]].append(hyp)
+                if step is not None:
+                    step.finished[alive[s]].append(hyp)
+
+        keep = _still_searching(alive, finished, best_live.tolist(), (t >= limits).tolist(), best_lp, k, nbest,
                                 lenpen, stop, sentence_steps, t + 1)
         if step is not None:
             for s in keep:  # (k, t+1): each kept hypothesis's tokens so far, without BOS
@@ -301,8 +338,9 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
         sentence_set_changed = len(keep) < b
         if sentence_set_changed:
             alive = [alive[s] for s in keep]
-            keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+            keep_t = _device_index(keep, device)
             scores, parent, new_token, max_len = scores[keep_t], parent[keep_t], new_token[keep_t], max_len[keep_t]
+            limits = limits[keep]
         index = parent.reshape(-1)  # (B', k) -> (B'*k,)
         prefix = torch.cat([prefix.index_select(0, index), new_token.reshape(-1, 1)], dim=1)  # (B'*k, t+2)
         scores = scores.reshape(-1)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+from torch import nn
 from tqdm import tqdm
 
 from transformer.atomic import remove_stale_temporaries, step_checkpoints
@@ -21,9 +21,10 @@ from transformer.batch import Batch
 from transformer.checkpoint import load_checkpoint, load_resumable, restore_training, save_checkpoint, training_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data import BatchStream, Prefetcher, Update, eval_batches
-from transformer.device import autocast_context, matmul_tflops, pick_precision
+from transformer.device import (Peak, autocast_context, cuda_memory_peaks, default_cuda_allocator, mfu_peak,
+                               pick_precision, tf32_matmuls)
 from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
-                                     peer_failure_explained, shutdown_distributed)
+                                     peer_failure_explained, shutdown_distributed, wrap_ddp)
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.evaluate import evaluate_loss, validation_bleu
 from transformer.model import Transformer, build_model, count_parameters
@@ -54,12 +55,12 @@ class Run:
     store: Store
     valid: list[Batch]
     model: Transformer
-    forward: torch.nn.Module        # the model as updates call it: wrapped by DDP and/or torch.compile
+    forward: torch.nn.Module        # TrainingLoss as updates call it: wrapped by DDP and/or torch.compile
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     state: RunState
     metrics: MetricsLog
-    peak_tflops: float              # what MFU divides by
+    peak: Peak                      # what MFU divides by, and where that figure comes from
     saved_step: Optional[int]       # the step last.pt holds
 
     @property
@@ -87,6 +88,7 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
     """Train according to cfg (data-parallel when launched by torchrun); returns the run directory.
     config_path and overrides (the --set items) make the printed resume command; without a config_path
     it is `transformer train --resume RUN_DIR`."""
+    default_cuda_allocator()  # before anything allocates on a GPU
     info, device = init_distributed(cfg.train.device)
     command = resume_command(config_path, overrides, cfg.train.run_dir)
     try:
@@ -110,6 +112,9 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, comm
            scope: contextlib.ExitStack) -> Path:
     metrics_since = time.perf_counter()
     pick_precision(cfg.train.precision, device)  # fp16 on a CPU refused before a vocabulary and store are built
+    check_compile(cfg, device)
+    # Training, validation and the end of training compute fp32 products in TF32 on a GPU (device.tf32_matmuls).
+    scope.enter_context(tf32_matmuls(device))
     run_dir, saved, changes = start(cfg, info, resume, command, scope)
     vocab, store = load_data(cfg, info, run_dir, saved, quiet)
     run = build(cfg, info, device, run_dir, command, vocab, store, saved, metrics_since)
@@ -196,28 +201,57 @@ def load_data(cfg: Config, info: DistInfo, run_dir: Path, saved: Optional[dict],
     return vocab, store
 
 
+def check_compile(cfg: Config, device: torch.device) -> None:
+    """train.compile on CUDA needs lengths padded to a multiple of 8: inside the compiled graph, the memory-efficient
+    attention kernel takes a key-padding mask only with its key length aligned to 8 (eager SDPA pads a copy of
+    the mask instead; the compiled one cannot)."""
+    if cfg.train.compile and device.type == "cuda" and cfg.data.pad_to_multiple % 8:
+        raise UserError(f"train.compile on CUDA needs data.pad_to_multiple to be a multiple of 8 (it is "
+                        f"{cfg.data.pad_to_multiple}): add --set data.pad_to_multiple=8, or set train.compile: false")
+
+
+class TrainingLoss(nn.Module):
+    """The model and its label-smoothed loss as one module: what DDP wraps and torch.compile compiles. Compiled
+    together, the loss fuses with the output projection instead of reading the (batch, length, vocabulary) logits,
+    the largest activation of a step, back from memory in separate kernels."""
+
+    def __init__(self, model: Transformer, smoothing: float):
+        super().__init__()
+        self.model, self.smoothing = model, smoothing
+
+    def forward(self, src, tgt_in, tgt_out, src_mask, tgt_mask) -> torch.Tensor:
+        """The loss summed over the batch's target tokens (optim.label_smoothed_loss)."""
+        return label_smoothed_loss(self.model(src, tgt_in, src_mask, tgt_mask), tgt_out, self.smoothing)
+
+
+def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
+    """The loss scaler, enabled for fp16 only. It starts at 2^7, as fairseq and NVIDIA's recipes do: torch's 2^16
+    overflows in the first updates, and each overflow skips an update while the scale halves."""
+    return torch.amp.GradScaler(device.type, init_scale=2.0 ** 7, enabled=precision == "fp16")
+
+
 def build(cfg: Config, info: DistInfo, device: torch.device, run_dir: Path, command: str, vocab: Vocab,
           store: Store, saved: Optional[dict], started: float) -> Run:
-    """The model (seeded per rank, so each rank has its own dropout stream), its DDP / compiled wrapper, the
-    optimizer, the fp16 grad scaler, the validation batches, the metrics log and the precision."""
+    """The model (seeded per rank, so each rank has its own dropout stream), its loss with the DDP / compiled
+    wrapper, the optimizer, the fp16 grad scaler, the validation batches, the metrics log, the precision and the
+    peak for MFU."""
     t = cfg.train
     precision, why = pick_precision(t.precision, device)
     random.seed(t.seed + info.rank)
     torch.manual_seed(t.seed + info.rank)
     model = build_model(cfg.model, len(vocab)).to(device)
-    # broadcast_buffers=False: the only buffer is the constant sinusoid table.
-    forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      broadcast_buffers=False) if info.enabled else model
+    forward = TrainingLoss(model, t.label_smoothing)
+    if info.enabled:
+        forward = wrap_ddp(forward, device)
     if t.compile:
         forward = torch.compile(forward, dynamic=True)
     state = RunState(**saved["run"]) if saved is not None else \
         RunState(best_metric="bleu" if cfg.train.valid_bleu else "loss")
-    peak = t.peak_tflops or matmul_tflops(device, precision)
-    log.info("precision: %s (%s); MFU below is against %.3g TFLOP/s (%s)", precision, why, peak,
-             "train.peak_tflops" if t.peak_tflops else f"measured {precision} matmuls on {device}")
+    peak = mfu_peak(device, precision, t.peak_tflops)
+    log.info("precision: %s (%s); MFU below is against %s", precision, why, peak.describe())
     valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple)
     return Run(cfg, info, device, precision, run_dir, command, vocab, store, valid, model, forward,
-               build_optimizer(model, cfg), torch.amp.GradScaler(device.type, enabled=precision == "fp16"), state,
+               build_optimizer(model, cfg), make_grad_scaler(device, precision), state,
                MetricsLog(run_dir, info.is_main, state.elapsed, started, t.tensorboard), peak,
                state.step if saved is not None else None)
 
@@ -245,7 +279,7 @@ def restore(run: Run, saved: Optional[dict], changes: list[ConfigChange]) -> Non
         state.data = {"epoch": state.data["epoch"], "batches_done": 0}
     rngs = saved["rng"]
     if len(rngs) == run.info.world_size:
-        set_rng_state(rngs[run.info.rank])
+        set_rng_state(rngs[run.info.rank], run.device)
     else:
         log.warning("resume: the checkpoint holds RNG states of %d ranks, this run has %d; "
                     "dropout streams restart from the seed", len(rngs), run.info.world_size)
@@ -257,7 +291,7 @@ class StepResult:
     loss: float                 # summed over the update's target tokens, all ranks
     nonfinite: bool             # some rank saw a non-finite loss or gradient: the update was skipped
     stop_requested: bool        # some rank got SIGINT/SIGTERM: every rank saves and stops after this update
-    grad_norm: torch.Tensor
+    grad_norm: float            # before clipping
     lr: float
 
 
@@ -273,17 +307,19 @@ def train_update(run: Run, update: Update, stop: StopRequested) -> StepResult:
         sync = i == len(update.batches) - 1 or not info.enabled
         with (contextlib.nullcontext() if sync else run.forward.no_sync()):
             with autocast_context(run.device, run.precision):
-                logits = run.forward(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-                loss = label_smoothed_loss(logits, batch.tgt_out, run.cfg.train.label_smoothing)
+                loss = run.forward(batch.src, batch.tgt_in, batch.tgt_out, batch.src_mask, batch.tgt_mask)
             run.scaler.scale(loss * (info.world_size / update.n_tgt_tokens)).backward()
         loss_sum += loss.detach()
     run.scaler.unscale_(run.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.clip_norm or float("inf"))
-    # One small reduction and one host sync per update: the update's loss, whether any rank saw a non-finite
-    # value, and whether any rank was asked to stop (so all ranks stop together).
-    flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).double(),
-                         torch.tensor(float(stop.signal_name is not None), device=run.device, dtype=torch.float64)])
-    update_loss, nonfinite, stop_requested = all_reduce_sum(flags, info).tolist()
+    # One small reduction and the update's one host sync: the update's loss, whether any rank saw a non-finite
+    # value, whether any rank was asked to stop (so all ranks stop together), and the gradient norm for the log
+    # (the same on every rank after DDP's averaging: summed, then divided). The stop flag is filled in on the
+    # device: torch.tensor(flag, device=...) would copy it from pageable host memory, a sync of its own.
+    stopping = torch.full((), float(stop.signal_name is not None), device=run.device, dtype=torch.float64)
+    flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).double(), stopping,
+                         grad_norm.double() / info.world_size])
+    update_loss, nonfinite, stop_requested, grad_norm = all_reduce_sum(flags, info).tolist()
     if not nonfinite:
         run.scaler.step(run.optimizer)
         run.state.step += 1
@@ -318,7 +354,7 @@ def validate_and_save(run: Run) -> bool:
         state.bad_validations += 1
     run.metrics.record({"step": state.step, "split": "valid", **result})
     state.last_validation = state.step
-    rngs = gather_objects(rng_state(), run.info)
+    rngs = gather_objects(rng_state(run.device), run.info)
     if run.info.is_main:
         # last.pt last: a kill between these writes leaves last.pt at the previous validation, so that
         # --resume redoes the updates since and writes this step's files again, the same, before last.pt.
@@ -363,7 +399,7 @@ def update_loop(run: Run, quiet: bool) -> None:
     bar = tqdm(total=t.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
                disable=True if (quiet or not info.is_main) else None)
     prefetch = Prefetcher(stream, pin_memory=run.device.type == "cuda", device=run.device)
-    progress = Progress(run.metrics, bar, prefetch, run.model, t.log_every, t.max_steps, state.step, run.peak_tflops)
+    progress = Progress(run.metrics, bar, prefetch, run.model, t.log_every, t.max_steps, state.step, run.peak)
     skipped_in_a_row, stopped_early = 0, False
 
     def more_to_train() -> bool:
@@ -394,13 +430,13 @@ def update_loop(run: Run, quiet: bool) -> None:
                 if progress.first_step + 1 == state.step:  # how long a start or resume takes before training proper
                     first_update(run, bar)
                 if progress.due(state.step):
-                    progress.write(state.step, state.data["epoch"], result.lr, float(result.grad_norm))
+                    progress.write(state.step, state.data["epoch"], result.lr, result.grad_norm)
                 if state.step % t.valid_every == 0 and validate_and_save(run):
                     stopped_early = True
                     break
             if result.stop_requested:
                 bar.close()
-                rngs = gather_objects(rng_state(), info)  # every rank takes part in the gather
+                rngs = gather_objects(rng_state(run.device), info)  # every rank takes part in the gather
                 if info.is_main:
                     save(run, run.last_path, rngs)
                 stopped(run, stop.signal_name or "stop requested on another rank")
@@ -424,15 +460,22 @@ def stopped(run: Run, name: str) -> None:
 
 
 def end(run: Run) -> None:
-    """Each rank's peak memory in the log; then, on rank 0 and unless train.finish is off, the end of training:
-    averaging, choosing the checkpoint and search settings on validation, the test score, the summary."""
+    """Each rank's peak memory in the log (host, and GPU where there is one); then, on rank 0 and unless
+    train.finish is off, the end of training: averaging, choosing the checkpoint and search settings on
+    validation, the test score, the summary."""
     # ru_maxrss is in KiB on Linux; memory-mapped store pages count in it (they are shared between ranks).
     peak = [round(kib / 1024, 1) for kib in gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                                                            run.info)]
-    run.metrics.record({"step": run.state.step, "event": "done", "peak_rss_mib": peak, "time": time.time()})
+    gpu = gather_objects(cuda_memory_peaks(run.device), run.info)  # per rank: {} on a CPU
+    by_key = {key: [rank[key] for rank in gpu] for key in gpu[0]}
+    run.metrics.record({"step": run.state.step, "event": "done", "peak_rss_mib": peak, **by_key, "time": time.time()})
     run.metrics.close()
-    log.info("done: %d steps; checkpoints in %s; peak memory %s MiB", run.state.step, run.run_dir,
-             " / ".join(f"{p:.0f}" for p in peak))
+    def mib(values: list) -> str:
+        return " / ".join(f"{v:.0f}" for v in values) + " MiB"
+
+    gpu_line = (f"; GPU peak {mib(by_key['peak_cuda_allocated_mib'])} allocated, "
+                f"{mib(by_key['peak_cuda_reserved_mib'])} reserved" if by_key else "")
+    log.info("done: %d steps; checkpoints in %s; peak memory %s%s", run.state.step, run.run_dir, mib(peak), gpu_line)
     if run.cfg.train.finish and run.info.is_main:
         from transformer.finish import end_of_training
 
