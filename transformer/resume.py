@@ -237,9 +237,12 @@ def check_run_dir(run_dir: Path, resume: bool = False) -> None:
         how = f"add --resume to continue from {other.name}; " if other is not None else ""
         raise UserError(f"train.run_dir {run_dir} holds checkpoints ({shown}) but no last.pt; {how}to start a new "
                         "run, set train.run_dir to a new directory")
+    from transformer.store import is_ours  # numpy and the corpus readers: only where a run directory is checked
+
     foreign = sorted(p.name for p in run_dir.iterdir()
                      if not (is_run_file(p.name) or p.name == "eval" or p.name.endswith(TEMP_SUFFIX))
-                     or (p.name == "config.yaml" and not written_by_train(p)))
+                     or (p.name == "config.yaml" and not written_by_train(p))
+                     or (p.name == "store" and not is_ours(p)))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise UserError(f"train.run_dir {run_dir} holds files that are not a run's ({shown}); a new run needs a "
