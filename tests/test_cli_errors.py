@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +23,7 @@ from tests.conftest import cli, subprocess_env, tiny_config, write_config
 from transformer.average import average_checkpoints
 from transformer.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import from_dict
+from transformer.errors import UserError
 from transformer.train import train
 
 
@@ -555,6 +557,50 @@ def test_run_directory_lock(env, tmp_path, call):
     status, _, err = call("train", config, "--resume")
     assert status == 0, err
     assert "was left by pid 1 on" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("kind", ["link to a file", "link to an empty file", "dangling link", "hard link", "fifo",
+                                  "directory"])
+def test_the_lock_is_never_written_through_a_link_or_into_another_file(tmp_path, kind):
+    """train.lock used to be opened with O_CREAT and followed links: the pid overwrote a victim file, and a dangling
+    link's target was created. Now: O_CREAT|O_EXCL|O_NOFOLLOW, and only a regular file with one name is taken."""
+    from transformer.resume import RunLock
+
+    run_dir, victim = tmp_path / "run", tmp_path / "victim.txt"
+    run_dir.mkdir()
+    lock = run_dir / "train.lock"
+    contents = "" if kind == "link to an empty file" else "precious\n"  # "": read as nobody's lock, so written
+    if kind != "dangling link":
+        victim.write_text(contents)
+    if kind.startswith("link") or kind == "dangling link":
+        lock.symlink_to(victim)
+    elif kind == "hard link":
+        os.link(victim, lock)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.mkdir()
+    said = {"link to a file": "is a symbolic link", "link to an empty file": "is a symbolic link",
+            "dangling link": "is a symbolic link",
+            "hard link": "has other names (hard links)", "fifo": "is not a regular file",
+            "directory": "is not a regular file"}[kind]
+    with pytest.raises(UserError, match=f"^train: {re.escape(str(lock))} {re.escape(said)}; .*delete"):
+        with RunLock(run_dir):
+            pass
+    if kind == "dangling link":
+        assert not victim.exists()  # not created through the link
+    elif kind != "fifo" and kind != "directory":
+        assert victim.read_text() == contents
+    assert lock.is_symlink() or lock.exists()  # refused, left as it was
+
+    # A plain lock file nobody holds (a killed run's) is still taken over, and a new one is created as before.
+    shutil.rmtree(lock) if kind == "directory" else lock.unlink()
+    lock.write_text('{"pid": 999999999, "host": "%s"}\n' % socket.gethostname())
+    with RunLock(run_dir) as held:
+        assert held.took_over and json.loads(lock.read_text())["pid"] == os.getpid()
+    assert not lock.exists()
+    with RunLock(run_dir):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
 
 
 def test_a_vocabulary_smaller_than_asked_is_logged_and_noted_in_config_yaml(env, capsys, tmp_path):
