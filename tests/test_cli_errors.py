@@ -468,9 +468,57 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env,
     assert signal.getsignal(signal.SIGTERM) == before  # given back
 
     monkeypatch.setattr(Translator, "translate_nbest", real)
+    kept = partial.read_text(encoding="utf-8")  # the lines done: never written over by the next run
+    status, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
+    assert (status, err) == (2, f"error: translate: {partial} exists (what a stopped translation kept, or a file of "
+                                f"yours); it is never written over: move it away or delete it, then translate into "
+                                f"{output} again\n")
+    assert partial.read_text(encoding="utf-8") == kept
+    partial.rename(tmp_path / "kept.txt")
     assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == 0
     assert len(output.read_text(encoding="utf-8").splitlines()) == 2 and not partial.exists()
     assert output.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("case", ["input", "own file", "link"])
+def test_translate_never_writes_over_or_removes_a_partial_it_did_not_create(env, tmp_path, call, case):
+    """`translate --input X.partial --output X` truncated the input and renamed it over X; a user's own X.partial
+    was overwritten and removed; a link named X.partial was written through. Now each is refused before the model
+    loads, and every file is as it was."""
+    output, partial, elsewhere = tmp_path / "out.txt", tmp_path / "out.txt.partial", tmp_path / "elsewhere.txt"
+    if case == "link":
+        elsewhere.write_text("ein hund\n", encoding="utf-8")
+        partial.symlink_to(elsewhere)
+    else:
+        partial.write_text("ein hund\nzwei katzen\n", encoding="utf-8")
+    before = {p.name: (p.is_symlink(), p.read_bytes()) for p in tmp_path.iterdir()}
+    given = ("--input", partial) if case == "input" else ("--input", env["root"] / "same.txt")
+    status, _, err = call("translate", env["run"], *given, "--output", output)
+    assert status == 2 and err.count("\n") == 1, err
+    if case == "input":
+        assert err == (f"error: translate: --input {partial} is {partial}, where --output {output} is written as "
+                       "lines are translated; rename the input, or write to another file\n")
+    else:
+        assert f"error: translate: {partial} exists" in err
+    assert {p.name: (p.is_symlink(), p.read_bytes()) for p in tmp_path.iterdir()} == before
+
+
+def test_a_partial_that_appears_while_the_model_loads_is_not_written_over(env, tmp_path, monkeypatch, call):
+    """Checked again where it is created (O_EXCL): a file made between the check and the open stays as it was."""
+    from transformer import translate_io
+
+    output, partial = tmp_path / "out.txt", tmp_path / "out.txt.partial"
+    real = translate_io.check_partial
+
+    def then_appears(out, input=None):
+        found = real(out, input)
+        partial.write_text("mine\n", encoding="utf-8")
+        return found
+
+    monkeypatch.setattr(translate_io, "check_partial", then_appears)
+    status, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
+    assert status == 2 and f"error: translate: {partial} exists" in err
+    assert partial.read_text(encoding="utf-8") == "mine\n" and not output.exists()
 
 
 def test_translate_output_dev_stdout_appended_to_a_log(env, tmp_path):

@@ -166,7 +166,8 @@ def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
                    help="UTF-8 file, one sentence per line; a pipe such as <(zcat x.gz) works too, - is stdin")
     p.add_argument("--output", metavar="FILE",
                    help="write translations here instead of stdout: into FILE.partial, renamed over FILE once all is "
-                        "translated (after a stop FILE is unchanged and FILE.partial keeps what was done)")
+                        "translated (after a stop FILE is unchanged and FILE.partial keeps what was done; an existing "
+                        "FILE.partial is never written over: move it away first)")
     p.add_argument("--nbest", type=int, default=1, metavar="N", help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)")
     p.set_defaults(func=commands.cmd_translate)
     p.__class__ = _IntermixedParser  # same parser, intermixed positionals

@@ -100,13 +100,46 @@ def in_place(path: str) -> bool:
     return False
 
 
+def partial_path(output: str) -> Path:
+    """FILE.partial, beside the file that --output names (a link followed)."""
+    final = Path(os.path.realpath(output))
+    return final.with_name(final.name + PARTIAL_SUFFIX)
+
+
+def check_partial(output: str, input: Optional[str] = None) -> Path:
+    """FILE.partial, refused in one line when something is there already: the input itself (`--input X.partial
+    --output X` would truncate it, then rename it over X), a user's own file of that name, or the lines a stopped
+    translation kept. It is created new (O_EXCL) and only that file is renamed or removed, so nothing that was
+    there before is ever written over."""
+    partial = partial_path(output)
+    if input is not None and os.path.lexists(partial) and Path(input).exists() and os.path.samefile(partial, input):
+        raise UserError(f"translate: --input {input} is {partial}, where --output {output} is written as lines are "
+                        "translated; rename the input, or write to another file")
+    if os.path.lexists(partial):
+        raise _partial_exists(partial, output)
+    return partial
+
+
+def _partial_exists(partial: Path, output: str) -> UserError:
+    return UserError(f"translate: {partial} exists (what a stopped translation kept, or a file of yours); it is "
+                     f"never written over: move it away or delete it, then translate into {output} again")
+
+
+def _create(partial: Path, output: str) -> TextIO:
+    """FILE.partial, new, for writing text: never a file that is there already, nor a link's target."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(partial, flags, 0o666)
+    except FileExistsError:  # it appeared since check_partial
+        raise _partial_exists(partial, output) from None
+    return os.fdopen(fd, "w", encoding="utf-8")
+
+
 @contextlib.contextmanager
 def output_lines(output: Optional[str]) -> Iterator[TextIO]:
-    """Where translations go: stdout; in place, appended (in_place); else FILE.partial, renamed over FILE (its
-    permissions kept, a link followed) when the block ends. On an error or Ctrl-C, FILE is unchanged and
-    FILE.partial keeps the lines translated so far."""
-    from transformer.atomic import check_output_path
-
+    """Where translations go: stdout; in place, appended (in_place); else FILE.partial, created new (check_partial)
+    and renamed over FILE (its permissions kept, a link followed) when the block ends. On an error or Ctrl-C,
+    FILE is unchanged and FILE.partial keeps the lines translated so far."""
     if output is None:
         yield sys.stdout
         return
@@ -115,9 +148,9 @@ def output_lines(output: Optional[str]) -> Iterator[TextIO]:
             yield f
         return
     final = Path(os.path.realpath(output))
-    partial = check_output_path(final.with_name(final.name + PARTIAL_SUFFIX), command="translate")
+    partial = check_partial(output)
     final.parent.mkdir(parents=True, exist_ok=True)
-    with open(partial, "w", encoding="utf-8") as f, _terminate_as_exit():
+    with _create(partial, output) as f, _terminate_as_exit():
         try:
             yield f
             f.flush()
@@ -125,8 +158,8 @@ def output_lines(output: Optional[str]) -> Iterator[TextIO]:
         except BaseException:
             f.close()
             if partial.stat().st_size:
-                print(f"translate: stopped; {output} is unchanged, and what was translated is in {partial}",
-                      file=sys.stderr)
+                print(f"translate: stopped; {output} is unchanged, and what was translated is in {partial} (move it "
+                      "away before translating into the same file again)", file=sys.stderr)
             else:
                 partial.unlink()
             raise
@@ -180,6 +213,8 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
         raise UserError("translate: standard input is closed; give sentences as arguments or --input FILE")
     if output:  # before anything is opened: never truncate an input or a checkpoint
         check_output_path(output, [input, checkpoint], command="translate")
+        if not in_place(output):
+            check_partial(output, input)
     # Read once (a pipe cannot be read again), before the model loads and before the output is opened.
     lines = list(sentences) if sentences else read_lines(input) if input else None
     translator = Translator(checkpoint, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine,
