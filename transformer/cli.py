@@ -264,7 +264,8 @@ def _add_export(sub) -> None:
                    help="store the weights quantized (default: float32; CTranslate2 can also convert when it loads "
                         "a model, with compute_type)")
     p.add_argument("--force", action="store_true",
-                   help="replace OUT_DIR if it holds an earlier export (never any other directory)")
+                   help="replace OUT_DIR if it is an earlier export (its transformer-export.json lists every file "
+                        "in it), never any other directory")
     p.set_defaults(func=commands.cmd_export)
 
 
