@@ -242,9 +242,21 @@ CASES = [
          lambda r, run: ["attention", run, "ein hund", "--beam", 2_000_000, "--out", r / "a.png"],
          "attention: beam must be at most the vocabulary size ("),
     Case("lenpen nan", lambda r, run: ["translate", run, "x", "--lenpen", "nan"],
-         "--lenpen must be a finite number >= 0, got nan"),
+         "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got nan"),
     Case("evaluate lenpen -inf", lambda r, run: ["evaluate", run, "--lenpen=-inf"],
-         "--lenpen must be a finite number >= 0, got -inf"),
+         "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got -inf"),
+    # A length penalty of 400 overflowed a float (OverflowError) from about 30 tokens on: bounded everywhere.
+    Case("lenpen 400", lambda r, run: ["translate", run, "ein hund " * 20, "--lenpen", "400", "--beam", "2"],
+         "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got 400.0"),
+    Case("evaluate lenpen 400", lambda r, run: ["evaluate", run, "--lenpen", "400"],
+         "--lenpen must be a number from 0 to 10"),
+    Case("serve lenpen 400", lambda r, run: ["serve", run, "--lenpen", "400", "--port", "0"],
+         "--lenpen must be a number from 0 to 10"),
+    Case("lenpen 400 in a config", _train("decode.lenpen=400"),
+         "config: decode.lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), "
+         "got 400"),
+    Case("a split that is a path in a config", _train("data.test_split=../x"),
+         "config: data.test_split must be a split's name, such as test or newstest2014 (no path, no '/'), got '../x'"),
     Case("max-tokens 0", lambda r, run: ["translate", run, "x", "--max-tokens", "0"],
          "--max-tokens must be at least 1, got 0"),
     Case("workers 0", lambda r, run: ["evaluate", run, "--workers", "0"], "--workers must be at least 1, got 0"),
@@ -478,6 +490,25 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env,
     assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == 0
     assert len(output.read_text(encoding="utf-8").splitlines()) == 2 and not partial.exists()
     assert output.stat().st_mode & 0o777 == 0o600
+
+
+def test_evaluate_split_never_reads_or_writes_outside_the_run(env, call):
+    """`evaluate --split ../x` read DATA_DIR/../x.{de,en} and wrote RUN/eval/../x.*.hyp and .json into the run
+    directory itself (`--split ../../x`: anywhere)."""
+    root, run = env["root"], env["run"]
+    for side in ("de", "en"):  # beside data.dir (root/corpus): what ../outside reaches
+        (root / f"outside.{side}").write_text("ein hund\n", encoding="utf-8")
+    before = sorted(p.name for p in run.rglob("*"))
+    try:
+        for split in ("../outside", "a/b", ".."):
+            status, _, err = call("evaluate", run, "--split", split)
+            assert (status, err) == (2, f"error: evaluate: --split must be a split's name, such as test or "
+                                        f"newstest2014 (no path, no '/'), got {split!r}; for other files pass --src "
+                                        "FILE --ref FILE\n")
+        assert sorted(p.name for p in run.rglob("*")) == before
+    finally:
+        for side in ("de", "en"):
+            (root / f"outside.{side}").unlink()
 
 
 @pytest.mark.parametrize("case", ["input", "own file", "link"])

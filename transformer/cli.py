@@ -206,7 +206,8 @@ def _add_serve(sub) -> None:
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--beam", type=int, metavar="N", help="beam size when a request gives none (default: decode.beam)")
-    p.add_argument("--lenpen", type=float, metavar="A", help="GNMT length penalty alpha (default: decode.lenpen)")
+    p.add_argument("--lenpen", type=float, metavar="A",
+                   help="GNMT length penalty alpha, 0 to 10 (default: decode.lenpen)")
     p.add_argument("--stop", choices=("exact", "early"), help="beam search stop rule (default: decode.stop)")
     p.add_argument("--max-tokens", type=int, metavar="N",
                    help="source tokens per batched search; also ends a batching window early (default: decode.max_tokens)")
@@ -274,7 +275,8 @@ def _search_options() -> argparse.ArgumentParser:
     decode = argparse.ArgumentParser(add_help=False)
     decode.add_argument("--beam", type=int, metavar="N", help="beam size; 1 = greedy (default: decode.beam of the checkpoint's config)")
     decode.add_argument("--lenpen", type=float, metavar="A",
-                        help="GNMT length penalty alpha: score = log p / ((5 + len) / 6)^A (default: decode.lenpen)")
+                        help="GNMT length penalty alpha, 0 to 10: score = log p / ((5 + len) / 6)^A "
+                             "(default: decode.lenpen)")
     decode.add_argument("--max-tokens", type=int, metavar="N", help="source tokens per batch (default: decode.max_tokens)")
     decode.add_argument("--workers", type=int, metavar="N",
                         help="searches run side by side on a CPU, each on its own batches of max-tokens / N "

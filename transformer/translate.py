@@ -15,7 +15,7 @@ import torch
 
 from transformer.batch import prepare_sources, source_limit
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
-from transformer.config import DecodeConfig
+from transformer.config import DecodeConfig, lenpen_problem
 from transformer.data import pack_by_size
 from transformer.device import auto_precision, native_bf16, pick_device
 from transformer.errors import UserError
@@ -234,7 +234,7 @@ class Translator:
         self.workers = dec.workers if workers is None else workers
         for ok, message in ((self.beam >= 1, "beam must be at least 1"),
                             (self.beam <= len(self.vocab), beam_above_vocabulary(self.beam, len(self.vocab))),
-                            (self.lenpen >= 0, "lenpen must not be negative"),
+                            (lenpen_problem(self.lenpen, "lenpen") is None, lenpen_problem(self.lenpen, "lenpen")),
                             (self.max_tokens >= 1, "max tokens must be positive"),
                             (self.workers >= 1, "workers must be at least 1"),
                             (self.max_len_offset >= 1, "max length offset must be at least 1"),
