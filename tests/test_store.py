@@ -513,3 +513,47 @@ def test_store_contents_are_checked_before_reusing(tmp_path, corpus, caplog, fil
     prepare(cfg, run_dir, quiet=True)
     assert "store: rebuilding" in caplog.text and "corrupt" in caplog.text and "store: reusing" not in caplog.text
     assert pairs() == expected
+
+
+# --------------------------------------------------------------------------- hub rows that are not text
+
+def _write_jsonl(directory: Path, splits: dict[str, list]) -> Path:
+    directory.mkdir()
+    for name, rows in splits.items():
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return directory
+
+
+GOOD_ROWS = [{"de": "ein hund", "en": "a dog"}, {"de": "eine katze", "en": "a cat"}] * 4
+
+
+@pytest.mark.parametrize("rows, dropped", [
+    ([{"de": None, "en": "a dog"}, {"de": "ein hund", "en": None}] + GOOD_ROWS, 2),       # null
+    ([{"de": "ein hund"}, {"en": "a dog"}] + GOOD_ROWS, 2),                               # a language missing
+    ([{"translation": None}, {"translation": {"de": "ein hund"}}] + [{"translation": r} for r in GOOD_ROWS], 2),
+], ids=["null", "columns lacking a language", "translation null or lacking a language"])
+def test_hub_rows_without_a_side_count_as_blank(offline_hub, tmp_path, rows, dropped):
+    """A null translation, or one whose first row lacks a language, used to end in a TypeError or KeyError."""
+    valid = [{"translation": r} for r in GOOD_ROWS] if "translation" in rows[0] else GOOD_ROWS
+    folder = _write_jsonl(tmp_path / "hub", {"train": rows, "validation": valid})
+    cfg = from_dict(tiny_config(tmp_path, data={"source": "hub", "hub_name": str(folder), "vocab_size": 24}))
+    store = prepare(cfg, Path(cfg.train.run_dir), quiet=True)
+    assert (store.stats("train")["dropped_blank"], store.stats("train")["pairs"]) == (dropped, len(GOOD_ROWS))
+
+
+@pytest.mark.parametrize("layout", ["columns", "translation"])
+def test_hub_values_that_are_not_text_are_one_line_errors(offline_hub, tmp_path, layout):
+    """An integer column reached SentencePiece: AttributeError: 'int' object has no attribute 'strip'."""
+    rows = GOOD_ROWS[:3] + [{"de": 5, "en": 7}] + GOOD_ROWS[3:]
+    valid = GOOD_ROWS[:2]
+    if layout == "translation":
+        rows, valid = [{"translation": r} for r in rows], [{"translation": r} for r in valid]
+    else:  # Arrow needs one type per column: the whole column holds integers
+        rows = [{"de": i, "en": i + 1} for i in range(8)]
+        valid = [{"de": 1, "en": 2}]
+    folder = _write_jsonl(tmp_path / "hub", {"train": rows, "validation": valid})
+    cfg = from_dict(tiny_config(tmp_path, data={"source": "hub", "hub_name": str(folder), "vocab_size": 24}))
+    row, value = (3, 5) if layout == "translation" else (0, 0)
+    with pytest.raises(UserError, match=rf"data: '{re.escape(str(folder))}' split 'train' row {row}: 'de' holds "
+                                        rf"{value} \(int\), not text; check data.src_lang and data.tgt_lang"):
+        prepare(cfg, Path(cfg.train.run_dir), quiet=True)

@@ -219,7 +219,9 @@ def _datasets():
 
 
 def _hub_error(cfg: DataConfig, what: str, e: Exception) -> UserError:
-    return UserError(f"data: cannot load {what} of {cfg.hub_name!r} through `datasets`: {first_line(e, None)}")
+    cause = e.__cause__ or e.__context__  # `datasets` wraps what went wrong ("An error occurred while generating")
+    why = f" ({first_line(cause, None)})" if cause is not None and str(cause).strip() else ""
+    return UserError(f"data: cannot load {what} of {cfg.hub_name!r} through `datasets`: {first_line(e, None)}{why}")
 
 
 def _hub_split_names(cfg: DataConfig) -> list[str]:
@@ -243,7 +245,9 @@ def _open_hub_split(cfg: DataConfig, name: str, limit: int) -> RawSplit:
         raise UserError(f"data: {cfg.hub_name!r} has columns {columns}; expected '{cfg.src_lang}' and "
                         f"'{cfg.tgt_lang}' or a 'translation' column")
     if "translation" in columns and len(ds):
-        languages = set(ds[0]["translation"])
+        # The languages of the first rows (one row may lack one, or be null): which pair the dataset holds.
+        languages = set().union(*(t for t in ds.select(range(min(len(ds), 1000)))["translation"]
+                                  if isinstance(t, dict)))
         if not {cfg.src_lang, cfg.tgt_lang} <= languages:
             raise UserError(f"data: {cfg.hub_name!r} translations have languages {sorted(languages)}, not "
                             f"{cfg.src_lang!r} and {cfg.tgt_lang!r}; check data.src_lang, data.tgt_lang and "
@@ -252,15 +256,27 @@ def _open_hub_split(cfg: DataConfig, name: str, limit: int) -> RawSplit:
         raise UserError(f"data: {cfg.hub_name!r} split {name!r} is empty")
     n = min(len(ds), limit) if limit else len(ds)
 
+    def texts(values: list, language: str, start: int) -> list[str]:
+        """One language's sentences of a chunk: null (a row without it) counts as blank; a value that is not text
+        (an integer column, a list) is an error naming the row, not a traceback from SentencePiece."""
+        for i, value in enumerate(values):
+            if value is not None and not isinstance(value, str):
+                raise UserError(f"data: {cfg.hub_name!r} split {name!r} row {start + i}: {language!r} holds "
+                                f"{value!r} ({type(value).__name__}), not text; check data.src_lang and "
+                                "data.tgt_lang, or the dataset")
+        return [value or "" for value in values]
+
     def chunks() -> Iterator[Chunk]:
         part = ds.select(range(n)) if n < len(ds) else ds
+        start = 0
         for rows in part.iter(batch_size=CHUNK_LINES):
-            if "translation" in rows:
-                pairs = rows["translation"]
-                src, tgt = [p[cfg.src_lang] for p in pairs], [p[cfg.tgt_lang] for p in pairs]
+            if "translation" in rows:  # a row may lack a language, or be null: that side is blank
+                pairs = [p if isinstance(p, dict) else {} for p in rows["translation"]]
+                src, tgt = [p.get(cfg.src_lang) for p in pairs], [p.get(cfg.tgt_lang) for p in pairs]
             else:
                 src, tgt = rows[cfg.src_lang], rows[cfg.tgt_lang]
-            yield [s or "" for s in src], [t or "" for t in tgt]  # a missing side counts as blank
+            yield texts(src, cfg.src_lang, start), texts(tgt, cfg.tgt_lang, start)
+            start += len(src)
 
     files = []
     for entry in ds.cache_files:
