@@ -492,6 +492,61 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env,
     assert output.stat().st_mode & 0o777 == 0o600
 
 
+def _utf16(corpus: Path) -> None:
+    text = (corpus / "train.de").read_text(encoding="utf-8").replace("a", "\u010a")  # U+010A holds byte 0x0a
+    (corpus / "train.de").write_text(text, encoding="utf-16")
+
+
+def _fifo(corpus: Path) -> None:
+    (corpus / "train.de").unlink()
+    os.mkfifo(corpus / "train.de")
+
+
+def _directory(corpus: Path) -> None:
+    (corpus / "train.de").unlink()
+    (corpus / "train.de").mkdir()
+
+
+def _blank(corpus: Path) -> None:
+    for side in ("de", "en"):
+        (corpus / f"train.{side}").write_text(" \n\n  \n", encoding="utf-8")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_utf16, "data: {corpus}/train.de is not UTF-8: it holds UTF-16 text (it starts with a UTF-16 byte-order mark); "
+             "convert it, e.g. iconv -f UTF-16 -t UTF-8 {corpus}/train.de > train.de.utf8, and use that"),
+    (_fifo, "data: {corpus}/train.de is not a regular file (a pipe or a device); a corpus is read more than once "
+            "(counted, then encoded), so give a file"),
+    (_directory, "data: {corpus}/train.de is a directory, not a file (split 'train' in data.dir '{corpus}')"),
+    (_blank, "vocab: every training sentence is blank (or only spaces): there is no text to train a SentencePiece "
+             "model on; check the training split's files (data.dir, data.train_split)"),
+], ids=["utf-16", "fifo", "directory", "blank"])
+def test_a_corpus_that_is_not_what_it_should_be_is_named_for_what_it_is(tmp_path, call, damage, message):
+    """Were: a line-count mismatch (UTF-16), "no such file" (a directory or a FIFO that is there), SentencePiece's
+    INTERNAL error (blank-only sides)."""
+    from tests.conftest import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus")
+    damage(corpus)
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, data_dir=corpus))
+    status, _, err = call("prepare", config)
+    assert (status, err.splitlines()[-1]) == (2, "error: " + message.format(corpus=corpus)), err
+
+
+def test_resume_with_an_empty_config_yaml_is_refused_not_compared_with_defaults(env, tmp_path, call):
+    """An emptied config.yaml under `--resume RUN_DIR` was read as all defaults, and refused as a model change
+    (d_model 32 -> 512) or, worse, resumed with default settings."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(env["run"], run_dir)
+    for text in ("", "# nothing but a comment\n", "{}\n"):
+        (run_dir / "config.yaml").write_text(text, encoding="utf-8")
+        status, _, err = call("train", "--resume", run_dir)
+        assert (status, err) == (2, f"error: train --resume: {run_dir}/config.yaml is empty, so the run's settings "
+                                    "are not known; restore it (transformer train writes it), or resume with the "
+                                    "config the run was started with: transformer train CONFIG --set "
+                                    f"train.run_dir={run_dir} --resume\n")
+
+
 def test_evaluate_split_never_reads_or_writes_outside_the_run(env, call):
     """`evaluate --split ../x` read DATA_DIR/../x.{de,en} and wrote RUN/eval/../x.*.hyp and .json into the run
     directory itself (`--split ../../x`: anywhere)."""

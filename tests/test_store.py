@@ -557,3 +557,14 @@ def test_hub_values_that_are_not_text_are_one_line_errors(offline_hub, tmp_path,
     with pytest.raises(UserError, match=rf"data: '{re.escape(str(folder))}' split 'train' row {row}: 'de' holds "
                                         rf"{value} \(int\), not text; check data.src_lang and data.tgt_lang"):
         prepare(cfg, Path(cfg.train.run_dir), quiet=True)
+
+
+def test_an_encoding_check_refuses_utf16_and_keeps_a_stray_nul(tmp_path):
+    path = tmp_path / "f.txt"
+    path.write_bytes("ein\x00 hund\nzwei katzen\n".encode("utf-8"))  # one NUL in text: still text
+    assert count_lines(path) == 2 and read_lines(path) == ["ein\x00 hund", "zwei katzen"]
+    for encoding, said in (("utf-16-le", "NUL bytes"), ("utf-16", "UTF-16 text"), ("utf-32", "UTF-32 text")):
+        path.write_bytes("ein hund\nzwei katzen\n".encode(encoding))
+        for read in (count_lines, read_lines):
+            with pytest.raises(UserError, match=f"f.txt is not UTF-8: it holds {said}"):
+                read(path)

@@ -30,6 +30,25 @@ def _decode(raw: bytes, path: Path, first_line: int) -> str:
         raise UserError(f"data: {path} line {line} is not valid UTF-8 (byte {raw[e.start]:#04x})") from None
 
 
+# Byte-order marks of the encodings a text editor or Windows tool may have saved a corpus in, instead of UTF-8.
+_OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+                    (b"\xfe\xff", "UTF-16"))
+
+
+def _check_text_start(path: Path, head: bytes) -> None:
+    """A one-line error when the first block of `path` is plainly not UTF-8 text: a UTF-16/32 byte-order mark, or
+    NUL bytes in a quarter of it or more (UTF-16 without a mark, a binary file; a stray NUL in text is left alone).
+    Counting its lines would otherwise count bytes 0x0a, and report a line-count mismatch between the sides
+    instead of the encoding."""
+    encoding = next((name for mark, name in _OTHER_ENCODINGS if head.startswith(mark)), None)
+    if encoding is None and head.count(b"\0") * 4 < len(head):
+        return
+    what = f"{encoding} text (it starts with a {encoding} byte-order mark)" if encoding else \
+        "NUL bytes (UTF-16 or UTF-32 text, or not text at all)"
+    raise UserError(f"data: {path} is not UTF-8: it holds {what}; convert it, e.g. iconv -f "
+                    f"{encoding or 'UTF-16'} -t UTF-8 {path} > {path.name}.utf8, and use that")
+
+
 def iter_lines(path: str | Path, block_bytes: int = 1 << 24) -> Iterator[str]:
     """The lines of a UTF-8 file, streamed, read once: a pipe (`<(zcat x.gz)`), a FIFO or a device works as well
     as a regular file. Only '\\n' ends a line (str.splitlines would also split on U+2028, form feeds and other
@@ -41,6 +60,8 @@ def iter_lines(path: str | Path, block_bytes: int = 1 << 24) -> Iterator[str]:
             block = f.read(block_bytes)
             if not block:
                 break
+            if first and not pending:
+                _check_text_start(path, block[:4096])
             data = pending + block
             cut = data.rfind(b"\n")
             if cut < 0:
@@ -84,6 +105,8 @@ def count_lines(path: str | Path) -> int:
                         "file")
     count, last = 0, b"\n"
     with path.open("rb") as f:
+        _check_text_start(path, f.read(4096))
+        f.seek(0)
         while block := f.read(1 << 24):
             count += block.count(b"\n")
             last = block[-1:]
@@ -160,6 +183,11 @@ def resolve_split(cfg: DataConfig, split: str, log: Optional[Callable[[str], Non
                         "set data.train_split / data.valid_split / data.test_split")
     src, tgt = split_paths(cfg, split)
     missing = src if not src.is_file() else tgt
+    if missing.is_dir():
+        raise UserError(f"data: {missing} is a directory, not a file (split {split!r} in data.dir {cfg.dir!r})")
+    if missing.exists():  # a FIFO or a device: counted first, then read, a corpus must be readable twice
+        raise UserError(f"data: {missing} is not a regular file (a pipe or a device); a corpus is read more than "
+                        "once (counted, then encoded), so give a file")
     where = "" if Path(cfg.dir).is_absolute() else f", relative to {Path.cwd()}, where this runs"
     raise UserError(f"data: no such file: {missing} (split {split!r} in data.dir {cfg.dir!r}{where})")
 

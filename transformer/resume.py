@@ -185,7 +185,12 @@ def run_config(run_dir: str, overrides: Sequence[str]) -> Config:
     if any(item.split("=", 1)[0].strip() == "train.run_dir" for item in overrides):
         raise UserError(f"train: --resume {run_dir} continues the run in {run_dir}; --set train.run_dir cannot "
                         "move it")
-    raw = apply_overrides(read_yaml(path), list(overrides))
+    saved = read_yaml(path)
+    if not saved:  # defaults would then be compared against the checkpoint's config, and mislead
+        raise UserError(f"train --resume: {path} is empty, so the run's settings are not known; restore it (transformer "
+                        f"train writes it), or resume with the config the run was started with: transformer train "
+                        f"CONFIG --set train.run_dir={run_dir} --resume")
+    raw = apply_overrides(saved, list(overrides))
     if not isinstance(raw.get("train"), dict):
         raw["train"] = {}
     raw["train"]["run_dir"] = str(run_dir)
