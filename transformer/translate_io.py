@@ -14,12 +14,15 @@ from typing import Iterator, Optional, Sequence, TextIO
 from tqdm import tqdm
 
 from transformer.errors import UserError
-from transformer.translate import Translator
+from transformer.translate import MAX_LINE_CHARS, Translator
 
 # An --input file is translated and written this many lines at a time: a stop keeps what was done, and each
 # chunk is still large enough for length batching to leave little padding.
 CHUNK_LINES = 10_000
 PARTIAL_SUFFIX = ".partial"
+# What is kept of one line of stdin: enough UTF-8 for MAX_LINE_CHARS characters and one more, so that a line cut
+# here is still longer than Translator.encode reads, and is named in its warning.
+LINE_BYTES = 4 * (MAX_LINE_CHARS + 1)
 
 
 def stdin_chunks(stream: Optional[TextIO] = None, fallback_lines: int = 512) -> Iterator[list[str]]:
@@ -43,21 +46,28 @@ def stdin_chunks(stream: Optional[TextIO] = None, fallback_lines: int = 512) -> 
     yield from _fd_chunks(fd)
 
 
-def _fd_chunks(fd: int) -> Iterator[list[str]]:
+def _fd_chunks(fd: int, line_bytes: int = LINE_BYTES) -> Iterator[list[str]]:
     # os.read returns what is available now (blocking only while nothing is), unlike a buffered readline loop.
     # The unfinished line is kept in pieces and only the new data is searched for a newline: joining and
-    # splitting it again on every read took quadratic time on a long line (20 MB: 4.6 s).
+    # splitting it again on every read took quadratic time on a long line (20 MB: 4.6 s). Of a line, only its
+    # first line_bytes are kept: the rest is read and dropped, so a line of any length costs bounded memory.
     pending: list[bytes] = []
+    kept = 0  # bytes of the unfinished line in `pending`, at most line_bytes
     while True:
         data = os.read(fd, 1 << 16)
         if not data:
             break
         cut = data.rfind(b"\n")
         if cut < 0:
-            pending.append(data)
+            pending.append(data[:line_bytes - kept])
+            kept += len(pending[-1])
             continue
-        complete = b"".join([*pending, data[:cut]]).split(b"\n")
-        pending = [data[cut + 1:]]
+        first = data.find(b"\n")
+        complete = [b"".join(pending) + data[:first][:line_bytes - kept]]  # the line that was pending ends here
+        if cut > first:  # lines wholly inside this read
+            complete += [line[:line_bytes] for line in data[first + 1:cut].split(b"\n")]
+        pending = [data[cut + 1:][:line_bytes]]
+        kept = len(pending[0])
         yield [_decode_line(raw) for raw in complete]
     rest = b"".join(pending)
     if rest:
