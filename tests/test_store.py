@@ -491,7 +491,8 @@ def _poke(path: Path, dtype, index: int, value: int) -> None:
 @pytest.mark.parametrize("file, dtype, index, value, reason", [
     ("train.tgt.bin", np.uint16, 5, 60_000, r"train.tgt.bin: it holds id 60000, outside the vocabulary's 0..\d+"),
     ("train.src.idx", np.int64, 3, 1, r"train.src.idx: sentence 2 spans offsets \d+..1, not 1 to 6 tokens"),
-    ("train.tgt.idx", np.int64, -1, 7, r"train.tgt.idx: its offsets run from 0 to 7, not from 0 to its \d+ tokens"),
+    ("train.tgt.idx", np.int64, -1, 7, r"train.tgt.idx: sentence \d+ spans offsets \d+..7, not 1 to 6 tokens"),
+    ("train.tgt.idx", np.int64, 0, 1, r"train.tgt.idx: its offsets run from 1 to \d+, not from 0 to its \d+ tokens"),
     ("valid.src.idx", np.int64, 1, 0, r"valid.src.idx: sentence 0 spans offsets 0..0, not 1 to 6 tokens"),
 ])
 def test_store_contents_are_checked_before_reusing(tmp_path, corpus, caplog, file, dtype, index, value, reason):

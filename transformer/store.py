@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -240,27 +240,38 @@ def _manifest_problem(manifest) -> Optional[str]:
     return None
 
 
-def _offsets_problem(offsets: np.ndarray, n_tokens: int, max_len: int) -> Optional[str]:
-    """Why `offsets` cannot index `n_tokens` tokens as build() wrote them: from 0 to n_tokens, each sentence
-    between 1 and max_len tokens long (blank and longer pairs were dropped). One pass, a block at a time."""
-    if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != n_tokens:
-        return f"its offsets run from {offsets[0] if len(offsets) else None} to " \
-               f"{offsets[-1] if len(offsets) else None}, not from 0 to its {n_tokens} tokens"
-    block = 1 << 24
-    for start in range(0, len(offsets) - 1, block):
-        lengths = np.diff(offsets[start:start + block + 1])
+def _blocks(path: Path, dtype: np.dtype, items: int = 1 << 20) -> Iterator[np.ndarray]:
+    """The values of a store file, read a block at a time: a check over a corpus of any size holds one block
+    (memory-mapping it would count every page of it in the process's memory)."""
+    with open(path, "rb") as f:
+        while len(block := np.fromfile(f, dtype=dtype, count=items)):
+            yield block
+
+
+def _offsets_problem(path: Path, n_tokens: int, max_len: int) -> Optional[str]:
+    """Why the offsets in `path` cannot index `n_tokens` tokens as build() wrote them: from 0 to n_tokens, each
+    sentence between 1 and max_len tokens long (blank and longer pairs were dropped). One pass."""
+    first, last, done = None, None, 0  # done: sentences checked so far
+    for block in _blocks(path, np.dtype(np.int64)):
+        if first is None:
+            first = int(block[0])
+        lengths = np.diff(block if last is None else np.r_[last, block])
         bad = (lengths < 1) | (lengths > max_len)
-        if bad.any():
+        if first == 0 and bad.any():
             i = int(np.argmax(bad))
-            return f"sentence {start + i} spans offsets {int(offsets[start + i])}..{int(offsets[start + i + 1])}, " \
-                   f"not 1 to {max_len} tokens (data.max_len)"
+            starts = block if last is None else np.r_[last, block]
+            return f"sentence {done + i} spans offsets {int(starts[i])}..{int(starts[i + 1])}, not 1 to {max_len} " \
+                   "tokens (data.max_len)"
+        done += len(lengths)
+        last = int(block[-1])
+    if first != 0 or last != n_tokens:
+        return f"its offsets run from {first} to {last}, not from 0 to its {n_tokens} tokens"
     return None
 
 
-def _tokens_problem(tokens: np.ndarray, vocab_size: int) -> Optional[str]:
-    """Why `tokens` cannot be ids of a vocabulary of `vocab_size` pieces (one pass, a block at a time)."""
-    for start in range(0, len(tokens), 1 << 24):  # in blocks: a memory-mapped file is never copied whole
-        block = tokens[start:start + (1 << 24)]
+def _tokens_problem(path: Path, dtype: np.dtype, vocab_size: int) -> Optional[str]:
+    """Why the ids in `path` cannot be of a vocabulary of `vocab_size` pieces (one pass)."""
+    for block in _blocks(path, dtype, 1 << 22):
         low, high = int(block.min()), int(block.max())
         if low < 0 or high >= vocab_size:
             return f"it holds id {low if low < 0 else high}, outside the vocabulary's 0..{vocab_size - 1}"
@@ -274,11 +285,10 @@ def _contents_problem(directory: Path, manifest: dict) -> Optional[str]:
     for split in SPLITS:
         for side in SIDES:
             bin_path, idx_path = directory / f"{split}.{side}.bin", directory / f"{split}.{side}.idx"
-            tokens = _map(bin_path, dtype)
-            reason = _offsets_problem(_map(idx_path, np.dtype(np.int64)), len(tokens), max_len)
+            reason = _offsets_problem(idx_path, manifest["splits"][split][f"{side}_tokens"], max_len)
             if reason is not None:
                 return f"{idx_path}: {reason}: corrupt"
-            reason = _tokens_problem(tokens, manifest["vocab_size"])
+            reason = _tokens_problem(bin_path, dtype, manifest["vocab_size"])
             if reason is not None:
                 return f"{bin_path}: {reason}: corrupt"
     refs = _read_record(directory / "valid.refs.json")

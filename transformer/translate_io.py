@@ -59,8 +59,9 @@ def _fd_chunks(fd: int, line_bytes: int = LINE_BYTES) -> Iterator[list[str]]:
             break
         cut = data.rfind(b"\n")
         if cut < 0:
-            pending.append(data[:line_bytes - kept])
-            kept += len(pending[-1])
+            if kept < line_bytes:
+                pending.append(data[:line_bytes - kept])
+                kept += len(pending[-1])
             continue
         first = data.find(b"\n")
         complete = [b"".join(pending) + data[:first][:line_bytes - kept]]  # the line that was pending ends here
