@@ -76,9 +76,10 @@ def test_a_stdin_line_is_kept_only_up_to_its_bound():
     assert translate_io.LINE_BYTES >= 4 * translate_io.MAX_LINE_CHARS  # a cut line is still over what encode reads
 
 
-def test_a_line_over_the_bound_is_read_up_to_it_with_a_warning(translator, monkeypatch, capsys):
+def test_a_line_over_the_bound_is_read_up_to_it_with_a_warning(untrained_checkpoint, monkeypatch, capsys):
     from transformer import translate
 
+    translator = Translator(untrained_checkpoint, device="cpu", beam=2)  # its own: warnings stop after five
     monkeypatch.setattr(translate, "MAX_LINE_CHARS", 100)
     lines = ["ein hund", "der mann " * 30, "zwei katzen"]
     ids = translator.encode(lines)

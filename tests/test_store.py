@@ -569,3 +569,8 @@ def test_an_encoding_check_refuses_utf16_and_keeps_a_stray_nul(tmp_path):
         for read in (count_lines, read_lines):
             with pytest.raises(UserError, match=f"f.txt is not UTF-8: it holds {said}"):
                 read(path)
+
+
+def test_an_empty_file_is_not_taken_for_another_encoding(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    assert count_lines(tmp_path / "empty.txt") == 0 and read_lines(tmp_path / "empty.txt") == []

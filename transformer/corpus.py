@@ -41,7 +41,7 @@ def _check_text_start(path: Path, head: bytes) -> None:
     Counting its lines would otherwise count bytes 0x0a, and report a line-count mismatch between the sides
     instead of the encoding."""
     encoding = next((name for mark, name in _OTHER_ENCODINGS if head.startswith(mark)), None)
-    if encoding is None and head.count(b"\0") * 4 < len(head):
+    if encoding is None and not (head and head.count(b"\0") * 4 >= len(head)):
         return
     what = f"{encoding} text (it starts with a {encoding} byte-order mark)" if encoding else \
         "NUL bytes (UTF-16 or UTF-32 text, or not text at all)"
