@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +23,7 @@ from tests.conftest import cli, subprocess_env, tiny_config, write_config
 from transformer.average import average_checkpoints
 from transformer.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import from_dict
+from transformer.errors import UserError
 from transformer.train import train
 
 
@@ -240,9 +242,21 @@ CASES = [
          lambda r, run: ["attention", run, "ein hund", "--beam", 2_000_000, "--out", r / "a.png"],
          "attention: beam must be at most the vocabulary size ("),
     Case("lenpen nan", lambda r, run: ["translate", run, "x", "--lenpen", "nan"],
-         "--lenpen must be a finite number >= 0, got nan"),
+         "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got nan"),
     Case("evaluate lenpen -inf", lambda r, run: ["evaluate", run, "--lenpen=-inf"],
-         "--lenpen must be a finite number >= 0, got -inf"),
+         "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got -inf"),
+    # A length penalty of 400 overflowed a float (OverflowError) from about 30 tokens on: bounded everywhere.
+    Case("lenpen 400", lambda r, run: ["translate", run, "ein hund " * 20, "--lenpen", "400", "--beam", "2"],
+         "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got 400.0"),
+    Case("evaluate lenpen 400", lambda r, run: ["evaluate", run, "--lenpen", "400"],
+         "--lenpen must be a number from 0 to 10"),
+    Case("serve lenpen 400", lambda r, run: ["serve", run, "--lenpen", "400", "--port", "0"],
+         "--lenpen must be a number from 0 to 10"),
+    Case("lenpen 400 in a config", _train("decode.lenpen=400"),
+         "config: decode.lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), "
+         "got 400"),
+    Case("a split that is a path in a config", _train("data.test_split=../x"),
+         "config: data.test_split must be a split's name, such as test or newstest2014 (no path, no '/'), got '../x'"),
     Case("max-tokens 0", lambda r, run: ["translate", run, "x", "--max-tokens", "0"],
          "--max-tokens must be at least 1, got 0"),
     Case("workers 0", lambda r, run: ["evaluate", run, "--workers", "0"], "--workers must be at least 1, got 0"),
@@ -466,9 +480,131 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env,
     assert signal.getsignal(signal.SIGTERM) == before  # given back
 
     monkeypatch.setattr(Translator, "translate_nbest", real)
+    kept = partial.read_text(encoding="utf-8")  # the lines done: never written over by the next run
+    status, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
+    assert (status, err) == (2, f"error: translate: {partial} exists (what a stopped translation kept, or a file of "
+                                f"yours); it is never written over: move it away or delete it, then translate into "
+                                f"{output} again\n")
+    assert partial.read_text(encoding="utf-8") == kept
+    partial.rename(tmp_path / "kept.txt")
     assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == 0
     assert len(output.read_text(encoding="utf-8").splitlines()) == 2 and not partial.exists()
     assert output.stat().st_mode & 0o777 == 0o600
+
+
+def _utf16(corpus: Path) -> None:
+    text = (corpus / "train.de").read_text(encoding="utf-8").replace("a", "\u010a")  # U+010A holds byte 0x0a
+    (corpus / "train.de").write_text(text, encoding="utf-16")
+
+
+def _fifo(corpus: Path) -> None:
+    (corpus / "train.de").unlink()
+    os.mkfifo(corpus / "train.de")
+
+
+def _directory(corpus: Path) -> None:
+    (corpus / "train.de").unlink()
+    (corpus / "train.de").mkdir()
+
+
+def _blank(corpus: Path) -> None:
+    for side in ("de", "en"):
+        (corpus / f"train.{side}").write_text(" \n\n  \n", encoding="utf-8")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_utf16, "data: {corpus}/train.de is not UTF-8: it holds UTF-16 text (it starts with a UTF-16 byte-order mark); "
+             "convert it, e.g. iconv -f UTF-16 -t UTF-8 {corpus}/train.de > train.de.utf8, and use that"),
+    (_fifo, "data: {corpus}/train.de is not a regular file (a pipe or a device); a corpus is read more than once "
+            "(counted, then encoded), so give a file"),
+    (_directory, "data: {corpus}/train.de is a directory, not a file (split 'train' in data.dir '{corpus}')"),
+    (_blank, "vocab: every training sentence is blank (or only spaces): there is no text to train a SentencePiece "
+             "model on; check the training split's files (data.dir, data.train_split)"),
+], ids=["utf-16", "fifo", "directory", "blank"])
+def test_a_corpus_that_is_not_what_it_should_be_is_named_for_what_it_is(tmp_path, call, damage, message):
+    """Were: a line-count mismatch (UTF-16), "no such file" (a directory or a FIFO that is there), SentencePiece's
+    INTERNAL error (blank-only sides)."""
+    from tests.conftest import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus")
+    damage(corpus)
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, data_dir=corpus))
+    status, _, err = call("prepare", config)
+    assert (status, err.splitlines()[-1]) == (2, "error: " + message.format(corpus=corpus)), err
+
+
+def test_resume_with_an_empty_config_yaml_is_refused_not_compared_with_defaults(env, tmp_path, call):
+    """An emptied config.yaml under `--resume RUN_DIR` was read as all defaults, and refused as a model change
+    (d_model 32 -> 512) or, worse, resumed with default settings."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(env["run"], run_dir)
+    for text in ("", "# nothing but a comment\n", "{}\n"):
+        (run_dir / "config.yaml").write_text(text, encoding="utf-8")
+        status, _, err = call("train", "--resume", run_dir)
+        assert (status, err) == (2, f"error: train --resume: {run_dir}/config.yaml is empty, so the run's settings "
+                                    "are not known; restore it (transformer train writes it), or resume with the "
+                                    "config the run was started with: transformer train CONFIG --set "
+                                    f"train.run_dir={run_dir} --resume\n")
+
+
+def test_evaluate_split_never_reads_or_writes_outside_the_run(env, call):
+    """`evaluate --split ../x` read DATA_DIR/../x.{de,en} and wrote RUN/eval/../x.*.hyp and .json into the run
+    directory itself (`--split ../../x`: anywhere)."""
+    root, run = env["root"], env["run"]
+    for side in ("de", "en"):  # beside data.dir (root/corpus): what ../outside reaches
+        (root / f"outside.{side}").write_text("ein hund\n", encoding="utf-8")
+    before = sorted(p.name for p in run.rglob("*"))
+    try:
+        for split in ("../outside", "a/b", ".."):
+            status, _, err = call("evaluate", run, "--split", split)
+            assert (status, err) == (2, f"error: evaluate: --split must be a split's name, such as test or "
+                                        f"newstest2014 (no path, no '/'), got {split!r}; for other files pass --src "
+                                        "FILE --ref FILE\n")
+        assert sorted(p.name for p in run.rglob("*")) == before
+    finally:
+        for side in ("de", "en"):
+            (root / f"outside.{side}").unlink()
+
+
+@pytest.mark.parametrize("case", ["input", "own file", "link"])
+def test_translate_never_writes_over_or_removes_a_partial_it_did_not_create(env, tmp_path, call, case):
+    """`translate --input X.partial --output X` truncated the input and renamed it over X; a user's own X.partial
+    was overwritten and removed; a link named X.partial was written through. Now each is refused before the model
+    loads, and every file is as it was."""
+    output, partial, elsewhere = tmp_path / "out.txt", tmp_path / "out.txt.partial", tmp_path / "elsewhere.txt"
+    if case == "link":
+        elsewhere.write_text("ein hund\n", encoding="utf-8")
+        partial.symlink_to(elsewhere)
+    else:
+        partial.write_text("ein hund\nzwei katzen\n", encoding="utf-8")
+    before = {p.name: (p.is_symlink(), p.read_bytes()) for p in tmp_path.iterdir()}
+    given = ("--input", partial) if case == "input" else ("--input", env["root"] / "same.txt")
+    status, _, err = call("translate", env["run"], *given, "--output", output)
+    assert status == 2 and err.count("\n") == 1, err
+    if case == "input":
+        assert err == (f"error: translate: --input {partial} is {partial}, where --output {output} is written as "
+                       "lines are translated; rename the input, or write to another file\n")
+    else:
+        assert f"error: translate: {partial} exists" in err
+    assert {p.name: (p.is_symlink(), p.read_bytes()) for p in tmp_path.iterdir()} == before
+
+
+def test_a_partial_that_appears_while_the_model_loads_is_not_written_over(env, tmp_path, monkeypatch, call):
+    """Checked again where it is created (O_EXCL): a file made between the check and the open stays as it was."""
+    from transformer import translate_io
+
+    output, partial = tmp_path / "out.txt", tmp_path / "out.txt.partial"
+    real = translate_io.check_partial
+
+    def then_appears(out, input=None):
+        found = real(out, input)
+        partial.write_text("mine\n", encoding="utf-8")
+        return found
+
+    monkeypatch.setattr(translate_io, "check_partial", then_appears)
+    status, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
+    assert status == 2 and f"error: translate: {partial} exists" in err
+    assert partial.read_text(encoding="utf-8") == "mine\n" and not output.exists()
 
 
 def test_translate_output_dev_stdout_appended_to_a_log(env, tmp_path):
@@ -555,6 +691,50 @@ def test_run_directory_lock(env, tmp_path, call):
     status, _, err = call("train", config, "--resume")
     assert status == 0, err
     assert "was left by pid 1 on" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("kind", ["link to a file", "link to an empty file", "dangling link", "hard link", "fifo",
+                                  "directory"])
+def test_the_lock_is_never_written_through_a_link_or_into_another_file(tmp_path, kind):
+    """train.lock used to be opened with O_CREAT and followed links: the pid overwrote a victim file, and a dangling
+    link's target was created. Now: O_CREAT|O_EXCL|O_NOFOLLOW, and only a regular file with one name is taken."""
+    from transformer.resume import RunLock
+
+    run_dir, victim = tmp_path / "run", tmp_path / "victim.txt"
+    run_dir.mkdir()
+    lock = run_dir / "train.lock"
+    contents = "" if kind == "link to an empty file" else "precious\n"  # "": read as nobody's lock, so written
+    if kind != "dangling link":
+        victim.write_text(contents)
+    if kind.startswith("link") or kind == "dangling link":
+        lock.symlink_to(victim)
+    elif kind == "hard link":
+        os.link(victim, lock)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.mkdir()
+    said = {"link to a file": "is a symbolic link", "link to an empty file": "is a symbolic link",
+            "dangling link": "is a symbolic link",
+            "hard link": "has other names (hard links)", "fifo": "is not a regular file",
+            "directory": "is not a regular file"}[kind]
+    with pytest.raises(UserError, match=f"^train: {re.escape(str(lock))} {re.escape(said)}; .*delete"):
+        with RunLock(run_dir):
+            pass
+    if kind == "dangling link":
+        assert not victim.exists()  # not created through the link
+    elif kind != "fifo" and kind != "directory":
+        assert victim.read_text() == contents
+    assert lock.is_symlink() or lock.exists()  # refused, left as it was
+
+    # A plain lock file nobody holds (a killed run's) is still taken over, and a new one is created as before.
+    shutil.rmtree(lock) if kind == "directory" else lock.unlink()
+    lock.write_text('{"pid": 999999999, "host": "%s"}\n' % socket.gethostname())
+    with RunLock(run_dir) as held:
+        assert held.took_over and json.loads(lock.read_text())["pid"] == os.getpid()
+    assert not lock.exists()
+    with RunLock(run_dir):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
 
 
 def test_a_vocabulary_smaller_than_asked_is_logged_and_noted_in_config_yaml(env, capsys, tmp_path):

@@ -252,3 +252,26 @@ def test_a_missing_relative_data_dir_says_where_it_was_looked_for(monkeypatch, t
     with pytest.raises(UserError, match=r"^data: no such file: data/multi30k/train.de \(split 'train' in data.dir "
                                         rf"'data/multi30k', relative to {tmp_path}, where this runs\)$"):
         resolve_split(from_dict({"data": {"dir": "data/multi30k"}}).data, "train")
+
+
+def test_the_length_penalty_is_bounded_where_it_cannot_overflow():
+    """decode.lenpen of 400 overflowed ((5 + length) / 6) ** alpha from about 30 tokens on (OverflowError in every
+    search); the bound, MAX_LENPEN, keeps it finite at every length a model takes, and is checked once for all."""
+    from transformer.config import MAX_LENPEN, lenpen_problem
+    from transformer.search import length_penalty
+
+    assert from_dict({"decode": {"lenpen": MAX_LENPEN}}).decode.lenpen == MAX_LENPEN
+    assert from_dict({"decode": {"lenpen": 0}}).decode.lenpen == 0
+    for bad in (MAX_LENPEN + 0.01, 400.0, -0.1):
+        with pytest.raises(UserError, match=f"decode.lenpen must be a number from 0 to 10 .*, got {bad}"):
+            from_dict({"decode": {"lenpen": bad}})
+    assert length_penalty(1000 + 1, MAX_LENPEN) < 1e23  # a float32 score divided by it is still a number
+    with pytest.raises(OverflowError):
+        length_penalty(31, 400.0)  # what the bound prevents
+    assert lenpen_problem(float("inf"), "--lenpen") and lenpen_problem(True, "x") and not lenpen_problem(0.6, "x")
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", ".", "", "x\0y"])
+def test_a_split_name_is_never_a_path(name):
+    with pytest.raises(UserError, match=r"config: data.test_split must be a split's name"):
+        from_dict({"data": {"test_split": name}})

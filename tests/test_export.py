@@ -3,6 +3,7 @@ greedy translations); the command's files and errors."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -81,7 +82,7 @@ def test_export_force_replaces_an_export_only_and_keeps_it_when_conversion_fails
     run_dir = train(from_dict(raw), quiet=True)
     before = sorted(p.name for p in run_dir.iterdir())
     status, _, err = call("export", "ctranslate2", run_dir, run_dir, "--force")  # a run directory as OUT_DIR
-    assert status == 2 and "is not a CTranslate2 model directory" in err
+    assert status == 2 and "is not a directory this program wrote (no transformer-export.json" in err
     assert sorted(p.name for p in run_dir.iterdir()) == before
 
     out = tmp_path / "exported"
@@ -96,7 +97,7 @@ def test_export_force_replaces_an_export_only_and_keeps_it_when_conversion_fails
     assert (tmp_path / "link").is_symlink() and (out / "model.bin").is_file()
     (out / "notes.txt").write_text("mine\n")
     status, _, err = call("export", "ctranslate2", run_dir, out, "--force")
-    assert status == 2 and "not replacing it" in err and (out / "notes.txt").exists()
+    assert status == 2 and "it is never replaced" in err and (out / "notes.txt").exists()
 
     (out / "notes.txt").unlink()
     model_bin = (out / "model.bin").read_bytes()
@@ -110,3 +111,89 @@ def test_export_force_replaces_an_export_only_and_keeps_it_when_conversion_fails
         export_ctranslate2(run_dir, out, force=True)
     assert (out / "model.bin").read_bytes() == model_bin
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# --------------------------------------------------------------------------- only what we wrote is replaced
+
+def _tree(directory) -> dict:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _users_model(directory) -> None:
+    """A CTranslate2 model folder of the user's own (another toolkit's), with a note: nothing of ours."""
+    directory.mkdir(parents=True)
+    for name, data in (("model.bin", b"their weights"), ("shared_vocabulary.json", b'["<s>"]'),
+                       ("config.json", b"{}"), ("spm.model", b"their pieces")):
+        (directory / name).write_bytes(data)
+
+
+def test_export_force_replaces_only_a_folder_its_record_says_it_wrote(tmp_path, copy_model, call):
+    """--force used to replace any folder holding model.bin and a file named like a vocabulary."""
+    theirs = tmp_path / "theirs"
+    _users_model(theirs)
+    before = _tree(theirs)
+    status, _, err = call("export", "ctranslate2", copy_model, theirs, "--force")
+    assert (status, err) == (2, f"error: export: {theirs} exists and is not a directory this program wrote (no "
+                                "transformer-export.json of ours listing every file in it); it is never replaced: "
+                                "move it away or choose another directory (an export or conversion by an earlier "
+                                "version has no such record: delete it yourself)\n")
+    assert _tree(theirs) == before
+
+    out = tmp_path / "ours"
+    assert call("export", "ctranslate2", copy_model, out)[0] == 0
+    record = json.loads((out / "transformer-export.json").read_text())
+    assert set(record["files"]) == {p.name for p in out.iterdir()} - {"transformer-export.json"}
+    assert call("export", "ctranslate2", copy_model, out, "--force", "--quantization", "int8")[0] == 0
+    assert json.loads((out / "transformer-export.json").read_text())["quantization"] == "int8"
+    (out / "transformer-export.json").write_text('{"format": "something else"}')  # a record, but not ours
+    assert call("export", "ctranslate2", copy_model, out, "--force")[0] == 2
+
+
+def test_the_engines_conversion_never_empties_a_folder_it_did_not_write(tmp_path, copy_model, call):
+    """`--engine ctranslate2 CKPT` used to empty CKPT_DIR/ct2/<name>/ whatever was there."""
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(copy_model.read_bytes())
+    theirs = tmp_path / "ct2" / "model"
+    _users_model(theirs)
+    before = _tree(theirs)
+    status, _, err = call("translate", checkpoint, "--engine", "ctranslate2", "--dtype", "fp32", "ein hund")
+    assert status == 2 and err.startswith(f"error: --engine ctranslate2: {theirs} exists and is not a directory this "
+                                          "program wrote (no source.json of ours") and err.count("\n") == 1, err
+    assert _tree(theirs) == before
+    # An export of ours is not the engine's conversion either: kept, it may be the only int8 copy.
+    for p in theirs.iterdir():
+        p.unlink()
+    theirs.rmdir()
+    assert call("export", "ctranslate2", checkpoint, theirs, "--quantization", "int8")[0] == 0
+    before = _tree(theirs)
+    assert call("translate", checkpoint, "--engine", "ctranslate2", "--dtype", "fp32", "ein hund")[0] == 2
+    assert _tree(theirs) == before
+
+
+def test_a_damaged_conversion_is_converted_again(tmp_path, copy_model, call):
+    """Only model.bin's size was checked: a conversion missing its config.json or vocabulary, or one edited, stayed
+    in use and CTranslate2 failed to load it, every time."""
+    from transformer import export
+
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(copy_model.read_bytes())
+    status, first, err = call("translate", checkpoint, "--engine", "ctranslate2", "--dtype", "fp32", "ein hund")
+    assert status == 0 and "converting" in err
+    cache = tmp_path / "ct2" / "model"
+    vocabulary = next(p for p in cache.iterdir() if "vocabulary" in p.name)
+    for damage in (lambda: (cache / "config.json").unlink(), lambda: vocabulary.write_text("[]"),
+                   lambda: (cache / "config.json").write_text((cache / "config.json").read_text() + " ")):
+        damage()
+        status, out, err = call("translate", checkpoint, "--engine", "ctranslate2", "--dtype", "fp32", "ein hund")
+        assert (status, out) == (0, first) and "converting" in err, err
+    status, out, err = call("translate", checkpoint, "--engine", "ctranslate2", "--dtype", "fp32", "ein hund")
+    assert (status, out) == (0, first) and "converting" not in err  # current again: reused
+
+    # A conversion an earlier version made (source.json without the list of files) is ours: converted again once.
+    record = json.loads((cache / export.SOURCE_RECORD).read_text())
+    del record["files"]
+    record["model_bin_size"] = (cache / "model.bin").stat().st_size
+    (cache / export.SOURCE_RECORD).write_text(json.dumps(record))
+    status, out, err = call("translate", checkpoint, "--engine", "ctranslate2", "--dtype", "fp32", "ein hund")
+    assert (status, out) == (0, first) and "converting" in err
+    assert "files" in json.loads((cache / export.SOURCE_RECORD).read_text())

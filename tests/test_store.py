@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -145,7 +146,7 @@ def test_an_error_while_encoding_closes_the_files_and_writes_no_manifest(tmp_pat
     cfg = config(tmp_path, corpus)
     run_dir = Path(cfg.train.run_dir)
     prepare(cfg, run_dir, quiet=True)  # the vocabulary, kept for the rebuild below
-    (run_dir / "store" / "manifest.json").unlink()
+    cfg = config(tmp_path, corpus, max_len=8)  # another max_len: rebuilt
     calls = {"n": 0}
     encode = Vocab.encode
 
@@ -166,7 +167,10 @@ def test_an_error_while_encoding_closes_the_files_and_writes_no_manifest(tmp_pat
     else:
         pytest.fail("prepare did not raise")
     assert not (run_dir / "store" / "manifest.json").exists()
-    assert "incomplete" in problem(run_dir / "store")
+    assert "incomplete (its build was stopped)" in problem(run_dir / "store")
+    monkeypatch.undo()
+    prepare(cfg, run_dir, quiet=True)  # the building record says whose it is: rebuilt
+    assert problem(run_dir / "store") is None and not (run_dir / "store" / "building.json").exists()
 
 
 def test_prepare_command_then_train_reuses_the_store(tmp_path, corpus):
@@ -227,8 +231,7 @@ def test_a_bad_validation_split_fails_before_the_vocabulary_or_the_training_spli
     # With the vocabulary there (a later start), the training split is still not encoded first.
     good_corpus = write_corpus(tmp_path / "good", n_train=300, n_valid=30, seed=4)
     good = from_dict(tiny_config(tmp_path / "other", data_dir=good_corpus))
-    prepare(good, run_dir, quiet=True)  # a store and spm.model from good data
-    (run_dir / "store" / "manifest.json").unlink()
+    prepare(good, run_dir, quiet=True)  # a store (of other inputs, so rebuilt below) and spm.model from good data
     encoded = []
     monkeypatch.setattr(store_module, "_encode_split", lambda *args, **kwargs: encoded.append(args[2]))
     with pytest.raises(UserError, match=message):
@@ -301,7 +304,7 @@ def test_an_index_that_does_not_start_at_zero_is_refused(tmp_path, corpus):
     data = bytearray(index.read_bytes())
     data[:8] = np.int64(1).tobytes()  # same size, so the manifest's byte counts still agree
     index.write_bytes(bytes(data))
-    with pytest.raises(UserError, match="train.src.idx does not match its tokens"):
+    with pytest.raises(UserError, match="train.src.idx: its offsets run from 1 to .*: corrupt"):
         Store(run_dir / "store").corpus("train")
 
 
@@ -395,3 +398,179 @@ def test_half_a_test_split_is_refused_at_the_start_when_training_will_score_it(t
         prepare(from_dict(tiny_config(tmp_path, data_dir=corpus, train={"finish": True})), tmp_path / "run")
     assert not (tmp_path / "run" / "spm.model").exists()
     prepare(from_dict(tiny_config(tmp_path, data_dir=corpus, train={"finish": False})), tmp_path / "run")
+
+
+# --------------------------------------------------------------------------- whose store it is, and what it holds
+
+def tree(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("manifest", [None, b"[]", b"null", b'{"format": "my-own-format"}'])
+def test_a_users_own_store_directory_is_never_taken_for_a_run(tmp_path, corpus, call, manifest):
+    """A directory holding only the user's store/ (files named as ours, but no manifest of ours) used to pass for a
+    run directory, and prepare or train deleted its files. Only a manifest (or building record) we wrote makes it ours."""
+    from tests.conftest import write_config
+
+    run_dir = tmp_path / "mine"
+    own = run_dir / "store"
+    own.mkdir(parents=True)
+    (own / "train.src.bin").write_bytes(b"my own bytes")
+    (own / "notes.txt").write_text("keep me\n", encoding="utf-8")
+    if manifest is not None:
+        (own / "manifest.json").write_bytes(manifest)
+    before = tree(run_dir)
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, data_dir=corpus, train={"run_dir": str(run_dir)}))
+    for command in ("prepare", "train"):
+        status, _, err = call(command, path)
+        assert status == 2, err
+        assert f"train.run_dir {run_dir} holds files that are not a run's (store)" in err
+        assert "Traceback" not in err
+    assert tree(run_dir) == before
+
+    # Beside a run's own files too (spm.model makes it a run directory): refused by the store itself.
+    cfg = from_dict(tiny_config(tmp_path, data_dir=corpus, train={"run_dir": str(run_dir)}))
+    prepare(cfg, tmp_path / "other-run", quiet=True)
+    (run_dir / "spm.model").write_bytes((tmp_path / "other-run" / "spm.model").read_bytes())
+    before = tree(run_dir)
+    with pytest.raises(UserError, match=rf"store: {own} holds files that `transformer prepare` did not write .*"
+                                        "it is never deleted: move it away"):
+        prepare(cfg, run_dir, quiet=True)
+    assert tree(run_dir) == before
+
+
+def test_a_store_of_ours_is_rebuilt_by_name_and_a_file_of_the_users_in_it_stays(tmp_path, corpus):
+    cfg = config(tmp_path, corpus)
+    run_dir = Path(cfg.train.run_dir)
+    prepare(cfg, run_dir, quiet=True)
+    (run_dir / "store" / "README").write_text("mine\n", encoding="utf-8")
+    prepare(config(tmp_path, corpus, max_len=8), run_dir, quiet=True)  # rebuilt
+    assert (run_dir / "store" / "README").read_text(encoding="utf-8") == "mine\n"
+    assert Store(run_dir / "store").manifest["fingerprint"]["max_len"] == 8
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda m: [], r"not a store manifest this version reads \(it holds list, not a JSON object\)"),
+    (lambda m: None, r"not a store manifest this version reads \(it holds null, not a JSON object\)"),
+    (lambda m: {k: v for k, v in m.items() if k != "fingerprint"}, "it has no fingerprint of its inputs"),
+    (lambda m: {**m, "fingerprint": {k: v for k, v in m["fingerprint"].items() if k != "inputs"}},
+     "it has no fingerprint of its inputs"),
+    (lambda m: {**m, "splits": {"train": m["splits"]["train"]}}, "its split counts are missing or wrong"),
+])
+def test_a_malformed_manifest_is_a_reason_not_a_traceback(tmp_path, corpus, caplog, damage, reason):
+    cfg = config(tmp_path, corpus)
+    run_dir = Path(cfg.train.run_dir)
+    prepare(cfg, run_dir, quiet=True)
+    path = run_dir / "store" / "manifest.json"
+    path.write_text(json.dumps(damage(json.loads(path.read_text(encoding="utf-8")))), encoding="utf-8")
+    assert re.search(reason, problem(run_dir / "store", {"inputs": {}}))
+    with pytest.raises(UserError, match=reason):
+        Store(run_dir / "store")
+    # Without the corpus, such a store is not used: the missing corpus is reported.
+    moved = from_dict(tiny_config(tmp_path, data_dir=tmp_path / "gone", data={"max_len": 6}))
+    with pytest.raises(UserError, match="no such file"):
+        prepare(moved, run_dir, quiet=True)
+    caplog.set_level(logging.INFO, logger="transformer")
+    if isinstance(damage({"fingerprint": {}, "splits": {"train": 0}}), dict):  # still ours (our format): rebuilt
+        prepare(cfg, run_dir, quiet=True)
+        assert "store: rebuilding" in caplog.text and problem(run_dir / "store") is None
+    else:  # [] or null proves nothing: refused, left as it is
+        with pytest.raises(UserError, match="holds files that `transformer prepare` did not write"):
+            prepare(cfg, run_dir, quiet=True)
+        assert (run_dir / "store" / "train.src.bin").exists()
+
+
+def _poke(path: Path, dtype, index: int, value: int) -> None:
+    """Write one value into a store file in place: its size, and so the manifest's byte counts, unchanged."""
+    array = np.memmap(path, dtype=dtype, mode="r+")
+    array[index] = value
+    array.flush()
+    del array
+
+
+@pytest.mark.parametrize("file, dtype, index, value, reason", [
+    ("train.tgt.bin", np.uint16, 5, 60_000, r"train.tgt.bin: it holds id 60000, outside the vocabulary's 0..\d+"),
+    ("train.src.idx", np.int64, 3, 1, r"train.src.idx: sentence 2 spans offsets \d+..1, not 1 to 6 tokens"),
+    ("train.tgt.idx", np.int64, -1, 7, r"train.tgt.idx: sentence \d+ spans offsets \d+..7, not 1 to 6 tokens"),
+    ("train.tgt.idx", np.int64, 0, 1, r"train.tgt.idx: its offsets run from 1 to \d+, not from 0 to its \d+ tokens"),
+    ("valid.src.idx", np.int64, 1, 0, r"valid.src.idx: sentence 0 spans offsets 0..0, not 1 to 6 tokens"),
+])
+def test_store_contents_are_checked_before_reusing(tmp_path, corpus, caplog, file, dtype, index, value, reason):
+    """Files of the right size with wrong contents used to be reused, until an IndexError in training (or a CUDA
+    assert): out-of-range ids, offsets out of order or past the tokens. Checked in one numpy pass, and rebuilt."""
+    cfg = config(tmp_path, corpus)
+    run_dir = Path(cfg.train.run_dir)
+    prepare(cfg, run_dir, quiet=True)
+    def pairs() -> list:
+        store = Store(run_dir / "store")
+        return [store.corpus(s).pair(i) for s in ("train", "valid") for i in range(len(store.corpus(s)))]
+
+    expected = pairs()
+    _poke(run_dir / "store" / file, dtype, index, value)
+    assert re.search(reason + ".*: corrupt$", problem(run_dir / "store"))
+    with pytest.raises(UserError, match=reason):
+        Store(run_dir / "store")
+    caplog.set_level(logging.INFO, logger="transformer")
+    prepare(cfg, run_dir, quiet=True)
+    assert "store: rebuilding" in caplog.text and "corrupt" in caplog.text and "store: reusing" not in caplog.text
+    assert pairs() == expected
+
+
+# --------------------------------------------------------------------------- hub rows that are not text
+
+def _write_jsonl(directory: Path, splits: dict[str, list]) -> Path:
+    directory.mkdir()
+    for name, rows in splits.items():
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return directory
+
+
+GOOD_ROWS = [{"de": "ein hund", "en": "a dog"}, {"de": "eine katze", "en": "a cat"}] * 4
+
+
+@pytest.mark.parametrize("rows, dropped", [
+    ([{"de": None, "en": "a dog"}, {"de": "ein hund", "en": None}] + GOOD_ROWS, 2),       # null
+    ([{"de": "ein hund"}, {"en": "a dog"}] + GOOD_ROWS, 2),                               # a language missing
+    ([{"translation": None}, {"translation": {"de": "ein hund"}}] + [{"translation": r} for r in GOOD_ROWS], 2),
+], ids=["null", "columns lacking a language", "translation null or lacking a language"])
+def test_hub_rows_without_a_side_count_as_blank(offline_hub, tmp_path, rows, dropped):
+    """A null translation, or one whose first row lacks a language, used to end in a TypeError or KeyError."""
+    valid = [{"translation": r} for r in GOOD_ROWS] if "translation" in rows[0] else GOOD_ROWS
+    folder = _write_jsonl(tmp_path / "hub", {"train": rows, "validation": valid})
+    cfg = from_dict(tiny_config(tmp_path, data={"source": "hub", "hub_name": str(folder), "vocab_size": 24}))
+    store = prepare(cfg, Path(cfg.train.run_dir), quiet=True)
+    assert (store.stats("train")["dropped_blank"], store.stats("train")["pairs"]) == (dropped, len(GOOD_ROWS))
+
+
+@pytest.mark.parametrize("layout", ["columns", "translation"])
+def test_hub_values_that_are_not_text_are_one_line_errors(offline_hub, tmp_path, layout):
+    """An integer column reached SentencePiece: AttributeError: 'int' object has no attribute 'strip'."""
+    rows = GOOD_ROWS[:3] + [{"de": 5, "en": 7}] + GOOD_ROWS[3:]
+    valid = GOOD_ROWS[:2]
+    if layout == "translation":
+        rows, valid = [{"translation": r} for r in rows], [{"translation": r} for r in valid]
+    else:  # Arrow needs one type per column: the whole column holds integers
+        rows = [{"de": i, "en": i + 1} for i in range(8)]
+        valid = [{"de": 1, "en": 2}]
+    folder = _write_jsonl(tmp_path / "hub", {"train": rows, "validation": valid})
+    cfg = from_dict(tiny_config(tmp_path, data={"source": "hub", "hub_name": str(folder), "vocab_size": 24}))
+    row, value = (3, 5) if layout == "translation" else (0, 0)
+    with pytest.raises(UserError, match=rf"data: '{re.escape(str(folder))}' split 'train' row {row}: 'de' holds "
+                                        rf"{value} \(int\), not text; check data.src_lang and data.tgt_lang"):
+        prepare(cfg, Path(cfg.train.run_dir), quiet=True)
+
+
+def test_an_encoding_check_refuses_utf16_and_keeps_a_stray_nul(tmp_path):
+    path = tmp_path / "f.txt"
+    path.write_bytes("ein\x00 hund\nzwei katzen\n".encode("utf-8"))  # one NUL in text: still text
+    assert count_lines(path) == 2 and read_lines(path) == ["ein\x00 hund", "zwei katzen"]
+    for encoding, said in (("utf-16-le", "NUL bytes"), ("utf-16", "UTF-16 text"), ("utf-32", "UTF-32 text")):
+        path.write_bytes("ein hund\nzwei katzen\n".encode(encoding))
+        for read in (count_lines, read_lines):
+            with pytest.raises(UserError, match=f"f.txt is not UTF-8: it holds {said}"):
+                read(path)
+
+
+def test_an_empty_file_is_not_taken_for_another_encoding(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    assert count_lines(tmp_path / "empty.txt") == 0 and read_lines(tmp_path / "empty.txt") == []

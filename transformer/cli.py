@@ -153,7 +153,9 @@ def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
                     "line by line (each line is translated as soon as it arrives, so interactive use works).\n"
                     "Prints one translation per input line, in input order; an empty input line gives an\n"
                     "empty output line; a source longer than model.max_positions - 2 subwords is truncated\n"
-                    "with a warning on stderr.\n\n"
+                    "with a warning on stderr. A line longer than 1,048,576 characters is cut there before it\n"
+                    "is split into subwords, with that warning too (splitting costs ~60 bytes a character;\n"
+                    "the model reads only the first subwords), and a stream goes on with the next line.\n\n"
                     "n-best format: with --nbest N > 1, prints N lines per input line, best first, each\n"
                     "  SCORE<TAB>TRANSLATION\n"
                     "where SCORE is the sum of the token log-probabilities (EOS included) divided by the\n"
@@ -166,7 +168,8 @@ def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
                    help="UTF-8 file, one sentence per line; a pipe such as <(zcat x.gz) works too, - is stdin")
     p.add_argument("--output", metavar="FILE",
                    help="write translations here instead of stdout: into FILE.partial, renamed over FILE once all is "
-                        "translated (after a stop FILE is unchanged and FILE.partial keeps what was done)")
+                        "translated (after a stop FILE is unchanged and FILE.partial keeps what was done; an existing "
+                        "FILE.partial is never written over: move it away first)")
     p.add_argument("--nbest", type=int, default=1, metavar="N", help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)")
     p.set_defaults(func=commands.cmd_translate)
     p.__class__ = _IntermixedParser  # same parser, intermixed positionals
@@ -205,7 +208,8 @@ def _add_serve(sub) -> None:
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--beam", type=int, metavar="N", help="beam size when a request gives none (default: decode.beam)")
-    p.add_argument("--lenpen", type=float, metavar="A", help="GNMT length penalty alpha (default: decode.lenpen)")
+    p.add_argument("--lenpen", type=float, metavar="A",
+                   help="GNMT length penalty alpha, 0 to 10 (default: decode.lenpen)")
     p.add_argument("--stop", choices=("exact", "early"), help="beam search stop rule (default: decode.stop)")
     p.add_argument("--max-tokens", type=int, metavar="N",
                    help="source tokens per batched search; also ends a batching window early (default: decode.max_tokens)")
@@ -263,7 +267,8 @@ def _add_export(sub) -> None:
                    help="store the weights quantized (default: float32; CTranslate2 can also convert when it loads "
                         "a model, with compute_type)")
     p.add_argument("--force", action="store_true",
-                   help="replace OUT_DIR if it holds an earlier export (never any other directory)")
+                   help="replace OUT_DIR if it is an earlier export (its transformer-export.json lists every file "
+                        "in it), never any other directory")
     p.set_defaults(func=commands.cmd_export)
 
 
@@ -272,7 +277,8 @@ def _search_options() -> argparse.ArgumentParser:
     decode = argparse.ArgumentParser(add_help=False)
     decode.add_argument("--beam", type=int, metavar="N", help="beam size; 1 = greedy (default: decode.beam of the checkpoint's config)")
     decode.add_argument("--lenpen", type=float, metavar="A",
-                        help="GNMT length penalty alpha: score = log p / ((5 + len) / 6)^A (default: decode.lenpen)")
+                        help="GNMT length penalty alpha, 0 to 10: score = log p / ((5 + len) / 6)^A "
+                             "(default: decode.lenpen)")
     decode.add_argument("--max-tokens", type=int, metavar="N", help="source tokens per batch (default: decode.max_tokens)")
     decode.add_argument("--workers", type=int, metavar="N",
                         help="searches run side by side on a CPU, each on its own batches of max-tokens / N "

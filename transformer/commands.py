@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -36,10 +35,13 @@ def _check_beam(beam: Optional[int]) -> None:
 
 
 def _check_search_args(args: argparse.Namespace) -> None:
-    """Ranges argparse's types do not check, reported in one line like every other error."""
+    """Ranges argparse's types do not check, reported in one line like every other error (translate, evaluate,
+    serve)."""
+    from transformer.config import lenpen_problem
+
     _check_beam(args.beam)
-    if args.lenpen is not None and not (math.isfinite(args.lenpen) and args.lenpen >= 0):
-        raise UserError(f"--lenpen must be a finite number >= 0, got {args.lenpen}")
+    if args.lenpen is not None and lenpen_problem(args.lenpen, "--lenpen") is not None:
+        raise UserError(lenpen_problem(args.lenpen, "--lenpen"))
     if args.max_tokens is not None and args.max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.workers is not None and args.workers < 1:

@@ -122,6 +122,13 @@ SPM_INT32 = 2 ** 31           # SentencePiece's vocab_size is a signed 32-bit in
 MAX_YAML_NODES = 10_000       # values a config may expand to through YAML aliases; a real one has < 200
 MAX_CONFIG_BYTES = 1 << 20
 
+# The most decode.lenpen / --lenpen may be: the GNMT length penalty's alpha. Wu et al. (2016) tuned it in [0, 1] (0.6
+# is this project's default, after the paper), and fairseq's and Sockeye's users set it up to about 2; far above, a
+# length bonus outweighs every log-probability. The bound also keeps ((5 + length) / 6) ** alpha finite: at 400 it
+# overflowed a float from about 30 tokens on (OverflowError in translate, evaluate, validation BLEU and serve);
+# at 10 it stays below 1e23 for every length up to 1,000 tokens.
+MAX_LENPEN = 10.0
+
 # Decimal numbers in exponent notation without a dot, which YAML 1.1 does not count as floats.
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
@@ -193,9 +200,28 @@ def _build_section(section: str, cls: type, values: Any):
     return cls(**kwargs)
 
 
+def lenpen_problem(value: float, name: str) -> Optional[str]:
+    """Why `value` cannot be the length penalty's alpha (`name` is how the user gave it), or None: the one check
+    that decode.lenpen, --lenpen and a Translator's lenpen all go through."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+            0 <= value <= MAX_LENPEN:
+        return None
+    return (f"{name} must be a number from 0 to {MAX_LENPEN:g} (the GNMT length penalty's alpha; the paper's is 0.6), "
+            f"got {value}")
+
+
+def split_name_problem(value: str, name: str) -> Optional[str]:
+    """Why `value` cannot name a split (`name` is how the user gave it), or None. A split names files in data.dir
+    ({split}.{lang}) and results in the run's eval/: a path (../x, a/b) would read and write outside them."""
+    if value and value not in (".", "..") and not any(c in value for c in ("/", "\\", "\0", os.sep)):
+        return None
+    return f"{name} must be a split's name, such as test or newstest2014 (no path, no '/'), got {value!r}"
+
+
 def validate(cfg: Config) -> None:
     """Reject combinations that would fail later or train nonsense."""
     m, d, t, dec = cfg.model, cfg.data, cfg.train, cfg.decode
+    splits = [split_name_problem(getattr(d, f"{s}_split"), f"data.{s}_split") for s in ("train", "valid", "test")]
     checks = [
         (m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads == 0,
          f"model.d_model ({m.d_model}) must be a positive multiple of model.n_heads ({m.n_heads})"),
@@ -238,7 +264,8 @@ def validate(cfg: Config) -> None:
         (t.valid_bleu_pairs >= 0 and t.patience >= 0, "train.valid_bleu_pairs and train.patience must not be negative"),
         (t.peak_tflops >= 0, "train.peak_tflops must not be negative (0 = measure it)"),
         (dec.beam >= 1, "decode.beam must be at least 1"),
-        (dec.lenpen >= 0, "decode.lenpen must not be negative"),
+        (lenpen_problem(dec.lenpen, "decode.lenpen") is None, lenpen_problem(dec.lenpen, "decode.lenpen")),
+        *((problem is None, problem) for problem in splits),
         (dec.max_len_offset >= 1, "decode.max_len_offset must be at least 1"),
         (dec.max_tokens >= 1, "decode.max_tokens must be positive"),
         (dec.workers >= 1, "decode.workers must be at least 1"),

@@ -30,6 +30,25 @@ def _decode(raw: bytes, path: Path, first_line: int) -> str:
         raise UserError(f"data: {path} line {line} is not valid UTF-8 (byte {raw[e.start]:#04x})") from None
 
 
+# Byte-order marks of the encodings a text editor or Windows tool may have saved a corpus in, instead of UTF-8.
+_OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+                    (b"\xfe\xff", "UTF-16"))
+
+
+def _check_text_start(path: Path, head: bytes) -> None:
+    """A one-line error when the first block of `path` is plainly not UTF-8 text: a UTF-16/32 byte-order mark, or
+    NUL bytes in a quarter of it or more (UTF-16 without a mark, a binary file; a stray NUL in text is left alone).
+    Counting its lines would otherwise count bytes 0x0a, and report a line-count mismatch between the sides
+    instead of the encoding."""
+    encoding = next((name for mark, name in _OTHER_ENCODINGS if head.startswith(mark)), None)
+    if encoding is None and not (head and head.count(b"\0") * 4 >= len(head)):
+        return
+    what = f"{encoding} text (it starts with a {encoding} byte-order mark)" if encoding else \
+        "NUL bytes (UTF-16 or UTF-32 text, or not text at all)"
+    raise UserError(f"data: {path} is not UTF-8: it holds {what}; convert it, e.g. iconv -f "
+                    f"{encoding or 'UTF-16'} -t UTF-8 {path} > {path.name}.utf8, and use that")
+
+
 def iter_lines(path: str | Path, block_bytes: int = 1 << 24) -> Iterator[str]:
     """The lines of a UTF-8 file, streamed, read once: a pipe (`<(zcat x.gz)`), a FIFO or a device works as well
     as a regular file. Only '\\n' ends a line (str.splitlines would also split on U+2028, form feeds and other
@@ -41,6 +60,8 @@ def iter_lines(path: str | Path, block_bytes: int = 1 << 24) -> Iterator[str]:
             block = f.read(block_bytes)
             if not block:
                 break
+            if first and not pending:
+                _check_text_start(path, block[:4096])
             data = pending + block
             cut = data.rfind(b"\n")
             if cut < 0:
@@ -84,6 +105,8 @@ def count_lines(path: str | Path) -> int:
                         "file")
     count, last = 0, b"\n"
     with path.open("rb") as f:
+        _check_text_start(path, f.read(4096))
+        f.seek(0)
         while block := f.read(1 << 24):
             count += block.count(b"\n")
             last = block[-1:]
@@ -160,6 +183,11 @@ def resolve_split(cfg: DataConfig, split: str, log: Optional[Callable[[str], Non
                         "set data.train_split / data.valid_split / data.test_split")
     src, tgt = split_paths(cfg, split)
     missing = src if not src.is_file() else tgt
+    if missing.is_dir():
+        raise UserError(f"data: {missing} is a directory, not a file (split {split!r} in data.dir {cfg.dir!r})")
+    if missing.exists():  # a FIFO or a device: counted first, then read, a corpus must be readable twice
+        raise UserError(f"data: {missing} is not a regular file (a pipe or a device); a corpus is read more than "
+                        "once (counted, then encoded), so give a file")
     where = "" if Path(cfg.dir).is_absolute() else f", relative to {Path.cwd()}, where this runs"
     raise UserError(f"data: no such file: {missing} (split {split!r} in data.dir {cfg.dir!r}{where})")
 
@@ -219,7 +247,9 @@ def _datasets():
 
 
 def _hub_error(cfg: DataConfig, what: str, e: Exception) -> UserError:
-    return UserError(f"data: cannot load {what} of {cfg.hub_name!r} through `datasets`: {first_line(e, None)}")
+    cause = e.__cause__ or e.__context__  # `datasets` wraps what went wrong ("An error occurred while generating")
+    why = f" ({first_line(cause, None)})" if cause is not None and str(cause).strip() else ""
+    return UserError(f"data: cannot load {what} of {cfg.hub_name!r} through `datasets`: {first_line(e, None)}{why}")
 
 
 def _hub_split_names(cfg: DataConfig) -> list[str]:
@@ -243,7 +273,9 @@ def _open_hub_split(cfg: DataConfig, name: str, limit: int) -> RawSplit:
         raise UserError(f"data: {cfg.hub_name!r} has columns {columns}; expected '{cfg.src_lang}' and "
                         f"'{cfg.tgt_lang}' or a 'translation' column")
     if "translation" in columns and len(ds):
-        languages = set(ds[0]["translation"])
+        # The languages of the first rows (one row may lack one, or be null): which pair the dataset holds.
+        languages = set().union(*(t for t in ds.select(range(min(len(ds), 1000)))["translation"]
+                                  if isinstance(t, dict)))
         if not {cfg.src_lang, cfg.tgt_lang} <= languages:
             raise UserError(f"data: {cfg.hub_name!r} translations have languages {sorted(languages)}, not "
                             f"{cfg.src_lang!r} and {cfg.tgt_lang!r}; check data.src_lang, data.tgt_lang and "
@@ -252,15 +284,27 @@ def _open_hub_split(cfg: DataConfig, name: str, limit: int) -> RawSplit:
         raise UserError(f"data: {cfg.hub_name!r} split {name!r} is empty")
     n = min(len(ds), limit) if limit else len(ds)
 
+    def texts(values: list, language: str, start: int) -> list[str]:
+        """One language's sentences of a chunk: null (a row without it) counts as blank; a value that is not text
+        (an integer column, a list) is an error naming the row, not a traceback from SentencePiece."""
+        for i, value in enumerate(values):
+            if value is not None and not isinstance(value, str):
+                raise UserError(f"data: {cfg.hub_name!r} split {name!r} row {start + i}: {language!r} holds "
+                                f"{value!r} ({type(value).__name__}), not text; check data.src_lang and "
+                                "data.tgt_lang, or the dataset")
+        return [value or "" for value in values]
+
     def chunks() -> Iterator[Chunk]:
         part = ds.select(range(n)) if n < len(ds) else ds
+        start = 0
         for rows in part.iter(batch_size=CHUNK_LINES):
-            if "translation" in rows:
-                pairs = rows["translation"]
-                src, tgt = [p[cfg.src_lang] for p in pairs], [p[cfg.tgt_lang] for p in pairs]
+            if "translation" in rows:  # a row may lack a language, or be null: that side is blank
+                pairs = [p if isinstance(p, dict) else {} for p in rows["translation"]]
+                src, tgt = [p.get(cfg.src_lang) for p in pairs], [p.get(cfg.tgt_lang) for p in pairs]
             else:
                 src, tgt = rows[cfg.src_lang], rows[cfg.tgt_lang]
-            yield [s or "" for s in src], [t or "" for t in tgt]  # a missing side counts as blank
+            yield texts(src, cfg.src_lang, start), texts(tgt, cfg.tgt_lang, start)
+            start += len(src)
 
     files = []
     for entry in ds.cache_files:

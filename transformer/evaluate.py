@@ -131,6 +131,7 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
                  lenpen: Optional[float], max_tokens: Optional[int], device: str, dtype: str = "fp32",
                  stop: Optional[str] = None, engine: str = "ours", workers: Optional[int] = None) -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files), score, write .hyp and .json."""
+    from transformer.config import split_name_problem
     from transformer.corpus import load_split, read_parallel, resolve_split
     from transformer.translate import Translator
 
@@ -138,6 +139,8 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         raise UserError("evaluate: --src and --ref go together")
     if src is not None and split is not None:
         raise UserError("evaluate: give --split or --src/--ref, not both")
+    if split is not None and split_name_problem(split, "--split") is not None:  # never a path out of the run
+        raise UserError(f"evaluate: {split_name_problem(split, '--split')}; for other files pass --src FILE --ref FILE")
     translator = Translator(run_dir, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine,
                             workers=workers)
     if src is not None:

@@ -10,6 +10,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -18,7 +19,10 @@ from transformer.checkpoint import load_model, resolve_checkpoint
 from transformer.errors import UserError
 
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which our model uses
-SOURCE_RECORD = "source.json"  # in a cached conversion: which checkpoint file it was made from
+# The records that make a directory ours to replace (never its file names: a user's folder may hold a model.bin).
+SOURCE_RECORD = "source.json"  # in a cached conversion: which checkpoint file it was made from, and its files
+EXPORT_RECORD = "transformer-export.json"  # in an export: that `export` wrote it, and its files
+EXPORT_FORMAT = "transformer-ctranslate2-export-v1"
 
 
 def require_ctranslate2():
@@ -100,27 +104,81 @@ def _write_model(checkpoint: Path, out_dir: Path, quantization: str | None) -> N
     (out_dir / "spm.model").write_bytes(vocab.proto)  # CTranslate2 takes pieces: this makes them
 
 
+def _read_record(path: Path) -> dict:
+    """A JSON record (an empty dict when it is missing, unreadable, or not a JSON object)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _file_stamps(directory: Path) -> dict[str, list[int]]:
+    """[size, mtime_ns] of every file just written into `directory`: what its record lists as ours."""
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(directory.iterdir())}
+
+
+def _replaceable(target: Path, record_name: str) -> Optional[set[str]]:
+    """The names to remove so that `target` can be replaced: none when it is absent or an empty directory; the files
+    of a directory whose record (record_name, ours) lists every file in it. None: not ours, never to be replaced."""
+    if not target.exists() and not target.is_symlink():
+        return set()
+    if target.is_symlink() or not target.is_dir():
+        return None
+    entries = {p.name: p for p in target.iterdir()}
+    if not entries:
+        return set()
+    record = _read_record(target / record_name)
+    ours = record.get("format") == EXPORT_FORMAT if record_name == EXPORT_RECORD else \
+        {"checkpoint", "size", "mtime_ns"} <= record.keys()
+    files = record.get("files", entries)  # an earlier version's source.json lists none
+    if not ours or not isinstance(files, (dict, list)) or not set(entries) <= set(files) | {record_name} or \
+            any(p.is_symlink() or not p.is_file() for p in entries.values()):
+        return None
+    return set(entries)
+
+
+def _not_ours(target: Path, record_name: str, what: str) -> UserError:
+    return UserError(f"{what}: {target} exists and is not a directory this program wrote (no {record_name} of ours "
+                     "listing every file in it); it is never replaced: move it away or choose another directory "
+                     "(an export or conversion by an earlier version has no such record: delete it yourself)")
+
+
+def _replace_ours(target: Path, staging: Path, record_name: str, what: str) -> None:
+    """Put `staging` where `target` is, if _replaceable (checked again now, at the last moment): only the files
+    that its record lists are removed, by name."""
+    ours = _replaceable(target, record_name)
+    if ours is None:
+        raise _not_ours(target, record_name, what)
+    if target.exists():
+        for name in ours:
+            (target / name).unlink(missing_ok=True)
+        target.rmdir()
+    os.replace(staging, target)
+
+
 def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, quantization: str | None = None,
                        force: bool = False) -> Path:
-    """Write a CTranslate2 model directory (model.bin, vocabularies, our spm.model) for `checkpoint`
-    (a run directory or .pt file); returns it. CTranslate2 appends </s> to the source itself."""
+    """Write a CTranslate2 model directory (model.bin, vocabularies, our spm.model, and EXPORT_RECORD) for
+    `checkpoint` (a run directory or .pt file); returns it. CTranslate2 appends </s> to the source itself.
+    force: replace an earlier export (its record lists every file there) or an empty directory, nothing else."""
     require_ctranslate2()
     source = resolve_checkpoint(checkpoint)
     given, out_dir = out_dir, Path(os.path.realpath(out_dir))  # a link to the directory stays a link
     if out_dir.exists():
         if not force:
             raise UserError(f"export: {given} exists; add --force to replace it")
-        # --force replaces an earlier export (or an empty directory), never a run or someone's files.
-        if not (out_dir.is_dir() and not any(out_dir.iterdir())) and not _is_export(out_dir):
-            raise UserError(f"export: {given} exists and is not a CTranslate2 model directory (it holds files "
-                            "other than model.bin, config.json, the vocabularies and spm.model); not replacing it")
+        if _replaceable(out_dir, EXPORT_RECORD) is None:
+            raise _not_ours(Path(given), EXPORT_RECORD, "export")
     # Converted beside it first: a conversion that fails leaves the earlier export as it was.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging_dir(out_dir)
     try:
         _write_model(source, staging, quantization)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(staging, out_dir)
+        record = {"format": EXPORT_FORMAT, "checkpoint": str(source), "quantization": quantization,
+                  "files": _file_stamps(staging)}
+        (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        _replace_ours(out_dir, staging, EXPORT_RECORD, "export")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Path(given)
@@ -132,14 +190,6 @@ def _staging_dir(target: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     os.chmod(staging, 0o777 & ~current_umask())
     return staging
-
-
-def _is_export(path: Path) -> bool:
-    """A directory of CTranslate2's files and ours (as _write_model and cached_conversion write them) only."""
-    if not path.is_dir() or not (path / "model.bin").is_file():
-        return False
-    known = {"model.bin", "config.json", "spm.model", SOURCE_RECORD}
-    return all(entry.is_file() and (entry.name in known or "vocabulary" in entry.name) for entry in path.iterdir())
 
 
 def _fingerprint(path: Path, with_hash: bool) -> dict:
@@ -155,15 +205,20 @@ def _fingerprint(path: Path, with_hash: bool) -> dict:
 
 
 def _cache_is_current(model_dir: Path, checkpoint: Path) -> bool:
-    """Size and mtime unchanged, or (a copied or touched file) the same bytes by sha256."""
-    try:
-        record = json.loads((model_dir / SOURCE_RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """Every file the conversion wrote still there with its size and mtime (a deleted, torn or edited file: not
+    current), and the checkpoint's size and mtime unchanged or (a copied or touched file) the same bytes by sha256.
+    A record of an earlier version lists no files: converted again, once."""
+    record = _read_record(model_dir / SOURCE_RECORD)
+    files = record.get("files")
+    if not isinstance(files, dict) or "model.bin" not in files:
         return False
-    if not (model_dir / "model.bin").is_file() or not isinstance(record, dict):
-        return False
-    if record.get("model_bin_size") != (model_dir / "model.bin").stat().st_size:  # torn since, or an older record
-        return False
+    for name, stamp in files.items():
+        try:
+            stat = (model_dir / name).stat()
+        except OSError:
+            return False
+        if [stat.st_size, stat.st_mtime_ns] != stamp:
+            return False
     now = _fingerprint(checkpoint, with_hash=False)
     if record.get("size") == now["size"] and record.get("mtime_ns") == now["mtime_ns"]:
         return True
@@ -179,6 +234,8 @@ def cached_conversion(checkpoint: str | Path) -> Path:
     target = source.parent / "ct2" / source.stem
     if _cache_is_current(target, source):
         return target
+    if _replaceable(target, SOURCE_RECORD) is None:  # a folder of the user's there: never emptied
+        raise _not_ours(target, SOURCE_RECORD, "--engine ctranslate2")
     print(f"converting {source} for CTranslate2 into {target} (once per checkpoint)", file=sys.stderr)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -191,12 +248,11 @@ def cached_conversion(checkpoint: str | Path) -> Path:
         return staging
     try:
         _write_model(source, staging, None)
-        record = {**_fingerprint(source, with_hash=True), "model_bin_size": (staging / "model.bin").stat().st_size}
+        record = {**_fingerprint(source, with_hash=True), "files": _file_stamps(staging)}
         (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         # Readers load model.bin when they start, so swapping the directory under them is safe.
-        shutil.rmtree(target, ignore_errors=True)
         try:
-            os.replace(staging, target)
+            _replace_ours(target, staging, SOURCE_RECORD, "--engine ctranslate2")
         except OSError:  # another process put its conversion there first: that one is as good
             if not _cache_is_current(target, source):
                 raise

@@ -12,6 +12,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -195,7 +196,12 @@ def run_config(run_dir: str, overrides: Sequence[str]) -> Config:
     if any(item.split("=", 1)[0].strip() == "train.run_dir" for item in overrides):
         raise UserError(f"train: --resume {run_dir} continues the run in {run_dir}; --set train.run_dir cannot "
                         "move it")
-    raw = apply_overrides(read_yaml(path), list(overrides))
+    saved = read_yaml(path)
+    if not saved:  # defaults would then be compared against the checkpoint's config, and mislead
+        raise UserError(f"train --resume: {path} is empty, so the run's settings are not known; restore it (transformer "
+                        f"train writes it), or resume with the config the run was started with: transformer train "
+                        f"CONFIG --set train.run_dir={run_dir} --resume")
+    raw = apply_overrides(saved, list(overrides))
     if not isinstance(raw.get("train"), dict):
         raw["train"] = {}
     raw["train"]["run_dir"] = str(run_dir)
@@ -248,9 +254,12 @@ def check_run_dir(run_dir: Path, resume: bool = False) -> None:
         how = f"add --resume to continue from {other.name}; " if other is not None else ""
         raise UserError(f"train.run_dir {run_dir} holds checkpoints ({shown}) but no last.pt; {how}to start a new "
                         "run, set train.run_dir to a new directory")
+    from transformer.store import is_ours  # numpy and the corpus readers: only where a run directory is checked
+
     foreign = sorted(p.name for p in run_dir.iterdir()
                      if not (is_run_file(p.name) or p.name == "eval" or p.name.endswith(TEMP_SUFFIX))
-                     or (p.name == "config.yaml" and not written_by_train(p)))
+                     or (p.name == "config.yaml" and not written_by_train(p))
+                     or (p.name == "store" and not is_ours(p)))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise UserError(f"train.run_dir {run_dir} holds files that are not a run's ({shown}); a new run needs a "
@@ -282,10 +291,40 @@ class RunLock:
         raise UserError(f"{self.command}: {self.run_dir} is in use by pid {holder.get('pid', '?')} on host "
                         f"{holder.get('host', '?')} (lock file {self.path}); {why}")
 
+    def _open(self) -> int:
+        """The lock file, created (O_CREAT|O_EXCL) or opened as it is, never through a symbolic link (O_NOFOLLOW), and
+        only a regular file with no other name: writing our pid into it may change nothing but a lock file."""
+        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        while True:
+            try:
+                return os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+            except FileExistsError:  # also a link, dangling or not: O_EXCL never follows one
+                pass
+            try:  # O_NONBLOCK: a FIFO placed there must not hang the open (it is refused below)
+                fd = os.open(self.path, flags | getattr(os, "O_NONBLOCK", 0))
+            except FileNotFoundError:  # its holder removed it in between: create it
+                continue
+            except IsADirectoryError:
+                self._refuse_file("is not a regular file")
+            except OSError as e:
+                if e.errno != errno.ELOOP and not self.path.is_symlink():
+                    raise
+                raise UserError(f"{self.command}: {self.path} is a symbolic link; the lock file is never written "
+                                "through one (that would overwrite what it points to): delete the link") from None
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+                return fd
+            os.close(fd)
+            self._refuse_file("has other names (hard links)" if stat.S_ISREG(info.st_mode) else "is not a regular file")
+
+    def _refuse_file(self, what: str) -> None:
+        raise UserError(f"{self.command}: {self.path} {what}; the lock file is written over, so it must be a plain "
+                        "file of its own: delete it")
+
     def __enter__(self) -> "RunLock":
         host, pid = socket.gethostname(), os.getpid()
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = self._open()
             try:
                 holder = _read_lock(fd)
                 if fcntl is not None:
@@ -340,7 +379,7 @@ def _read_lock(fd: int) -> dict:
 
 def _same_file(fd: int, path: Path) -> bool:
     try:
-        return os.fstat(fd).st_ino == os.stat(path).st_ino
+        return os.fstat(fd).st_ino == os.lstat(path).st_ino
     except FileNotFoundError:
         return False
 

@@ -5,8 +5,11 @@ Layout of RUN_DIR/store/ (all little-endian; `fairseq`'s .bin/.idx idea):
   {split}.{side}.bin   every sentence's token ids back to back, no EOS (uint16 when the vocabulary fits, else int32)
   {split}.{side}.idx   int64 offsets, one more than the sentences: sentence i is bin[idx[i]:idx[i+1]]
   valid.refs.json      the raw target lines of the kept validation pairs (BLEU references)
-  manifest.json        format, dtype, counts, file sizes and the fingerprint of the inputs; written last, so a store
-                       without it (a kill mid-build) is rebuilt
+  manifest.json        format, dtype, counts, file sizes and the fingerprint of the inputs; written last
+  building.json        written first and removed after the manifest: a store without a manifest but with this
+                       record is one whose build was stopped (a kill), and is rebuilt
+A directory is a store of ours only when one of those two records says so (never by its file names): anything
+else found at RUN_DIR/store is a user's, and is refused, never deleted.
 split is train or valid, side src or tgt. Training reads only offsets up front; tokens are paged in as batches need
 them, and ranks on one machine share those pages.
 """
@@ -18,18 +21,17 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from transformer.atomic import atomic_write
+from transformer.atomic import atomic_write, remove_stale_temporaries
 from transformer.config import Config
 from transformer.corpus import SPLIT_ALIASES, RawSplit, chain_lines, has_split, open_split
 from transformer.data import keep_mask
@@ -38,7 +40,10 @@ from transformer.vocab import Vocab, train_vocab
 
 log = logging.getLogger("transformer")
 
-FORMAT = "transformer-store-v1"
+FORMAT_FAMILY = "transformer-store"  # every version's manifest format starts so: a store of ours, to rebuild
+FORMAT = f"{FORMAT_FAMILY}-v1"
+MANIFEST = "manifest.json"
+BUILDING = "building.json"
 SPLITS = ("train", "valid")
 SIDES = ("src", "tgt")
 PROGRESS_LOG_SECONDS = 30.0  # how often encoding logs how far it is when no progress bar shows it
@@ -110,7 +115,7 @@ def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Optional[Vocab], mi
         vocab = Vocab.load(run_dir / "spm.model")
     if d.source != "local" or Path(d.dir).exists() or vocab is None or problem(directory) is not None:
         raise missing
-    store = Store(directory)
+    store = Store(directory, checked=True)
     built = store.manifest["fingerprint"]
     limits = {"train": d.max_train_pairs, "valid": d.max_valid_pairs}
     names = {"train": d.train_split, "valid": d.valid_split}
@@ -118,8 +123,8 @@ def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Optional[Vocab], mi
         recorded = built["inputs"][split]
         allowed = {f"{name}.{lang}" for name in (names[split], *SPLIT_ALIASES.get(names[split], ()))
                    for lang in (d.src_lang, d.tgt_lang)}
-        if recorded.get("limit") != limits[split] or \
-                not {Path(f["path"]).name for f in recorded.get("files", [])} <= allowed:
+        if recorded.get("limit") != limits[split] or not recorded.get("files") or \
+                not {Path(f["path"]).name for f in recorded["files"]} <= allowed:
             raise missing
     if {k: v for k, v in built.items() if k != "inputs"} != _encoding(cfg, vocab):
         raise missing
@@ -171,19 +176,142 @@ def _files(manifest: dict) -> dict[str, int]:
     return sizes
 
 
-def problem(directory: Path, expected: Optional[dict] = None) -> Optional[str]:
-    """Why the store in `directory` cannot be used (for `expected` inputs), or None when it can."""
-    path = directory / "manifest.json"
-    if not path.is_file():
-        return "no prepared store yet" if not directory.exists() else "the store is incomplete (no manifest)"
+def _read_record(path: Path) -> object:
+    """The JSON in `path`, or None when it cannot be read or parsed."""
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        if manifest.get("format") != FORMAT:
-            return f"the store has format {manifest.get('format')!r}, this version reads {FORMAT!r}"
-        sizes = _files(manifest)
-    except (ValueError, KeyError, TypeError):
-        return f"{path} is not a store manifest"
-    for name, size in sizes.items():
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def is_ours(directory: Path) -> bool:
+    """Whether `directory` may be written over as a store: it does not exist, is empty, or holds a record that
+    build() wrote (a manifest of any transformer-store format, or the building record). File names alone prove
+    nothing: a user's own store/ may hold files called train.src.bin."""
+    if not directory.exists():
+        return True
+    if not directory.is_dir():
+        return False
+    if not any(directory.iterdir()):
+        return True
+    for name in (MANIFEST, BUILDING):
+        record = _read_record(directory / name)
+        if isinstance(record, dict) and str(record.get("format", "")).startswith(FORMAT_FAMILY):
+            return True
+    return False
+
+
+def refuse_foreign(directory: Path) -> None:
+    """A one-line error unless `directory` is ours (is_ours): a store is rebuilt only where we built one."""
+    if not is_ours(directory):
+        what = "holds files that `transformer prepare` did not write (no manifest.json of a store)" \
+            if directory.is_dir() else "is not a directory"
+        raise UserError(f"store: {directory} {what}; it is never deleted: move it away (or delete it yourself if it "
+                        "is what an earlier version left when a prepare was stopped), then run again")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _manifest_problem(manifest) -> Optional[str]:
+    """What is missing from, or mistyped in, a parsed manifest (None: every key that is read is there)."""
+    if not isinstance(manifest, dict):
+        return f"it holds {type(manifest).__name__ if manifest is not None else 'null'}, not a JSON object"
+    if manifest.get("format") != FORMAT:
+        return f"it has format {manifest.get('format')!r}, this version reads {FORMAT!r}"
+    if manifest.get("dtype") not in ("uint16", "int32") or not _is_count(manifest.get("vocab_size")):
+        return "its dtype or vocab_size is missing or wrong"
+    splits, built = manifest.get("splits"), manifest.get("fingerprint")
+    keys = ("pairs", "src_tokens", "tgt_tokens")
+    if not isinstance(splits, dict) or not all(isinstance(splits.get(s), dict) and
+                                               all(_is_count(splits[s].get(k)) for k in keys) for s in SPLITS):
+        return "its split counts are missing or wrong"
+    if not isinstance(built, dict) or not isinstance(built.get("inputs"), dict) or \
+            not all(isinstance(built["inputs"].get(s), dict) for s in SPLITS):
+        return "it has no fingerprint of its inputs"
+    for split in SPLITS:
+        files = built["inputs"][split].get("files", [])
+        if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("path"), str)
+                                                  for f in files):
+            return f"its fingerprint of the {split} input is malformed"
+    if not _is_count(built.get("max_len")) or not isinstance(built.get("vocab_sha256"), str):
+        return "its fingerprint has no vocabulary hash or max_len"
+    return None
+
+
+def _blocks(path: Path, dtype: np.dtype, items: int = 1 << 20) -> Iterator[np.ndarray]:
+    """The values of a store file, read a block at a time: a check over a corpus of any size holds one block
+    (memory-mapping it would count every page of it in the process's memory)."""
+    with open(path, "rb") as f:
+        while len(block := np.fromfile(f, dtype=dtype, count=items)):
+            yield block
+
+
+def _offsets_problem(path: Path, n_tokens: int, max_len: int) -> Optional[str]:
+    """Why the offsets in `path` cannot index `n_tokens` tokens as build() wrote them: from 0 to n_tokens, each
+    sentence between 1 and max_len tokens long (blank and longer pairs were dropped). One pass."""
+    first, last, done = None, None, 0  # done: sentences checked so far
+    for block in _blocks(path, np.dtype(np.int64)):
+        if first is None:
+            first = int(block[0])
+        lengths = np.diff(block if last is None else np.r_[last, block])
+        bad = (lengths < 1) | (lengths > max_len)
+        if first == 0 and bad.any():
+            i = int(np.argmax(bad))
+            starts = block if last is None else np.r_[last, block]
+            return f"sentence {done + i} spans offsets {int(starts[i])}..{int(starts[i + 1])}, not 1 to {max_len} " \
+                   "tokens (data.max_len)"
+        done += len(lengths)
+        last = int(block[-1])
+    if first != 0 or last != n_tokens:
+        return f"its offsets run from {first} to {last}, not from 0 to its {n_tokens} tokens"
+    return None
+
+
+def _tokens_problem(path: Path, dtype: np.dtype, vocab_size: int) -> Optional[str]:
+    """Why the ids in `path` cannot be of a vocabulary of `vocab_size` pieces (one pass)."""
+    for block in _blocks(path, dtype, 1 << 22):
+        low, high = int(block.min()), int(block.max())
+        if low < 0 or high >= vocab_size:
+            return f"it holds id {low if low < 0 else high}, outside the vocabulary's 0..{vocab_size - 1}"
+    return None
+
+
+def _contents_problem(directory: Path, manifest: dict) -> Optional[str]:
+    """Why files of the sizes the manifest gives cannot be used: offsets out of order or past the tokens, ids
+    outside the vocabulary, unreadable references. What training would otherwise meet as an IndexError hours in."""
+    dtype, max_len = np.dtype(manifest["dtype"]), manifest["fingerprint"]["max_len"]
+    for split in SPLITS:
+        for side in SIDES:
+            bin_path, idx_path = directory / f"{split}.{side}.bin", directory / f"{split}.{side}.idx"
+            reason = _offsets_problem(idx_path, manifest["splits"][split][f"{side}_tokens"], max_len)
+            if reason is not None:
+                return f"{idx_path}: {reason}: corrupt"
+            reason = _tokens_problem(bin_path, dtype, manifest["vocab_size"])
+            if reason is not None:
+                return f"{bin_path}: {reason}: corrupt"
+    refs = _read_record(directory / "valid.refs.json")
+    if not isinstance(refs, list) or len(refs) != manifest["splits"]["valid"]["pairs"] or \
+            not all(isinstance(r, str) for r in refs):
+        return f"{directory / 'valid.refs.json'} is missing or does not hold the validation references: corrupt"
+    return None
+
+
+def problem(directory: Path, expected: Optional[dict] = None, contents: bool = True) -> Optional[str]:
+    """Why the store in `directory` cannot be used (for `expected` inputs), or None when it can. contents: also
+    read the data once (offsets and ids, with numpy): what "reusing" promises; off only for a store just built."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        if not directory.exists():
+            return "no prepared store yet"
+        stopped = isinstance(_read_record(directory / BUILDING), dict)
+        return "the store is incomplete (its build was stopped)" if stopped else "the store is incomplete (no manifest)"
+    manifest = _read_record(path)
+    reason = _manifest_problem(manifest)
+    if reason is not None:
+        return f"{path} is not a store manifest this version reads ({reason})"
+    for name, size in _files(manifest).items():
         file = directory / name
         actual = file.stat().st_size if file.is_file() else None
         if actual != size:
@@ -191,7 +319,13 @@ def problem(directory: Path, expected: Optional[dict] = None) -> Optional[str]:
             return f"{file} is {found}, the manifest says {size} bytes: truncated or corrupt"
     if expected is not None and manifest["fingerprint"] != expected:
         return "; ".join(_differences(manifest["fingerprint"], expected))
-    return None
+    return _contents_problem(directory, manifest) if contents else None
+
+
+def _map(path: Path, dtype: np.dtype) -> np.ndarray:
+    if path.stat().st_size == 0:  # np.memmap cannot map an empty file
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 # --------------------------------------------------------------------------- reading
@@ -199,12 +333,13 @@ def problem(directory: Path, expected: Optional[dict] = None) -> Optional[str]:
 class Store:
     """A prepared store, opened read-only: memory-mapped corpora per split, and the validation references."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, checked: bool = False):
+        """checked: the caller has just had problem() read it all (or built it): only the cheap checks again."""
         self.directory = Path(directory)
-        reason = problem(self.directory)
+        reason = problem(self.directory, contents=not checked)
         if reason is not None:
             raise UserError(f"store: {reason}; run `transformer prepare CONFIG` (or train) to rebuild it")
-        self.manifest = json.loads((self.directory / "manifest.json").read_text(encoding="utf-8"))
+        self.manifest = json.loads((self.directory / MANIFEST).read_text(encoding="utf-8"))
         self.dtype = np.dtype(self.manifest["dtype"])
 
     def corpus(self, split: str) -> Corpus:
@@ -219,10 +354,7 @@ class Store:
         return Corpus(*arrays)
 
     def _map(self, name: str, dtype: np.dtype) -> np.ndarray:
-        path = self.directory / name
-        if path.stat().st_size == 0:  # np.memmap cannot map an empty file
-            return np.zeros(0, dtype=dtype)
-        return np.memmap(path, dtype=dtype, mode="r")
+        return _map(self.directory / name, dtype)
 
     def references(self, split: str) -> list[str]:
         return json.loads((self.directory / f"{split}.refs.json").read_text(encoding="utf-8"))
@@ -310,13 +442,30 @@ def _encode_split(vocab: Vocab, raw: RawSplit, split: str, max_len: int, directo
     return {**counts, "src_tokens": totals["src"], "tgt_tokens": totals["tgt"], "seconds": round(seconds, 3)}
 
 
+def _data_files() -> list[str]:
+    """The names build() writes besides the two records."""
+    return [f"{split}.{side}.{kind}" for split in SPLITS for side in SIDES for kind in ("bin", "idx")] + \
+        [f"{split}.refs.json" for split in SPLITS]
+
+
+def _clear(directory: Path) -> None:
+    """Make `directory` an empty store being built: the building record first (so that a kill from here on leaves a
+    store known to be ours), then the old manifest and data files, by name; anything else there is left alone."""
+    refuse_foreign(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    record = json.dumps({"format": FORMAT}) + "\n"
+    atomic_write(directory / BUILDING, lambda f: f.write(record.encode("utf-8")))
+    for name in [MANIFEST, *_data_files()]:
+        (directory / name).unlink(missing_ok=True)
+    remove_stale_temporaries(directory)
+
+
 def build(directory: Path, cfg: Config, vocab: Vocab, raw: dict[str, RawSplit], expected: dict,
           quiet: bool = False) -> None:
-    """Write a new store into `directory`, replacing what is there; the manifest goes last."""
+    """Write a new store into `directory`, replacing the store that is there (never a directory that is not a
+    store of ours: refuse_foreign); the manifest goes last."""
     count_pairs(raw)
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
+    _clear(directory)
     dtype = token_dtype(len(vocab))
     splits = {split: _encode_split(vocab, raw[split], split, cfg.data.max_len, directory, dtype,
                                    keep_references=split == "valid", quiet=quiet)
@@ -324,7 +473,8 @@ def build(directory: Path, cfg: Config, vocab: Vocab, raw: dict[str, RawSplit], 
     manifest = {"format": FORMAT, "dtype": dtype.name, "vocab_size": len(vocab), "splits": splits,
                 "fingerprint": expected}
     text = json.dumps(manifest, indent=2) + "\n"
-    atomic_write(directory / "manifest.json", lambda f: f.write(text.encode("utf-8")))
+    atomic_write(directory / MANIFEST, lambda f: f.write(text.encode("utf-8")))
+    (directory / BUILDING).unlink()
 
 
 def log_counts(store: Store, max_len: int) -> None:
@@ -395,14 +545,15 @@ def prepare(cfg: Config, run_dir: Path, vocab: Optional[Vocab] = None, quiet: bo
     expected = fingerprint(cfg, vocab, raw)
     reason = problem(directory, expected)
     if reason is None:
-        log.info("store: reusing %s", directory)
+        log.info("store: reusing %s (its offsets and ids checked)", directory)
     else:
+        refuse_foreign(directory)
         if directory.exists():
             log.info("store: rebuilding %s: %s", directory, reason)
         else:
             log.info("store: preparing %s", directory)
         build(directory, cfg, vocab, raw, expected, quiet)
-    store = Store(directory)
+    store = Store(directory, checked=True)
     log_counts(store, cfg.data.max_len)
     return store
 
@@ -417,4 +568,4 @@ def open_prepared(cfg: Config, run_dir: Path, vocab: Vocab) -> Store:
     reason = problem(directory, fingerprint(cfg, vocab, raw))
     if reason is not None:
         raise UserError(f"store: {directory} does not match this rank's data: {reason}")
-    return Store(directory)
+    return Store(directory, checked=True)

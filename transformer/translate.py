@@ -15,7 +15,7 @@ import torch
 
 from transformer.batch import prepare_sources, source_limit
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
-from transformer.config import DecodeConfig
+from transformer.config import DecodeConfig, lenpen_problem
 from transformer.data import pack_by_size
 from transformer.device import auto_precision, native_bf16, pick_device
 from transformer.errors import UserError
@@ -27,6 +27,10 @@ from transformer.vocab import Vocab
 DTYPES = ("auto", "fp32", "bf16", "int8")
 ENGINES = ("ours", "ctranslate2")
 TRUNCATION_WARNINGS = 5  # lines named one by one before the rest are only counted
+# A line is cut to this many characters before SentencePiece splits it: splitting costs about 60 bytes of memory per
+# character (a 20 MB line peaked at 1.2 GB), while the model reads only max_positions - 2 subwords of a line, a few
+# thousand characters. A warning names each line cut; a stream goes on (one line must not stop it).
+MAX_LINE_CHARS = 1 << 20
 CT2_COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
 
 
@@ -234,7 +238,7 @@ class Translator:
         self.workers = dec.workers if workers is None else workers
         for ok, message in ((self.beam >= 1, "beam must be at least 1"),
                             (self.beam <= len(self.vocab), beam_above_vocabulary(self.beam, len(self.vocab))),
-                            (self.lenpen >= 0, "lenpen must not be negative"),
+                            (lenpen_problem(self.lenpen, "lenpen") is None, lenpen_problem(self.lenpen, "lenpen")),
                             (self.max_tokens >= 1, "max tokens must be positive"),
                             (self.workers >= 1, "workers must be at least 1"),
                             (self.max_len_offset >= 1, "max length offset must be at least 1"),
@@ -289,18 +293,23 @@ class Translator:
             torch.set_num_threads(ours)
 
     def encode(self, lines: Sequence[str], warn: bool = True) -> list[list[int]]:
-        """Subword ids per line; a line longer than the model takes is truncated by the search, and said on stderr
-        (warn=False: the caller tells its own way, as serve does in its answer)."""
-        ids = self.vocab.encode([line if line.strip() else "" for line in lines])
+        """Subword ids per line; a line longer than the model takes is truncated by the search, and one longer than
+        MAX_LINE_CHARS is cut before it is split; both are said on stderr (warn=False: the caller tells its own
+        way, as serve does in its answer)."""
+        lengths = [len(line) for line in lines]
+        cut = [line[:MAX_LINE_CHARS] for line in lines]
+        ids = self.vocab.encode([line if line.strip() else "" for line in cut])
         limit = source_limit(self.cfg.model.max_positions)
         for i, seq in enumerate(ids):
-            if warn and len(seq) > limit:
+            if warn and (len(seq) > limit or lengths[i] > MAX_LINE_CHARS):
                 self.lines_truncated += 1
                 # A file of long lines would bury everything else on stderr: the first few, then a count at the end.
                 if self.lines_truncated <= TRUNCATION_WARNINGS:
                     more = "; further ones are counted at the end" if self.lines_truncated == TRUNCATION_WARNINGS else ""
-                    print(f"warning: input line {self.lines_seen + i + 1} has {len(seq)} subwords; truncated to the "
-                          f"first {limit} (model.max_positions - 2){more}", file=sys.stderr)
+                    has = f"{len(seq)} subwords" if lengths[i] <= MAX_LINE_CHARS else \
+                        f"over {MAX_LINE_CHARS:,} characters (only those are read)"
+                    print(f"warning: input line {self.lines_seen + i + 1} has {has}; truncated to the first {limit} "
+                          f"subwords (model.max_positions - 2){more}", file=sys.stderr)
         self.lines_seen += len(lines)
         return ids
 

@@ -14,12 +14,15 @@ from typing import Iterator, Optional, Sequence, TextIO
 from tqdm import tqdm
 
 from transformer.errors import UserError
-from transformer.translate import Translator
+from transformer.translate import MAX_LINE_CHARS, Translator
 
 # An --input file is translated and written this many lines at a time: a stop keeps what was done, and each
 # chunk is still large enough for length batching to leave little padding.
 CHUNK_LINES = 10_000
 PARTIAL_SUFFIX = ".partial"
+# What is kept of one line of stdin: enough UTF-8 for MAX_LINE_CHARS characters and one more, so that a line cut
+# here is still longer than Translator.encode reads, and is named in its warning.
+LINE_BYTES = 4 * (MAX_LINE_CHARS + 1)
 
 
 def stdin_chunks(stream: Optional[TextIO] = None, fallback_lines: int = 512) -> Iterator[list[str]]:
@@ -43,21 +46,29 @@ def stdin_chunks(stream: Optional[TextIO] = None, fallback_lines: int = 512) -> 
     yield from _fd_chunks(fd)
 
 
-def _fd_chunks(fd: int) -> Iterator[list[str]]:
+def _fd_chunks(fd: int, line_bytes: int = LINE_BYTES) -> Iterator[list[str]]:
     # os.read returns what is available now (blocking only while nothing is), unlike a buffered readline loop.
     # The unfinished line is kept in pieces and only the new data is searched for a newline: joining and
-    # splitting it again on every read took quadratic time on a long line (20 MB: 4.6 s).
+    # splitting it again on every read took quadratic time on a long line (20 MB: 4.6 s). Of a line, only its
+    # first line_bytes are kept: the rest is read and dropped, so a line of any length costs bounded memory.
     pending: list[bytes] = []
+    kept = 0  # bytes of the unfinished line in `pending`, at most line_bytes
     while True:
         data = os.read(fd, 1 << 16)
         if not data:
             break
         cut = data.rfind(b"\n")
         if cut < 0:
-            pending.append(data)
+            if kept < line_bytes:
+                pending.append(data[:line_bytes - kept])
+                kept += len(pending[-1])
             continue
-        complete = b"".join([*pending, data[:cut]]).split(b"\n")
-        pending = [data[cut + 1:]]
+        first = data.find(b"\n")
+        complete = [b"".join(pending) + data[:first][:line_bytes - kept]]  # the line that was pending ends here
+        if cut > first:  # lines wholly inside this read
+            complete += [line[:line_bytes] for line in data[first + 1:cut].split(b"\n")]
+        pending = [data[cut + 1:][:line_bytes]]
+        kept = len(pending[0])
         yield [_decode_line(raw) for raw in complete]
     rest = b"".join(pending)
     if rest:
@@ -100,13 +111,46 @@ def in_place(path: str) -> bool:
     return False
 
 
+def partial_path(output: str) -> Path:
+    """FILE.partial, beside the file that --output names (a link followed)."""
+    final = Path(os.path.realpath(output))
+    return final.with_name(final.name + PARTIAL_SUFFIX)
+
+
+def check_partial(output: str, input: Optional[str] = None) -> Path:
+    """FILE.partial, refused in one line when something is there already: the input itself (`--input X.partial
+    --output X` would truncate it, then rename it over X), a user's own file of that name, or the lines a stopped
+    translation kept. It is created new (O_EXCL) and only that file is renamed or removed, so nothing that was
+    there before is ever written over."""
+    partial = partial_path(output)
+    if input is not None and os.path.lexists(partial) and Path(input).exists() and os.path.samefile(partial, input):
+        raise UserError(f"translate: --input {input} is {partial}, where --output {output} is written as lines are "
+                        "translated; rename the input, or write to another file")
+    if os.path.lexists(partial):
+        raise _partial_exists(partial, output)
+    return partial
+
+
+def _partial_exists(partial: Path, output: str) -> UserError:
+    return UserError(f"translate: {partial} exists (what a stopped translation kept, or a file of yours); it is "
+                     f"never written over: move it away or delete it, then translate into {output} again")
+
+
+def _create(partial: Path, output: str) -> TextIO:
+    """FILE.partial, new, for writing text: never a file that is there already, nor a link's target."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(partial, flags, 0o666)
+    except FileExistsError:  # it appeared since check_partial
+        raise _partial_exists(partial, output) from None
+    return os.fdopen(fd, "w", encoding="utf-8")
+
+
 @contextlib.contextmanager
 def output_lines(output: Optional[str]) -> Iterator[TextIO]:
-    """Where translations go: stdout; in place, appended (in_place); else FILE.partial, renamed over FILE (its
-    permissions kept, a link followed) when the block ends. On an error or Ctrl-C, FILE is unchanged and
-    FILE.partial keeps the lines translated so far."""
-    from transformer.atomic import check_output_path
-
+    """Where translations go: stdout; in place, appended (in_place); else FILE.partial, created new (check_partial)
+    and renamed over FILE (its permissions kept, a link followed) when the block ends. On an error or Ctrl-C,
+    FILE is unchanged and FILE.partial keeps the lines translated so far."""
     if output is None:
         yield sys.stdout
         return
@@ -115,9 +159,9 @@ def output_lines(output: Optional[str]) -> Iterator[TextIO]:
             yield f
         return
     final = Path(os.path.realpath(output))
-    partial = check_output_path(final.with_name(final.name + PARTIAL_SUFFIX), command="translate")
+    partial = check_partial(output)
     final.parent.mkdir(parents=True, exist_ok=True)
-    with open(partial, "w", encoding="utf-8") as f, _terminate_as_exit():
+    with _create(partial, output) as f, _terminate_as_exit():
         try:
             yield f
             f.flush()
@@ -125,8 +169,8 @@ def output_lines(output: Optional[str]) -> Iterator[TextIO]:
         except BaseException:
             f.close()
             if partial.stat().st_size:
-                print(f"translate: stopped; {output} is unchanged, and what was translated is in {partial}",
-                      file=sys.stderr)
+                print(f"translate: stopped; {output} is unchanged, and what was translated is in {partial} (move it "
+                      "away before translating into the same file again)", file=sys.stderr)
             else:
                 partial.unlink()
             raise
@@ -180,6 +224,8 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
         raise UserError("translate: standard input is closed; give sentences as arguments or --input FILE")
     if output:  # before anything is opened: never truncate an input or a checkpoint
         check_output_path(output, [input, checkpoint], command="translate")
+        if not in_place(output):
+            check_partial(output, input)
     # Read once (a pipe cannot be read again), before the model loads and before the output is opened.
     lines = list(sentences) if sentences else read_lines(input) if input else None
     translator = Translator(checkpoint, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine,

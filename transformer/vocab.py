@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import os
 import random
@@ -121,6 +122,11 @@ def train_vocab(
     of them (0: all) drawn with `seed`."""
     model = io.BytesIO()
     sentences = (s for s in sentences if s.strip())
+    first = next(sentences, None)
+    if first is None:  # SentencePiece would fail with an INTERNAL error that names nothing
+        raise UserError("vocab: every training sentence is blank (or only spaces): there is no text to train a "
+                        "SentencePiece model on; check the training split's files (data.dir, data.train_split)")
+    sentences = itertools.chain([first], sentences)
     if max_sentences:
         # Sampled here: SentencePiece's own sample (input_sentence_size) differs from one process to the next
         # whatever set_random_generator_seed says (0.2.3), so one config gave another vocabulary each run.
