@@ -195,8 +195,11 @@ def test_a_lone_surrogate_in_the_json_translates_as_the_replacement_character(cl
 
 # ----------------------------------------------------------------------------- refusals
 
-def chunked():
-    yield b'{"text": ["ein hund"]}'
+def chunked(size: int):
+    """A body sent with Transfer-Encoding: chunked (no Content-Length), 64 KiB at a time."""
+    body = b'{"text": ["' + b"x" * size + b'"]}'
+    for i in range(0, len(body), 65536):
+        yield body[i:i + 65536]
 
 
 BAD = [
@@ -216,7 +219,7 @@ BAD = [
     ("post", "/translate", {"json": {"text": ["ein"] * 9}}, 413, "9 sentences"),
     ("post", "/translate", {"json": {"text": ["ein hund " * 30, "zwei " * 40]}}, 413, "characters"),
     ("post", "/translate", {"json": {"text": ["x" * 80_000]}}, 413, "bytes"),
-    ("post", "/translate", {"content": chunked(), "headers": {"content-type": "application/json"}}, 411, "Content-Length"),
+    ("post", "/translate", {"content": chunked(200_000), "headers": {"content-type": "application/json"}}, 413, "bytes"),
     ("post", "/attention", {"json": {"text": ""}}, 422, "empty"),
     ("post", "/attention", {"json": {"text": "   "}}, 422, "empty"),
     ("post", "/attention", {"json": {"text": " ".join(WORDS)}}, 422, "pieces long"),
