@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import subprocess_env
-from tests.test_serve import SENTENCES, SETTINGS, post, run, run_cli, synthetic  # noqa: F401 (run: a fixture)
+from tests.test_serve import SENTENCES, run_cli, synthetic, tiny_run
 from transformer.translate import Translator
 
 pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")
@@ -32,6 +32,11 @@ from transformer.serve import ServeSettings, Service, create_app, listen, make_s
 
 FAST = dict(batch_window_ms=2, max_sentences=8, max_chars=400, max_beam=5, max_pending=16, max_position_values=4096,
             read_timeout_s=0.6, keep_alive_s=0.6, drain_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return tiny_run(tmp_path_factory.mktemp("serve") / "run")
 
 
 def settings(**changes) -> ServeSettings:
@@ -179,6 +184,38 @@ def test_slow_and_idle_connections_are_closed(run):
     assert status_of(results["no_body"][0]) == 408 and "body did not arrive" in json_of(results["no_body"][0])["error"]
     assert status_of(results["idle"][0]) == 200 and results["idle"][0].count(b"HTTP/1.1") == 1
     assert results["next_half"][0].count(b"HTTP/1.1 200") == 1 and b"HTTP/1.1 408" in results["next_half"][0]
+
+
+def test_a_request_head_past_16_kib_is_refused(run):
+    """h11 bounds a head that is still arriving (400); one that arrives whole is counted by the guard (431)."""
+    big = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"y" * 20_000
+    with real_server(run) as (port, _):
+        whole, arriving = connect(port), connect(port)
+        whole.sendall(big + b"\r\n\r\n")
+        arriving.sendall(big)
+        answers = [read_until_closed(s, 10) for s in (whole, arriving)]
+        for s in (whole, arriving):
+            s.close()
+    assert status_of(answers[0][0]) == 431 and "larger than 16384 bytes" in json_of(answers[0][0])["error"]
+    assert status_of(answers[1][0]) == 400
+    assert answers[0][1] and answers[1][1]
+
+
+def test_a_client_that_takes_none_of_its_answer_is_dropped(run):
+    """A client that asks for a large answer and never reads it held the answer in memory for as long as it
+    liked; now it must take some of it every --read-timeout seconds."""
+    with real_server(run, read_timeout_s=0.6, max_position_values=2_000_000) as (port, _):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(request_bytes("GET", "/positions?d_model=512&length=3900"))
+        time.sleep(3)
+        data, closed = read_until_closed(sock, 20)
+        sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    assert status_of(data) == 200 and length > 10_000_000
+    assert closed and len(body) < length  # cut off, not kept waiting for the client
 
 
 def test_connections_past_the_cap_get_503_and_the_server_recovers(run):

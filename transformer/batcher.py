@@ -4,6 +4,9 @@ search, and the page's requests (attention, beam traces, positional tables) take
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +35,25 @@ class _Inspection:
     done: asyncio.Future
 
 
+def _malloc_trim():
+    """glibc's malloc_trim(0), or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give the pages malloc holds free back to the system. Searches of ever new batch shapes leave each
+    allocator arena at its high-water mark, so a server's resident memory climbed with every peak and never came
+    down; after a trim it is what is in use."""
+    if _TRIM is not None and os.environ.get("TRANSFORMER_NO_TRIM") != "1":
+        _TRIM(0)
+
+
 def _waiting(jobs):
     """The jobs whose request still waits: a cancelled future is a client that went away."""
     return [job for job in jobs if not job.done.done()]
@@ -54,6 +76,7 @@ class Batcher:
         self.running: list[asyncio.Future] = []  # the futures of what the worker computes now
         self.arrived = asyncio.Event()
         self.stats = {"requests": 0, "sentences": 0, "batches": 0, "largest_batch": 0}
+        self.trimmed = 0.0  # when freed memory was last given back (release_freed_memory)
 
     def pending_sentences(self) -> int:
         """What waits for the model: sentences to translate, and inspections (one each)."""
@@ -95,6 +118,9 @@ class Batcher:
             self.pending = _waiting(self.pending)
             while self.inspections and self.inspections[0].done.done():
                 self.inspections.popleft()
+            if time.monotonic() - self.trimmed > 1.0:  # between jobs, at most once a second, on the worker
+                self.trimmed = time.monotonic()
+                self.worker.submit(release_freed_memory)
             if self.pending or self.inspections:
                 return
             self.arrived.clear()

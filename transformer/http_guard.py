@@ -28,12 +28,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 # Connections the kernel may queue before they are accepted; also the most asyncio accepts in one go, so the
 # open-file budget keeps room for them on top of --max-connections.
 BACKLOG = 256
+MAX_HEAD = 16 * 1024  # bytes of a request's line and headers; h11 buffers at most this much of an unfinished one
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 # Every response: no sniffing, and the page may load only what this server serves (no CDN, no inline code).
 HEADERS = {"X-Content-Type-Options": "nosniff",
            "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"}
-_PHRASES = {400: "Bad Request", 408: "Request Timeout", 413: "Content Too Large", 415: "Unsupported Media Type",
-            421: "Misdirected Request", 503: "Service Unavailable"}
+_PHRASES = {408: "Request Timeout", 503: "Service Unavailable"}
 
 
 def error_json(message: str) -> bytes:
@@ -51,16 +51,18 @@ def raw_error(status: int, message: str) -> bytes:
 # ----------------------------------------------------------------------------- connections
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, plus a cap on open connections (past it, a new one gets 503 and is closed) and a
-    deadline for each request's head: from the connection's opening, or the first byte after an answer, the
-    request line and headers must arrive within read_timeout seconds (a fixed deadline, so that a byte now and
-    then does not keep a connection). uvicorn closes idle kept-alive connections (config.timeout_keep_alive);
-    RequestGuard times the body."""
+    """uvicorn's h11 protocol, plus a cap on open connections (past it, a new one gets 503 and is closed), a
+    deadline for each request's head (from the connection's opening, or the first byte after an answer, the
+    request line and headers must arrive within read_timeout seconds: a fixed deadline, so that a byte now and
+    then does not keep a connection), and one for answers: a client that takes none of an answer for
+    read_timeout seconds is dropped (the answer would otherwise sit in memory for as long as it likes).
+    uvicorn closes idle kept-alive connections (config.timeout_keep_alive); RequestGuard times the body."""
 
     def __init__(self, *args, max_connections: int, read_timeout: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_connections, self.read_timeout = max_connections, read_timeout
         self.head_timer: Optional[asyncio.TimerHandle] = None
+        self.send_timer: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport) -> None:
         if len(self.connections) >= self.max_connections:
@@ -82,7 +84,34 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._stop_head_timer()
+        self._stop_send_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The client takes the answer slower than it comes: from now on it must take some of it every
+        read_timeout seconds, or the connection is dropped."""
+        super().pause_writing()
+        if self.send_timer is None:
+            self.unsent = self.transport.get_write_buffer_size()
+            self.send_timer = self.loop.call_later(self.read_timeout, self._check_sending)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_send_timer()
+
+    def _check_sending(self) -> None:
+        left = self.transport.get_write_buffer_size()
+        if left < self.unsent:
+            self.unsent = left
+            self.send_timer = self.loop.call_later(self.read_timeout, self._check_sending)
+        else:
+            self.send_timer = None
+            self.transport.abort()
+
+    def _stop_send_timer(self) -> None:
+        if self.send_timer is not None:
+            self.send_timer.cancel()
+            self.send_timer = None
 
     def _time_head(self) -> None:
         """The head's deadline runs while no request is being answered and uvicorn's keep-alive timer does
@@ -212,8 +241,9 @@ class _Refused(Exception):
 
 
 class RequestGuard:
-    """ASGI middleware before the API: refuses requests while the server stops (503) and those for another Host
-    (421: a page elsewhere cannot read the API through DNS rebinding), checks a POST's Content-Type (415), then
+    """ASGI middleware before the API: refuses requests while the server stops (503), heads past MAX_HEAD (431)
+    and requests for another Host (421: a page elsewhere cannot read the API through DNS rebinding), checks a
+    POST's Content-Type (415), then
     reads the whole body itself, counting its bytes as they arrive whatever Content-Length says or whether it is
     chunked (413 past max_body_bytes) within read_timeout seconds (408), and hands the app the body as one
     message. A refusal before the body is read closes the connection. Every response gets HEADERS."""
@@ -254,6 +284,10 @@ class RequestGuard:
     def _check(self, scope) -> None:
         if self.drain.draining:
             raise _Refused(503, "the server is shutting down")
+        head = len(scope.get("raw_path", b"")) + len(scope["query_string"]) + sum(len(n) + len(v) + 4
+                                                                                 for n, v in scope["headers"])
+        if head > MAX_HEAD:  # h11 bounds only a head still arriving; one that came in one piece is counted here
+            raise _Refused(431, f"the request's line and headers are larger than {MAX_HEAD} bytes")
         headers = {}
         for name, value in scope["headers"]:
             headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))

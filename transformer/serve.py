@@ -1,8 +1,8 @@
 """`transformer serve`: a JSON API over one checkpoint (translate, attention, beam-search trace, positional
-encoding, info), concurrent requests batched onto one model worker, and the look-inside page in static/."""
+encoding, info), concurrent requests batched onto one model worker, what each request may make it compute, and
+the look-inside page in static/. What a connection may cost below the API is http_guard.py's."""
 
 import asyncio
-import functools
 import ipaddress
 import json
 import queue
@@ -31,8 +31,8 @@ from transformer.batch import prepare_sources, source_limit
 from transformer.batcher import Batcher
 from transformer.checkpoint import resolve_checkpoint
 from transformer.errors import UserError, first_line, is_out_of_memory
-from transformer.http_guard import (BACKLOG, Drain, DrainingServer, RequestGuard, allowed_hosts, open_file_budget,
-                                    protocol_class)
+from transformer.http_guard import (BACKLOG, MAX_HEAD, Drain, DrainingServer, RequestGuard, allowed_hosts,
+                                    open_file_budget, protocol_class)
 from transformer.model import PositionalEncoding
 from transformer.search import TraceStep, search
 from transformer.translate import Translator
@@ -484,12 +484,12 @@ def listen(host: str, port: int) -> socket.socket:
 def make_server(app: FastAPI, settings: ServeSettings, drain: Drain, max_connections: Optional[int] = None,
                 ready: str = "") -> DrainingServer:
     """uvicorn with serve's limits: its h11 protocol with a connection cap and a deadline for each request's
-    head (http_guard.py), idle connections closed after keep_alive_s, headers up to 16 KiB (400 above),
-    no WebSocket, and a drained stop."""
+    head (http_guard.py), idle connections closed after keep_alive_s, an unfinished head buffered up to
+    MAX_HEAD bytes (400 past it; RequestGuard counts a finished one), no WebSocket, and a drained stop."""
     config = uvicorn.Config(
         app, log_level="warning", lifespan="on", ws="none", backlog=BACKLOG,
         http=protocol_class(max_connections or settings.max_connections, settings.read_timeout_s),
-        timeout_keep_alive=settings.keep_alive_s, h11_max_incomplete_event_size=16 * 1024,
+        timeout_keep_alive=settings.keep_alive_s, h11_max_incomplete_event_size=MAX_HEAD,
         # Past the drain, uvicorn cancels what is left; the drain itself has answered it 503 by then.
         timeout_graceful_shutdown=settings.drain_s + 2)
     return DrainingServer(config, drain, ready)
