@@ -76,7 +76,7 @@ class Batcher:
         self.running: list[asyncio.Future] = []  # the futures of what the worker computes now
         self.arrived = asyncio.Event()
         self.stats = {"requests": 0, "sentences": 0, "batches": 0, "largest_batch": 0}
-        self.trimmed = 0.0  # when freed memory was last given back (release_freed_memory)
+        self.trimmed, self.used = 0.0, False  # when freed memory was last given back; whether work ran since
 
     def pending_sentences(self) -> int:
         """What waits for the model: sentences to translate, and inspections (one each)."""
@@ -118,16 +118,17 @@ class Batcher:
             self.pending = _waiting(self.pending)
             while self.inspections and self.inspections[0].done.done():
                 self.inspections.popleft()
-            if time.monotonic() - self.trimmed > 1.0:  # between jobs, at most once a second, on the worker
-                self.trimmed = time.monotonic()
-                self.worker.submit(release_freed_memory)
-            if self.pending or self.inspections:
+            busy = bool(self.pending or self.inspections)
+            if self.used and (not busy or time.monotonic() - self.trimmed > 1.0):  # idle, or once a second
+                self.used, self.trimmed = False, time.monotonic()
+                self.worker.submit(release_freed_memory)  # on the worker, before its next job
+            if busy:
                 return
             self.arrived.clear()
             await self.arrived.wait()
 
     async def _on_worker(self, futures: list[asyncio.Future], fn, *args):
-        self.running = futures
+        self.running, self.used = futures, True
         try:
             return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
         finally:
