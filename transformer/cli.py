@@ -241,8 +241,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-connections", type=int, default=512, metavar="N",
                    help="open connections; a new one past it gets 503 and is closed (default 512)")
     p.add_argument("--read-timeout", type=float, default=10.0, metavar="S",
-                   help="seconds for a request's line and headers to arrive, and as many again for its body; "
-                        "408 and closed after (default 10)")
+                   help="seconds for a request's line and headers to arrive, and as many again for its body "
+                        "(408 and closed after); a client that takes none of an answer for as long is dropped "
+                        "(default 10)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                    help="an idle connection between requests is closed after this many seconds (default 5)")
     p.add_argument("--drain-timeout", type=float, default=10.0, metavar="S",
