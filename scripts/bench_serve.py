@@ -202,8 +202,11 @@ def soak(args, sentences: list[str]) -> dict:
 
     def client(seed: int) -> None:
         rng = random.Random(seed)
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn, used = http.client.HTTPConnection("127.0.0.1", port, timeout=120), time.monotonic()
         while time.monotonic() < deadline:
+            if time.monotonic() - used > 4:  # the server has closed it (serve --keep-alive-timeout 5): a new one
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             if rng.random() < 0.05:
                 kind = rng.choice(["hang up", "chunked", "host", "half"])
                 try:
@@ -219,6 +222,7 @@ def soak(args, sentences: list[str]) -> dict:
                     what = f"{path.split('?')[0]} {type(e).__name__}"
                     conn.close()
                     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                used = time.monotonic()
             with lock:
                 outcomes[what] += 1
         conn.close()
