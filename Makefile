@@ -14,7 +14,7 @@ ARGS        ?=
 # a module's tests stay in one process (its fixtures are built once). TEST_JOBS=0 runs them in this process.
 TEST_JOBS   ?= auto
 
-.PHONY: install data train test clean
+.PHONY: install data train test browser clean
 
 install: $(VENV)/.installed
 
@@ -42,8 +42,26 @@ data/multi30k/train.de:
 train: install data
 	$(PY) -m transformer train $(CONFIG) --resume $(ARGS)
 
-test: install
-	TRANSFORMER_DATA="$(abspath $(DATA_MIRROR))" $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope tests
+# -rs: a skipped test prints its reason (the page's browser test says why it could not run).
+test: install browser
+	TRANSFORMER_DATA="$(abspath $(DATA_MIRROR))" $(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist loadscope tests
+
+# The page's real-browser test (tests/test_serve.py) needs Chromium and its driver: Debian's packages, installed
+# once where apt-get is available (as root, or through sudo without a password); elsewhere the test is skipped.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif ! command -v apt-get >/dev/null; then \
+		echo "no chromium or chromedriver, and no apt-get to install them: the page's browser test will be skipped"; \
+	elif [ -n "$(SUDO)" ] && ! sudo -n true 2>/dev/null; then \
+		echo "no chromium or chromedriver; installing them needs root: sudo apt-get install chromium chromium-driver" \
+		     "(the page's browser test will be skipped)"; \
+	else \
+		echo "installing Debian's chromium and chromium-driver for the page's browser test (once)"; \
+		( $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
+			--no-install-recommends chromium chromium-driver >/dev/null ) \
+		|| echo "apt-get could not install chromium and chromium-driver: the page's browser test will be skipped"; \
+	fi
 
 clean:
 	rm -rf $(VENV) data build *.egg-info .pytest_cache

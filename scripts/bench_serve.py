@@ -4,6 +4,8 @@
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] [--clients 8] [--requests 400] \
         [--time-limit 60] [--sentences 1] [--beam 4] [--windows 5 0] [--engines ours ctranslate2] [--stop early] \
         [--device cpu] [--json bench_serve.json]
+    python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] --soak [--minutes 10] [--every 60] \
+        [--clients 8] [--json soak.json]
 
 TEST_SET defaults to $TRANSFORMER_DATA/multi30k/test.de (else data/multi30k/test.de): Multi30k test sentences,
 sent in file order (cycling), --sentences per request. For each --engines value (what runs /translate: serve
@@ -13,6 +15,14 @@ load (2 requests per client), and loaded by --clients threads that each send one
 seconds have passed. Reports requests/s, sentences/s, p50/p99 latency, the mean sentences per batched search,
 errors (warm-up included; must be 0: the script exits 1 otherwise) and the server's RSS before and after the
 load (after the warm-up; it should stay flat).
+
+--soak: one server (the first --engines and --windows value) under --clients clients for --minutes, each
+sending a mix of requests one at a time: /translate of 1 to 64 sentences at beams 1 to 8 (n-best up to 3),
+/attention, /beam traces and /positions tables of random sizes, and some that a hostile client sends (one that
+hangs up before its answer, a chunked body past the size limit, another Host name, a connection that sends half a
+request and waits). Reports the server's RSS every --every seconds (a table and, with --json, the list), the
+requests answered, refused as they should be (4xx) and errors (5xx other than 503, dropped connections: must be
+0, else it exits 1).
 """
 
 from __future__ import annotations
@@ -22,10 +32,13 @@ import http.client
 import json
 import os
 import platform
+import random
+import socket
 import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -34,10 +47,10 @@ from transformer.device import cpu_description
 from transformer.serve import spawn
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process (Linux /proc), in MiB."""
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory of a process (Linux /proc), in MiB; field="VmHWM": its peak so far."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -125,6 +138,133 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
             "batches": batches, "sentences_per_batch": searched / max(1, batches)}
 
 
+def hostile(kind: str, port: int, sentence: str) -> str:
+    """One request as a hostile client sends it -> what came of it ("hung up", or the status line's code)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        if kind == "hang up":  # sends a request and leaves before the answer
+            body = json.dumps({"text": [sentence], "beam": 4}).encode()
+            sock.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            return "hung up"
+        if kind == "chunked":  # a chunked body past the size limit
+            sock.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            chunk = b"x" * 65536
+            try:
+                for _ in range(64):
+                    sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            except OSError:
+                pass
+        elif kind == "host":  # a page elsewhere, through DNS rebinding
+            sock.sendall(b"GET /info HTTP/1.1\r\nHost: rebound.example\r\nConnection: close\r\n\r\n")
+        elif kind == "half":  # half a request line, then nothing until the server gives up
+            sock.sendall(b"POST /translate HTTP/1.1\r\nHo")
+        data = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        return data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/1.1 ") else "closed"
+    finally:
+        sock.close()
+
+
+def mixed_request(rng: random.Random, sentences: list[str]) -> tuple[str, str, dict | None]:
+    """(method, path, body) of one ordinary request of the soak's mix."""
+    r = rng.random()
+    if r < 0.6:
+        beam = rng.choice([1, 2, 4, 8])
+        count = rng.choice([1, 1, 2, 4, 8, 16, 64])
+        return "POST", "/translate", {"text": rng.sample(sentences, min(count, len(sentences))), "beam": beam,
+                                      "nbest": rng.randint(1, min(beam, 3))}
+    if r < 0.75:
+        return "POST", "/attention", {"text": " ".join(rng.sample(sentences, rng.randint(1, 2))), "beam": rng.choice([1, 4])}
+    if r < 0.9:
+        return "POST", "/beam", {"text": rng.choice(sentences), "beam": rng.choice([2, 4, 8]), "nbest": 1}
+    d_model = 2 * rng.randint(1, 256)
+    return "GET", f"/positions?d_model={d_model}&length={rng.randint(1, 262_144 // d_model)}", None
+
+
+def soak(args, sentences: list[str]) -> dict:
+    """--clients clients sending the mix for --minutes; the server's RSS every --every seconds."""
+    stop = ("--stop", args.stop) if args.stop else ()
+    server, url = spawn(args.checkpoint, "--device", args.device, "--engine", args.engines[0], *stop,
+                        "--batch-window-ms", str(args.windows[0]), "--read-timeout", "2")
+    port = urlsplit(url).port
+    outcomes: Counter = Counter()
+    lock = threading.Lock()
+    deadline = time.monotonic() + 60 * args.minutes
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        conn, used = http.client.HTTPConnection("127.0.0.1", port, timeout=120), time.monotonic()
+        while time.monotonic() < deadline:
+            if time.monotonic() - used > 4:  # the server has closed it (serve --keep-alive-timeout 5): a new one
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            if rng.random() < 0.05:
+                kind = rng.choice(["hang up", "chunked", "host", "half"])
+                try:
+                    what = f"{kind}: {hostile(kind, port, rng.choice(sentences))}"
+                except OSError as e:
+                    what = f"{kind}: {type(e).__name__}"
+            else:
+                method, path, body = mixed_request(rng, sentences)
+                try:
+                    status, _ = request(conn, method, path, body)
+                    what = f"{path.split('?')[0]} {status}"
+                except (OSError, http.client.HTTPException, ValueError) as e:
+                    what = f"{path.split('?')[0]} {type(e).__name__}"
+                    conn.close()
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                used = time.monotonic()
+            with lock:
+                outcomes[what] += 1
+        conn.close()
+
+    samples = [{"s": 0.0, "rss_mb": rss_mb(server.pid), "peak_mb": rss_mb(server.pid, "VmHWM"), "requests": 0}]
+    threads = [threading.Thread(target=client, args=(seed,)) for seed in range(args.clients)]
+    start = time.monotonic()
+    try:
+        for t in threads:
+            t.start()
+        while time.monotonic() < deadline:
+            time.sleep(max(0.0, min(args.every, deadline - time.monotonic())))
+            with lock:
+                done = sum(outcomes.values())
+            samples.append({"s": round(time.monotonic() - start, 1), "rss_mb": rss_mb(server.pid),
+                            "peak_mb": rss_mb(server.pid, "VmHWM"), "requests": done})
+        for t in threads:
+            t.join()
+        time.sleep(2)  # idle: what the server keeps once the load is over
+        samples.append({"s": round(time.monotonic() - start, 1), "rss_mb": rss_mb(server.pid),
+                        "peak_mb": rss_mb(server.pid, "VmHWM"), "requests": sum(outcomes.values()), "idle": True})
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    expected = ("hung up", " 413", " 421", " 408", "closed")
+    errors = {k: n for k, n in outcomes.items() if not (k.endswith(" 200") or any(k.endswith(e) for e in expected))}
+    return {"minutes": args.minutes, "clients": args.clients, "every_s": args.every, "samples": samples,
+            "outcomes": dict(sorted(outcomes.items())), "errors": sum(errors.values()), "error_kinds": errors,
+            "rss_first_mb": samples[0]["rss_mb"], "rss_max_mb": max(x["rss_mb"] for x in samples),
+            "rss_last_mb": samples[-1]["rss_mb"]}
+
+
+def print_soak(result: dict, args) -> None:
+    print(f"soak: {args.clients} clients, {args.minutes:g} min of mixed requests, {args.device}; server RSS in MiB")
+    print(f"{'time':>8} {'RSS':>8} {'peak':>8} {'requests':>9}")
+    for x in result["samples"]:
+        label = "idle" if x.get("idle") else f"{x['s'] / 60:.1f} min"
+        print(f"{label:>8} {x['rss_mb']:>8.1f} {x['peak_mb']:>8.1f} {x['requests']:>9}")
+    print("outcomes: " + ", ".join(f"{k} x{n}" for k, n in result["outcomes"].items()))
+    print(f"errors: {result['errors']}" + (f" {result['error_kinds']}" if result["errors"] else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="run directory or .pt file")
@@ -144,12 +284,28 @@ def main() -> None:
                          "CTranslate2 always stops like early")
     ap.add_argument("--device", default="cpu", help="where the server runs the model (default cpu)")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
+    ap.add_argument("--soak", action="store_true", help="memory over time under a mix of requests (see above)")
+    ap.add_argument("--minutes", type=float, default=10.0, help="--soak: how long (default 10)")
+    ap.add_argument("--every", type=float, default=60.0, help="--soak: seconds between RSS samples (default 60)")
     args = ap.parse_args()
     if min(args.clients, args.requests, args.sentences, args.beam) < 1 or args.time_limit <= 0:
         sys.exit("error: --clients, --requests, --sentences, --beam and --time-limit must be positive")
+    if args.minutes <= 0 or args.every <= 0:
+        sys.exit("error: --minutes and --every must be positive")
     sentences = [s for s in read_lines(args.test_set) if s.strip()]
     if not sentences:
         sys.exit(f"error: no sentences in {args.test_set}")
+    if args.soak:
+        result = soak(args, sentences)
+        print_soak(result, args)
+        if args.json:
+            report = {"checkpoint": str(args.checkpoint), "test_set": str(args.test_set), "device": args.device,
+                      "engine": args.engines[0], "window_ms": args.windows[0],
+                      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                  "python": platform.python_version(), "cpu": cpu_description()},
+                      "soak": result}
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        sys.exit(1 if result["errors"] else 0)
 
     results = [run_one(args, sentences, engine, window) for engine in args.engines for window in args.windows]
     print(f"{args.clients} clients, {args.sentences} sentence(s) per request, beam {args.beam}, "

@@ -71,3 +71,27 @@ def test_a_failed_search_while_a_client_has_gone_leaves_the_service_answering():
 
     later, alive = asyncio.run(scenario())
     assert later == [[(0.0, "3")]] and alive
+
+
+def test_freed_memory_is_given_back_when_the_worker_goes_idle(monkeypatch):
+    """Searches of ever new batch shapes left malloc's arenas at their high-water mark (the server's memory grew
+    with every peak); the batcher trims once it runs out of work, and not while nothing has run."""
+    import transformer.batcher as batcher_module
+
+    trims = []
+    monkeypatch.setattr(batcher_module, "release_freed_memory", lambda: trims.append(1))
+
+    async def scenario():
+        with ThreadPoolExecutor(1) as worker:
+            batcher = Batcher(StubTranslator(), worker, window_s=0.0)
+            runner = asyncio.create_task(batcher.run())
+            await asyncio.sleep(0.05)
+            idle_before = len(trims)
+            await batcher.translate([[1, 2]], 1, 1)
+            await batcher.inspect(lambda: None)
+            await asyncio.sleep(0.05)
+            runner.cancel()
+        return idle_before, len(trims)
+
+    idle_before, after = asyncio.run(scenario())
+    assert idle_before == 0 and after >= 1

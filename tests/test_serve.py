@@ -30,7 +30,7 @@ pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")
 pytest.importorskip("httpx", reason="FastAPI's test client needs httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from transformer.serve import ServeSettings, Service, create_app, listen  # noqa: E402
+from transformer.serve import ServeSettings, Service, create_app, listen, make_server  # noqa: E402
 
 WORDS = ("ein zwei drei hund katze mann frau kind spielt läuft auf der die das im park mit einem ball "
          "sitzt steht vor haus baum wasser rot blau grün").split()
@@ -54,8 +54,11 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
+    return tiny_run(tmp_path_factory.mktemp("serve") / "run")
+
+
+def tiny_run(run_dir: Path) -> Path:
     """A run directory with a random (peaky) model, a step and a validation row, as training leaves them."""
-    run_dir = tmp_path_factory.mktemp("serve") / "run"
     run_dir.mkdir()
     vocab = train_vocab(synthetic(random.Random(0), 300), vocab_size=80)
     cfg = from_dict({
@@ -195,8 +198,11 @@ def test_a_lone_surrogate_in_the_json_translates_as_the_replacement_character(cl
 
 # ----------------------------------------------------------------------------- refusals
 
-def chunked():
-    yield b'{"text": ["ein hund"]}'
+def chunked(size: int):
+    """A body sent with Transfer-Encoding: chunked (no Content-Length), 64 KiB at a time."""
+    body = b'{"text": ["' + b"x" * size + b'"]}'
+    for i in range(0, len(body), 65536):
+        yield body[i:i + 65536]
 
 
 BAD = [
@@ -216,7 +222,7 @@ BAD = [
     ("post", "/translate", {"json": {"text": ["ein"] * 9}}, 413, "9 sentences"),
     ("post", "/translate", {"json": {"text": ["ein hund " * 30, "zwei " * 40]}}, 413, "characters"),
     ("post", "/translate", {"json": {"text": ["x" * 80_000]}}, 413, "bytes"),
-    ("post", "/translate", {"content": chunked(), "headers": {"content-type": "application/json"}}, 411, "Content-Length"),
+    ("post", "/translate", {"content": chunked(200_000), "headers": {"content-type": "application/json"}}, 413, "bytes"),
     ("post", "/attention", {"json": {"text": ""}}, 422, "empty"),
     ("post", "/attention", {"json": {"text": "   "}}, 422, "empty"),
     ("post", "/attention", {"json": {"text": " ".join(WORDS)}}, 422, "pieces long"),
@@ -447,12 +453,10 @@ CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 @pytest.fixture
 def server(run):
-    """A real uvicorn on 127.0.0.1 and a free port, in a thread; -> its base URL."""
-    import uvicorn
-
+    """A real uvicorn on 127.0.0.1 and a free port, with serve's limits, in a thread; -> its base URL."""
     sock = listen("127.0.0.1", 0)
-    app = create_app(Service(run, SETTINGS, device="cpu", dtype="fp32"))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    service = Service(run, SETTINGS, device="cpu", dtype="fp32")
+    server = make_server(create_app(service, "127.0.0.1"), SETTINGS, service.drain)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -465,7 +469,9 @@ def server(run):
     sock.close()
 
 
-@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="no chromium and chromedriver installed")
+@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                    reason="no chromium and chromedriver: `make test` installs Debian's where apt-get can "
+                           "(or: apt-get install chromium chromium-driver)")
 def test_page_in_headless_chromium(server, tmp_path):
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.common.by import By
@@ -473,7 +479,9 @@ def test_page_in_headless_chromium(server, tmp_path):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    # No network beyond the server: without the background-networking flags Chromium's own connections are
+    # refused many at a time on a closed machine.
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
                  "--window-size=1280,900", f"--user-data-dir={tmp_path / 'profile'}"):
         options.add_argument(flag)
@@ -535,3 +543,21 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
         assert r["p50_ms"] <= r["p99_ms"] and r["rss_before_mb"] > 0 and r["rss_after_mb"] > 0
         assert r["batches"] >= 1 and r["sentences_per_batch"] >= 1
     assert "req/s" in result.stdout and "p99 ms" in result.stdout
+
+
+def test_bench_serve_soak_reports_rss_over_time(run, tmp_path):
+    """The soak at toy length: RSS samples, every kind of request answered or refused as it should be, no error;
+    no figure is asserted."""
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "test.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    out = tmp_path / "soak.json"
+    result = subprocess.run([sys.executable, "scripts/bench_serve.py", str(run), str(tmp_path / "test.de"), "--soak",
+                             "--minutes", "0.2", "--every", "4", "--clients", "3", "--json", str(out)],
+                            capture_output=True, text=True, cwd=root, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    soak = json.loads(out.read_text())["soak"]
+    assert soak["errors"] == 0 and len(soak["samples"]) >= 4 and soak["samples"][-1]["idle"]
+    assert all(x["rss_mb"] > 0 for x in soak["samples"]) and soak["samples"][-1]["requests"] > 10
+    assert any(k.startswith("/translate 200") for k in soak["outcomes"])
+    assert "RSS" in result.stdout and "errors: 0" in result.stdout

@@ -201,7 +201,10 @@ def _add_serve(sub) -> None:
                     "page that translates what you type and draws every attention head, the beam search step by\n"
                     "step and the positional encoding. Requests that arrive within --batch-window-ms are\n"
                     "translated in one batched search on one model worker. Binds to 127.0.0.1 unless --host\n"
-                    "says otherwise; there is no authentication, and no request can name a file.",
+                    "says otherwise, and answers only requests addressed to loopback names, its own address or\n"
+                    "--allow-host's; there is no authentication, and no request can name a file. What a\n"
+                    "request or connection may cost is bounded by the limits below; SIGTERM or Ctrl-C lets\n"
+                    "the requests in flight finish (--drain-timeout), answers the rest 503 and exits 0.",
     )
     p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
     p.add_argument("--host", default="127.0.0.1",
@@ -218,7 +221,8 @@ def _add_serve(sub) -> None:
                         "translate (default: decode.workers)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (default auto)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"), default="auto",
-                   help="number format, as for translate (default auto)")
+                   help="number format (default auto: fp32, so that each answer is what its request would get "
+                        "alone; in bf16 or int8 an answer may depend on the other requests batched with it)")
     p.add_argument("--engine", choices=("ours", "ctranslate2"), default="ours",
                    help="what runs /translate: ours (default) or ctranslate2, as for translate (pip install "
                         "'transformer[ctranslate2]'; on a CPU it answers sooner). The page's attention maps and "
@@ -232,7 +236,26 @@ def _add_serve(sub) -> None:
                    help="characters per request, all sentences together (default 10000)")
     p.add_argument("--max-beam", type=int, default=16, metavar="N", help="largest beam a request may ask for (default 16)")
     p.add_argument("--max-pending", type=int, default=1024, metavar="N",
-                   help="sentences that may wait for the model; more are refused with 503 (default 1024)")
+                   help="sentences that may wait for the model, an /attention, /beam or /positions request "
+                        "counting one; more are refused with 503 (default 1024)")
+    p.add_argument("--max-answer-values", type=int, default=2_000_000, metavar="N",
+                   help="attention weights an /attention answer, or pieces a /beam trace, may hold, counted from "
+                        "the longest translation the search may give before anything runs (413 above it; "
+                        "default 2000000, about 15 MB of JSON)")
+    p.add_argument("--max-connections", type=int, default=512, metavar="N",
+                   help="open connections; a new one past it gets 503 and is closed (default 512)")
+    p.add_argument("--read-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds for a request's line and headers to arrive, and as many again for its body "
+                        "(408 and closed after); a client that takes none of an answer for as long is dropped "
+                        "(default 10)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="an idle connection between requests is closed after this many seconds (default 5)")
+    p.add_argument("--drain-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, seconds the requests in flight may take; the rest get 503 (default 10)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a Host name to answer besides localhost, 127.0.0.1, [::1], --host and the address a client "
+                        "reached (repeat for more; '*' for any): others get 421, so that no page elsewhere reads "
+                        "the API through DNS rebinding")
     p.set_defaults(func=commands.cmd_serve)
 
 

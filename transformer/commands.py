@@ -153,7 +153,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise UserError(f"serve needs the 'serve' extra ({e.name} is not installed): "
                         "pip install 'transformer[serve]'") from None
     settings = ServeSettings(batch_window_ms=args.batch_window_ms, max_sentences=args.max_sentences,
-                             max_chars=args.max_chars, max_beam=args.max_beam, max_pending=args.max_pending)
+                             max_chars=args.max_chars, max_beam=args.max_beam, max_pending=args.max_pending,
+                             max_answer_values=args.max_answer_values, max_connections=args.max_connections,
+                             read_timeout_s=args.read_timeout, keep_alive_s=args.keep_alive_timeout,
+                             drain_s=args.drain_timeout, allow_hosts=tuple(args.allow_host))
     run_serve(args.checkpoint, args.host, args.port, settings, args.device, args.dtype, args.beam, args.lenpen,
               args.stop, args.max_tokens, args.workers, args.engine)
 

@@ -1,9 +1,10 @@
 """`transformer serve`: a JSON API over one checkpoint (translate, attention, beam-search trace, positional
-encoding, info), concurrent requests batched onto one model worker, and the look-inside page in static/."""
+encoding, info), concurrent requests batched onto one model worker, what each request may make it compute, and
+the look-inside page in static/. What a connection may cost below the API is http_guard.py's."""
 
 import asyncio
-import functools
 import ipaddress
+import json
 import queue
 import socket
 import subprocess
@@ -20,7 +21,7 @@ import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.exceptions import HTTPException
@@ -30,38 +31,51 @@ from transformer.batch import prepare_sources, source_limit
 from transformer.batcher import Batcher
 from transformer.checkpoint import resolve_checkpoint
 from transformer.errors import UserError, first_line, is_out_of_memory
+from transformer.http_guard import (BACKLOG, MAX_HEAD, Drain, DrainingServer, RequestGuard, allowed_hosts,
+                                    open_file_budget, protocol_class)
 from transformer.model import PositionalEncoding
 from transformer.search import TraceStep, search
 from transformer.translate import Translator
 from transformer.vocab import valid_text
 
 STATIC = Path(__file__).parent / "static"
-# Every response: no sniffing, and the page may load only what this server serves (no CDN, no inline code).
-HEADERS = {"X-Content-Type-Options": "nosniff",
-           "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"}
 
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """Batching and the limits on what one request may ask; each but max_position_values has a `serve` flag."""
+    """Batching, and what one request or connection may cost; each but max_position_values has a `serve` flag."""
 
     batch_window_ms: float = 5.0      # how long a waiting /translate request waits for others to join its batch
     max_sentences: int = 64           # sentences per /translate request
     max_chars: int = 10_000           # characters per request, all sentences together
     max_beam: int = 16
-    max_pending: int = 1024           # sentences waiting for the model; past that, 503 until the queue drains
+    max_pending: int = 1024           # requests' sentences waiting for the model (an inspection counts one)
     max_position_values: int = 262_144  # d_model x length of one /positions table (about 2 MB of JSON)
+    max_answer_values: int = 2_000_000  # attention weights in an /attention answer, pieces in a /beam trace
+    max_connections: int = 512        # open connections; past it a new one gets 503 and is closed
+    read_timeout_s: float = 10.0      # for a request's line and headers, and again for its body (408 after)
+    keep_alive_s: float = 5.0         # an idle connection between requests is closed after this
+    drain_s: float = 10.0             # on SIGTERM, how long requests in flight may take; the rest get 503
+    allow_hosts: tuple[str, ...] = ()  # Host names served besides loopback ones and --host; "*": any
 
     def __post_init__(self):
         if not 0 <= self.batch_window_ms <= 10_000:
             raise UserError(f"--batch-window-ms must be between 0 and 10000, got {self.batch_window_ms}")
-        for name in ("max_sentences", "max_chars", "max_beam", "max_pending"):
+        for name in ("max_sentences", "max_chars", "max_beam", "max_pending", "max_answer_values",
+                     "max_connections"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_position_values < 1:
             raise UserError(f"max_position_values must be at least 1, got {self.max_position_values}")
         if self.max_pending < self.max_sentences:
             raise UserError(f"--max-pending ({self.max_pending}) must be at least --max-sentences ({self.max_sentences})")
+        for flag, value in (("--read-timeout", self.read_timeout_s), ("--keep-alive-timeout", self.keep_alive_s),
+                            ("--drain-timeout", self.drain_s)):
+            if not 0 < value <= 3600:
+                raise UserError(f"{flag} must be more than 0 and at most 3600 seconds, got {value}")
+        for name in self.allow_hosts:
+            if not name.strip() or any(c in name for c in "/ @?#"):
+                raise UserError(f"--allow-host takes a host name such as example.org (or '*'), got {name!r}")
 
     @property
     def max_body_bytes(self) -> int:
@@ -127,20 +141,34 @@ class BeamBody(_TextBody):
 
 # ----------------------------------------------------------------------------- the service
 
+# What serve's dtypes mean for an answer (/info, serve --help and the README say the same).
+ALONE = ("a translation does not depend on the other requests batched with it (its score may differ from the "
+         "request's alone in the sixth digit: the order of a sum depends on the batch's shape)")
+SHARED = ("a translation may depend on the other requests batched with it: {dtype} rounds each batch's numbers "
+          "together (int8 quantizes activations with one scale per batch); serve --dtype fp32 for answers that do not")
+
+
+def serve_dtype(dtype: str) -> str:
+    """serve's "auto" is fp32, whatever translate's would be: a stranger's request in the same batch must not
+    change anyone's translation, and in bf16 or int8 it can (tests/test_serve_guard.py measures fp32's
+    independence)."""
+    return "fp32" if dtype == "auto" else dtype
+
+
 class Service:
-    """The checkpoint loaded once, its facts for /info, and the one thread that runs the model."""
+    """The checkpoint loaded once, its facts for /info, the one thread that runs the model, and the bounds on
+    what a request may make it compute."""
 
     def __init__(self, checkpoint: str | Path, settings: ServeSettings, device: str = "auto", dtype: str = "auto",
                  beam: Optional[int] = None, lenpen: Optional[float] = None, stop: Optional[str] = None,
                  max_tokens: Optional[int] = None, workers: Optional[int] = None, engine: str = "ours"):
         path = resolve_checkpoint(checkpoint)
         self.settings = settings
-        if beam is not None and beam > settings.max_beam:  # before the model loads
-            raise UserError(f"--beam ({beam}) is above --max-beam ({settings.max_beam})")
+        check_beam_setting(beam, settings)  # before the model loads
         # With CTranslate2, /translate runs on it; the page's attention maps and beam traces need our model's
         # internals, so the translator keeps that too.
-        self.translator = Translator(path, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, workers=workers,
-                                     engine=engine, keep_model=True)
+        self.translator = Translator(path, device, beam, lenpen, max_tokens, stop=stop, dtype=serve_dtype(dtype),
+                                     workers=workers, engine=engine, keep_model=True)
         if settings.max_beam < self.translator.beam:
             raise UserError(f"--max-beam ({settings.max_beam}) is below the checkpoint's decode.beam "
                             f"({self.translator.beam}); raise it, or serve with a smaller --beam")
@@ -148,9 +176,11 @@ class Service:
         self.model, self.vocab, self.cfg = self.translator.model, self.translator.vocab, self.translator.cfg
         self.max_beam = min(settings.max_beam, len(self.vocab))  # a request's beam; wider is beam_above_vocabulary
         self.model_device = next(self.model.parameters()).device  # the translator's, or the CPU beside CTranslate2
+        self.dtype_note = ALONE if self.translator.dtype == "fp32" else SHARED.format(dtype=self.translator.dtype)
         self.info = self._describe(path)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")  # searches never overlap
         self.batcher: Optional[Batcher] = None
+        self.drain = Drain(settings.drain_s)
 
     def _describe(self, path: Path) -> dict:
         m, d, run = self.cfg.model, self.translator, self.translator.run
@@ -164,7 +194,8 @@ class Service:
             "decode": {"engine": d.engine, "beam": d.beam, "lenpen": d.lenpen,
                        "stop": "early" if d.engine == "ctranslate2" else d.stop,
                        "max_len_offset": d.max_len_offset, "max_tokens": d.max_tokens, "workers": d.workers},
-            "device": str(d.device), "dtype": d.dtype, "limits": {**asdict(self.settings), "max_beam": self.max_beam},
+            "device": str(d.device), "dtype": d.dtype, "dtype_note": self.dtype_note,
+            "limits": {**asdict(self.settings), "max_beam": self.max_beam, "max_body_bytes": self.settings.max_body_bytes},
         }
 
     def check_beam(self, beam: Optional[int], nbest: int = 1) -> int:
@@ -182,6 +213,10 @@ class Service:
         if chars > self.settings.max_chars:
             raise ApiError(413, f"{chars} characters in one request; the limit is {self.settings.max_chars}")
 
+    def check_room(self, sentences: int) -> None:
+        if self.batcher.pending_sentences() + sentences > self.settings.max_pending:
+            raise ApiError(503, "too many requests are waiting for the model; try again shortly")
+
     def one_sentence(self, text: str) -> list[int]:
         self.check_size([text])
         ids = self.vocab.encode([text])[0] if text.strip() else []
@@ -192,12 +227,43 @@ class Service:
             raise ApiError(422, f"the sentence is {len(ids)} pieces long; this model accepts at most {limit}")
         return ids
 
-    async def run_model(self, fn, *args):
-        """fn(*args) on the model worker, after whatever it is doing now."""
+    def output_limit(self, ids: list[int]) -> int:
+        """The most tokens a search may write for this source (search.max_output_lengths)."""
+        return min(len(ids) + 1 + self.translator.max_len_offset, self.cfg.model.max_positions - 1)
+
+    def check_answer(self, values: int, what: str, fix: str) -> None:
+        """Refuse (413) before computing an answer that would hold more than --max-answer-values numbers."""
+        limit = self.settings.max_answer_values
+        if values > limit:
+            raise ApiError(413, f"this answer could hold {values:,} {what}; the limit is {limit:,} "
+                                f"(serve --max-answer-values): {fix}")
+
+    def check_attention(self, ids: list[int], target: Optional[str]) -> None:
+        """layers x heads x queries x keys of the three kinds, with the longest translation the search may give."""
+        m = self.cfg.model
+        s = len(ids) + 1  # with EOS
+        t = 1 + (self.output_limit(ids) if target is None else len(self.vocab.encode([target])[0]))  # with BOS
+        values = m.n_heads * (m.n_encoder_layers * s * s + m.n_decoder_layers * (t * t + t * s))
+        self.check_answer(values, "attention weights", "send a shorter sentence or target")
+
+    def check_trace(self, ids: list[int], beam: int) -> None:
+        """Each step shows at most `beam` hypotheses alive and `beam` finished, each as long as the step."""
+        steps = self.output_limit(ids) + 1
+        self.check_answer(beam * steps * (steps + 1), "pieces", "use a smaller beam or a shorter sentence")
+
+    async def inspect(self, request: Request, compute, *args) -> Response:
+        """compute(*args) -> JSON-ready answer, on the model worker in its turn (batcher.py), encoded there too:
+        the loop stays free for other clients; dropped unrun if the client goes away first."""
+        self.check_room(1)
+
+        def answer() -> bytes:
+            return _json(compute(*args))
+
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.worker, functools.partial(fn, *args))
+            body = await until_gone(request, self.batcher.inspect(answer))
         except Exception as e:
-            raise api_error(e, fn.__name__) from None
+            raise api_error(e, compute.__name__) from None
+        return Response(body, media_type="application/json")
 
     def attention(self, text: str, target: Optional[str], beam: int) -> dict:
         d = self.translator
@@ -227,6 +293,37 @@ class Service:
                 "steps": [{"alive": show(step.alive[0]), "finished": show(step.finished[0])} for step in trace]}
 
 
+def check_beam_setting(beam: Optional[int], settings: ServeSettings) -> None:
+    if beam is not None and beam > settings.max_beam:
+        raise UserError(f"--beam ({beam}) is above --max-beam ({settings.max_beam})")
+
+
+def _json(value) -> bytes:
+    """As FastAPI's JSONResponse encodes an answer."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+async def until_gone(request: Request, work):
+    """await `work`, unless the client hangs up first: then it is cancelled (a queued search or inspection is
+    dropped before it runs) and the request ends without an answer, for no one is there to read it."""
+    work = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_hung_up(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        raise ApiError(499, "the client closed the connection")
+    return work.result()
+
+
+async def _hung_up(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _validation_at(run_dir: Path, step: Optional[int]) -> dict:
     """The validation figures metrics.jsonl holds for `step` (loss, ppl, bleu...), when the run directory has them."""
     from transformer.runlog import read_metrics
@@ -239,58 +336,54 @@ def _validation_at(run_dir: Path, step: Optional[int]) -> dict:
     return {k: v for k, v in found[-1].items() if k in ("loss", "nll", "ppl", "bleu", "chrf")} if found else {}
 
 
-def positions_table(d_model: int, length: int, max_values: int) -> dict:
+def check_positions(d_model: int, length: int, max_values: int) -> None:
     if d_model < 2 or d_model % 2:
         raise ApiError(422, f"d_model must be a positive even number, got {d_model}")
     if length < 1:
         raise ApiError(422, f"length must be at least 1, got {length}")
     if d_model * length > max_values:
         raise ApiError(422, f"d_model x length is {d_model} x {length}; the limit is {max_values} values")
+
+
+def positions_table(d_model: int, length: int) -> dict:
     table = PositionalEncoding(d_model, length).table  # (length, d_model)
     return {"d_model": d_model, "length": length, "table": np.round(table.double().numpy(), 4).tolist()}
 
 
-def create_app(service: Service) -> FastAPI:
-    """The API and the page over one loaded Service. Run it with its lifespan (uvicorn, or `with TestClient`)."""
+def create_app(service: Service, listen_host: str = "") -> FastAPI:
+    """The API and the page over one loaded Service. Run it with its lifespan (uvicorn, or `with TestClient`).
+    It answers requests for loopback names, the address the client reached, `listen_host` (--host) and
+    settings.allow_hosts (http_guard.allowed_hosts)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.batcher = Batcher(service.translator, service.worker, service.settings.batch_window_ms / 1000)
+        stopping = ApiError(503, "the server is shutting down")
+        service.drain.on_over.append(lambda: service.batcher.fail_all(stopping))
         task = asyncio.create_task(service.batcher.run())
         try:
             yield
         finally:
             task.cancel()
-            service.batcher.fail_pending(ApiError(503, "the server is shutting down"))
+            service.batcher.fail_all(stopping)
 
+    settings = service.settings
     app = FastAPI(title="transformer serve", lifespan=lifespan, docs_url=None, redoc_url=None)  # docs need a CDN
-    _add_guards(app, service.settings)
+    _add_errors(app)
+    app.add_middleware(RequestGuard, hosts=allowed_hosts(listen_host, settings.allow_hosts),
+                       max_body_bytes=settings.max_body_bytes, read_timeout=settings.read_timeout_s,
+                       drain=service.drain)
     _add_routes(app, service)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=HEADERS)
+    return JSONResponse({"error": message}, status_code=status)
 
 
-def _add_guards(app: FastAPI, settings: ServeSettings) -> None:
-    """Size and type limits before a body is read, and every error as {"error": message}."""
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """Bodies past the size limit are refused before they are read; every response gets HEADERS."""
-        if request.method == "POST":
-            if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-                return _error(415, "send the body as JSON, with the header Content-Type: application/json")
-            length = request.headers.get("content-length")
-            if length is None:
-                return _error(411, "a POST needs a Content-Length header")
-            if not length.isdigit() or int(length) > settings.max_body_bytes:
-                return _error(413, f"the body is larger than {settings.max_body_bytes} bytes")
-        response = await call_next(request)
-        response.headers.update(HEADERS)
-        return response
+def _add_errors(app: FastAPI) -> None:
+    """Every error as {"error": message} (the size, type and host checks are http_guard.RequestGuard's)."""
 
     @app.exception_handler(ApiError)
     async def refused(request: Request, e: ApiError):
@@ -314,21 +407,20 @@ def _add_guards(app: FastAPI, settings: ServeSettings) -> None:
         return _error(500, f"internal error: {type(e).__name__}")
 
 
-
 def _add_routes(app: FastAPI, service: Service) -> None:
-    """The JSON API and the page."""
+    """The JSON API and the page. Whatever runs the model goes through the batcher, counted against
+    --max-pending and bounded before it starts; /health and /info answer from the loop at once."""
     settings = service.settings
 
     @app.post("/translate")
-    async def translate(body: TranslateBody) -> dict:
+    async def translate(body: TranslateBody, request: Request) -> dict:
         lines = [" ".join(line.splitlines()) for line in body.text]  # one sentence per item, as one input line
         service.check_size(lines)
         beam = service.check_beam(body.beam, body.nbest)
-        if service.batcher.pending_sentences() + len(lines) > settings.max_pending:
-            raise ApiError(503, "too many sentences are waiting; try again shortly")
+        service.check_room(len(lines))
         ids = service.translator.encode(lines, warn=False)  # once: the batcher sizes batches by it and searches it
         try:
-            found = await service.batcher.translate(ids, beam, body.nbest) if lines else []
+            found = await until_gone(request, service.batcher.translate(ids, beam, body.nbest)) if lines else []
         except Exception as e:
             raise api_error(e, "translate") from None
         limit = source_limit(service.cfg.model.max_positions)  # longer sources were translated from their start
@@ -340,23 +432,28 @@ def _add_routes(app: FastAPI, service: Service) -> None:
                                  for hyps, src in zip(found, ids)]}
 
     @app.post("/attention")
-    async def attention(body: AttentionBody) -> dict:
-        service.one_sentence(body.text)
+    async def attention(body: AttentionBody, request: Request) -> Response:
+        ids = service.one_sentence(body.text)
         if body.target is not None:
             service.check_size([body.text + body.target])
-        return await service.run_model(service.attention, body.text, body.target, service.check_beam(body.beam))
+        beam = service.check_beam(body.beam)
+        service.check_attention(ids, body.target)
+        return await service.inspect(request, service.attention, body.text, body.target, beam)
 
     @app.post("/beam")
-    async def beam_steps(body: BeamBody) -> dict:
+    async def beam_steps(body: BeamBody, request: Request) -> Response:
         ids = service.one_sentence(body.text)
-        return await service.run_model(service.beam_trace, ids, service.check_beam(body.beam, body.nbest), body.nbest)
+        beam = service.check_beam(body.beam, body.nbest)
+        service.check_trace(ids, beam)
+        return await service.inspect(request, service.beam_trace, ids, beam, body.nbest)
 
     @app.get("/positions")
-    async def positions(d_model: Optional[int] = None, length: Optional[int] = None) -> dict:
+    async def positions(request: Request, d_model: Optional[int] = None, length: Optional[int] = None) -> Response:
         model = service.cfg.model
-        return positions_table(model.d_model if d_model is None else d_model,
-                               min(model.max_positions, 100) if length is None else length,
-                               settings.max_position_values)
+        d_model = model.d_model if d_model is None else d_model
+        length = min(model.max_positions, 100) if length is None else length
+        check_positions(d_model, length, settings.max_position_values)
+        return await service.inspect(request, positions_table, d_model, length)
 
     @app.get("/health")
     async def health() -> dict:
@@ -378,43 +475,79 @@ def listen(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(2048)  # from now on connections wait in the backlog until uvicorn accepts them
+        sock.listen(BACKLOG)  # from now on connections wait in the backlog until uvicorn accepts them
     except OSError as e:
         raise UserError(f"serve: cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
+
+
+def make_server(app: FastAPI, settings: ServeSettings, drain: Drain, max_connections: Optional[int] = None,
+                ready: str = "") -> DrainingServer:
+    """uvicorn with serve's limits: its h11 protocol with a connection cap and a deadline for each request's
+    head (http_guard.py), idle connections closed after keep_alive_s, an unfinished head buffered up to
+    MAX_HEAD bytes (400 past it; RequestGuard counts a finished one), no WebSocket, and a drained stop."""
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", ws="none", backlog=BACKLOG,
+        http=protocol_class(max_connections or settings.max_connections, settings.read_timeout_s),
+        timeout_keep_alive=settings.keep_alive_s, h11_max_incomplete_event_size=MAX_HEAD,
+        # Past the drain, uvicorn cancels what is left; the drain itself has answered it 503 by then.
+        timeout_graceful_shutdown=settings.drain_s + 2)
+    return DrainingServer(config, drain, ready)
 
 
 def run_serve(checkpoint: str, host: str, port: int, settings: ServeSettings, device: str = "auto",
               dtype: str = "auto", beam: Optional[int] = None, lenpen: Optional[float] = None,
               stop: Optional[str] = None, max_tokens: Optional[int] = None, workers: Optional[int] = None,
               engine: str = "ours") -> None:
-    """The `serve` command: load the checkpoint, bind, and serve until interrupted."""
-    service = Service(checkpoint, settings, device, dtype, beam, lenpen, stop, max_tokens, workers, engine)
-    if service.translator.note:
-        print(service.translator.note, file=sys.stderr)
+    """The `serve` command: check what is quick to check, bind (a taken port is an error before the model
+    loads), load the checkpoint, and serve until SIGTERM or Ctrl-C, which drain (http_guard.DrainingServer)."""
+    resolve_checkpoint(checkpoint)
+    check_beam_setting(beam, settings)
+    if engine == "ctranslate2":
+        from transformer.export import require_ctranslate2
+
+        require_ctranslate2()
+    connections, note = open_file_budget(settings.max_connections)
     sock = listen(host, port)
+    try:
+        service = Service(checkpoint, settings, device, dtype, beam, lenpen, stop, max_tokens, workers, engine)
+    except BaseException:
+        sock.close()
+        raise
     bound_host, bound_port = sock.getsockname()[:2]
+    hosts = allowed_hosts(host, settings.allow_hosts)
+    print(f"dtype: {service.translator.dtype}: {service.dtype_note}", file=sys.stderr)
+    for line in (service.translator.note, note):
+        if line:
+            print(line, file=sys.stderr)
     if not ipaddress.ip_address(bound_host).is_loopback:
         print(f"warning: listening on {bound_host}, not only this machine: anyone who can reach it may use the "
               "service (there is no authentication)", file=sys.stderr)
+        if hosts is not None and ipaddress.ip_address(bound_host).is_unspecified:
+            print(f"note: requests must name this machine by its address or as {', '.join(sorted(hosts))}; "
+                  "allow its host names with --allow-host NAME (or any with --allow-host '*')", file=sys.stderr)
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     step = f" (step {service.info['step']})" if service.info["step"] is not None else ""
-    print(f"serving {service.info['checkpoint']}{step} at http://{shown}:{bound_port}/", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(service), log_level="warning", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    ready = f"serving {service.info['checkpoint']}{step} at http://{shown}:{bound_port}/"  # spawn() waits for it
+    make_server(create_app(service, host), settings, service.drain, connections, ready).run(sockets=[sock])
+    service.worker.shutdown(wait=False, cancel_futures=True)  # the exit waits for a search in progress only
 
 
-def spawn(checkpoint: str | Path, *flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+def spawn(checkpoint: str | Path, *flags: str, timeout: float = 120.0, env: Optional[dict] = None,
+          preexec_fn=None, log: Optional[list] = None) -> tuple[subprocess.Popen, str]:
     """`transformer serve CHECKPOINT --port 0 FLAGS...` in a subprocess on 127.0.0.1 -> (the process, its base URL),
-    once it listens; for scripts that drive a real server. The caller stops it (terminate, then wait)."""
+    once it listens; for scripts that drive a real server. The caller stops it (terminate, then wait). `log`,
+    when given, receives every line the server writes to stderr, as it comes."""
     proc = subprocess.Popen([sys.executable, "-m", "transformer", "serve", str(checkpoint), "--host", "127.0.0.1",
                              "--port", "0", *flags], stderr=subprocess.PIPE, text=True, encoding="utf-8",
-                            errors="replace")
+                            errors="replace", env=env, preexec_fn=preexec_fn)
     lines: "queue.Queue[str]" = queue.Queue()
 
     def drain():  # keep reading, so that the server never blocks on a full pipe
         for line in proc.stderr:
             lines.put(line)
+            if log is not None:
+                log.append(line)
         lines.put("")
 
     threading.Thread(target=drain, daemon=True).start()
