@@ -18,6 +18,7 @@ from transformer.device import cpu_bf16_flags, cpu_description
 from transformer.quantize import InputMajorLinear
 from transformer import translate_io
 from transformer.translate import Translator, pick_dtype, search_ids, translate_ids
+from transformer.vocab import BOS_ID, PAD_ID
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +306,69 @@ def test_ctranslate2_engine_greedy_equals_ours(ctranslate2, copy_model, capsys, 
     status, out, err = call("translate", copy_model, "--beam", "1", "--engine", "ctranslate2", "--dtype", "fp32",
                             *LINES[:5])
     assert status == 0 and out.splitlines() == ours[:5] and "converting" not in err
+
+
+def test_ctranslate2_engine_never_emits_bos_or_pad(ctranslate2, untrained_checkpoint, tmp_path):
+    """Ours never emits BOS or PAD (search.py); CTranslate2 does unless told not to. A model whose output favours
+    them (their rows copy the two tokens it emits most, scaled up) shows it: greedy outputs of both engines are
+    then the same token ids, and no hypothesis of either holds BOS or PAD."""
+    state = torch.load(untrained_checkpoint, weights_only=True)
+    ids = Translator(untrained_checkpoint, device="cpu", beam=1).encode(LINES)
+    emitted = [t for h in search_ids(model_of(untrained_checkpoint), ids, 1, 0.6, 4, 64, "cpu") for t in h[0].tokens]
+    first, second = torch.bincount(torch.tensor(emitted)).topk(2).indices.tolist()
+    weight = state["model"]["output.weight"]  # tied: the embeddings change too, for both engines alike
+    weight[BOS_ID], weight[PAD_ID] = 1.1 * weight[first], 1.1 * weight[second]
+    checkpoint = tmp_path / "model.pt"
+    save_checkpoint(state, checkpoint)
+    theirs = Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2")
+    raw = theirs.ct2.translate_batch([theirs.vocab.pieces(s) for s in ids], beam_size=1, max_decoding_length=20)
+    assert sum("<s>" in r.hypotheses[0] for r in raw) > len(ids) // 2  # unsuppressed, it would emit <s>
+    ours = Translator(checkpoint, device="cpu", beam=1).search(ids)
+    assert [h[0].tokens for h in theirs.search(ids)] == [h[0].tokens for h in ours]
+    beam = Translator(checkpoint, device="cpu", beam=3, engine="ctranslate2").search(ids, 3)
+    assert not any({BOS_ID, PAD_ID} & set(h.tokens) for hyps in beam + ours for h in hyps)
+
+
+def model_of(checkpoint):
+    model, _, _ = load_model(checkpoint)
+    return model.eval()
+
+
+@pytest.mark.parametrize("engine", ["ours", "ctranslate2"])
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_sentence_translates_the_same_whatever_shares_its_batch(request, run, engine, beam):
+    """Length limits are per sentence in both engines (CTranslate2's is per call: one call per limit), so what
+    a sentence gets does not depend on the others batched with it. An untrained model runs to its limits."""
+    if engine == "ctranslate2":
+        request.getfixturevalue("ctranslate2")
+    translator = Translator(run, device="cpu", beam=beam, engine=engine, stop="early", max_tokens=100_000)
+    ids = translator.encode(sentences(7, 12, lo=1, hi=9))
+    limits = [len(s) + 1 + translator.max_len_offset for s in ids]
+    together = translator.search(ids, beam)  # one batch
+    alone = [translator.search([s], beam)[0] for s in ids]
+    assert len(set(limits)) > 3 and sum(len(h[0].tokens) == n for h, n in zip(together, limits)) >= 3
+    for a, b in zip(together, alone):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+
+
+def test_ctranslate2_beam_outputs_are_ours_where_the_rules_agree(ctranslate2, copy_model):
+    """With a length penalty CTranslate2 stops as our early rule does, and it returns the beam best by its own
+    penalty, which are re-ranked by ours: the best one is ours (our early rule's best is the best of all it
+    finishes), unless its penalty ranked ours out of its beam, so it is never better. Without a length penalty
+    it stops at the exact bound for the best (the best candidate is EOS): ours under the exact rule. Scores:
+    the engines' kernels agree to ~1e-5 a token, hence 1e-3."""
+    for beam, lenpen, stop in ((3, 0.6, "early"), (4, 1.0, "early"), (3, 0.0, "exact")):
+        ours = Translator(copy_model, device="cpu", beam=beam, lenpen=lenpen, stop=stop).translate_nbest(LINES)
+        theirs = Translator(copy_model, device="cpu", beam=beam, lenpen=lenpen,
+                            engine="ctranslate2").translate_nbest(LINES)
+        same = sum(a[0][1] == b[0][1] for a, b in zip(ours, theirs))
+        assert same >= len(LINES) - 1, (beam, lenpen, same)  # measured: 40, 39 (its penalty) and 40 of 40
+        for a, b in zip(ours, theirs):
+            if a[0][1] == b[0][1]:
+                assert a[0][0] == pytest.approx(b[0][0], abs=1e-3)
+            else:
+                assert b[0][0] <= a[0][0] + 1e-3
 
 
 def test_ctranslate2_engine_auto_dtype_is_one_ctranslate2_computes(ctranslate2, copy_model, monkeypatch, call):
