@@ -14,7 +14,8 @@ import torch
 from tests.conftest import LINES, SENTENCES, sentences, subprocess_env
 from transformer.checkpoint import load_model, save_checkpoint
 from transformer import device as device_module
-from transformer.device import cpu_bf16_flags, cpu_description
+from transformer.device import (ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES, bounded_onednn_caches,
+                                cpu_bf16_flags, cpu_description)
 from transformer.quantize import InputMajorLinear
 from transformer import translate_io
 from transformer.translate import Translator, pick_dtype, search_ids, translate_ids
@@ -481,3 +482,68 @@ def test_many_long_lines_warn_a_few_times_then_count(run, call, tmp_path):
     assert status == 0 and "input line 1 has" in err and "counted" not in err and "of 1 input" not in err
     status, _, err = call("translate", run, *[long_line] * 5)  # exactly five: the count the fifth promised
     assert status == 0 and "counted at the end" in err and "warning: 5 of 5 input lines were longer" in err
+
+
+# --------------------------------------------------------------------------- oneDNN's caches bounded
+
+
+def _no_cache_settings(monkeypatch) -> None:
+    """None of the capacity variables set, and whatever the test sets undone afterwards."""
+    for names in ONEDNN_CACHE_VARIABLES:
+        for name in names:
+            monkeypatch.setenv(name, "0")  # recorded, so that the teardown removes what the code sets
+            monkeypatch.delenv(name)
+
+
+def test_onednn_cache_capacity_bounded_unless_the_user_set_it():
+    environ = {}
+    assert bounded_onednn_caches(environ) == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"]
+    assert environ == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+    assert ONEDNN_CACHE_CAPACITY == 64
+    for theirs in ({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}, {"DNNL_PRIMITIVE_CACHE_CAPACITY": "0"}):
+        environ = {**theirs, "LRU_CACHE_CAPACITY": "7"}
+        assert bounded_onednn_caches(environ) == [] and environ == {**theirs, "LRU_CACHE_CAPACITY": "7"}
+
+
+@pytest.mark.parametrize("verb", ["translate", "evaluate", "serve", "train"])
+def test_every_entry_bounds_onednn_caches_before_its_work(run, call, monkeypatch, tmp_path, verb):
+    """The commands (and train() and Translator, for a library caller) set the capacities before any work;
+    a value of the user's own is kept."""
+    import yaml
+
+    import transformer.serve
+    import transformer.train
+    import transformer.translate
+    from tests.conftest import tiny_config
+    from transformer.config import from_dict
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        seen.update({n: os.environ.get(n) for names in ONEDNN_CACHE_VARIABLES for n in names})
+        raise Stop
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
+    # The first step of each after the bound: the work it must precede.
+    monkeypatch.setattr(transformer.serve, "run_serve", record)
+    monkeypatch.setattr(transformer.translate, "pick_device", record)  # Translator (translate, evaluate)
+    monkeypatch.setattr(transformer.train, "init_distributed", record)  # train()
+    argv = {"translate": (run, "ein hund"), "evaluate": (run,), "serve": (run,), "train": (config,)}[verb]
+    bounded = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "DNNL_PRIMITIVE_CACHE_CAPACITY": None}
+    for theirs in (None, "1000"):
+        _no_cache_settings(monkeypatch)
+        if theirs:
+            monkeypatch.setenv("LRU_CACHE_CAPACITY", theirs)
+        seen.clear()
+        with pytest.raises(Stop):
+            call(verb, *argv)
+        assert seen == {**bounded, "LRU_CACHE_CAPACITY": theirs or "64"}, verb
+    # The library entries, without the command line.
+    _no_cache_settings(monkeypatch)
+    with pytest.raises(Stop):
+        transformer.train.train(from_dict(tiny_config(tmp_path)), quiet=True) if verb == "train" else Translator(run)
+    assert seen == {**bounded, "LRU_CACHE_CAPACITY": "64"}

@@ -17,7 +17,7 @@ from transformer.batch import prepare_sources, source_limit
 from transformer.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from transformer.config import DecodeConfig, lenpen_problem
 from transformer.data import pack_by_size
-from transformer.device import auto_precision, native_bf16, pick_device
+from transformer.device import auto_precision, bounded_onednn_caches, native_bf16, pick_device
 from transformer.errors import UserError
 from transformer.model import count_parameters, evaluating
 from transformer.search import (STOP_RULES, Hypothesis, SearchResult, beam_above_vocabulary, length_penalty,
@@ -245,6 +245,7 @@ class Translator:
                  engine: str = "ours", workers: Optional[int] = None, keep_model: bool = False):
         if engine not in ENGINES:
             raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        bounded_onednn_caches()  # a library caller's first CPU work may be ours
         self.device = pick_device(device)
         self.dtype, why = pick_dtype(dtype, self.device, engine)
         self.engine = engine
