@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from transformer.corpus import read_lines
+from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
 
 ROOT = Path(__file__).resolve().parent.parent

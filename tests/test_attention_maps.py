@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from tests.conftest import png_size, sentences
-from transformer.attention_maps import KINDS, collect_attention, inspect_attention, recording
-from transformer.batch import Batch, target_mask
-from transformer.checkpoint import save_checkpoint
+from transformer.visualize.attention import KINDS, collect_attention, inspect_attention, recording
+from transformer.data.batch import Batch, target_mask
+from transformer.model.checkpoint import save_checkpoint
 from transformer.cli import main
 from transformer.config import Config, DataConfig, ModelConfig, to_dict
 from transformer.errors import UserError
-from transformer.model import Transformer
-from transformer.vocab import PAD_ID, train_vocab
+from transformer.model.transformer import Transformer
+from transformer.data.vocab import PAD_ID, train_vocab
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_inspect_sentence_pieces_and_translation(model, vocab):
 
 
 def test_attention_command_writes_pngs(checkpoint, tmp_path, capsys):
-    from transformer.plots import DPI
+    from transformer.visualize.plots import DPI
 
     out = tmp_path / "att.png"
     main(["attention", str(checkpoint.parent), "the big dog runs", "--target", "der hund läuft", "--out", str(out)])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.conftest import SENTENCES
-from transformer.average import average_checkpoints
-from transformer.checkpoint import load_checkpoint, load_model, save_checkpoint
+from transformer.training.average import average_checkpoints
+from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
 from transformer.errors import UserError
 
 

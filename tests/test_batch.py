@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from tests.conftest import batches_equal, random_pairs
-from transformer.batch import (CAUSAL, Batch, attention_bias, causal_mask, pad_sequences, padding_mask,
+from transformer.data.batch import (CAUSAL, Batch, attention_bias, causal_mask, pad_sequences, padding_mask,
                                prepare_sources, round_up, source_limit, target_mask)
 from transformer.config import from_dict
 from transformer.errors import UserError
-from transformer.store import Corpus
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.data.store import Corpus
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
 def test_batch_from_pairs_shift_and_counts():

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from transformer.batcher import Batcher, _Job
+from transformer.serve.request_batching import Batcher, _Job
 
 
 class StubTranslator:
@@ -76,7 +76,7 @@ def test_a_failed_search_while_a_client_has_gone_leaves_the_service_answering():
 def test_freed_memory_is_given_back_when_the_worker_goes_idle(monkeypatch):
     """Searches of ever new batch shapes left malloc's arenas at their high-water mark (the server's memory grew
     with every peak); the batcher trims once it runs out of work, and not while nothing has run."""
-    import transformer.batcher as batcher_module
+    import transformer.serve.request_batching as batcher_module
 
     trims = []
     monkeypatch.setattr(batcher_module, "release_freed_memory", lambda: trims.append(1))

@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, sentences, subprocess_env
-from transformer.batch import source_limit
+from transformer.data.batch import source_limit
 from transformer.config import load_config
 from transformer.device import cpu_description
-from transformer.model import Transformer, count_parameters
+from transformer.model.transformer import Transformer, count_parameters
 
 
 def test_bench_train_runs_and_writes_json(tmp_path):

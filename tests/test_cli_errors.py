@@ -20,11 +20,11 @@ import torch
 import yaml
 
 from tests.conftest import cli, subprocess_env, tiny_config, write_config
-from transformer.average import average_checkpoints
-from transformer.checkpoint import load_checkpoint, save_checkpoint
+from transformer.training.average import average_checkpoints
+from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import from_dict
 from transformer.errors import UserError
-from transformer.train import train
+from transformer.training.loop import train
 
 
 def alias_bomb(levels: int = 8) -> str:
@@ -431,7 +431,7 @@ def test_a_full_disk_names_the_file_and_leaves_no_temporary(env, monkeypatch, tm
 
 @pytest.mark.parametrize("failure, status", [(KeyboardInterrupt, 130), (OSError(errno.EIO, "I/O error"), 2)])
 def test_translate_that_fails_keeps_the_previous_output(env, monkeypatch, tmp_path, call, failure, status):
-    from transformer.translate import Translator
+    from transformer.inference.translator import Translator
 
     output = tmp_path / "out.txt"
     output.write_text("yesterday's translations\n", encoding="utf-8")
@@ -452,8 +452,8 @@ def test_translate_that_fails_keeps_the_previous_output(env, monkeypatch, tmp_pa
 def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env, monkeypatch, tmp_path, call,
                                                                            signal_name, status):
     """Ctrl-C, or SIGTERM (kill, a job scheduler), mid-file: FILE unchanged, FILE.partial named."""
-    from transformer import translate_io
-    from transformer.translate import Translator
+    from transformer.cli import translate_io
+    from transformer.inference.translator import Translator
 
     output = tmp_path / "out.txt"
     output.write_text("yesterday's translations\n", encoding="utf-8")
@@ -591,7 +591,7 @@ def test_translate_never_writes_over_or_removes_a_partial_it_did_not_create(env,
 
 def test_a_partial_that_appears_while_the_model_loads_is_not_written_over(env, tmp_path, monkeypatch, call):
     """Checked again where it is created (O_EXCL): a file made between the check and the open stays as it was."""
-    from transformer import translate_io
+    from transformer.cli import translate_io
 
     output, partial = tmp_path / "out.txt", tmp_path / "out.txt.partial"
     real = translate_io.check_partial
@@ -630,7 +630,7 @@ def test_translate_output_dev_stdout_appended_to_a_log(env, tmp_path):
 
 
 def test_remove_stale_temporaries_removes_only_ours(tmp_path):
-    from transformer.atomic import TEMP_SUFFIX, atomic_write, remove_stale_temporaries
+    from transformer.files import TEMP_SUFFIX, atomic_write, remove_stale_temporaries
 
     mine = [tmp_path / n for n in (".notes.tmp", "draft.tmp", ".last.pt.abc.tmp", f"x{TEMP_SUFFIX}")]
     for path in mine:
@@ -651,7 +651,7 @@ def _dead_pid() -> int:
 
 
 def test_run_directory_lock(env, tmp_path, call):
-    from transformer.resume import RunLock
+    from transformer.training.run_state import RunLock
 
     run_dir = tmp_path / "run"
     cfg = tiny_config(tmp_path, "run", data_dir=env["root"] / "corpus", train={"max_steps": 1, "valid_every": 1})
@@ -698,7 +698,7 @@ def test_run_directory_lock(env, tmp_path, call):
 def test_the_lock_is_never_written_through_a_link_or_into_another_file(tmp_path, kind):
     """train.lock used to be opened with O_CREAT and followed links: the pid overwrote a victim file, and a dangling
     link's target was created. Now: O_CREAT|O_EXCL|O_NOFOLLOW, and only a regular file with one name is taken."""
-    from transformer.resume import RunLock
+    from transformer.training.run_state import RunLock
 
     run_dir, victim = tmp_path / "run", tmp_path / "victim.txt"
     run_dir.mkdir()
@@ -738,7 +738,7 @@ def test_the_lock_is_never_written_through_a_link_or_into_another_file(tmp_path,
 
 
 def test_a_vocabulary_smaller_than_asked_is_logged_and_noted_in_config_yaml(env, capsys, tmp_path):
-    from transformer.vocab import Vocab
+    from transformer.data.vocab import Vocab
 
     cfg = tiny_config(tmp_path, "run", data_dir=env["root"] / "corpus",
                       data={"vocab_size": 3000}, train={"max_steps": 1, "valid_every": 1, "finish": True},
@@ -756,7 +756,7 @@ def test_a_vocabulary_smaller_than_asked_is_logged_and_noted_in_config_yaml(env,
 
 
 def test_a_reused_smaller_spm_model_is_a_warning(env, caplog):
-    from transformer.vocab import Vocab
+    from transformer.data.vocab import Vocab
 
     path = env["run"] / "spm.model"
     with caplog.at_level("WARNING", logger="transformer"):
@@ -765,7 +765,7 @@ def test_a_reused_smaller_spm_model_is_a_warning(env, caplog):
 
 
 def test_allocation_failure_names_the_setting(monkeypatch):
-    from transformer import model as model_module
+    from transformer.model import transformer as model_module
     from transformer.config import ModelConfig
     from transformer.errors import UserError
 

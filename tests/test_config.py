@@ -246,7 +246,7 @@ def test_a_home_directory_in_a_path_is_expanded(monkeypatch, tmp_path):
 
 
 def test_a_missing_relative_data_dir_says_where_it_was_looked_for(monkeypatch, tmp_path):
-    from transformer.corpus import resolve_split
+    from transformer.data.corpus import resolve_split
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"^data: no such file: data/multi30k/train.de \(split 'train' in data.dir "
@@ -258,7 +258,7 @@ def test_the_length_penalty_is_bounded_where_it_cannot_overflow():
     """decode.lenpen of 400 overflowed ((5 + length) / 6) ** alpha from about 30 tokens on (OverflowError in every
     search); the bound, MAX_LENPEN, keeps it finite at every length a model takes, and is checked once for all."""
     from transformer.config import MAX_LENPEN, lenpen_problem
-    from transformer.search import length_penalty
+    from transformer.inference.search import length_penalty
 
     assert from_dict({"decode": {"lenpen": MAX_LENPEN}}).decode.lenpen == MAX_LENPEN
     assert from_dict({"decode": {"lenpen": 0}}).decode.lenpen == 0

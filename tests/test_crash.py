@@ -14,8 +14,8 @@ import torch
 
 from tests.conftest import (ROOT, assert_same_training_state, cli, read_metrics, subprocess_env, tiny_config,
                             write_config, write_corpus)
-from transformer.atomic import remove_stale_temporaries
-from transformer.checkpoint import load_checkpoint
+from transformer.files import remove_stale_temporaries
+from transformer.model.checkpoint import load_checkpoint
 
 
 def _start_training(config, *extra):
@@ -100,7 +100,7 @@ def test_kill_during_checkpoint_write_leaves_previous_checkpoint_loadable(tmp_pa
     target = tmp_path / "last.pt"
     script = f"""
 import torch, itertools
-from transformer.checkpoint import save_checkpoint
+from transformer.model.checkpoint import save_checkpoint
 for i in itertools.count():
     save_checkpoint({{"run": {{"step": i}}, "model": {{"w": torch.full((4_000_000,), float(i))}}}}, {str(target)!r})
     print(i, flush=True)
@@ -131,7 +131,7 @@ for i in itertools.count():
 
 
 def test_bad_checkpoints_are_one_line_errors(tmp_path):
-    from transformer.checkpoint import save_checkpoint
+    from transformer.model.checkpoint import save_checkpoint
     from transformer.errors import UserError
     import pytest
 
@@ -162,7 +162,7 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path):
 KILL_AFTER_WRITE = """
 import os, signal, sys
 from pathlib import Path
-import transformer.train
+import transformer.training.loop
 name, step = sys.argv[1], int(sys.argv[2])
 real = transformer.train.save_checkpoint
 def save_then_die(state, path):
@@ -193,7 +193,7 @@ def test_sigkill_between_the_checkpoint_writes_of_a_validation_step(tmp_path):
 def _kill_between_writes_then_resume(tmp_path, corpus, common, straight):
     from transformer.cli import main
     from transformer.config import from_dict
-    from transformer.train import train
+    from transformer.training.loop import train
 
     train(from_dict(straight), quiet=True)
     names = sorted(p.name for p in (tmp_path / "straight").glob("*.pt"))
@@ -218,7 +218,7 @@ def _kill_between_writes_then_resume(tmp_path, corpus, common, straight):
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_during_the_final_validation_saves_and_says_so(tmp_path, monkeypatch, sig, status):
     """In-process: the process signals itself while the last validation runs (validations at 2, 4, then 5)."""
-    from transformer import train as train_module
+    from transformer.training import loop as train_module
     from transformer.cli import main
     from transformer.config import from_dict
 
@@ -245,7 +245,7 @@ def test_a_signal_during_the_final_validation_saves_and_says_so(tmp_path, monkey
 
 
 def test_sigterm_before_training_starts_says_so(tmp_path, monkeypatch, capsys):
-    from transformer import train as train_module
+    from transformer.training import loop as train_module
     from transformer.config import from_dict
 
     real = train_module.prepare
@@ -268,7 +268,7 @@ def test_printed_resume_command_keeps_the_overrides_and_continues_the_same_run(t
     `train --resume RUN_DIR`) continues that run, not a fresh one elsewhere."""
     import shlex
 
-    from transformer import train as train_module
+    from transformer.training import loop as train_module
     from transformer.cli import main
 
     config = write_config(tmp_path / "tiny.yaml", tiny_config(tmp_path, "default run"))
@@ -301,7 +301,7 @@ def test_printed_resume_command_keeps_the_overrides_and_continues_the_same_run(t
 
 def test_a_second_signal_stops_at_once_without_saving():
     """The first Ctrl-C asks the loop to save and stop after the update; a second one must not wait for that."""
-    from transformer.resume import StopRequested
+    from transformer.training.run_state import StopRequested
 
     with StopRequested() as stop:
         os.kill(os.getpid(), signal.SIGINT)

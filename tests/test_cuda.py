@@ -15,23 +15,23 @@ import pytest
 import torch
 
 from tests.conftest import LINES, random_pairs, read_metrics, subprocess_env, tiny_config
-from transformer import evaluate as evaluate_module
-from transformer import model as model_module
-from transformer import train as train_module
-from transformer.batch import Batch, prepare_sources
-from transformer.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.inference import evaluation as evaluate_module
+from transformer.model import transformer as model_module
+from transformer.training import loop as train_module
+from transformer.data.batch import Batch, prepare_sources
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.config import DataConfig, ModelConfig, from_dict
-from transformer.data import BatchStream, Prefetcher
+from transformer.data.batching import BatchStream, Prefetcher
 from transformer.device import autocast_context, datasheet_tflops
 from transformer.distributed import DistInfo, init_distributed
 from transformer.errors import UserError
-from transformer.model import Transformer
-from transformer.resume import StopRequested
-from transformer.search import search
-from transformer.store import Corpus, open_prepared
-from transformer.train import TrainingLoss, train
-from transformer.translate import Translator
-from transformer.vocab import Vocab
+from transformer.model.transformer import Transformer
+from transformer.training.run_state import StopRequested
+from transformer.inference.search import search
+from transformer.data.store import Corpus, open_prepared
+from transformer.training.loop import TrainingLoss, train
+from transformer.inference.translator import Translator
+from transformer.data.vocab import Vocab
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MATH = 0  # torch._fused_sdp_choice's number for the math kernel (SDPBackend.MATH)

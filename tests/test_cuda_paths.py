@@ -24,26 +24,26 @@ import torch.nn.functional as F
 
 from tests.conftest import LINES, ROOT, random_pairs, read_metrics, subprocess_env, tiny_config
 from transformer import device as device_module
-from transformer import evaluate as evaluate_module
-from transformer import finish as finish_module
-from transformer import model as model_module
-from transformer import search as search_module
-from transformer import train as train_module
-from transformer.batch import CAUSAL, Batch, prepare_sources, target_mask
-from transformer.checkpoint import load_checkpoint, model_from_checkpoint, restore_training
+from transformer.inference import evaluation as evaluate_module
+from transformer.training import end_of_training as finish_module
+from transformer.model import transformer as model_module
+from transformer.inference import search as search_module
+from transformer.training import loop as train_module
+from transformer.data.batch import CAUSAL, Batch, prepare_sources, target_mask
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, restore_training
 from transformer.config import DataConfig, ModelConfig, from_dict
-from transformer.data import BatchStream, Prefetcher
+from transformer.data.batching import BatchStream, Prefetcher
 from transformer.device import (ALLOC_CONF_VARIABLES, DEFAULT_ALLOC_CONF, Peak, autocast_context, cuda_memory_peaks,
                                 datasheet_tflops, default_cuda_allocator, mfu_peak, pick_device, tf32_matmuls)
 from transformer.distributed import DistInfo, init_distributed, wrap_ddp
 from transformer.errors import UserError
-from transformer.model import TokenPacking, Transformer
-from transformer.optim import build_optimizer
-from transformer.resume import StopRequested, rng_state, set_rng_state
-from transformer.search import search
-from transformer.store import Corpus, open_prepared
-from transformer.train import TrainingLoss, check_compile, make_grad_scaler, train
-from transformer.vocab import PAD_ID, Vocab
+from transformer.model.transformer import TokenPacking, Transformer
+from transformer.training.optim import build_optimizer
+from transformer.training.run_state import StopRequested, rng_state, set_rng_state
+from transformer.inference.search import search
+from transformer.data.store import Corpus, open_prepared
+from transformer.training.loop import TrainingLoss, check_compile, make_grad_scaler, train
+from transformer.data.vocab import PAD_ID, Vocab
 
 
 class FakeCuda:

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from tests.conftest import batches_equal, random_pairs, write_hub_folder
-from transformer.batch import Batch
+from transformer.data.batch import Batch
 from transformer.config import DataConfig
-from transformer import data as data_module
-from transformer.corpus import (chain_lines, load_split, read_lines, read_parallel, resolve_split,
+from transformer.data import batching as data_module
+from transformer.data.corpus import (chain_lines, load_split, read_lines, read_parallel, resolve_split,
                                 split_paths)
-from transformer.data import BatchStream, Prefetcher, eval_batches, make_batches, pack_by_size
+from transformer.data.batching import BatchStream, Prefetcher, eval_batches, make_batches, pack_by_size
 from transformer.errors import UserError
-from transformer.vocab import PAD_ID
-from transformer.store import Corpus
+from transformer.data.vocab import PAD_ID
+from transformer.data.store import Corpus
 
 
 # --------------------------------------------------------------------------- reading
@@ -96,7 +96,7 @@ def test_read_parallel_missing_side(tmp_path):
 
 
 def test_read_parallel_from_pipes_and_count_lines_refuses_them(tmp_path):
-    from transformer.corpus import count_lines
+    from transformer.data.corpus import count_lines
 
     ends = []
     for text in ("a\nb\n", "x\ny\n", "a\n"):

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, cli, read_metrics, subprocess_env, tiny_config, write_config, write_corpus
-from transformer.checkpoint import load_checkpoint
+from transformer.model.checkpoint import load_checkpoint
 from transformer.config import from_dict
 from transformer.distributed import DistInfo, peer_failure_explained
 from transformer.errors import UserError
-from transformer.resume import StopRequested, stop_at_once
+from transformer.training.run_state import StopRequested, stop_at_once
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
@@ -191,7 +191,7 @@ def test_other_errors_pass_through_and_the_handlers_come_back(signal_handlers, i
 def test_the_process_group_is_left_only_after_a_normal_end(monkeypatch, tmp_path, fails):
     # On NCCL destroy_process_group waits for the peers' collectives: after an error (a dead peer) it could
     # hang where the error should come out.
-    from transformer import train as train_module
+    from transformer.training import loop as train_module
 
     left = []
     monkeypatch.setattr(train_module, "init_distributed", lambda device: (DistInfo(rank=0, world_size=2), "cpu"))

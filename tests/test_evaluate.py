@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.conftest import SENTENCES
-from transformer import evaluate as evaluate_module
-from transformer.evaluate import bleu_chrf
-from transformer.translate import Translator
+from transformer.inference import evaluation as evaluate_module
+from transformer.inference.evaluation import bleu_chrf
+from transformer.inference.translator import Translator
 
 # Result names carry the dtype unless it is fp32, and --dtype auto is bf16 on CPUs with native bf16: tests of
 # the names pin fp32 so they hold on any CPU.
@@ -131,11 +131,11 @@ def test_validation_loss_nll_and_perplexity_per_target_token():
     import torch.nn.functional as F
 
     from tests.conftest import random_pairs
-    from transformer.batch import Batch
+    from transformer.data.batch import Batch
     from transformer.config import ModelConfig
-    from transformer.evaluate import evaluate_loss
-    from transformer.model import Transformer
-    from transformer.vocab import PAD_ID
+    from transformer.inference.evaluation import evaluate_loss
+    from transformer.model.transformer import Transformer
+    from transformer.data.vocab import PAD_ID
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(d_model=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=32,
@@ -154,7 +154,7 @@ def test_validation_loss_nll_and_perplexity_per_target_token():
 
 
 def test_length_ratio_is_hypothesis_over_reference():
-    from transformer.evaluate import length_ratio
+    from transformer.inference.evaluation import length_ratio
 
     assert length_ratio({"sys_len": 8, "ref_len": 10}) == 0.8  # below 1: too short, the brevity penalty applies
     assert length_ratio(bleu_chrf(["a dog"], ["a dog runs fast"])) == pytest.approx(0.5)

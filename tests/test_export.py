@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from tests.conftest import tiny_config
-from transformer.batch import pad_sequences, padding_mask, prepare_sources, target_mask
-from transformer.checkpoint import load_model
+from transformer.data.batch import pad_sequences, padding_mask, prepare_sources, target_mask
+from transformer.model.checkpoint import load_model
 from transformer.config import from_dict
-from transformer.export import export_ctranslate2
-from transformer.search import search
-from transformer.train import train
-from transformer.vocab import BOS_ID, EOS_ID
+from transformer.inference.ctranslate2_engine import export_ctranslate2
+from transformer.inference.search import search
+from transformer.training.loop import train
+from transformer.data.vocab import BOS_ID, EOS_ID
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -76,7 +76,7 @@ def test_export_command(tmp_path, call):
 
 
 def test_export_force_replaces_an_export_only_and_keeps_it_when_conversion_fails(tmp_path, call, monkeypatch):
-    from transformer import export
+    from transformer.inference import ctranslate2_engine as export
 
     raw = tiny_config(tmp_path, train={"max_steps": 2, "valid_every": 100})
     run_dir = train(from_dict(raw), quiet=True)
@@ -173,7 +173,7 @@ def test_the_engines_conversion_never_empties_a_folder_it_did_not_write(tmp_path
 def test_a_damaged_conversion_is_converted_again(tmp_path, copy_model, call):
     """Only model.bin's size was checked: a conversion missing its config.json or vocabulary, or one edited, stayed
     in use and CTranslate2 failed to load it, every time."""
-    from transformer import export
+    from transformer.inference import ctranslate2_engine as export
 
     checkpoint = tmp_path / "model.pt"
     checkpoint.write_bytes(copy_model.read_bytes())

@@ -184,5 +184,5 @@ def test_prepare_data_writes_the_corpus_and_a_vocabulary_inside_the_repository_l
                                                             for l in ("de", "en"))
     assert (data / "train.de").read_bytes() == (source / "train.de").read_bytes()
     assert vocab.is_file() and sorted(p.name for p in vocab.parent.iterdir()) == ["spm.model"]
-    from transformer.vocab import Vocab
+    from transformer.data.vocab import Vocab
     assert len(Vocab.load(vocab)) > 10

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, random_pairs
-from transformer.batch import Batch, causal_mask, padding_mask, target_mask
+from transformer.data.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.config import ModelConfig, load_config
-from transformer.model import (MultiHeadAttention, PositionalEncoding, TokenPacking, Transformer, count_parameters,
+from transformer.model.transformer import (MultiHeadAttention, PositionalEncoding, TokenPacking, Transformer, count_parameters,
                                evaluating)
-from transformer.vocab import PAD_ID
+from transformer.data.vocab import PAD_ID
 
 VOCAB = 50
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -437,7 +437,7 @@ def test_encoder_layer_is_the_papers_residual_and_layer_norm(norm):
     # Post-norm (the paper): LayerNorm(x + Sublayer(x)) after each sub-layer. Pre-norm: x + Sublayer(LayerNorm(x)).
     import torch.nn.functional as F
 
-    from transformer.model import EncoderLayer
+    from transformer.model.transformer import EncoderLayer
 
     torch.manual_seed(0)
     layer = EncoderLayer(ModelConfig(d_model=16, n_heads=2, d_ff=32, dropout=0.0, norm=norm)).eval()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from transformer.config import Config, TrainConfig, from_dict
-from transformer.optim import build_optimizer, inverse_sqrt, label_smoothed_loss, lr_at, noam, set_hyperparameters
-from transformer.vocab import PAD_ID
+from transformer.training.optim import build_optimizer, inverse_sqrt, label_smoothed_loss, lr_at, noam, set_hyperparameters
+from transformer.data.vocab import PAD_ID
 
 
 def hand_loss(logits: torch.Tensor, target: torch.Tensor, eps: float) -> torch.Tensor:

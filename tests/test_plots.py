@@ -15,7 +15,7 @@ from transformer.errors import UserError
 
 
 def test_figure_pixel_size_is_figsize_times_dpi(tmp_path):
-    from transformer.plots import DPI, attention_grid, save
+    from transformer.visualize.plots import DPI, attention_grid, save
 
     rng = np.random.default_rng(0)
     weights = rng.dirichlet(np.ones(7), size=(2, 3, 5))
@@ -53,7 +53,7 @@ def write_metrics(path, bleu: bool) -> None:
 
 
 def test_plot_training_curves(tmp_path, capsys):
-    from transformer.plots import DPI
+    from transformer.visualize.plots import DPI
 
     run = tmp_path / "run"
     run.mkdir()
@@ -72,7 +72,7 @@ def test_plot_training_curves(tmp_path, capsys):
 
 
 def test_training_curves_against_wall_time():
-    from transformer.plots import _series, training_curves
+    from transformer.visualize.plots import _series, training_curves
 
     rows = [{"step": 100, "split": "valid", "loss": 3.0, "elapsed": 60.0},
             {"step": 200, "split": "valid", "loss": 2.5, "elapsed": 150.0},
@@ -85,7 +85,7 @@ def test_training_curves_against_wall_time():
 
 
 def test_missing_matplotlib_is_a_user_error(monkeypatch, tmp_path, capsys):
-    from transformer import plots
+    from transformer.visualize import plots
 
     # None in sys.modules makes `import matplotlib...` raise ImportError, as if not installed.
     for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")] + ["matplotlib"]:

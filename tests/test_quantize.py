@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from tests.conftest import LINES
-from transformer.batch import prepare_sources
-from transformer.checkpoint import load_model
-from transformer.quantize import InputMajorLinear, PackedBF16Linear, can_pack_bf16, input_major, pack_bf16
-from transformer.search import search
-from transformer.translate import Translator
+from transformer.data.batch import prepare_sources
+from transformer.model.checkpoint import load_model
+from transformer.inference.weight_formats import InputMajorLinear, PackedBF16Linear, can_pack_bf16, input_major, pack_bf16
+from transformer.inference.search import search
+from transformer.inference.translator import Translator
 
 
 @pytest.mark.parametrize("bias", [True, False])

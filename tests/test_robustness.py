@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformer.translate import Translator
+from transformer.inference.translator import Translator
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_a_stdin_line_is_kept_only_up_to_its_bound():
     import random
     import threading
 
-    from transformer import translate_io
+    from transformer.cli import translate_io
 
     rng = random.Random(0)
     lines = [rng.choice(["", "ein hund\r", "zwei kätzchen", "ä" * rng.randrange(1, 3000)]) for _ in range(60)]
@@ -77,7 +77,7 @@ def test_a_stdin_line_is_kept_only_up_to_its_bound():
 
 
 def test_a_line_over_the_bound_is_read_up_to_it_with_a_warning(untrained_checkpoint, monkeypatch, capsys):
-    from transformer import translate
+    from transformer.inference import translator as translate
 
     translator = Translator(untrained_checkpoint, device="cpu", beam=2)  # its own: warnings stop after five
     monkeypatch.setattr(translate, "MAX_LINE_CHARS", 100)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from tests.conftest import ROOT, subprocess_env, write_hub_folder
-from transformer.corpus import read_parallel
+from transformer.data.corpus import read_parallel
 
 
 def test_fetch_multi30k_writes_plain_text_splits(tmp_path):

@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer.batch import Batch, causal_mask, pad_sequences, padding_mask
+from transformer.data.batch import Batch, causal_mask, pad_sequences, padding_mask
 from transformer.config import ModelConfig
-from transformer.model import Transformer
-from transformer.search import Hypothesis, SearchResult, _beam_search, length_penalty, search
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.model.transformer import Transformer
+from transformer.inference.search import Hypothesis, SearchResult, _beam_search, length_penalty, search
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 
 VOCAB = 24
 CFG = ModelConfig(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64,

@@ -18,19 +18,19 @@ import torch
 
 from tests.conftest import LINES
 from transformer import cli
-from transformer import translate as translate_module
-from transformer.checkpoint import load_model, save_checkpoint
+from transformer.inference import translator as translate_module
+from transformer.model.checkpoint import load_model, save_checkpoint
 from transformer.config import from_dict, to_dict
 from transformer.device import cpu_description
-from transformer.model import PositionalEncoding, Transformer, count_parameters
-from transformer.translate import Translator
-from transformer.vocab import train_vocab
+from transformer.model.transformer import PositionalEncoding, Transformer, count_parameters
+from transformer.inference.translator import Translator
+from transformer.data.vocab import train_vocab
 
 pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")
 pytest.importorskip("httpx", reason="FastAPI's test client needs httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from transformer.serve import ServeSettings, Service, create_app, listen, make_server  # noqa: E402
+from transformer.serve.app import ServeSettings, Service, create_app, listen, make_server  # noqa: E402
 
 WORDS = ("ein zwei drei hund katze mann frau kind spielt läuft auf der die das im park mit einem ball "
          "sitzt steht vor haus baum wasser rot blau grün").split()
@@ -377,8 +377,8 @@ def test_serve_without_ctranslate2_is_one_line_naming_the_extra(run, monkeypatch
 def test_checkpoint_is_read_once_and_each_request_encoded_once(run, monkeypatch):
     """The service reads its checkpoint once (the model and /info's run state come from one load), and a
     /translate request's sentences go through SentencePiece once (batch sizing and search share the ids)."""
-    import transformer.translate as translate_module
-    from transformer.vocab import Vocab
+    import transformer.inference.translator as translate_module
+    from transformer.data.vocab import Vocab
 
     loads, encoded = [], []
     real_load, real_encode = translate_module.load_checkpoint, Vocab.encode
@@ -395,7 +395,7 @@ def test_page_is_self_contained(client):
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in page.headers["content-security-policy"]
-    static = Path(cli.__file__).parent / "static"
+    static = Path(cli.__file__).parent.parent / "serve" / "static"
     names = sorted(p.name for p in static.iterdir())
     assert names == ["app.js", "index.html", "style.css"]
     for name in names:
@@ -418,7 +418,7 @@ def run_cli(*argv) -> tuple[int, str]:
 
 def test_missing_extra_is_one_line_naming_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fastapi", None)  # importing it now fails as if it were not installed
-    monkeypatch.delitem(sys.modules, "transformer.serve")
+    monkeypatch.delitem(sys.modules, "transformer.serve.app")
     status, _ = run_cli("serve", "no-such-run")
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1

@@ -21,14 +21,15 @@ import torch
 
 from tests.conftest import subprocess_env
 from tests.test_serve import SENTENCES, run_cli, synthetic, tiny_run
-from transformer.translate import Translator
+from transformer.inference.translator import Translator
 
 pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")
 pytest.importorskip("httpx", reason="FastAPI's test client needs httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from transformer import http_guard, serve  # noqa: E402
-from transformer.serve import ServeSettings, Service, create_app, listen, make_server, spawn  # noqa: E402
+from transformer.serve import app as serve  # noqa: E402
+from transformer.serve import http_guard  # noqa: E402
+from transformer.serve.app import ServeSettings, Service, create_app, listen, make_server, spawn  # noqa: E402
 
 FAST = dict(batch_window_ms=2, max_sentences=8, max_chars=400, max_beam=5, max_pending=16, max_position_values=4096,
             read_timeout_s=0.6, keep_alive_s=0.6, drain_s=2.0)
@@ -241,7 +242,7 @@ def test_running_out_of_file_descriptors_is_one_line_not_a_traceback_per_accept(
     script = tmp_path / "server.py"
     script.write_text(
         "import asyncio, resource, sys\n"
-        "from transformer.http_guard import quiet_accept_errors\n"
+        "from transformer.serve.http_guard import quiet_accept_errors\n"
         "async def main():\n"
         "    loop = asyncio.get_running_loop()\n"
         "    if sys.argv[1] == 'quiet':\n"
@@ -442,7 +443,7 @@ def test_translate_waits_for_at_most_one_inspection_and_health_for_none(run, mon
 
 def test_positions_are_computed_off_the_event_loop(run, monkeypatch):
     """A large /positions table stalled every client while it was built and encoded on the loop."""
-    import transformer.serve as serve_module
+    import transformer.serve.app as serve_module
 
     gate, started, real = threading.Event(), threading.Event(), serve_module.positions_table
     monkeypatch.setattr(serve_module, "positions_table", lambda *a: started.set() or gate.wait(30) and real(*a))
@@ -460,7 +461,7 @@ def test_positions_are_computed_off_the_event_loop(run, monkeypatch):
 def test_work_whose_client_hung_up_is_dropped_before_it_runs(run, monkeypatch):
     """Clients that send /beam, /attention or /translate and hang up while they wait: none of them runs (an
     abandoned flood kept the model busy long after its clients had gone)."""
-    from transformer.batcher import Batcher
+    from transformer.serve.request_batching import Batcher
 
     gate = blocking_attention(monkeypatch)
     ran = []
@@ -611,7 +612,7 @@ def test_fp32_translations_do_not_depend_on_the_other_requests_in_the_batch(run)
 
 
 def test_serve_defaults_to_fp32_where_translate_would_pick_bf16(run, monkeypatch):
-    import transformer.translate as translate_module
+    import transformer.inference.translator as translate_module
 
     monkeypatch.setattr(translate_module, "auto_precision", lambda device: ("bf16", "auto: native bf16"))
     assert translate_module.pick_dtype("auto", torch.device("cpu"))[0] == "bf16"  # what translate takes

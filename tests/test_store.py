@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from tests.conftest import cli, tiny_config, write_corpus, write_hub_folder
-from transformer import corpus as corpus_module
-from transformer import store as store_module
+from transformer.data import corpus as corpus_module
+from transformer.data import store as store_module
 from transformer.config import from_dict
-from transformer.corpus import count_lines, iter_lines, open_split, read_lines
+from transformer.data.corpus import count_lines, iter_lines, open_split, read_lines
 from transformer.errors import UserError
-from transformer.store import Store, prepare, problem
-from transformer.vocab import Vocab
+from transformer.data.store import Store, prepare, problem
+from transformer.data.vocab import Vocab
 
 
 def config(tmp_path: Path, corpus: Path, **data):

@@ -15,16 +15,16 @@ import torch
 
 from tests.conftest import (assert_same_training_state, cli, read_metrics, shared_data_dir, tiny_config,
                             write_config, write_corpus)
-from transformer import evaluate
-from transformer import train as train_module
-from transformer.atomic import TEMP_SUFFIX
-from transformer.batch import Batch
-from transformer.checkpoint import load_checkpoint, load_model, save_checkpoint
+from transformer.inference import evaluation as evaluate
+from transformer.training import loop as train_module
+from transformer.files import TEMP_SUFFIX
+from transformer.data.batch import Batch
+from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
 from transformer.config import from_dict, to_dict
 from transformer.errors import UserError
-from transformer.model import Transformer
-from transformer.train import train
-from transformer.vocab import Vocab, train_vocab
+from transformer.model.transformer import Transformer
+from transformer.training.loop import train
+from transformer.data.vocab import Vocab, train_vocab
 
 
 def test_tiny_model_overfits_a_handful_of_pairs(tmp_path):
@@ -158,7 +158,7 @@ def test_cli_train_writes_the_run_directory(tmp_path):
 
 
 def test_lines_the_progress_bar_shows_stay_off_the_console(tmp_path, capsys):
-    from transformer.train import log, setup_logging
+    from transformer.training.loop import log, setup_logging
     from transformer.distributed import DistInfo
 
     setup_logging(tmp_path, DistInfo())
@@ -253,12 +253,12 @@ def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipp
     import copy
     import time
 
-    from transformer.data import BatchStream
+    from transformer.data.batching import BatchStream
     from transformer.distributed import DistInfo
-    from transformer.optim import label_smoothed_loss
-    from transformer.resume import StopRequested
-    from transformer.store import open_prepared
-    from transformer.vocab import PAD_ID
+    from transformer.training.optim import label_smoothed_loss
+    from transformer.training.run_state import StopRequested
+    from transformer.data.store import open_prepared
+    from transformer.data.vocab import PAD_ID
 
     # fp32: the reference below runs without autocast, which auto would turn on where the CPU has native bf16.
     cfg = from_dict(tiny_config(tmp_path, model={"dropout": 0.0},
@@ -305,7 +305,7 @@ def test_best_pt_is_the_validation_with_the_lowest_loss(tmp_path):
 @pytest.mark.parametrize("key, value", [("data.vocab_size", 48), ("data.src_lang", "fr"), ("data.tgt_lang", "fr"),
                                         ("data.spm_model_type", "unigram"), ("model.d_ff", 128)])
 def test_resume_refuses_a_change_to_the_model_or_its_vocabulary(tmp_path, key, value):
-    from transformer.resume import check_resume_config
+    from transformer.training.run_state import check_resume_config
 
     section, name = key.split(".")
     saved = from_dict(tiny_config(tmp_path, data_dir=tmp_path))
@@ -317,7 +317,7 @@ def test_resume_refuses_a_change_to_the_model_or_its_vocabulary(tmp_path, key, v
 
 @pytest.mark.parametrize("before, after, allowed", [(0.0, 0.01, False), (0.01, 0.0, False), (0.01, 0.1, True)])
 def test_resume_refuses_switching_between_adam_and_adamw(tmp_path, before, after, allowed):
-    from transformer.resume import check_resume_config
+    from transformer.training.run_state import check_resume_config
 
     saved, new = (from_dict(tiny_config(tmp_path, data_dir=tmp_path, train={"weight_decay": w}))
                   for w in (before, after))
@@ -370,7 +370,7 @@ def test_resume_restarts_the_epoch_when_the_data_order_changes(tmp_path, change,
 def test_restore_training_puts_back_the_fp16_loss_scale():
     """Without it a resumed fp16 run starts again at 65,536 and skips updates on overflow until the scale has
     come down: the continuation would no longer be the uninterrupted run."""
-    from transformer.checkpoint import restore_training
+    from transformer.model.checkpoint import restore_training
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters())
@@ -382,7 +382,7 @@ def test_restore_training_puts_back_the_fp16_loss_scale():
 
 
 def test_foreign_files_and_incomplete_counters_are_refused(tmp_path):
-    from transformer.checkpoint import load_checkpoint, load_resumable
+    from transformer.model.checkpoint import load_checkpoint, load_resumable
 
     torch.save({"model": {}}, tmp_path / "foreign.pt")  # a dict, but not one this package wrote
     with pytest.raises(UserError, match="is not a checkpoint written by this package"):

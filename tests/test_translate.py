@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tests.conftest import LINES, SENTENCES, sentences, subprocess_env
-from transformer.checkpoint import load_model, save_checkpoint
+from transformer.model.checkpoint import load_model, save_checkpoint
 from transformer import device as device_module
 from transformer.device import cpu_bf16_flags, cpu_description
-from transformer.quantize import InputMajorLinear
-from transformer import translate_io
-from transformer.translate import Translator, pick_dtype, search_ids, translate_ids
+from transformer.inference.weight_formats import InputMajorLinear
+from transformer.cli import translate_io
+from transformer.inference.translator import Translator, pick_dtype, search_ids, translate_ids
 
 
 @pytest.fixture(scope="module")

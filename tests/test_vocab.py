@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import sentences, subprocess_env
 from transformer.errors import UserError
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, sample_sentences, train_vocab
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, sample_sentences, train_vocab
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_a_sampled_vocabulary_is_the_same_in_every_process(tmp_path):
     the same corpus, size and seed must give the same vocabulary in two runs of a config."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(sentences(5, 3000, hi=12)) + "\n", encoding="utf-8")
-    script = ("import hashlib, sys\nfrom transformer.vocab import train_vocab\n"
+    script = ("import hashlib, sys\nfrom transformer.data.vocab import train_vocab\n"
               f"lines = open({str(corpus)!r}, encoding='utf-8').read().splitlines()\n"
               "print(hashlib.sha256(train_vocab(lines, 150, max_sentences=1000, seed=7).proto).hexdigest())\n")
     digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,

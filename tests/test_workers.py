@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.conftest import LINES
-from transformer import translate
-from transformer.checkpoint import load_model
-from transformer.translate import Translator, search_ids, search_workers, source_batches
+from transformer.inference import translator as translate
+from transformer.model.checkpoint import load_model
+from transformer.inference.translator import Translator, search_ids, search_workers, source_batches
 
 MAX_TOKENS = 64  # several batches for LINES with one worker, more with two
 

@@ -14,8 +14,8 @@ from typing import Any, Literal, Optional, Tuple
 
 import yaml
 
-from transformer.atomic import atomic_write
-from transformer.batch import round_up
+from transformer.files import atomic_write
+from transformer.data.batch import round_up
 from transformer.errors import UserError
 
 

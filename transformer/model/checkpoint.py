@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from transformer.atomic import atomic_write
+from transformer.files import atomic_write
 from transformer.config import Config, from_dict
 from transformer.errors import UserError, first_line
-from transformer.model import Transformer
-from transformer.optim import load_optimizer_state
-from transformer.resume import RunState
-from transformer.vocab import Vocab
+from transformer.model.transformer import Transformer
+from transformer.training.optim import load_optimizer_state
+from transformer.training.run_state import RunState
+from transformer.data.vocab import Vocab
 
 FORMAT = "transformer-checkpoint-v1"
 

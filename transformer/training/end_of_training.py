@@ -12,18 +12,18 @@ from typing import Optional
 
 import torch
 
-from transformer.atomic import atomic_write, step_checkpoints
-from transformer.average import average_checkpoints
-from transformer.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
+from transformer.files import atomic_write, step_checkpoints
+from transformer.training.average import average_checkpoints
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
-from transformer.corpus import has_split, load_split
+from transformer.data.corpus import has_split, load_split
 from transformer.device import tf32_matmuls
 from transformer.errors import UserError
-from transformer.evaluate import length_ratio, translate_and_score
-from transformer.resume import stop_at_once
-from transformer.runlog import read_metrics
-from transformer.store import Store
-from transformer.vocab import Vocab
+from transformer.inference.evaluation import length_ratio, translate_and_score
+from transformer.training.run_state import stop_at_once
+from transformer.training.metrics import read_metrics
+from transformer.data.store import Store
+from transformer.data.vocab import Vocab
 
 log = logging.getLogger("transformer")
 

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from transformer.atomic import check_output_path, refuse_directory
+from transformer.files import check_output_path, refuse_directory
 from transformer.errors import UserError, out_of_memory_names
 
 DPI = 100
@@ -220,7 +220,7 @@ def positional_encoding(d_model: int, length: int):
     if d_model * length > MAX_TABLE_VALUES:  # drawn as one image, and held in memory as one table
         raise UserError(f"--length x --d-model is {length:,} x {d_model:,}; the plotted table may hold at most "
                         f"{MAX_TABLE_VALUES:,} values")
-    from transformer.model import PositionalEncoding
+    from transformer.model.transformer import PositionalEncoding
 
     with out_of_memory_names(f"the table of --length {length} x --d-model {d_model}"):
         table = PositionalEncoding(d_model, length).table.numpy()
@@ -306,7 +306,7 @@ def write_attention_figures(
     """One figure per kind: the layers x heads grid, the chosen layer's or head's row/column,
     or one large map when both are given. A single figure goes to `out` itself; several go to
     `out` with _encoder, _decoder, _cross before the suffix."""
-    from transformer.attention_maps import KEY_AXIS, QUERY_AXIS, TITLES
+    from transformer.visualize.attention import KEY_AXIS, QUERY_AXIS, TITLES
 
     out = output_path(out, "attention")
     for kind in kinds:

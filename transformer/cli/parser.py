@@ -11,7 +11,7 @@ import sys
 import traceback
 from typing import NoReturn, Optional, Sequence
 
-from transformer import commands
+from transformer.cli import commands
 from transformer.errors import UserError
 
 
@@ -33,7 +33,7 @@ class _IntermixedParser(argparse.ArgumentParser):
 def _sentence(argument: str) -> str:
     """A sentence given as an argument: a byte the locale cannot decode reaches Python as a lone surrogate,
     which neither SentencePiece nor a figure's title can take; it becomes U+FFFD, as in a stream."""
-    from transformer.vocab import valid_text  # here: `transformer --help` imports nothing heavy
+    from transformer.data.vocab import valid_text  # here: `transformer --help` imports nothing heavy
 
     return valid_text(argument)
 

@@ -48,9 +48,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer.batch import causal_mask, padding_mask
-from transformer.model import evaluating
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.data.batch import causal_mask, padding_mask
+from transformer.model.transformer import evaluating
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 
 StopRule = Literal["exact", "early"]
 STOP_RULES: tuple[str, ...] = ("exact", "early")

@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from transformer.atomic import check_output_path, step_checkpoints
-from transformer.checkpoint import WEIGHT_KEYS, load_checkpoint, save_checkpoint, weights_checkpoint
+from transformer.files import check_output_path, step_checkpoints
+from transformer.model.checkpoint import WEIGHT_KEYS, load_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.errors import UserError
 
 def last_step_checkpoints(run_dir: str | Path, n: int) -> list[Path]:

@@ -26,17 +26,17 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.exceptions import HTTPException
 
-from transformer.attention_maps import KINDS, inspect_attention
-from transformer.batch import prepare_sources, source_limit
-from transformer.batcher import Batcher
-from transformer.checkpoint import resolve_checkpoint
+from transformer.visualize.attention import KINDS, inspect_attention
+from transformer.data.batch import prepare_sources, source_limit
+from transformer.serve.request_batching import Batcher
+from transformer.model.checkpoint import resolve_checkpoint
 from transformer.errors import UserError, first_line, is_out_of_memory
-from transformer.http_guard import (BACKLOG, MAX_HEAD, Drain, DrainingServer, RequestGuard, allowed_hosts,
+from transformer.serve.http_guard import (BACKLOG, MAX_HEAD, Drain, DrainingServer, RequestGuard, allowed_hosts,
                                     open_file_budget, protocol_class)
-from transformer.model import PositionalEncoding
-from transformer.search import TraceStep, search
-from transformer.translate import Translator
-from transformer.vocab import valid_text
+from transformer.model.transformer import PositionalEncoding
+from transformer.inference.search import TraceStep, search
+from transformer.inference.translator import Translator
+from transformer.data.vocab import valid_text
 
 STATIC = Path(__file__).parent / "static"
 
@@ -326,7 +326,7 @@ async def _hung_up(request: Request) -> None:
 
 def _validation_at(run_dir: Path, step: Optional[int]) -> dict:
     """The validation figures metrics.jsonl holds for `step` (loss, ppl, bleu...), when the run directory has them."""
-    from transformer.runlog import read_metrics
+    from transformer.training.metrics import read_metrics
 
     try:
         rows = read_metrics(run_dir)
@@ -504,7 +504,7 @@ def run_serve(checkpoint: str, host: str, port: int, settings: ServeSettings, de
     resolve_checkpoint(checkpoint)
     check_beam_setting(beam, settings)
     if engine == "ctranslate2":
-        from transformer.export import require_ctranslate2
+        from transformer.inference.ctranslate2_engine import require_ctranslate2
 
         require_ctranslate2()
     connections, note = open_file_budget(settings.max_connections)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer.config import Config
-from transformer.vocab import PAD_ID
+from transformer.data.vocab import PAD_ID
 
 
 def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:

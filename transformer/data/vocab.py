@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
-from transformer.atomic import atomic_write
+from transformer.files import atomic_write
 from transformer.errors import UserError
 
 # The special ids, fixed for every model this package trains.

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from transformer.device import Peak
 from transformer.distributed import DistInfo
 from transformer.errors import UserError
-from transformer.model import training_flops
+from transformer.model.transformer import training_flops
 
 log = logging.getLogger("transformer")
 

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 
 if TYPE_CHECKING:
-    from transformer.store import Corpus
+    from transformer.data.store import Corpus
 
 
 def round_up(n, multiple: int):

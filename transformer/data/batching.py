@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from transformer.batch import Batch, round_up
+from transformer.data.batch import Batch, round_up
 from transformer.config import DataConfig
 from transformer.device import cuda_index
 from transformer.errors import UserError

@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from transformer.atomic import current_umask
-from transformer.checkpoint import load_model, resolve_checkpoint
+from transformer.files import current_umask
+from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.errors import UserError
 
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which our model uses

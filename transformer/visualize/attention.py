@@ -9,11 +9,11 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from transformer.batch import causal_mask, padding_mask, prepare_sources, source_limit, target_mask
+from transformer.data.batch import causal_mask, padding_mask, prepare_sources, source_limit, target_mask
 from transformer.errors import UserError
-from transformer.model import Transformer, evaluating
-from transformer.search import search
-from transformer.vocab import BOS_ID, Vocab
+from transformer.model.transformer import Transformer, evaluating
+from transformer.inference.search import search
+from transformer.data.vocab import BOS_ID, Vocab
 
 KINDS = ("encoder", "decoder", "cross")
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from transformer.atomic import STEP_FILE, TEMP_SUFFIX, atomic_write, is_run_file, step_checkpoints
+from transformer.files import STEP_FILE, TEMP_SUFFIX, atomic_write, is_run_file, step_checkpoints
 from transformer.config import Config, apply_overrides, from_dict, read_yaml, to_dict, written_by_train
 from transformer.errors import UserError
 
@@ -254,7 +254,7 @@ def check_run_dir(run_dir: Path, resume: bool = False) -> None:
         how = f"add --resume to continue from {other.name}; " if other is not None else ""
         raise UserError(f"train.run_dir {run_dir} holds checkpoints ({shown}) but no last.pt; {how}to start a new "
                         "run, set train.run_dir to a new directory")
-    from transformer.store import is_ours  # numpy and the corpus readers: only where a run directory is checked
+    from transformer.data.store import is_ours  # numpy and the corpus readers: only where a run directory is checked
 
     foreign = sorted(p.name for p in run_dir.iterdir()
                      if not (is_run_file(p.name) or p.name == "eval" or p.name.endswith(TEMP_SUFFIX))

@@ -13,16 +13,16 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from transformer.batch import prepare_sources, source_limit
-from transformer.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+from transformer.data.batch import prepare_sources, source_limit
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from transformer.config import DecodeConfig, lenpen_problem
-from transformer.data import pack_by_size
+from transformer.data.batching import pack_by_size
 from transformer.device import auto_precision, native_bf16, pick_device
 from transformer.errors import UserError
-from transformer.model import count_parameters, evaluating
-from transformer.search import (STOP_RULES, Hypothesis, SearchResult, beam_above_vocabulary, length_penalty,
+from transformer.model.transformer import count_parameters, evaluating
+from transformer.inference.search import (STOP_RULES, Hypothesis, SearchResult, beam_above_vocabulary, length_penalty,
                                 max_output_lengths, search)
-from transformer.vocab import Vocab
+from transformer.data.vocab import Vocab
 
 DTYPES = ("auto", "fp32", "bf16", "int8")
 ENGINES = ("ours", "ctranslate2")
@@ -43,7 +43,7 @@ def pick_dtype(name: str, device: torch.device, engine: str = "ours") -> tuple[s
     if name != "auto":
         return name, "asked for"
     if engine == "ctranslate2":
-        from transformer.export import require_ctranslate2
+        from transformer.inference.ctranslate2_engine import require_ctranslate2
 
         if CT2_COMPUTE_TYPES["bf16"] in require_ctranslate2().get_supported_compute_types(device.type):
             return "bf16", f"auto: CTranslate2 computes bf16 on this {device.type}"
@@ -259,24 +259,24 @@ class Translator:
             if not keep_model:
                 self.model = None  # converted: the PyTorch copy is not needed any more
         elif self.dtype == "bf16" and self.device.type == "cpu":
-            from transformer.quantize import pack_bf16
+            from transformer.inference.weight_formats import pack_bf16
 
             self.model = pack_bf16(self.model)
         elif self.dtype == "bf16":
             self.model = self.model.to(torch.bfloat16)
         elif self.dtype == "int8":
-            from transformer.quantize import quantize_int8
+            from transformer.inference.weight_formats import quantize_int8
 
             self.model = quantize_int8(self.model)
         elif self.device.type == "cpu":
-            from transformer.quantize import input_major
+            from transformer.inference.weight_formats import input_major
 
             self.model = input_major(self.model)
         self.lines_seen = 0  # numbers the lines in truncation warnings across streamed chunks
         self.lines_truncated = 0
 
     def _load_ctranslate2(self, checkpoint):
-        from transformer.export import cached_conversion, require_ctranslate2
+        from transformer.inference.ctranslate2_engine import cached_conversion, require_ctranslate2
 
         ctranslate2 = require_ctranslate2()
         model_dir = cached_conversion(checkpoint)

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer.batch import CAUSAL, Causal, attention_bias, causal_mask
-from transformer.cache import DecoderCache, KVCache, by_row, by_source
+from transformer.data.batch import CAUSAL, Causal, attention_bias, causal_mask
+from transformer.model.kv_cache import DecoderCache, KVCache, by_row, by_source
 from transformer.config import ModelConfig
 from transformer.errors import UserError, out_of_memory_names
 

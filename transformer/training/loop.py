@@ -16,25 +16,25 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from transformer.atomic import remove_stale_temporaries, step_checkpoints
-from transformer.batch import Batch
-from transformer.checkpoint import load_checkpoint, load_resumable, restore_training, save_checkpoint, training_checkpoint
+from transformer.files import remove_stale_temporaries, step_checkpoints
+from transformer.data.batch import Batch
+from transformer.model.checkpoint import load_checkpoint, load_resumable, restore_training, save_checkpoint, training_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
-from transformer.data import BatchStream, Prefetcher, Update, eval_batches
+from transformer.data.batching import BatchStream, Prefetcher, Update, eval_batches
 from transformer.device import (Peak, autocast_context, cuda_memory_peaks, default_cuda_allocator, mfu_peak,
                                pick_precision, tf32_matmuls)
 from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
                                      peer_failure_explained, shutdown_distributed, wrap_ddp)
 from transformer.errors import UserError, first_line, is_out_of_memory
-from transformer.evaluate import evaluate_loss, validation_bleu
-from transformer.model import Transformer, build_model, count_parameters
-from transformer.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
-from transformer.resume import (ConfigChange, RunLock, RunState, StopRequested, check_resume_config, check_run_dir,
+from transformer.inference.evaluation import evaluate_loss, validation_bleu
+from transformer.model.transformer import Transformer, build_model, count_parameters
+from transformer.training.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
+from transformer.training.run_state import (ConfigChange, RunLock, RunState, StopRequested, check_resume_config, check_run_dir,
                                 continue_hint, make_run_dir, newest_resumable, put_back, resume_command, rng_state,
                                 set_rng_state, stop_at_once)
-from transformer.runlog import MetricsLog, Progress, setup_logging
-from transformer.store import Store, open_prepared, prepare
-from transformer.vocab import Vocab
+from transformer.training.metrics import MetricsLog, Progress, setup_logging
+from transformer.data.store import Store, open_prepared, prepare
+from transformer.data.vocab import Vocab
 
 log = logging.getLogger("transformer")
 
@@ -477,6 +477,6 @@ def end(run: Run) -> None:
                 f"{mib(by_key['peak_cuda_reserved_mib'])} reserved" if by_key else "")
     log.info("done: %d steps; checkpoints in %s; peak memory %s%s", run.state.step, run.run_dir, mib(peak), gpu_line)
     if run.cfg.train.finish and run.info.is_main:
-        from transformer.finish import end_of_training
+        from transformer.training.end_of_training import end_of_training
 
         end_of_training(run.run_dir, run.cfg, run.state.step, run.device)

@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Sequence, TextIO
 from tqdm import tqdm
 
 from transformer.errors import UserError
-from transformer.translate import MAX_LINE_CHARS, Translator
+from transformer.inference.translator import MAX_LINE_CHARS, Translator
 
 # An --input file is translated and written this many lines at a time: a stop keeps what was done, and each
 # chunk is still large enough for length batching to leave little padding.
@@ -183,7 +183,7 @@ def output_lines(output: Optional[str]) -> Iterator[TextIO]:
 def _terminate_as_exit() -> Iterator[None]:
     """SIGTERM (`kill`, a job scheduler) raises SystemExit(143) as Ctrl-C raises KeyboardInterrupt, so that
     output_lines says where the translated lines are; by default it would end the process on the spot."""
-    from transformer.resume import restore_handlers, set_stop_handlers
+    from transformer.training.run_state import restore_handlers, set_stop_handlers
 
     def handle(signum, frame):
         raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(143)
@@ -210,8 +210,8 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
                   device: str, dtype: str = "fp32", stop: Optional[str] = None, engine: str = "ours",
                   workers: Optional[int] = None) -> None:
     """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line."""
-    from transformer.atomic import check_output_path
-    from transformer.corpus import read_lines
+    from transformer.files import check_output_path
+    from transformer.data.corpus import read_lines
 
     if sentences and input:
         raise UserError("translate: give sentences as arguments or --input FILE, not both")

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from transformer.translate import Translator
+from transformer.inference.translator import Translator
 
 
 @dataclass

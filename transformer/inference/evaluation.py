@@ -16,12 +16,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from transformer.atomic import atomic_write
+from transformer.files import atomic_write
 from transformer.device import autocast_context
 from transformer.distributed import DistInfo, all_reduce_sum
 from transformer.errors import UserError
-from transformer.model import evaluating
-from transformer.optim import label_smoothed_loss
+from transformer.model.transformer import evaluating
+from transformer.training.optim import label_smoothed_loss
 
 
 def length_ratio(scores: dict) -> float:
@@ -69,7 +69,7 @@ def translate_and_score(model, vocab, sources: Sequence[Sequence[int]], referenc
                         lenpen: float, decode, device) -> tuple[dict, list[str]]:
     """BLEU and chrF (bleu_chrf) of a model in memory translating `sources` (subword ids) with the search
     settings of `decode` (a DecodeConfig) but `beam` and `lenpen`; and the translations."""
-    from transformer.translate import translate_ids
+    from transformer.inference.translator import translate_ids
 
     ids = translate_ids(model, sources, beam, lenpen, decode.max_len_offset, decode.max_tokens, device, decode.stop,
                         decode.workers)
@@ -132,8 +132,8 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
                  stop: Optional[str] = None, engine: str = "ours", workers: Optional[int] = None) -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files), score, write .hyp and .json."""
     from transformer.config import split_name_problem
-    from transformer.corpus import load_split, read_parallel, resolve_split
-    from transformer.translate import Translator
+    from transformer.data.corpus import load_split, read_parallel, resolve_split
+    from transformer.inference.translator import Translator
 
     if (src is None) != (ref is None):
         raise UserError("evaluate: --src and --ref go together")

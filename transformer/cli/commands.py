@@ -12,8 +12,8 @@ from transformer.errors import UserError, out_of_memory_names
 
 def cmd_train(args: argparse.Namespace) -> None:
     from transformer.config import load_config
-    from transformer.resume import run_config
-    from transformer.train import train
+    from transformer.training.run_state import run_config
+    from transformer.training.loop import train
 
     config, resume = args.config, args.resume
     if isinstance(resume, str) and config is None and Path(resume).is_file():
@@ -57,7 +57,7 @@ def _dtype(args: argparse.Namespace) -> str:
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     from transformer.config import load_config
-    from transformer.train import prepare_only
+    from transformer.training.loop import prepare_only
 
     cfg = load_config(args.config, args.set)
     print(prepare_only(cfg))
@@ -65,9 +65,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 def cmd_finish(args: argparse.Namespace) -> None:
     from transformer.device import pick_device
-    from transformer.finish import finish
-    from transformer.resume import RunLock
-    from transformer.runlog import setup_logging
+    from transformer.training.end_of_training import finish
+    from transformer.training.run_state import RunLock
+    from transformer.training.metrics import setup_logging
     from transformer.distributed import DistInfo
 
     run_dir = Path(args.run)
@@ -79,10 +79,10 @@ def cmd_finish(args: argparse.Namespace) -> None:
 
 
 def cmd_attention(args: argparse.Namespace) -> None:
-    from transformer.checkpoint import load_model
-    from transformer.attention_maps import KINDS, inspect_attention
-    from transformer.plots import output_path, write_attention_figures
-    from transformer.search import beam_above_vocabulary
+    from transformer.model.checkpoint import load_model
+    from transformer.visualize.attention import KINDS, inspect_attention
+    from transformer.visualize.plots import output_path, write_attention_figures
+    from transformer.inference.search import beam_above_vocabulary
 
     output_path(args.out, "attention")  # a bad suffix or a directory fails before the model is loaded
     _check_beam(args.beam)
@@ -101,21 +101,21 @@ def cmd_attention(args: argparse.Namespace) -> None:
 
 
 def cmd_plot_positions(args: argparse.Namespace) -> None:
-    from transformer.plots import positional_encoding, save
+    from transformer.visualize.plots import positional_encoding, save
 
     print(save(positional_encoding(args.d_model, args.length), args.out, "plot-positions"))
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    from transformer.plots import save, training_curves
-    from transformer.runlog import read_metrics
+    from transformer.visualize.plots import save, training_curves
+    from transformer.training.metrics import read_metrics
 
     x = "elapsed" if args.x == "time" else "step"
     print(save(training_curves(read_metrics(args.run), title=f"Training: {args.run}", x=x), args.out))
 
 
 def cmd_translate(args: argparse.Namespace) -> None:
-    from transformer.translate_io import run_translate
+    from transformer.cli.translate_io import run_translate
 
     _check_search_args(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
@@ -124,7 +124,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from transformer.evaluate import run_evaluate
+    from transformer.inference.evaluation import run_evaluate
 
     _check_search_args(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
@@ -133,7 +133,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from transformer.export import run_export
+    from transformer.inference.ctranslate2_engine import run_export
 
     run_export(args.checkpoint, args.out, args.quantization, args.force)
 
@@ -146,7 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be between 0 and 65535, got {args.port}")
     try:
-        from transformer.serve import ServeSettings, run_serve
+        from transformer.serve.app import ServeSettings, run_serve
     except ModuleNotFoundError as e:
         if e.name not in SERVE_MODULES:
             raise
@@ -162,7 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_average(args: argparse.Namespace) -> None:
-    from transformer.average import average
+    from transformer.training.average import average
 
     target, paths = average(args.inputs, args.last, args.output)
     names = ", ".join(p.name for p in paths)

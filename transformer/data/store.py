@@ -31,12 +31,12 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from transformer.atomic import atomic_write, remove_stale_temporaries
+from transformer.files import atomic_write, remove_stale_temporaries
 from transformer.config import Config
-from transformer.corpus import SPLIT_ALIASES, RawSplit, chain_lines, has_split, open_split
-from transformer.data import keep_mask
+from transformer.data.corpus import SPLIT_ALIASES, RawSplit, chain_lines, has_split, open_split
+from transformer.data.batching import keep_mask
 from transformer.errors import UserError
-from transformer.vocab import Vocab, train_vocab
+from transformer.data.vocab import Vocab, train_vocab
 
 log = logging.getLogger("transformer")
 
