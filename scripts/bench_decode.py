@@ -36,7 +36,7 @@ import torch
 from transformer.data.batch import prepare_sources
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
-from transformer.inference.evaluation import bleu_chrf
+from transformer.inference.scoring import bleu_chrf
 from transformer.inference.search import STOP_RULES
 from transformer.inference.translator import (CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_batches,
                                    search_ids, search_workers, source_batches)

@@ -8,7 +8,8 @@ import torch
 
 from tests.conftest import batches_equal, random_pairs
 from transformer.data.batch import (CAUSAL, Batch, attention_bias, causal_mask, pad_sequences, padding_mask,
-                               prepare_sources, round_up, source_limit, target_mask)
+                               prepare_sources, source_limit, target_mask)
+from transformer.config import round_up
 from transformer.config import from_dict
 from transformer.errors import UserError
 from transformer.data.store import Corpus

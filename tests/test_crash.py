@@ -301,7 +301,7 @@ def test_printed_resume_command_keeps_the_overrides_and_continues_the_same_run(t
 
 def test_a_second_signal_stops_at_once_without_saving():
     """The first Ctrl-C asks the loop to save and stop after the update; a second one must not wait for that."""
-    from transformer.training.run_state import StopRequested
+    from transformer.signals import StopRequested
 
     with StopRequested() as stop:
         os.kill(os.getpid(), signal.SIGINT)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import LINES, random_pairs, read_metrics, subprocess_env, tiny_config
-from transformer.inference import evaluation as evaluate_module
+from transformer.training import validation as validation_module
 from transformer.model import transformer as model_module
 from transformer.training import loop as train_module
 from transformer.data.batch import Batch, prepare_sources
@@ -26,7 +26,7 @@ from transformer.device import autocast_context, datasheet_tflops
 from transformer.distributed import DistInfo, init_distributed
 from transformer.errors import UserError
 from transformer.model.transformer import Transformer
-from transformer.training.run_state import StopRequested
+from transformer.signals import StopRequested
 from transformer.inference.search import search
 from transformer.data.store import Corpus, open_prepared
 from transformer.training.loop import TrainingLoss, train
@@ -91,14 +91,14 @@ def test_cuda_training_learns_and_logs_gpu_memory_and_mfu(tmp_path, precision):
 
 def test_tf32_is_on_while_training_in_fp32_and_off_after(tmp_path, monkeypatch):
     seen = set()
-    real = evaluate_module.label_smoothed_loss
+    real = validation_module.label_smoothed_loss
 
     def spy(*args, **kwargs):
         seen.add(torch.backends.cuda.matmul.allow_tf32)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(train_module, "label_smoothed_loss", spy)
-    monkeypatch.setattr(evaluate_module, "label_smoothed_loss", spy)
+    monkeypatch.setattr(validation_module, "label_smoothed_loss", spy)
     before = torch.backends.cuda.matmul.allow_tf32
     train(from_dict(cuda_config(tmp_path, max_steps=4, valid_every=2, precision="fp32")), quiet=True)
     assert seen == {True} and torch.backends.cuda.matmul.allow_tf32 == before

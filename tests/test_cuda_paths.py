@@ -24,13 +24,13 @@ import torch.nn.functional as F
 
 from tests.conftest import LINES, ROOT, random_pairs, read_metrics, subprocess_env, tiny_config
 from transformer import device as device_module
-from transformer.inference import evaluation as evaluate_module
+from transformer.training import validation as validation_module
 from transformer.training import end_of_training as finish_module
 from transformer.model import transformer as model_module
 from transformer.inference import search as search_module
 from transformer.training import loop as train_module
 from transformer.data.batch import CAUSAL, Batch, prepare_sources, target_mask
-from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, restore_training
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batching import BatchStream, Prefetcher
 from transformer.device import (ALLOC_CONF_VARIABLES, DEFAULT_ALLOC_CONF, Peak, autocast_context, cuda_memory_peaks,
@@ -39,7 +39,8 @@ from transformer.distributed import DistInfo, init_distributed, wrap_ddp
 from transformer.errors import UserError
 from transformer.model.transformer import TokenPacking, Transformer
 from transformer.training.optim import build_optimizer
-from transformer.training.run_state import StopRequested, rng_state, set_rng_state
+from transformer.signals import StopRequested
+from transformer.training.run_state import restore_training, rng_state, set_rng_state
 from transformer.inference.search import search
 from transformer.data.store import Corpus, open_prepared
 from transformer.training.loop import TrainingLoss, check_compile, make_grad_scaler, train
@@ -172,7 +173,7 @@ def test_training_validation_and_the_end_of_training_compute_with_tf32_on(tmp_pa
         return wrapped
 
     monkeypatch.setattr(train_module, "label_smoothed_loss", spy("train", train_module.label_smoothed_loss))
-    monkeypatch.setattr(evaluate_module, "label_smoothed_loss", spy("valid", evaluate_module.label_smoothed_loss))
+    monkeypatch.setattr(validation_module, "label_smoothed_loss", spy("valid", validation_module.label_smoothed_loss))
     monkeypatch.setattr(finish_module, "translate_and_score", spy("finish", finish_module.translate_and_score))
     before = torch.backends.cuda.matmul.allow_tf32
     train(from_dict(tiny_config(tmp_path, train={"max_steps": 4, "valid_every": 2, "finish": True})), quiet=True)

@@ -17,7 +17,7 @@ from transformer.model.checkpoint import load_checkpoint
 from transformer.config import from_dict
 from transformer.distributed import DistInfo, peer_failure_explained
 from transformer.errors import UserError
-from transformer.training.run_state import StopRequested, stop_at_once
+from transformer.signals import StopRequested, stop_at_once
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 

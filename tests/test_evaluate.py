@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import SENTENCES
 from transformer.inference import evaluation as evaluate_module
-from transformer.inference.evaluation import bleu_chrf
+from transformer.inference.scoring import bleu_chrf
 from transformer.inference.translator import Translator
 
 # Result names carry the dtype unless it is fp32, and --dtype auto is bf16 on CPUs with native bf16: tests of
@@ -133,7 +133,7 @@ def test_validation_loss_nll_and_perplexity_per_target_token():
     from tests.conftest import random_pairs
     from transformer.data.batch import Batch
     from transformer.config import ModelConfig
-    from transformer.inference.evaluation import evaluate_loss
+    from transformer.training.validation import evaluate_loss
     from transformer.model.transformer import Transformer
     from transformer.data.vocab import PAD_ID
 
@@ -154,7 +154,7 @@ def test_validation_loss_nll_and_perplexity_per_target_token():
 
 
 def test_length_ratio_is_hypothesis_over_reference():
-    from transformer.inference.evaluation import length_ratio
+    from transformer.inference.scoring import length_ratio
 
     assert length_ratio({"sys_len": 8, "ref_len": 10}) == 0.8  # below 1: too short, the brevity penalty applies
     assert length_ratio(bleu_chrf(["a dog"], ["a dog runs fast"])) == pytest.approx(0.5)

@@ -261,7 +261,7 @@ def test_metrics_rows_without_a_numeric_step_are_skipped(tmp_path):
 
 def test_a_tie_keeps_the_configured_search_settings(tmp_path):
     """Equal BLEU everywhere: the configured beam and length penalty stay (a wider beam is only slower)."""
-    from transformer.inference.evaluation import bleu_chrf
+    from transformer.inference.scoring import bleu_chrf
 
     cfg = from_dict(tiny_config(tmp_path, decode={"beam": 4, "lenpen": 0.6}))
     same = {**bleu_chrf(["a dog runs"], ["a dog runs"]), "bleu": 30.0}

@@ -10,7 +10,8 @@ import torch
 from tests.conftest import ROOT, random_pairs
 from transformer.data.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.config import ModelConfig, load_config
-from transformer.model.transformer import (MultiHeadAttention, PositionalEncoding, TokenPacking, Transformer, count_parameters,
+from transformer.model.positions import PositionalEncoding
+from transformer.model.transformer import (MultiHeadAttention, TokenPacking, Transformer, count_parameters,
                                evaluating)
 from transformer.data.vocab import PAD_ID
 

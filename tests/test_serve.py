@@ -22,7 +22,8 @@ from transformer.inference import translator as translate_module
 from transformer.model.checkpoint import load_model, save_checkpoint
 from transformer.config import from_dict, to_dict
 from transformer.device import cpu_description
-from transformer.model.transformer import PositionalEncoding, Transformer, count_parameters
+from transformer.model.positions import PositionalEncoding
+from transformer.model.transformer import Transformer, count_parameters
 from transformer.inference.translator import Translator
 from transformer.data.vocab import train_vocab
 

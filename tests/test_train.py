@@ -15,7 +15,7 @@ import torch
 
 from tests.conftest import (assert_same_training_state, cli, read_metrics, shared_data_dir, tiny_config,
                             write_config, write_corpus)
-from transformer.inference import evaluation as evaluate
+from transformer.inference import scoring
 from transformer.training import loop as train_module
 from transformer.files import TEMP_SUFFIX
 from transformer.data.batch import Batch
@@ -191,14 +191,14 @@ def test_short_run_on_real_multi30k_lowers_validation_loss(tmp_path):
 def test_validation_bleu_picks_best_and_early_stopping_follows_patience(tmp_path, monkeypatch):
     # The real BLEU of each validation is computed, then replaced by a scripted score: best at the second
     # validation, then a worse one and a tie (no improvement either), so patience 2 stops the run at step 8.
-    real, scripted = evaluate.bleu_chrf, itertools.chain([10.0, 12.0, 11.0, 12.0], itertools.count(13.0))
+    real, scripted = scoring.bleu_chrf, itertools.chain([10.0, 12.0, 11.0, 12.0], itertools.count(13.0))
 
     def scripted_bleu(hypotheses, references):
         scores = real(hypotheses, references)
         assert 0 <= scores["bleu"] <= 100 and len(hypotheses) == len(references) > 0
         return {**scores, "bleu": next(scripted)}
 
-    monkeypatch.setattr(evaluate, "bleu_chrf", scripted_bleu)
+    monkeypatch.setattr(scoring, "bleu_chrf", scripted_bleu)
     raw = tiny_config(tmp_path, train={"max_steps": 40, "valid_every": 2, "valid_bleu": True, "patience": 2,
                                        "log_every": 2})
     run_dir = train(from_dict(raw), quiet=True)
@@ -256,7 +256,7 @@ def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipp
     from transformer.data.batching import BatchStream
     from transformer.distributed import DistInfo
     from transformer.training.optim import label_smoothed_loss
-    from transformer.training.run_state import StopRequested
+    from transformer.signals import StopRequested
     from transformer.data.store import open_prepared
     from transformer.data.vocab import PAD_ID
 
@@ -370,7 +370,7 @@ def test_resume_restarts_the_epoch_when_the_data_order_changes(tmp_path, change,
 def test_restore_training_puts_back_the_fp16_loss_scale():
     """Without it a resumed fp16 run starts again at 65,536 and skips updates on overflow until the scale has
     come down: the continuation would no longer be the uninterrupted run."""
-    from transformer.model.checkpoint import restore_training
+    from transformer.training.run_state import restore_training
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters())
@@ -382,7 +382,8 @@ def test_restore_training_puts_back_the_fp16_loss_scale():
 
 
 def test_foreign_files_and_incomplete_counters_are_refused(tmp_path):
-    from transformer.model.checkpoint import load_checkpoint, load_resumable
+    from transformer.model.checkpoint import load_checkpoint
+    from transformer.training.run_state import load_resumable
 
     torch.save({"model": {}}, tmp_path / "foreign.pt")  # a dict, but not one this package wrote
     with pytest.raises(UserError, match="is not a checkpoint written by this package"):

@@ -15,8 +15,12 @@ from typing import Any, Literal, Optional, Tuple
 import yaml
 
 from transformer.files import atomic_write
-from transformer.data.batch import round_up
 from transformer.errors import UserError
+
+
+def round_up(n, multiple: int):
+    """n rounded up to a multiple (ints or numpy arrays)."""
+    return -(-n // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,8 @@ class ModelConfig:
     dropout: float = 0.1               # on embeddings+positions and on each sub-layer output
     attention_dropout: float = 0.0     # on the attention probabilities
     activation_dropout: float = 0.0    # after the ReLU inside the feed-forward
-    max_positions: int = 1024          # sinusoid table length; longest sequence the model accepts
+    max_positions: int = 1024          # longest sequence the model accepts (and the sinusoid table's length)
+    positions: Literal["sinusoidal"] = "sinusoidal"  # how positions are told apart: model/positions.py
     norm: Literal["post", "pre"] = "post"  # post: the paper's Add&Norm; pre: LayerNorm before each sub-layer
     share_embeddings: bool = True      # one embedding matrix for source and target (joint vocabulary)
     tie_output: bool = True            # output projection reuses the target embedding matrix

@@ -183,7 +183,7 @@ def output_lines(output: Optional[str]) -> Iterator[TextIO]:
 def _terminate_as_exit() -> Iterator[None]:
     """SIGTERM (`kill`, a job scheduler) raises SystemExit(143) as Ctrl-C raises KeyboardInterrupt, so that
     output_lines says where the translated lines are; by default it would end the process on the spot."""
-    from transformer.training.run_state import restore_handlers, set_stop_handlers
+    from transformer.signals import restore_handlers, set_stop_handlers
 
     def handle(signum, frame):
         raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(143)

@@ -18,15 +18,11 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from transformer.config import round_up
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 
 if TYPE_CHECKING:
     from transformer.data.store import Corpus
-
-
-def round_up(n, multiple: int):
-    """n rounded up to a multiple (ints or numpy arrays)."""
-    return -(-n // multiple) * multiple
 
 
 def padding_mask(tokens: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Encoded pairs to training batches: the length filter, numpy token batching (an epoch of millions of pairs in
+"""Encoded pairs to training batches: numpy token batching (an epoch of millions of pairs in
 about a second), the resumable batch stream, and the thread that prepares the next update while one computes."""
 
 from __future__ import annotations
@@ -12,20 +12,13 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from transformer.data.batch import Batch, round_up
-from transformer.config import DataConfig
+from transformer.config import DataConfig, round_up
+from transformer.data.batch import Batch
 from transformer.device import cuda_index
 from transformer.errors import UserError
 
 
 # --------------------------------------------------------------------------- filtering and batching on lengths
-
-def keep_mask(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(kept, dropped as blank, dropped as too long), boolean per pair: the training filter."""
-    blank = (src_len == 0) | (tgt_len == 0)
-    long = ~blank & ((src_len > max_len) | (tgt_len > max_len))
-    return ~blank & ~long, blank, long
-
 
 def pack_by_size(order: Sequence[int], sizes: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Cut `order` into consecutive batches whose count x largest size stays within max_tokens

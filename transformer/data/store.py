@@ -34,7 +34,6 @@ from tqdm import tqdm
 from transformer.files import atomic_write, remove_stale_temporaries
 from transformer.config import Config
 from transformer.data.corpus import SPLIT_ALIASES, RawSplit, chain_lines, has_split, open_split
-from transformer.data.batching import keep_mask
 from transformer.errors import UserError
 from transformer.data.vocab import Vocab, train_vocab
 
@@ -47,6 +46,13 @@ BUILDING = "building.json"
 SPLITS = ("train", "valid")
 SIDES = ("src", "tgt")
 PROGRESS_LOG_SECONDS = 30.0  # how often encoding logs how far it is when no progress bar shows it
+
+
+def keep_mask(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(kept, dropped as blank, dropped as too long), boolean per pair: the training filter."""
+    blank = (src_len == 0) | (tgt_len == 0)
+    long = ~blank & ((src_len > max_len) | (tgt_len > max_len))
+    return ~blank & ~long, blank, long
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from transformer.files import current_umask
+from transformer.model.positions import ctranslate2_encodings
 from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.errors import UserError
 
@@ -55,7 +56,7 @@ def build_spec(model, pieces: list[str]):
     spec = transformer_spec.TransformerSpec.from_config(
         (c.n_encoder_layers, c.n_decoder_layers), c.n_heads, pre_norm=c.norm == "pre",
         no_final_norm=c.norm == "post", activation=common_spec.Activation.RELU)
-    table = model.positions.table.float().numpy()  # (P, C): our interleaved sin/cos, not CTranslate2's own
+    table = ctranslate2_encodings(model)  # (P, C)
     for side, embedding, final_norm in ((spec.encoder, model.src_embed, model.encoder_norm),
                                         (spec.decoder, model.tgt_embed, model.decoder_norm)):
         embeddings = side.embeddings[0] if isinstance(side.embeddings, list) else side.embeddings

@@ -1,88 +1,20 @@
-"""Scoring: sacreBLEU (BLEU and chrF, with signatures, and the length ratio), the `evaluate` command, and the
-validation loss and BLEU that training logs."""
+"""The `evaluate` command: translate a split or files, score them (scoring.py), and keep the results by settings."""
 
 from __future__ import annotations
 
 import glob
 import hashlib
 import json
-import math
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
-
-import torch
+from typing import Optional
 
 from transformer.files import atomic_write
-from transformer.device import autocast_context
-from transformer.distributed import DistInfo, all_reduce_sum
 from transformer.errors import UserError
-from transformer.model.transformer import evaluating
-from transformer.training.optim import label_smoothed_loss
-
-
-def length_ratio(scores: dict) -> float:
-    """Hypothesis length over reference length, as sacreBLEU counts them (below 1: translations too short, and
-    the brevity penalty takes its share of BLEU)."""
-    return scores["sys_len"] / max(scores["ref_len"], 1)
-
-
-def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
-    """Corpus BLEU and chrF with sacreBLEU defaults (13a tokenisation, cased), with their signatures."""
-    from sacrebleu.metrics import BLEU, CHRF
-
-    if len(hypotheses) != len(references):
-        raise UserError(f"{len(hypotheses)} hypotheses but {len(references)} references")
-    bleu, chrf = BLEU(), CHRF()
-    b = bleu.corpus_score(list(hypotheses), [list(references)])
-    c = chrf.corpus_score(list(hypotheses), [list(references)])
-    return {
-        "bleu": b.score, "chrf": c.score,
-        "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature()),
-        "bleu_detail": str(b), "chrf_detail": str(c),
-        "bp": b.bp, "sys_len": b.sys_len, "ref_len": b.ref_len, "sentences": len(hypotheses),
-    }
-
-
-@torch.no_grad()
-def evaluate_loss(model, batches, device, precision: str, smoothing: float, info: DistInfo = DistInfo()) -> dict:
-    """Label-smoothed loss and NLL per target token, summed over all ranks' shares; ppl = exp(NLL)."""
-    total = torch.zeros(3, device=device, dtype=torch.float64)  # loss, nll, tokens
-    with evaluating(model, inference=False):  # no_grad above; total is updated in place
-        for batch in batches[info.rank::info.world_size]:
-            batch = batch.to(device)
-            with autocast_context(device, precision):
-                logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-            logits = logits.float()
-            total[0] += label_smoothed_loss(logits, batch.tgt_out, smoothing)
-            total[1] += label_smoothed_loss(logits, batch.tgt_out, 0.0)
-            total[2] += batch.n_tgt_tokens
-    loss, nll, tokens = all_reduce_sum(total, info).tolist()
-    nll = nll / max(tokens, 1)
-    return {"loss": loss / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50.0))}
-
-
-def translate_and_score(model, vocab, sources: Sequence[Sequence[int]], references: Sequence[str], beam: int,
-                        lenpen: float, decode, device) -> tuple[dict, list[str]]:
-    """BLEU and chrF (bleu_chrf) of a model in memory translating `sources` (subword ids) with the search
-    settings of `decode` (a DecodeConfig) but `beam` and `lenpen`; and the translations."""
-    from transformer.inference.translator import translate_ids
-
-    ids = translate_ids(model, sources, beam, lenpen, decode.max_len_offset, decode.max_tokens, device, decode.stop,
-                        decode.workers)
-    hypotheses = vocab.decode(ids)
-    return bleu_chrf(hypotheses, references), hypotheses
-
-
-def validation_bleu(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
-    """sacreBLEU of the model's translations of (a slice of) the validation set, and their length ratio."""
-    n = min(cfg.train.valid_bleu_pairs or len(corpus), len(corpus))
-    scores, _ = translate_and_score(model, vocab, [corpus.source(i) for i in range(n)], refs[:n],
-                                    cfg.train.valid_bleu_beam, cfg.decode.lenpen, cfg.decode, device)
-    return {"bleu": scores["bleu"], "length_ratio": length_ratio(scores)}
+from transformer.inference.scoring import bleu_chrf
 
 
 def _check_writable(eval_dir: Path) -> None:

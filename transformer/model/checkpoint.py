@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +11,6 @@ from transformer.files import atomic_write
 from transformer.config import Config, from_dict
 from transformer.errors import UserError, first_line
 from transformer.model.transformer import Transformer
-from transformer.training.optim import load_optimizer_state
-from transformer.training.run_state import RunState
 from transformer.data.vocab import Vocab
 
 FORMAT = "transformer-checkpoint-v1"
@@ -39,51 +36,14 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
     return state
 
 
-# Every key of a checkpoint. What `transformer average` and the end of training write: weights and what
-# rebuilds the model. What `transformer train` writes and --resume needs: also the optimizer, the fp16 grad
-# scaler, every rank's RNG state and the run's counters (resume.RunState, with the data position).
+# What `transformer average` and the end of training write: weights and what rebuilds the model (training/run_state.py
+# adds what --resume needs).
 WEIGHT_KEYS = ("config", "vocab", "model")
-RESUMABLE_KEYS = WEIGHT_KEYS + ("optimizer", "scaler", "rng", "run")
 
 
 def weights_checkpoint(config: dict, vocab: bytes, model: dict, **about) -> dict:
     """A checkpoint that translate, evaluate and attention load; `about` records where it came from."""
     return {"config": config, "vocab": vocab, "model": model, **about}
-
-
-def training_checkpoint(config: dict, vocab: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        scaler: torch.amp.GradScaler, rngs: list, run: dict, train_order: str) -> dict:
-    """Everything a run continues from (no learning-rate scheduler: the rate is a pure function of the step).
-    train_order: Store.train_order, so that a resume can tell whether run["data"]'s position still applies."""
-    return {**weights_checkpoint(config, vocab, model.state_dict()), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(), "rng": rngs, "run": run, "train_order": train_order}
-
-
-def restore_training(saved: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     scaler: torch.amp.GradScaler) -> None:
-    """Load a resumable checkpoint's weights, optimizer and scaler (the caller restores counters and RNG)."""
-    model.load_state_dict(saved["model"])
-    load_optimizer_state(optimizer, saved["optimizer"])  # with the flags of this run's device
-    if saved["scaler"]:  # empty when the run was saved without fp16
-        scaler.load_state_dict(saved["scaler"])
-
-
-def load_resumable(path: str | Path) -> dict:
-    """A checkpoint that a run can continue from, or a UserError saying why this one cannot be."""
-    state = load_checkpoint(path)
-    missing = [key for key in RESUMABLE_KEYS if key not in state]
-    if missing:
-        what = "weights only, as `transformer average` writes" if "optimizer" in missing else "an incomplete state"
-        raise UserError(f"resume: {path} cannot be resumed: it holds {what} (no {', '.join(missing)}); put the "
-                        "run's own last.pt back, or start a new run in another train.run_dir")
-    counters, saved = {f.name for f in fields(RunState)}, state["run"]
-    if not isinstance(saved, dict) or set(saved) != counters:
-        found = set(saved) if isinstance(saved, dict) else set()
-        unknown, lacking = ", ".join(sorted(found - counters)) or "none", ", ".join(sorted(counters - found))
-        raise UserError(f"resume: {path} cannot be resumed by this version of transformer: its run counters "
-                        f"differ (unknown: {unknown}; missing: {lacking or 'none'}); resume with the version that "
-                        "wrote it, or start a new run in another train.run_dir")
-    return state
 
 
 # What a run directory means to translate, evaluate, attention and serve: the model the end of training chose

@@ -20,30 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer.data.batch import CAUSAL, Causal, attention_bias, causal_mask
+from transformer.model import positions
 from transformer.model.kv_cache import DecoderCache, KVCache, by_row, by_source
 from transformer.config import ModelConfig
 from transformer.errors import UserError, out_of_memory_names
-
-
-class PositionalEncoding(nn.Module):
-    """Sinusoids: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), precomputed."""
-
-    def __init__(self, d_model: int, max_positions: int):
-        super().__init__()
-        position = torch.arange(max_positions, dtype=torch.float32).unsqueeze(1)  # (P, 1)
-        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
-        table = torch.zeros(max_positions, d_model)
-        table[:, 0::2] = torch.sin(position * inv_freq)
-        table[:, 1::2] = torch.cos(position * inv_freq)
-        # Not a parameter and not saved: it is a pure function of (d_model, max_positions).
-        self.register_buffer("table", table, persistent=False)
-
-    def forward(self, length: int, offset: int = 0) -> torch.Tensor:
-        if offset + length > self.table.size(0):
-            raise ValueError(
-                f"sequence of {offset + length} positions exceeds model.max_positions ({self.table.size(0)})"
-            )
-        return self.table[offset: offset + length]  # (T, C)
 
 
 class TokenPacking:
@@ -231,7 +211,7 @@ class Transformer(nn.Module):
         self.pad_id = pad_id
         self.src_embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
         self.tgt_embed = self.src_embed if cfg.share_embeddings else nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
-        self.positions = PositionalEncoding(cfg.d_model, cfg.max_positions)
+        self.positions = positions.module(cfg)
         self.embed_dropout = nn.Dropout(cfg.dropout)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))

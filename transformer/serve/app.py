@@ -33,7 +33,7 @@ from transformer.model.checkpoint import resolve_checkpoint
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.serve.http_guard import (BACKLOG, MAX_HEAD, Drain, DrainingServer, RequestGuard, allowed_hosts,
                                     open_file_budget, protocol_class)
-from transformer.model.transformer import PositionalEncoding
+from transformer.model import positions as model_positions
 from transformer.inference.search import TraceStep, search
 from transformer.inference.translator import Translator
 from transformer.data.vocab import valid_text
@@ -345,8 +345,8 @@ def check_positions(d_model: int, length: int, max_values: int) -> None:
         raise ApiError(422, f"d_model x length is {d_model} x {length}; the limit is {max_values} values")
 
 
-def positions_table(d_model: int, length: int) -> dict:
-    table = PositionalEncoding(d_model, length).table  # (length, d_model)
+def positions_table(kind: str, d_model: int, length: int) -> dict:
+    table = model_positions.table(kind, d_model, length)  # (length, d_model)
     return {"d_model": d_model, "length": length, "table": np.round(table.double().numpy(), 4).tolist()}
 
 
@@ -453,7 +453,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         d_model = model.d_model if d_model is None else d_model
         length = min(model.max_positions, 100) if length is None else length
         check_positions(d_model, length, settings.max_position_values)
-        return await service.inspect(request, positions_table, d_model, length)
+        return await service.inspect(request, positions_table, model.positions, d_model, length)
 
     @app.get("/health")
     async def health() -> dict:

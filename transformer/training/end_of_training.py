@@ -19,8 +19,8 @@ from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.corpus import has_split, load_split
 from transformer.device import tf32_matmuls
 from transformer.errors import UserError
-from transformer.inference.evaluation import length_ratio, translate_and_score
-from transformer.training.run_state import stop_at_once
+from transformer.inference.scoring import length_ratio, translate_and_score
+from transformer.signals import stop_at_once
 from transformer.training.metrics import read_metrics
 from transformer.data.store import Store
 from transformer.data.vocab import Vocab

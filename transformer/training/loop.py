@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from transformer.files import remove_stale_temporaries, step_checkpoints
 from transformer.data.batch import Batch
-from transformer.model.checkpoint import load_checkpoint, load_resumable, restore_training, save_checkpoint, training_checkpoint
+from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.batching import BatchStream, Prefetcher, Update, eval_batches
 from transformer.device import (Peak, autocast_context, cuda_memory_peaks, default_cuda_allocator, mfu_peak,
@@ -26,12 +26,14 @@ from transformer.device import (Peak, autocast_context, cuda_memory_peaks, defau
 from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
                                      peer_failure_explained, shutdown_distributed, wrap_ddp)
 from transformer.errors import UserError, first_line, is_out_of_memory
-from transformer.inference.evaluation import evaluate_loss, validation_bleu
+from transformer.training.validation import evaluate_loss, validation_bleu
 from transformer.model.transformer import Transformer, build_model, count_parameters
 from transformer.training.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
-from transformer.training.run_state import (ConfigChange, RunLock, RunState, StopRequested, check_resume_config, check_run_dir,
-                                continue_hint, make_run_dir, newest_resumable, put_back, resume_command, rng_state,
-                                set_rng_state, stop_at_once)
+from transformer.signals import StopRequested, stop_at_once
+from transformer.training.lock import RunLock
+from transformer.training.run_state import (ConfigChange, RunState, check_resume_config, check_run_dir, continue_hint,
+                                            load_resumable, make_run_dir, newest_resumable, put_back, restore_training,
+                                            resume_command, rng_state, set_rng_state, training_checkpoint)
 from transformer.training.metrics import MetricsLog, Progress, setup_logging
 from transformer.data.store import Store, open_prepared, prepare
 from transformer.data.vocab import Vocab

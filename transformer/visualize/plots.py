@@ -220,10 +220,10 @@ def positional_encoding(d_model: int, length: int):
     if d_model * length > MAX_TABLE_VALUES:  # drawn as one image, and held in memory as one table
         raise UserError(f"--length x --d-model is {length:,} x {d_model:,}; the plotted table may hold at most "
                         f"{MAX_TABLE_VALUES:,} values")
-    from transformer.model.transformer import PositionalEncoding
+    from transformer.model import positions  # torch: only for this figure
 
     with out_of_memory_names(f"the table of --length {length} x --d-model {d_model}"):
-        table = PositionalEncoding(d_model, length).table.numpy()
+        table = positions.table("sinusoidal", d_model, length).numpy()
     fig = new_figure(min(14.0, max(8.0, 4.0 + d_model / 64)), min(9.0, max(5.0, 3.0 + length / 25)))
     ax = fig.subplots()
     image = ax.imshow(table, cmap="RdBu_r", vmin=-1.0, vmax=1.0, aspect="auto", interpolation="nearest")
