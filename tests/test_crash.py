@@ -164,12 +164,12 @@ import os, signal, sys
 from pathlib import Path
 import transformer.training.loop
 name, step = sys.argv[1], int(sys.argv[2])
-real = transformer.train.save_checkpoint
+real = transformer.training.loop.save_checkpoint
 def save_then_die(state, path):
     real(state, path)
     if Path(path).name == name and state["run"]["step"] == step:
         os.kill(os.getpid(), signal.SIGKILL)
-transformer.train.save_checkpoint = save_then_die
+transformer.training.loop.save_checkpoint = save_then_die
 from transformer.cli import main
 main(sys.argv[3:])
 """

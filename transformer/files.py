@@ -10,25 +10,12 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Optional
 
 from transformer.errors import UserError
+from transformer.run_dir import RunDir
 
 # Temporary files are named .NAME.XXXXXXXX.transformer-tmp (XXXXXXXX from mkstemp), so that cleaning up
 # after a kill removes only files that atomic_write made, never a user's own *.tmp.
 TEMP_SUFFIX = ".transformer-tmp"
 _TEMP_NAME = re.compile(r"\..+\.[A-Za-z0-9_]{8}" + re.escape(TEMP_SUFFIX))
-
-# What a training run writes in its directory (besides step_XXXXXXXX.pt and eval/): no other command
-# may write over these, and a new run refuses a directory that holds anything else.
-RUN_FILES = ("config.yaml", "spm.model", "metrics.jsonl", "train.log", "train.lock", "last.pt", "best.pt", "store",
-             "final.pt", "summary.json", "tensorboard", "ct2")
-STEP_FILE = re.compile(r"step_(\d+)\.pt")
-# Inside a run directory, also run files: whatever lies under the directories that training fills, and the test
-# translations that the end of training writes to eval/ (evaluate's own eval/ results, by settings, may go).
-RUN_SUBDIRS = ("store", "tensorboard", "ct2")
-FINAL_HYP = re.compile(r".+\.final\.hyp")
-# A run directory holds one of these from its first step on (spm.model from `prepare`). An export's spm.model
-# makes its directory look like a run too: that errs on the side of refusing.
-RUN_MARKERS = ("last.pt", "spm.model", "train.lock")
-
 
 def current_umask() -> int:
     """The process's umask (reading it means setting it; it is put back at once)."""
@@ -76,29 +63,6 @@ def remove_stale_temporaries(directory: str | Path) -> None:
             stale.unlink(missing_ok=True)
 
 
-def is_run_file(name: str) -> bool:
-    return name in RUN_FILES or bool(STEP_FILE.fullmatch(name))
-
-
-def step_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Every step_XXXXXXXX.pt of a run directory, oldest first (by step: names outgrow 8 digits)."""
-    found = sorted((int(m.group(1)), p) for p in Path(run_dir).glob("step_*.pt")
-                   if (m := STEP_FILE.fullmatch(p.name)))
-    return [p for _, p in found]
-
-
-def owning_run(path: str | Path) -> Optional[Path]:
-    """The training run directory that `path` is one of the files of (is_run_file, RUN_SUBDIRS, FINAL_HYP),
-    if any."""
-    path = Path(path).resolve()
-    candidates = [d.parent for d in path.parents if d.name in RUN_SUBDIRS]
-    if is_run_file(path.name):
-        candidates.append(path.parent)
-    if path.parent.name == "eval" and FINAL_HYP.fullmatch(path.name):
-        candidates.append(path.parent.parent)
-    return next((c for c in candidates if any((c / name).exists() for name in RUN_MARKERS)), None)
-
-
 def _checkpoint_keys(path: Path) -> Optional[frozenset]:
     """The top-level keys of a PyTorch file (an empty set when it cannot be read); None if it is no PyTorch file."""
     if not path.is_file():  # a device (/dev/full reads zeros for ever), a pipe: no checkpoint
@@ -131,7 +95,7 @@ def refuse_directory(output: str | Path, command: str) -> Path:
 def check_output_path(output: str | Path, inputs: Iterable[Optional[str | Path]] = (), *, command: str,
                       may_replace_weights: bool = False) -> Path:
     """Refuse, in one line, an output path whose writing would destroy something: one of the command's
-    inputs, a file of a training run (owning_run: its config, vocabulary, logs, lock, checkpoints, store,
+    inputs, a file of a training run (RunDir.owning: its config, vocabulary, logs, lock, checkpoints, store,
     end-of-training outputs), or a checkpoint holding training state. A weights-only checkpoint (an earlier
     `average`) may be replaced when may_replace_weights; otherwise no checkpoint is written over."""
     out = refuse_directory(output, command)
@@ -140,7 +104,7 @@ def check_output_path(output: str | Path, inputs: Iterable[Optional[str | Path]]
     for given in inputs:
         if given is not None and Path(given).exists() and os.path.samefile(out, given):
             raise UserError(f"{command}: the output {out} is also an input ({given}); write to another file")
-    run = owning_run(out)
+    run = RunDir.owning(out)
     if run is not None:
         raise UserError(f"{command}: refusing to overwrite {out}: it belongs to the training run in {run}; "
                         "write to another file")

@@ -69,9 +69,10 @@ def cmd_finish(args: argparse.Namespace) -> None:
     from transformer.training.lock import RunLock
     from transformer.training.metrics import setup_logging
     from transformer.distributed import DistInfo
+    from transformer.run_dir import RunDir
 
     run_dir = Path(args.run)
-    if not (run_dir / "last.pt").is_file():
+    if not RunDir(run_dir).last.is_file():
         raise UserError(f"finish: {run_dir} is not a run directory with a last.pt")
     with RunLock(run_dir, "finish"):  # not while a training process owns the directory
         setup_logging(run_dir, DistInfo())

@@ -35,6 +35,7 @@ from transformer.files import atomic_write, remove_stale_temporaries
 from transformer.config import Config
 from transformer.data.corpus import SPLIT_ALIASES, RawSplit, chain_lines, has_split, open_split
 from transformer.errors import UserError
+from transformer.run_dir import RunDir
 from transformer.data.vocab import Vocab, train_vocab
 
 log = logging.getLogger("transformer")
@@ -116,9 +117,9 @@ def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Optional[Vocab], mi
     corpus directory moved away): usable if it was encoded from files of these split names and languages, with
     this vocabulary, these filtering keys and pair limits. Otherwise `missing` is raised as it was: a data.dir
     that exists but lacks a file is a mistake to report, not a reason to train on something else."""
-    directory, d = run_dir / "store", cfg.data
-    if vocab is None and (run_dir / "spm.model").is_file():
-        vocab = Vocab.load(run_dir / "spm.model")
+    directory, d = RunDir(run_dir).store, cfg.data
+    if vocab is None and RunDir(run_dir).vocab.is_file():
+        vocab = Vocab.load(RunDir(run_dir).vocab)
     if d.source != "local" or Path(d.dir).exists() or vocab is None or problem(directory) is not None:
         raise missing
     store = Store(directory, checked=True)
@@ -510,7 +511,7 @@ def count_pairs(raw: dict[str, RawSplit]) -> None:
 
 def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
     """Reuse run_dir/spm.model, or train one on (a sample of) the training split and store it there."""
-    path = run_dir / "spm.model"
+    path = RunDir(run_dir).vocab
     if path.is_file():
         log.info("vocab: reusing %s", path)
         return Vocab.load(path).check_reuse(path, cfg.data.vocab_size)
@@ -544,10 +545,10 @@ def prepare(cfg: Config, run_dir: Path, vocab: Optional[Vocab] = None, quiet: bo
     if cfg.train.finish:  # half a test split stops the end of training: said now, not hours from now
         has_split(cfg.data, cfg.data.test_split)
     if vocab is None:
-        if not (run_dir / "spm.model").is_file():
+        if not RunDir(run_dir).vocab.is_file():
             count_pairs(raw)  # a bad validation split found before the vocabulary is trained, not after
         vocab = prepare_vocab(cfg, run_dir, raw["train"])
-    directory = run_dir / "store"
+    directory = RunDir(run_dir).store
     expected = fingerprint(cfg, vocab, raw)
     reason = problem(directory, expected)
     if reason is None:
@@ -566,7 +567,7 @@ def prepare(cfg: Config, run_dir: Path, vocab: Optional[Vocab] = None, quiet: bo
 
 def open_prepared(cfg: Config, run_dir: Path, vocab: Vocab) -> Store:
     """The store rank 0 prepared, checked against this rank's view of the inputs (other ranks)."""
-    directory = run_dir / "store"
+    directory = RunDir(run_dir).store
     try:
         raw = open_raw_splits(cfg)
     except UserError as missing:

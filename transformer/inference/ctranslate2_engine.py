@@ -16,7 +16,8 @@ import torch
 
 from transformer.files import current_umask
 from transformer.model.positions import ctranslate2_encodings
-from transformer.model.checkpoint import load_model, resolve_checkpoint
+from transformer.model.checkpoint import load_model
+from transformer.run_dir import RunDir, resolve_checkpoint
 from transformer.errors import UserError
 
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which our model uses
@@ -102,7 +103,7 @@ def _write_model(checkpoint: Path, out_dir: Path, quantization: str | None) -> N
     spec.optimize(quantization=quantization)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec.save(str(out_dir))
-    (out_dir / "spm.model").write_bytes(vocab.proto)  # CTranslate2 takes pieces: this makes them
+    RunDir(out_dir).vocab.write_bytes(vocab.proto)  # CTranslate2 takes pieces: this makes them
 
 
 def _read_record(path: Path) -> dict:
@@ -232,7 +233,7 @@ def cached_conversion(checkpoint: str | Path) -> Path:
     cannot be written, converts into a temporary directory instead (each time), with a warning."""
     require_ctranslate2()
     source = resolve_checkpoint(checkpoint).resolve()
-    target = source.parent / "ct2" / source.stem
+    target = source.parent / RunDir.CT2 / source.stem
     if _cache_is_current(target, source):
         return target
     if _replaceable(target, SOURCE_RECORD) is None:  # a folder of the user's there: never emptied

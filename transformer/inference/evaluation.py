@@ -14,6 +14,7 @@ from typing import Optional
 
 from transformer.files import atomic_write
 from transformer.errors import UserError
+from transformer.run_dir import RunDir
 from transformer.inference.scoring import bleu_chrf
 
 
@@ -95,7 +96,7 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     if translator.note:
         print(translator.note, file=sys.stderr)
     checkpoint = Path(run_dir)
-    eval_dir = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval"
+    eval_dir = RunDir(checkpoint if checkpoint.is_dir() else checkpoint.parent).eval
     if not checkpoint.is_dir():
         name = f"{checkpoint.stem}.{name}"
     text = "\n".join(sources) + "\0" + "\n".join(references)

@@ -7,9 +7,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from transformer.files import check_output_path, step_checkpoints
+from transformer.files import check_output_path
 from transformer.model.checkpoint import WEIGHT_KEYS, load_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.errors import UserError
+from transformer.run_dir import RunDir
 
 def last_step_checkpoints(run_dir: str | Path, n: int) -> list[Path]:
     """The n latest step_XXXXXXXX.pt files of a run directory, oldest first."""
@@ -18,7 +19,7 @@ def last_step_checkpoints(run_dir: str | Path, n: int) -> list[Path]:
         raise UserError(f"average: no such run directory: {run_dir}")
     if n < 1:
         raise UserError("average: --last must be at least 1")
-    found = step_checkpoints(run_dir)
+    found = RunDir(run_dir).step_checkpoints()
     if len(found) < n:
         raise UserError(f"average: asked for the last {n} checkpoints but {run_dir} holds {len(found)} step_*.pt "
                         "(the trainer keeps train.keep_last of them)")
@@ -97,7 +98,7 @@ def average(inputs: Sequence[str | Path], last: Optional[int], output: Optional[
         if len(inputs) != 1 or not Path(inputs[0]).is_dir():
             raise UserError("average: --last N takes exactly one run directory")
         paths = last_step_checkpoints(inputs[0], last)
-        target = Path(output) if output else Path(inputs[0]) / "averaged.pt"
+        target = Path(output) if output else RunDir(inputs[0]).averaged
     else:
         if any(Path(p).is_dir() for p in inputs):
             raise UserError("average: for a run directory, say how many step checkpoints with --last N")

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from transformer.files import atomic_write, step_checkpoints
+from transformer.files import atomic_write
 from transformer.training.average import average_checkpoints
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
@@ -20,6 +20,7 @@ from transformer.data.corpus import has_split, load_split
 from transformer.device import tf32_matmuls
 from transformer.errors import UserError
 from transformer.inference.scoring import length_ratio, translate_and_score
+from transformer.run_dir import RunDir
 from transformer.signals import stop_at_once
 from transformer.training.metrics import read_metrics
 from transformer.data.store import Store
@@ -27,7 +28,7 @@ from transformer.data.vocab import Vocab
 
 log = logging.getLogger("transformer")
 
-FINAL = "final.pt"  # what `translate RUN_DIR` uses once a run has finished
+FINAL = RunDir.FINAL  # what `translate RUN_DIR` uses once a run has finished
 LENPENS = (0.6, 0.8, 1.0, 1.2)
 
 
@@ -49,14 +50,14 @@ class _Scorer:
 
 def _candidates(run_dir: Path, cfg: Config) -> dict[str, dict]:
     """best.pt, and the average of the last train.keep_last step checkpoints when there are several."""
-    if not (run_dir / "best.pt").is_file():
+    if not RunDir(run_dir).best.is_file():
         raise UserError(f"finish: {run_dir} holds no best.pt (has the run validated yet?)")
-    found = {"best.pt": load_checkpoint(run_dir / "best.pt")}
-    steps = step_checkpoints(run_dir)[-cfg.train.keep_last:] if cfg.train.keep_last else []
+    found = {RunDir.BEST: load_checkpoint(RunDir(run_dir).best)}
+    steps = RunDir(run_dir).step_checkpoints()[-cfg.train.keep_last:] if cfg.train.keep_last else []
     if len(steps) >= 2:
         averaged = average_checkpoints(steps)
-        save_checkpoint(averaged, run_dir / "averaged.pt")
-        found["averaged.pt"] = averaged
+        save_checkpoint(averaged, RunDir(run_dir).averaged)
+        found[RunDir.AVERAGED] = averaged
         log.info("finish: averaged %s into averaged.pt", ", ".join(p.name for p in steps))
     return found
 
@@ -107,7 +108,7 @@ def _training_record(run_dir: Path, cfg: Config, run: dict, best_step: int) -> d
 def finished_summary(run_dir: Path, step: int) -> Optional[dict]:
     """summary.json, when the end of training completed at `step`: final.pt and a summary.json of that step
     written after it. A kill between the two leaves final.pt alone, and the end is done again."""
-    final, summary = run_dir / FINAL, run_dir / "summary.json"
+    final, summary = RunDir(run_dir).final, RunDir(run_dir).summary
     try:
         if summary.stat().st_mtime_ns < final.stat().st_mtime_ns:
             return None
@@ -130,11 +131,11 @@ def end_of_training(run_dir: Path, cfg: Config, step: int, device: torch.device)
         return
     # The resume wrote its own settings to config.yaml and nothing trained with them: the run's, as finish() wrote
     # them, but where the run and its data are now (a moved run directory, a corpus put elsewhere).
-    last = load_checkpoint(run_dir / "last.pt")
+    last = load_checkpoint(RunDir(run_dir).last)
     trained = from_dict(last["config"])
     save_config(replace(trained, decode=replace(trained.decode, **summary["decode"]),
                         train=replace(trained.train, run_dir=cfg.train.run_dir),
-                        data=replace(trained.data, dir=cfg.data.dir)), run_dir / "config.yaml",
+                        data=replace(trained.data, dir=cfg.data.dir)), RunDir(run_dir).config,
                 pieces=len(Vocab(last["vocab"])))
     log.info("finish: nothing left to train; keeping final.pt and summary.json from the end of this training "
              "(`transformer finish %s` does it again)", run_dir)
@@ -151,7 +152,7 @@ def finish(run_dir: str | Path, device: torch.device) -> dict:
 def _finish(run_dir: str | Path, device: torch.device) -> dict:
     started = time.perf_counter()
     run_dir = Path(run_dir)
-    last = load_checkpoint(run_dir / "last.pt")
+    last = load_checkpoint(RunDir(run_dir).last)
     cfg = from_dict(last["config"])
     data_dir = Path(cfg.data.dir)
     if cfg.data.source == "local" and not data_dir.is_dir():  # else the test score would be skipped as absent
@@ -163,7 +164,7 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
     if test is None:
         log.info("finish: the corpus has no test split %r: the summary will have no test score", cfg.data.test_split)
     candidates = _candidates(run_dir, cfg)
-    store = Store(run_dir / "store")
+    store = Store(RunDir(run_dir).store)
     valid = store.corpus("valid")
     models = {name: model_from_checkpoint(state, device) for name, state in candidates.items()}
     vocab = next(iter(models.values()))[1]
@@ -184,18 +185,18 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
     made = {"made_from": chosen, **({"run": candidates[chosen]["run"]} if "run" in candidates[chosen] else {})}
     save_checkpoint(weights_checkpoint(to_dict(tuned), candidates[chosen]["vocab"], candidates[chosen]["model"],
                                        **made), run_dir / FINAL)
-    save_config(tuned, run_dir / "config.yaml", pieces=len(vocab))
+    save_config(tuned, RunDir(run_dir).config, pieces=len(vocab))
 
     summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL), "made_from": chosen,
                "decode": {"beam": beam, "lenpen": lenpen}, "valid_grid_bleu": grid,
                "valid": {n: {"bleu": round(s["bleu"], 2), "length_ratio": round(length_ratio(s), 3)}
                          for n, s in valid_scores.items()},
-               **_training_record(run_dir, cfg, last["run"], candidates["best.pt"].get("run", {}).get("step", 0))}
+               **_training_record(run_dir, cfg, last["run"], candidates[RunDir.BEST].get("run", {}).get("step", 0))}
     if test is not None:
         summary["test"] = _score_test(cfg, test, vocab, model, beam, lenpen, device, run_dir)
     summary["finish_seconds"] = round(time.perf_counter() - started, 1)
     text = json.dumps(summary, indent=2) + "\n"
-    atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode("utf-8")))
+    atomic_write(RunDir(run_dir).summary, lambda f: f.write(text.encode("utf-8")))
     _log_summary(summary)
     return summary
 
@@ -205,8 +206,8 @@ def _score_test(cfg: Config, test: tuple[list[str], list[str]], vocab, model, be
     sources, references = test
     score = _Scorer(cfg, vocab.encode(sources), references, vocab, device)
     scores, hypotheses = score(model, beam, lenpen)
-    (run_dir / "eval").mkdir(exist_ok=True)
-    hyp_path = run_dir / "eval" / f"{cfg.data.test_split}.final.hyp"
+    RunDir(run_dir).eval.mkdir(exist_ok=True)
+    hyp_path = RunDir(run_dir).final_hyp(cfg.data.test_split)
     text = "".join(h + "\n" for h in hypotheses)
     atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
     return {"split": cfg.data.test_split, "bleu": round(scores["bleu"], 2), "chrf": round(scores["chrf"], 2),

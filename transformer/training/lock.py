@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Optional
 
 from transformer.errors import UserError
+from transformer.run_dir import RunDir
 
 try:
     import fcntl
 except ImportError:  # not POSIX: the lock file's pid and host alone decide
     fcntl = None
-
-LOCK_NAME = "train.lock"
 
 
 class RunLock:
@@ -31,7 +30,7 @@ class RunLock:
     """
 
     def __init__(self, run_dir: Path, command: str = "train"):
-        self.run_dir, self.path, self.command = run_dir, run_dir / LOCK_NAME, command  # command: for messages
+        self.run_dir, self.path, self.command = run_dir, RunDir(run_dir).lock, command  # command: for messages
         self.fd: Optional[int] = None
         self.took_over: Optional[str] = None  # a log line for the caller, once logging is set up
 

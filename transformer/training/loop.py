@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from transformer.files import remove_stale_temporaries, step_checkpoints
+from transformer.files import remove_stale_temporaries
 from transformer.data.batch import Batch
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
@@ -29,10 +29,11 @@ from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.training.validation import evaluate_loss, validation_bleu
 from transformer.model.transformer import Transformer, build_model, count_parameters
 from transformer.training.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
+from transformer.run_dir import RunDir
 from transformer.signals import StopRequested, stop_at_once
 from transformer.training.lock import RunLock
 from transformer.training.run_state import (ConfigChange, RunState, check_resume_config, check_run_dir, continue_hint,
-                                            load_resumable, make_run_dir, newest_resumable, put_back, restore_training,
+                                            load_resumable, make_run_dir, put_back, restore_training,
                                             resume_command, rng_state, set_rng_state, training_checkpoint)
 from transformer.training.metrics import MetricsLog, Progress, setup_logging
 from transformer.data.store import Store, open_prepared, prepare
@@ -67,7 +68,7 @@ class Run:
 
     @property
     def last_path(self) -> Path:
-        return self.run_dir / "last.pt"
+        return RunDir(self.run_dir).last
 
 
 # --------------------------------------------------------------------------- the command's entry points
@@ -79,7 +80,7 @@ def prepare_only(cfg: Config) -> Path:
     make_run_dir(run_dir)
     with RunLock(run_dir, "prepare"):  # never rebuild a store under a training process
         setup_logging(run_dir, DistInfo())
-        saved = run_dir / "last.pt"
+        saved = RunDir(run_dir).last
         # A run in progress keeps the vocabulary its checkpoint carries.
         vocab = Vocab(load_checkpoint(saved)["vocab"]) if saved.is_file() else None
         return prepare(cfg, run_dir, vocab).directory
@@ -138,7 +139,7 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
     """The run directory (checked, created, locked), logging, and the checkpoint to continue from with the config
     changes that apply to it."""
     run_dir = Path(cfg.train.run_dir)
-    last_path = run_dir / "last.pt"
+    last_path = RunDir(run_dir).last
     check_run_dir(run_dir, resume)
     if last_path.exists() and not resume:
         raise UserError(f"{run_dir} already holds a run (last.pt); add --resume to continue it, "
@@ -146,7 +147,7 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
     # A kill before the first save leaves nothing to continue from; a job script that always passes
     # --resume (as preemptible jobs do) must then simply start the run. A kill at the first validation after
     # its step checkpoint was written but before last.pt leaves that step checkpoint: continue from it.
-    source = last_path if last_path.exists() else newest_resumable(run_dir) if resume else None
+    source = last_path if last_path.exists() else RunDir(run_dir).newest_resumable() if resume else None
     from_scratch = resume and source is None
     held = {"step": None}  # what `source` holds, for the message of a signal that arrives before the updates
 
@@ -184,7 +185,7 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
     for change in changes:
         log.info("resume: config change applies: %s", change)
     if info.is_main:
-        save_config(cfg, run_dir / "config.yaml")
+        save_config(cfg, RunDir(run_dir).config)
     return run_dir, saved, changes
 
 
@@ -195,11 +196,11 @@ def load_data(cfg: Config, info: DistInfo, run_dir: Path, saved: Optional[dict],
     if info.is_main:
         store = prepare(cfg, run_dir, saved_vocab, quiet)
     barrier(info)
-    vocab = saved_vocab or Vocab.load(run_dir / "spm.model")
+    vocab = saved_vocab or Vocab.load(RunDir(run_dir).vocab)
     if not info.is_main:
         store = open_prepared(cfg, run_dir, vocab)
     if info.is_main and len(vocab) != cfg.data.vocab_size:  # so that config.yaml does not misstate it
-        save_config(cfg, run_dir / "config.yaml", pieces=len(vocab))
+        save_config(cfg, RunDir(run_dir).config, pieces=len(vocab))
     return vocab, store
 
 
@@ -361,12 +362,12 @@ def validate_and_save(run: Run) -> bool:
         # last.pt last: a kill between these writes leaves last.pt at the previous validation, so that
         # --resume redoes the updates since and writes this step's files again, the same, before last.pt.
         if t.keep_last:
-            save(run, run.run_dir / f"step_{state.step:08d}.pt", rngs)
+            save(run, RunDir(run.run_dir).step(state.step), rngs)
         if improved:
-            save(run, run.run_dir / "best.pt", rngs)
+            save(run, RunDir(run.run_dir).best, rngs)
         save(run, run.last_path, rngs)
         if t.keep_last:
-            for old in step_checkpoints(run.run_dir)[: -t.keep_last]:
+            for old in RunDir(run.run_dir).step_checkpoints()[: -t.keep_last]:
                 old.unlink()
     run.saved_step = state.step
     bleu = f" bleu {result['bleu']:.2f} (length ratio {result['length_ratio']:.3f})" if "bleu" in result else ""
@@ -407,7 +408,7 @@ def update_loop(run: Run, quiet: bool) -> None:
     def more_to_train() -> bool:
         return state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs)
 
-    final = run.run_dir / "final.pt"  # chosen at the end of the run being continued: stale once it trains on
+    final = RunDir(run.run_dir).final  # chosen at the end of the run being continued: stale once it trains on
     if run.saved_step is not None and info.is_main and final.is_file() and more_to_train():
         final.unlink()
         log.info("resume: removed final.pt; %s", "the end of this training chooses again" if t.finish else

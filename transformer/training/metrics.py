@@ -15,6 +15,7 @@ from tqdm import tqdm
 from transformer.device import Peak
 from transformer.distributed import DistInfo
 from transformer.errors import UserError
+from transformer.run_dir import RunDir
 from transformer.model.transformer import training_flops
 
 log = logging.getLogger("transformer")
@@ -56,7 +57,7 @@ def setup_logging(run_dir: Optional[Path], info: DistInfo) -> None:
     console.setFormatter(logging.Formatter(prefix + "%(message)s"))
     log.addHandler(console)
     if run_dir is not None and info.is_main:
-        file_handler = _LogFile(run_dir / "train.log", encoding="utf-8")
+        file_handler = _LogFile(RunDir(run_dir).log, encoding="utf-8")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(file_handler)
     log.propagate = False
@@ -68,7 +69,7 @@ def _tensorboard_writer(run_dir: Path):
     except ImportError:
         raise UserError("train.tensorboard needs the tensorboard package: pip install 'transformer[tensorboard]' "
                         "(or pip install tensorboard), or set train.tensorboard: false") from None
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+    return SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard))
 
 
 class MetricsLog:
@@ -80,7 +81,7 @@ class MetricsLog:
     def __init__(self, run_dir: Path, enabled: bool, elapsed_before: float, started: float, tensorboard: bool = False):
         """elapsed_before: training time of earlier runs of this training; started: this run's start
         (time.perf_counter), so that the time to quality counts the set-up too."""
-        self.path = run_dir / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
         self.file = self.path.open("a", encoding="utf-8") if enabled else None
         self.tensorboard = _tensorboard_writer(run_dir) if enabled and tensorboard else None
         self.elapsed_before, self.started = elapsed_before, started
@@ -168,7 +169,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     """
     path = Path(path)
     if path.is_dir():
-        path = path / "metrics.jsonl"
+        path = RunDir(path).metrics
     if not path.is_file():
         raise UserError(f"no metrics file at {path} (a run directory from `transformer train` has one)")
     rows = []

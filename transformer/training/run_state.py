@@ -13,9 +13,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from transformer.files import STEP_FILE, TEMP_SUFFIX, atomic_write, is_run_file, step_checkpoints
+from transformer.files import TEMP_SUFFIX, atomic_write
 from transformer.config import Config, apply_overrides, from_dict, read_yaml, to_dict, written_by_train
 from transformer.errors import UserError
+from transformer.run_dir import RunDir
 from transformer.model.checkpoint import WEIGHT_KEYS, load_checkpoint, weights_checkpoint
 from transformer.training.optim import load_optimizer_state
 
@@ -163,7 +164,7 @@ def resume_command(config_path: Optional[str], overrides: Sequence[str], run_dir
 def run_config(run_dir: str, overrides: Sequence[str]) -> Config:
     """`train --resume RUN_DIR`: the run's own config.yaml plus --set overrides; train.run_dir is RUN_DIR
     itself (so a moved run directory still resumes)."""
-    path = Path(run_dir) / "config.yaml"
+    path = RunDir(run_dir).config
     if not Path(run_dir).is_dir():
         raise UserError(f"train --resume: no such run directory: {run_dir}")
     if not path.is_file():
@@ -184,18 +185,11 @@ def run_config(run_dir: str, overrides: Sequence[str]) -> Config:
     return from_dict(raw)
 
 
-def newest_resumable(run_dir: Path) -> Optional[Path]:
-    """The checkpoint with training state to continue from when last.pt is gone or torn: the newer of the
-    newest step checkpoint and best.pt (both written with the optimizer and RNG state, before last.pt)."""
-    candidates = step_checkpoints(run_dir)[-1:] + [p for p in [run_dir / "best.pt"] if p.is_file()]
-    return max(candidates, key=lambda p: p.stat().st_mtime_ns, default=None)
-
-
 def put_back(source: Path, run_dir: Path, saved: dict) -> None:
     """What the save that was killed had not written yet: last.pt, and best.pt when `source` was the best
     validation so far. From here on the run directory is as if that save had completed."""
-    names = ["last.pt"] + (["best.pt"] if not (run_dir / "best.pt").exists() and
-                           saved["run"]["bad_validations"] == 0 else [])
+    names = [RunDir.LAST] + ([RunDir.BEST] if not RunDir(run_dir).best.exists() and
+                             saved["run"]["bad_validations"] == 0 else [])
 
     def copy(f) -> None:
         with source.open("rb") as checkpoint:
@@ -208,9 +202,9 @@ def put_back(source: Path, run_dir: Path, saved: dict) -> None:
 
 def continue_hint(run_dir: Path) -> str:
     """How to continue from another checkpoint of the run, for a message about its last.pt; empty if none."""
-    other = newest_resumable(run_dir)
+    other = RunDir(run_dir).newest_resumable()
     return "" if other is None else \
-        f"; to continue from {other.name} instead: cp {shlex.quote(str(other))} {shlex.quote(str(run_dir / 'last.pt'))}"
+        f"; to continue from {other.name} instead: cp {shlex.quote(str(other))} {shlex.quote(str(RunDir(run_dir).last))}"
 
 
 def check_run_dir(run_dir: Path, resume: bool = False) -> None:
@@ -218,13 +212,13 @@ def check_run_dir(run_dir: Path, resume: bool = False) -> None:
     over the checkpoints of a run whose last.pt is gone (--resume continues from newest_resumable)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"train.run_dir {run_dir} is a file, not a directory")
-    if not run_dir.is_dir() or (run_dir / "last.pt").exists():
+    if not run_dir.is_dir() or RunDir(run_dir).last.exists():
         return
-    other = newest_resumable(run_dir)
+    other = RunDir(run_dir).newest_resumable()
     if resume and other is not None:
         return
     checkpoints = sorted(p.name for p in run_dir.iterdir()
-                         if p.name in ("best.pt", "final.pt", "averaged.pt") or STEP_FILE.fullmatch(p.name))
+                         if RunDir.is_checkpoint(p.name))
     if checkpoints:
         shown = ", ".join(checkpoints[:3]) + (f" and {len(checkpoints) - 3} more" if len(checkpoints) > 3 else "")
         how = f"add --resume to continue from {other.name}; " if other is not None else ""
@@ -233,9 +227,9 @@ def check_run_dir(run_dir: Path, resume: bool = False) -> None:
     from transformer.data.store import is_ours  # numpy and the corpus readers: only where a run directory is checked
 
     foreign = sorted(p.name for p in run_dir.iterdir()
-                     if not (is_run_file(p.name) or p.name == "eval" or p.name.endswith(TEMP_SUFFIX))
-                     or (p.name == "config.yaml" and not written_by_train(p))
-                     or (p.name == "store" and not is_ours(p)))
+                     if not (RunDir.is_run_file(p.name) or p.name == RunDir.EVAL or p.name.endswith(TEMP_SUFFIX))
+                     or (p.name == RunDir.CONFIG and not written_by_train(p))
+                     or (p.name == RunDir.STORE and not is_ours(p)))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise UserError(f"train.run_dir {run_dir} holds files that are not a run's ({shown}); a new run needs a "

@@ -297,7 +297,7 @@ def _check_index(name: str, value: Optional[int], count: int, kind: str) -> None
 
 
 def write_attention_figures(
-    maps,                                    # transformer.attention_maps.AttentionMaps
+    maps,                                    # transformer.visualize.attention.AttentionMaps
     out: str | Path,
     kinds: Sequence[str] = ("encoder", "decoder", "cross"),
     layer: Optional[int] = None,             # 1-based, as in the figure titles
