@@ -150,7 +150,7 @@ SHARED = ("a translation may depend on the other requests batched with it: {dtyp
 
 def serve_dtype(dtype: str) -> str:
     """serve's "auto" is fp32, whatever translate's would be: a stranger's request in the same batch must not
-    change anyone's translation, and in bf16 or int8 it can (tests/test_serve_guard.py measures fp32's
+    change anyone's translation, and in bf16 or int8 it can (tests/serve/test_http_guard.py measures fp32's
     independence)."""
     return "fp32" if dtype == "auto" else dtype
 

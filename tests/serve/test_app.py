@@ -526,7 +526,7 @@ def test_page_in_headless_chromium(server, tmp_path):
 def test_bench_serve_runs_and_writes_json(run, tmp_path):
     """At toy size: both windows (and both engines where CTranslate2 is installed), every request answered,
     no error; no timing is asserted."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     engines = ["ours", "ctranslate2"] if importlib.util.find_spec("ctranslate2") else ["ours"]
     (tmp_path / "test.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     out = tmp_path / "bench.json"
@@ -549,7 +549,7 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
 def test_bench_serve_soak_reports_rss_over_time(run, tmp_path):
     """The soak at toy length: RSS samples, every kind of request answered or refused as it should be, no error;
     no figure is asserted."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     (tmp_path / "test.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     out = tmp_path / "soak.json"
     result = subprocess.run([sys.executable, "scripts/bench_serve.py", str(run), str(tmp_path / "test.de"), "--soak",

@@ -2,7 +2,7 @@
 training gets past its first update, mixed precision, TF32, the allocator, GPU memory in the logs, a CUDA-trained
 run translated and resumed on a CPU (and the other way round), resume on CUDA, int8 refused, the attention
 kernels the model's masks get, one host sync per update and per decoder step, bf16 translation, and a compiled
-training step. tests/test_cuda_paths.py proves the same paths on a CPU with stand-ins."""
+training step. tests/integration/test_cuda_paths.py proves the same paths on a CPU with stand-ins."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import subprocess_env
-from tests.test_serve import SENTENCES, run_cli, synthetic, tiny_run
+from tests.serve.test_app import SENTENCES, run_cli, synthetic, tiny_run
 from transformer.inference.translator import Translator
 
 pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")

@@ -449,7 +449,7 @@ def test_a_resumed_run_lets_go_of_the_checkpoint_it_loaded(tmp_path, monkeypatch
 def test_a_compiled_training_step_runs_on_a_cpu(tmp_path):
     # train.compile: the model and its loss compiled together (train.TrainingLoss), dynamic shapes, as one graph
     # (no token packing inside it); the tiniest model, since Inductor compiles C++ on a CPU. Lengths padded to 8, as
-    # CUDA needs, so that one compilation serves every batch. tests/test_cuda.py compiles one on a GPU.
+    # CUDA needs, so that one compilation serves every batch. tests/integration/test_cuda.py compiles one on a GPU.
     raw = tiny_config(tmp_path, data={"pad_to_multiple": 8},
                       train={"compile": True, "max_steps": 2, "valid_every": 2, "precision": "fp32"})
     run_dir = train(from_dict(raw), quiet=True)

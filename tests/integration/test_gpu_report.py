@@ -1,6 +1,6 @@
 """scripts/gpu_report.py without a GPU: its dry run (--device cpu) runs every step at toy sizes on a tiny synthetic
 corpus, in the order of value, and records each step's command, status and figures; the CUDA tests skip themselves
-and the stand-in tests of the same paths (tests/test_cuda_paths.py) run beside them; it replaces only its own block
+and the stand-in tests of the same paths (tests/integration/test_cuda_paths.py) run beside them; it replaces only its own block
 of a markdown file; nothing it runs imports `datasets` (the GPU machine has none); a step past its time limit is
 stopped and recorded, the recipe is then scored by `transformer finish` and still decoded, a spent --budget skips
 what is left, and partial reports merge; --prepare-data writes the corpus and vocabulary the GPU machine gets. No
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["cuda_tests", "check_sdpa", "bench_train", "recipe", "bench_decode", "bench_train_compile"]
 WORDS = ("der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
          "the a man woman child dog cat house on in plays runs sits red blue green big small").split()
@@ -75,7 +75,7 @@ def test_dry_run_records_every_step_with_status_command_and_figures(dry_run):
         assert s["command"].startswith("python3 ") and s["argv"][0] == sys.executable
 
     cuda = steps["cuda_tests"]["figures"]  # without CUDA the CUDA tests skip; the stand-in tests pass
-    assert "tests/test_cuda.py tests/test_cuda_paths.py" in steps["cuda_tests"]["command"]
+    assert "tests/integration/test_cuda.py tests/integration/test_cuda_paths.py" in steps["cuda_tests"]["command"]
     by_file = {}
     for case in cuda["cases"]:
         by_file.setdefault(case["file"].split(".")[-1], set()).add(case["outcome"])

@@ -1,7 +1,7 @@
 """The CUDA code paths on a CPU, with stand-ins for the CUDA calls they make (issue 32): the GPU index every thread
 and process gets, TF32 where training computes, the allocator setting, GPU memory in the logs, the masks the
 attention kernels receive, one host read per update and per decoder step, the peak MFU divides by, resume across
-machines, the fp16 scaler, DDP's settings and train.compile's alignment. tests/test_cuda.py runs the same paths
+machines, the fp16 scaler, DDP's settings and train.compile's alignment. tests/integration/test_cuda.py runs the same paths
 on a GPU, where there is one."""
 
 from __future__ import annotations
