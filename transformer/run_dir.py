@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from transformer.errors import UserError
 
 
 class RunDir:
@@ -101,15 +100,3 @@ class RunDir:
             candidates.append(path.parent.parent)
         return next((c for c in candidates if any((c / name).exists() for name in cls.MARKERS)), None)
 
-
-def resolve_checkpoint(run_dir_or_file: str | Path) -> Path:
-    """A run directory means its final.pt, else best.pt, else last.pt; a file means itself."""
-    p = Path(run_dir_or_file)
-    if p.is_dir():
-        for name in RunDir.CHECKPOINTS:
-            if (p / name).is_file():
-                return p / name
-        raise UserError(f"checkpoint: {p} holds no final.pt, best.pt or last.pt")
-    if not p.exists():
-        raise UserError(f"checkpoint: no such file or run directory: {p}")
-    return p

@@ -10,7 +10,8 @@ import pytest
 
 from tests.conftest import ROOT
 from transformer.errors import UserError
-from transformer.run_dir import RunDir, resolve_checkpoint
+from transformer.model.checkpoint import resolve_checkpoint
+from transformer.run_dir import RunDir
 
 
 def test_paths_and_step_checkpoints_in_step_order(tmp_path):

@@ -14,8 +14,7 @@ import torch
 from tests.conftest import cli, read_metrics, tiny_config, write_config, write_corpus
 from transformer import device as device_module
 from transformer.training import metrics as runlog
-from transformer.model.checkpoint import load_checkpoint
-from transformer.run_dir import resolve_checkpoint
+from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.config import ModelConfig, from_dict, load_config
 from transformer.device import pick_precision
 from transformer.errors import UserError

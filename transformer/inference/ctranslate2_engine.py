@@ -16,8 +16,8 @@ import torch
 
 from transformer.files import current_umask
 from transformer.model.positions import ctranslate2_encodings
-from transformer.model.checkpoint import load_model
-from transformer.run_dir import RunDir, resolve_checkpoint
+from transformer.model.checkpoint import load_model, resolve_checkpoint
+from transformer.run_dir import RunDir
 from transformer.errors import UserError
 
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which our model uses

@@ -14,8 +14,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from transformer.data.batch import prepare_sources, source_limit
-from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
-from transformer.run_dir import resolve_checkpoint
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from transformer.config import DecodeConfig, lenpen_problem
 from transformer.data.batching import pack_by_size
 from transformer.device import auto_precision, native_bf16, pick_device

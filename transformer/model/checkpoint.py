@@ -10,7 +10,7 @@ import torch
 from transformer.files import atomic_write
 from transformer.config import Config, from_dict
 from transformer.errors import UserError, first_line
-from transformer.run_dir import resolve_checkpoint
+from transformer.run_dir import RunDir
 from transformer.model.transformer import Transformer
 from transformer.data.vocab import Vocab
 
@@ -37,14 +37,34 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
     return state
 
 
-# What `transformer average` and the end of training write: weights and what rebuilds the model (training/run_state.py
-# adds what --resume needs).
+# Every key of a checkpoint. What `transformer average` and the end of training write: weights and what
+# rebuilds the model. What `transformer train` writes and --resume needs: also the optimizer, the fp16 grad
+# scaler, every rank's RNG state and the run's counters (training/run_state.py's RunState, with the data position).
 WEIGHT_KEYS = ("config", "vocab", "model")
+RESUMABLE_KEYS = WEIGHT_KEYS + ("optimizer", "scaler", "rng", "run")
 
 
 def weights_checkpoint(config: dict, vocab: bytes, model: dict, **about) -> dict:
     """A checkpoint that translate, evaluate and attention load; `about` records where it came from."""
     return {"config": config, "vocab": vocab, "model": model, **about}
+
+
+# What a run directory means to translate, evaluate, attention and serve: the model the end of training chose
+# (with its tuned search settings), else the best validation checkpoint, else the latest.
+RUN_CHECKPOINTS = RunDir.CHECKPOINTS
+
+
+def resolve_checkpoint(run_dir_or_file: str | Path) -> Path:
+    """A run directory means its final.pt, else best.pt, else last.pt; a file means itself."""
+    p = Path(run_dir_or_file)
+    if p.is_dir():
+        for name in RUN_CHECKPOINTS:
+            if (p / name).is_file():
+                return p / name
+        raise UserError(f"checkpoint: {p} holds no final.pt, best.pt or last.pt")
+    if not p.exists():
+        raise UserError(f"checkpoint: no such file or run directory: {p}")
+    return p
 
 
 def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer, Vocab, Config]:

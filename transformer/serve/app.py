@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from transformer.visualize.attention import KINDS, inspect_attention
 from transformer.data.batch import prepare_sources, source_limit
 from transformer.serve.request_batching import Batcher
-from transformer.run_dir import resolve_checkpoint
+from transformer.model.checkpoint import resolve_checkpoint
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.serve.http_guard import (BACKLOG, MAX_HEAD, Drain, DrainingServer, RequestGuard, allowed_hosts,
                                     open_file_budget, protocol_class)
