@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from transformer.config import load_config
-from transformer.data import BatchStream
-from transformer.store import Store
+from transformer.data.batching import BatchStream
+from transformer.data.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,7 @@ Everything the GPU machine needs travels with the repository: the corpus and its
 data/gpu/ (git-ignored), written here by --prepare-data; nothing is read from ../shared, nothing imports
 `datasets`, and there is no torchrun step (one GPU runs no DDP) and no CTranslate2 one (its wheels need CUDA 12).
 --device cpu runs every step at toy sizes on the first lines of --data (the CUDA tests skip themselves; the
-stand-in tests of the CUDA paths, tests/test_cuda_paths.py, run instead): it checks the pipeline, not the speed.
+stand-in tests of the CUDA paths, tests/integration/test_cuda_paths.py, run instead): it checks the pipeline, not the speed.
 The recipe's training stops at its limit less FINISH_RESERVE_S (SIGTERM: it saves last.pt), and `transformer
 finish` then scores what it has.
 """
@@ -98,7 +98,7 @@ class Step:
 
 def cuda_tests(ctx: Context):
     # On a CPU the CUDA tests skip themselves: the dry run runs the stand-in tests of the same paths beside them.
-    files = ["tests/test_cuda.py"] + (["tests/test_cuda_paths.py"] if ctx.device == "cpu" else [])
+    files = ["tests/integration/test_cuda.py"] + (["tests/integration/test_cuda_paths.py"] if ctx.device == "cpu" else [])
     return ctx.py("-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
                   f"--junitxml={ctx.dir('cuda_tests') / 'junit.xml'}")
 
@@ -510,7 +510,7 @@ def render(report: dict) -> str:
 def md_cuda_tests(steps: dict) -> list[str]:
     f = steps["cuda_tests"]["figures"]
     files = sorted({f"tests/{c['file'].split('.')[-1]}.py" for c in f["cases"] if c.get("file")})
-    lines = [f"**CUDA tests** (`{'`, `'.join(files) or 'tests/test_cuda.py'}`): {f['tests']} tests, {f['passed']} "
+    lines = [f"**CUDA tests** (`{'`, `'.join(files) or 'tests/integration/test_cuda.py'}`): {f['tests']} tests, {f['passed']} "
              f"passed, {f['failed']} failed, {f['errors']} errors, {f['skipped']} skipped."]
     return lines + [f"- `{c['name']}`: {c['outcome']}: {c['message']}" for c in f["cases"] if c["outcome"] != "passed"]
 

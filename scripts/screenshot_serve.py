@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from transformer.serve import spawn
+from transformer.serve.app import spawn
 
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",

@@ -21,11 +21,11 @@ import torch
 import yaml
 
 from transformer import cli as cli_module
-from transformer.batch import Batch
-from transformer.checkpoint import load_checkpoint, save_checkpoint
+from transformer.data.batch import Batch
+from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import from_dict, to_dict
-from transformer.model import Transformer
-from transformer.vocab import PAD_ID, train_vocab
+from transformer.model.transformer import Transformer
+from transformer.data.vocab import PAD_ID, train_vocab
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "

@@ -26,7 +26,6 @@ GUIDES = sorted((ROOT / "docs").glob("*.md"))
 DOCS = [README, *GUIDES]
 LOG = ROOT / "docs" / "benchmarks" / "log.md"  # a dated record: its commands are history, its links still resolve
 # Linked from the docs, written on another branch of the same change; checked like any link once it exists.
-WRITTEN_ELSEWHERE = {ROOT / "docs" / "architecture.md"}
 MAX_LINES = {README: 200, ROOT / "docs" / "performance.md": 200}
 
 FENCE = re.compile(r"^[ \t]*```([\w-]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.S | re.M)
@@ -207,8 +206,7 @@ def link_problems(doc: Path, text: str) -> list[str]:
         path, _, anchor = target.partition("#")
         file = (doc.parent / path).resolve() if path else doc
         if path and not file.exists():
-            if file not in WRITTEN_ELSEWHERE:
-                problems.append(f"{target}: no such file {file.relative_to(ROOT) if ROOT in file.parents else file}")
+            problems.append(f"{target}: no such file {file.relative_to(ROOT) if ROOT in file.parents else file}")
             continue
         if anchor and file.suffix == ".md" and \
                 anchor not in anchors(text if file == doc else file.read_text(encoding="utf-8")):
