@@ -5,11 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer.data.batch import Batch, causal_mask, pad_sequences, padding_mask
+from transformer.data.batch import causal_mask, pad_sequences, padding_mask
 from transformer.config import ModelConfig
 from transformer.model.transformer import Transformer
 from transformer.inference.search import Hypothesis, SearchResult, _beam_search, length_penalty, search
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
+from tests.conftest import train_copy_task
 
 VOCAB = 24
 CFG = ModelConfig(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64,
@@ -39,18 +40,14 @@ def trained():
     """A copy-task model after a few hundred updates: peaky, and it emits EOS at varied lengths."""
     torch.manual_seed(0)
     model = Transformer(CFG, VOCAB)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(1)
-    for _ in range(150):
-        lengths = torch.randint(2, 9, (32,), generator=g).tolist()
-        seqs = [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
-        batch = Batch.from_pairs([(s, s) for s in seqs])
-        logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=PAD_ID)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+
+    def copy_batches():
+        for _ in range(150):
+            lengths = torch.randint(2, 9, (32,), generator=g).tolist()
+            yield [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+    return train_copy_task(model, copy_batches(), lr=3e-3).eval()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import (ROOT, assert_same_training_state, cli, read_metrics, subprocess_env, tiny_config,
+from tests.conftest import (ROOT, assert_same_training_state, change_training_loss, cli, read_metrics, subprocess_env, tiny_config,
                             write_config, write_corpus)
 from transformer.files import remove_stale_temporaries
 from transformer.model.checkpoint import load_checkpoint
@@ -268,20 +268,17 @@ def test_printed_resume_command_keeps_the_overrides_and_continues_the_same_run(t
     `train --resume RUN_DIR`) continues that run, not a fresh one elsewhere."""
     import shlex
 
-    from transformer.training import loop as train_module
     from transformer.cli import main
 
     config = write_config(tmp_path / "tiny.yaml", tiny_config(tmp_path, "default run"))
     run = tmp_path / "my run"
-    real, calls = train_module.label_smoothed_loss, []
 
-    def sigterm_in_third_update(logits, target, smoothing):
-        calls.append(1)
-        if len(calls) == 3:
+    def sigterm_in_third_update(n, loss):
+        if n == 3:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real(logits, target, smoothing)
+        return loss
 
-    monkeypatch.setattr(train_module, "label_smoothed_loss", sigterm_in_third_update)
+    change_training_loss(monkeypatch, sigterm_in_third_update)
     with pytest.raises(SystemExit) as stopped:
         main(["train", str(config), "--set", f"train.run_dir={run}", "--set", "train.max_steps=6"])
     assert stopped.value.code == 143

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from tests.conftest import LINES, random_pairs, read_metrics, subprocess_env, tiny_config
+from tests.conftest import LINES, change_training_loss, random_pairs, read_metrics, subprocess_env, tiny_config
 from transformer.training import validation as validation_module
 from transformer.model import transformer as model_module
 from transformer.training import loop as train_module
@@ -56,15 +56,8 @@ def test_a_single_gpu_run_has_an_indexed_device_and_gets_past_its_first_update(t
 
 
 def test_fp16_overflow_lowers_the_loss_scale_and_skips_the_update(tmp_path, monkeypatch):
-    real_loss = train_module.label_smoothed_loss
-    calls = {"n": 0}
-
-    def overflow_once(logits, target, smoothing):
-        calls["n"] += 1
-        loss = real_loss(logits, target, smoothing)
-        return loss * 1e8 if calls["n"] == 5 else loss  # finite in fp32, inf once scaled into fp16 gradients
-
-    monkeypatch.setattr(train_module, "label_smoothed_loss", overflow_once)
+    # finite in fp32, inf once scaled into fp16 gradients
+    change_training_loss(monkeypatch, lambda n, loss: loss * 1e8 if n == 5 else loss)
     run_dir = train(from_dict(cuda_config(tmp_path, max_steps=8, valid_every=100, precision="fp16")), quiet=True)
     state = load_checkpoint(run_dir / "last.pt")
     assert state["run"]["step"] == 8

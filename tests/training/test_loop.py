@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from tests.conftest import (assert_same_training_state, cli, read_metrics, shared_data_dir, tiny_config,
+from tests.conftest import (assert_same_training_state, change_training_loss, cli, read_metrics, shared_data_dir, tiny_config,
                             write_config, write_corpus)
 from transformer.inference import scoring
 from transformer.training import loop as train_module
@@ -116,15 +116,7 @@ def test_existing_run_needs_resume_and_resume_without_a_checkpoint_starts_over(t
 
 
 def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
-    real_loss = train_module.label_smoothed_loss
-    calls = {"n": 0}
-
-    def sometimes_nan(logits, target, smoothing):
-        calls["n"] += 1
-        loss = real_loss(logits, target, smoothing)
-        return loss * float("nan") if calls["n"] == 3 else loss  # the third training micro-batch
-
-    monkeypatch.setattr(train_module, "label_smoothed_loss", sometimes_nan)
+    change_training_loss(monkeypatch, lambda n, loss: loss * float("nan") if n == 3 else loss)  # the third micro-batch
     raw = tiny_config(tmp_path, train={"max_steps": 5, "valid_every": 100})
     run_dir = train(from_dict(raw), quiet=True)
     state = _state(run_dir / "last.pt")
@@ -134,8 +126,7 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch):
 
 
 def test_all_non_finite_stops_with_a_message_and_saves_no_nan(tmp_path, monkeypatch):
-    monkeypatch.setattr(train_module, "label_smoothed_loss",
-                        lambda logits, target, smoothing: logits.sum() * float("nan"))
+    change_training_loss(monkeypatch, lambda n, loss: loss * float("nan"))
     raw = tiny_config(tmp_path, train={"max_steps": 50})
     with pytest.raises(UserError, match="training diverged: 20 updates in a row"):
         train(from_dict(raw), quiet=True)
