@@ -46,7 +46,7 @@ train: install data
 test: install browser
 	TRANSFORMER_DATA="$(abspath $(DATA_MIRROR))" $(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist loadscope tests
 
-# The page's real-browser test (tests/test_serve.py) needs Chromium and its driver: Debian's packages, installed
+# The page's real-browser test (tests/serve/test_app.py) needs Chromium and its driver: Debian's packages, installed
 # once where apt-get is available (as root, or through sudo without a password); elsewhere the test is skipped.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 browser:

@@ -1,7 +1,7 @@
 """Data path at WMT14 scale: prepare once, then start (and resume) in seconds with flat memory. Prints a table and
 writes JSON.
 
-    python scripts/bench_data.py --pairs 1000000 4500000 --json docs/bench_data_cpu.json
+    python scripts/bench_data.py --pairs 1000000 4500000 --json docs/benchmarks/bench_data_cpu.json
     python scripts/bench_data.py --pairs 20000 --json /tmp/bench_data.json     # a quick look
 
 A synthetic corpus is generated into a temporary directory (deleted afterwards unless --keep): two made-up languages
@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from transformer.config import load_config
-from transformer.data import BatchStream
-from transformer.store import Store
+from transformer.data.batching import BatchStream
+from transformer.data.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 

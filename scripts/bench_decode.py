@@ -33,14 +33,14 @@ from pathlib import Path
 
 import torch
 
-from transformer.batch import prepare_sources
-from transformer.corpus import read_lines
+from transformer.data.batch import prepare_sources
+from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
-from transformer.evaluate import bleu_chrf
-from transformer.search import STOP_RULES
-from transformer.translate import (CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_batches,
+from transformer.inference.scoring import bleu_chrf
+from transformer.inference.search import STOP_RULES
+from transformer.inference.translator import (CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_batches,
                                    search_ids, search_workers, source_batches)
-from transformer.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
 def sync(device: torch.device) -> None:

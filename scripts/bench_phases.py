@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from transformer.batch import padding_mask, prepare_sources
-from transformer.corpus import read_lines
+from transformer.data.batch import padding_mask, prepare_sources
+from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
-from transformer.model import evaluating
-from transformer.search import STOP_RULES
-from transformer.translate import Translator, source_batches
+from transformer.model.transformer import evaluating
+from transformer.inference.search import STOP_RULES
+from transformer.inference.translator import Translator, source_batches
 
 
 def interleaved(passes: dict, rounds: int) -> dict[str, list[float]]:

@@ -42,9 +42,9 @@ from collections import Counter
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from transformer.corpus import read_lines
+from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
-from transformer.serve import spawn
+from transformer.serve.app import spawn
 
 
 def rss_mb(pid: int, field: str = "VmRSS") -> float:

@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from transformer.batch import CAUSAL, padding_mask
+from transformer.data.batch import CAUSAL, padding_mask
 from transformer.config import load_config
 from transformer.device import cpu_description, mfu_peak, tf32_matmuls
-from transformer.model import build_model, training_flops
-from transformer.train import TrainingLoss
-from transformer.vocab import PAD_ID
+from transformer.model.transformer import build_model, training_flops
+from transformer.training.loop import TrainingLoss
+from transformer.data.vocab import PAD_ID
 
 IMPLS = ("ours", "marian", "torch")
 

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from transformer.batch import CAUSAL, attention_bias, padding_mask, target_mask
-from transformer.vocab import PAD_ID
+from transformer.data.batch import CAUSAL, attention_bias, padding_mask, target_mask
+from transformer.data.vocab import PAD_ID
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from transformer.corpus import read_lines
+from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +79,10 @@ def main() -> None:
         runs, outputs = [], []
         for i, rev in enumerate(args.rev):
             package_copy(rev, f"t_{i}", Path(tmp))
-            translate = importlib.import_module(f"t_{i}.translate")
+            try:  # the translator's module since the subpackages (issue 34), then before them
+                translate = importlib.import_module(f"t_{i}.inference.translator")
+            except ModuleNotFoundError:
+                translate = importlib.import_module(f"t_{i}.translate")
             tr = translate.Translator(args.checkpoint, device="cpu", dtype=args.dtype)
             src = tr.vocab.encode(lines)
             dec = tr.cfg.decode

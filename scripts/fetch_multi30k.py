@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from transformer.config import DataConfig
-from transformer.corpus import load_split
+from transformer.data.corpus import load_split
 from transformer.errors import UserError
 
 

@@ -6,19 +6,19 @@ recipe on the GPU to its test BLEU, decoding that model greedy and beam 4 beside
 limit, in this order (the order of value); --budget bounds the whole command, and a step that would not get
 MIN_STEP_S seconds is skipped and said so. A failing step is recorded and the next one runs. Writes one JSON
 (every step's command, exit status, wall time and the figures read from the step's own output) and the generated
-block of docs/PERFORMANCE.md between its marker comments.
+block of docs/benchmarks/log.md between its marker comments.
 
     PYTHONPATH=. python3 scripts/gpu_report.py --prepare-data ../shared/data/multi30k   # here, once: data/gpu/
     PYTHONPATH=. python3 scripts/gpu_report.py --budget 420 --json $OUT/gpu_report.json --out-md $OUT/gpu_report.md
     PYTHONPATH=. python3 scripts/gpu_report.py --device cpu                              # dry run at toy sizes
     PYTHONPATH=. python3 scripts/gpu_report.py --steps recipe,bench_decode --budget 400 --json B.json   # a second call
-    python3 scripts/gpu_report.py --render A.json B.json --json docs/gpu_report.json      # merge; write the block
+    python3 scripts/gpu_report.py --render A.json B.json --json docs/benchmarks/gpu_report.json  # merge; write the block
 
 Everything the GPU machine needs travels with the repository: the corpus and its SentencePiece vocabulary in
 data/gpu/ (git-ignored), written here by --prepare-data; nothing is read from ../shared, nothing imports
 `datasets`, and there is no torchrun step (one GPU runs no DDP) and no CTranslate2 one (its wheels need CUDA 12).
 --device cpu runs every step at toy sizes on the first lines of --data (the CUDA tests skip themselves; the
-stand-in tests of the CUDA paths, tests/test_cuda_paths.py, run instead): it checks the pipeline, not the speed.
+stand-in tests of the CUDA paths, tests/integration/test_cuda_paths.py, run instead): it checks the pipeline, not the speed.
 The recipe's training stops at its limit less FINISH_RESERVE_S (SIGTERM: it saves last.pt), and `transformer
 finish` then scores what it has.
 """
@@ -98,7 +98,7 @@ class Step:
 
 def cuda_tests(ctx: Context):
     # On a CPU the CUDA tests skip themselves: the dry run runs the stand-in tests of the same paths beside them.
-    files = ["tests/test_cuda.py"] + (["tests/test_cuda_paths.py"] if ctx.device == "cpu" else [])
+    files = ["tests/integration/test_cuda.py"] + (["tests/integration/test_cuda_paths.py"] if ctx.device == "cpu" else [])
     return ctx.py("-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
                   f"--junitxml={ctx.dir('cuda_tests') / 'junit.xml'}")
 
@@ -510,7 +510,7 @@ def render(report: dict) -> str:
 def md_cuda_tests(steps: dict) -> list[str]:
     f = steps["cuda_tests"]["figures"]
     files = sorted({f"tests/{c['file'].split('.')[-1]}.py" for c in f["cases"] if c.get("file")})
-    lines = [f"**CUDA tests** (`{'`, `'.join(files) or 'tests/test_cuda.py'}`): {f['tests']} tests, {f['passed']} "
+    lines = [f"**CUDA tests** (`{'`, `'.join(files) or 'tests/integration/test_cuda.py'}`): {f['tests']} tests, {f['passed']} "
              f"passed, {f['failed']} failed, {f['errors']} errors, {f['skipped']} skipped."]
     return lines + [f"- `{c['name']}`: {c['outcome']}: {c['message']}" for c in f["cases"] if c["outcome"] != "passed"]
 
@@ -663,7 +663,7 @@ def main() -> None:
                     help="scratch space: step logs and JSON, run directories (replaced on each run)")
     ap.add_argument("--json", help="the report (default OUT_DIR/gpu_report.json)")
     ap.add_argument("--out-md", help="the markdown file whose generated block is replaced (default "
-                    "docs/PERFORMANCE.md; for the dry run OUT_DIR/gpu_report.md)")
+                    "docs/benchmarks/log.md; for the dry run OUT_DIR/gpu_report.md)")
     ap.add_argument("--render", nargs="+", metavar="JSON",
                     help="run nothing: merge these reports (later ones win per step) and write the block")
     args = ap.parse_args()
@@ -691,12 +691,12 @@ def main() -> None:
         report = merge(reports)
         if args.json:
             write_json(Path(args.json), report)
-        out_md = Path(args.out_md or ROOT / "docs" / "PERFORMANCE.md")
+        out_md = Path(args.out_md or ROOT / "docs" / "benchmarks" / "log.md")
         failed = False
     else:
         report = measure(args)
         out_md = Path(args.out_md or (Path(args.out_dir) / "gpu_report.md" if report["toy"]
-                                      else ROOT / "docs" / "PERFORMANCE.md"))
+                                      else ROOT / "docs" / "benchmarks" / "log.md"))
         failed = any(s["status"] in ("failed", "timeout", "interrupted") or s.get("reason", "").startswith("--budget")
                      for s in report["steps"])  # exit status 1: something to look at, or to run again
     write_block(out_md, render(report))

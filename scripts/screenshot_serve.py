@@ -3,7 +3,7 @@
 sentence into the page in headless Chromium, waits for the translation, the beam search and the attention
 grid, and saves a PNG.
 
-    python scripts/screenshot_serve.py RUN_DIR_OR_CHECKPOINT docs/serve.png \
+    python scripts/screenshot_serve.py RUN_DIR_OR_CHECKPOINT docs/images/serve.png \
         [--text "Ein Mann fährt mit dem Fahrrad die Straße entlang."] [--size 1280x900] [--full-page] \
         [--kind cross] [--layer 2 --head 3] [--hover 1] [--step 3] [--device cpu]
 
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from transformer.serve import spawn
+from transformer.serve.app import spawn
 
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",

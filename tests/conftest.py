@@ -21,15 +21,49 @@ import torch
 import yaml
 
 from transformer import cli as cli_module
-from transformer.batch import Batch
-from transformer.checkpoint import load_checkpoint, save_checkpoint
+from transformer.data.batch import Batch
+from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import from_dict, to_dict
-from transformer.model import Transformer
-from transformer.vocab import PAD_ID, train_vocab
+from transformer.model.transformer import Transformer
+from transformer.data.vocab import PAD_ID, train_vocab
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
          "the a man woman child dog cat house on in plays runs sits red blue green big small").split()
+
+
+# --------------------------------------------------------------------------- training stand-ins
+
+
+def train_copy_task(model: Transformer, batches, lr: float) -> Transformer:
+    """Teach `model` to copy its input (plain cross entropy, Adam), one update per list of token sequences in
+    `batches`: a few hundred updates make a model peaky enough that most argmaxes are not near-ties."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for seqs in batches:
+        batch = Batch.from_pairs([(s, s) for s in seqs])
+        logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=PAD_ID)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def change_training_loss(monkeypatch, change) -> list:
+    """Route every training micro-batch's loss through `change(n, loss)` (n counts calls from 1) in the training
+    loop: how tests inject a NaN, an fp16 overflow or a signal at a chosen update. Returns the list of the losses
+    the real function computed, one per call."""
+    from transformer.training import loop
+
+    real, seen = loop.label_smoothed_loss, []
+
+    def changed(logits, target, smoothing):
+        loss = real(logits, target, smoothing)
+        seen.append(loss)
+        return change(len(seen), loss)
+
+    monkeypatch.setattr(loop, "label_smoothed_loss", changed)
+    return seen
 
 
 # --------------------------------------------------------------------------- processes
@@ -268,15 +302,8 @@ def copy_model(tmp_path_factory) -> Path:
     cfg = from_dict(translation_config(root, root))
     torch.manual_seed(0)
     model = Transformer(cfg.model, len(vocab))
-    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
     data = vocab.encode(sentences(2, 3200))
-    for step in range(100):
-        batch = Batch.from_pairs([(s, s) for s in data[step * 32: step * 32 + 32]])
-        logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=PAD_ID)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_copy_task(model, (data[step * 32: step * 32 + 32] for step in range(100)), lr=5e-3)
     save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, root / "model.pt")
     return root / "model.pt"
 

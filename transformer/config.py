@@ -14,9 +14,13 @@ from typing import Any, Literal, Optional, Tuple
 
 import yaml
 
-from transformer.atomic import atomic_write
-from transformer.batch import round_up
+from transformer.files import atomic_write
 from transformer.errors import UserError
+
+
+def round_up(n, multiple: int):
+    """n rounded up to a multiple (ints or numpy arrays)."""
+    return -(-n // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,8 @@ class ModelConfig:
     dropout: float = 0.1               # on embeddings+positions and on each sub-layer output
     attention_dropout: float = 0.0     # on the attention probabilities
     activation_dropout: float = 0.0    # after the ReLU inside the feed-forward
-    max_positions: int = 1024          # sinusoid table length; longest sequence the model accepts
+    max_positions: int = 1024          # longest sequence the model accepts (and the sinusoid table's length)
+    positions: Literal["sinusoidal"] = "sinusoidal"  # how positions are told apart: model/positions.py
     norm: Literal["post", "pre"] = "post"  # post: the paper's Add&Norm; pre: LayerNorm before each sub-layer
     share_embeddings: bool = True      # one embedding matrix for source and target (joint vocabulary)
     tie_output: bool = True            # output projection reuses the target embedding matrix
@@ -95,11 +100,11 @@ class DecodeConfig:
     max_tokens: int = 8192             # source tokens per translation batch
     # When beam search ends a sentence (search.py): "exact" (no live hypothesis can still win) or "early"
     # (fairseq's: once `beam` hypotheses have finished; faster). Exact stays the default: early scored 0.26
-    # test BLEU below it on Multi30k, more than the 0.1 allowed for a default (docs/PERFORMANCE.md).
+    # test BLEU below it on Multi30k, more than the 0.1 allowed for a default (docs/benchmarks/log.md).
     stop: Literal["exact", "early"] = "exact"
     # Searches run side by side on a CPU, each on its own batches with threads / workers of torch's threads
     # (CTranslate2's inter_threads): serial work in one overlaps the other's matrix products. 2 translated
-    # 1.2x the sentences/s of 1 on a 2-core CPU (docs/PERFORMANCE.md). 1: one search on all threads. A
+    # 1.2x the sentences/s of 1 on a 2-core CPU (docs/benchmarks/log.md). 1: one search on all threads. A
     # single batch, and CUDA, always run as one search.
     workers: int = 2
 

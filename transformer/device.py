@@ -141,7 +141,7 @@ def default_cuda_allocator(environ: Optional[dict] = None) -> bool:
 
 # oneDNN keeps every primitive it built, one per operation and shape, in two caches of 1,024 entries each (its
 # own, and ideep's in torch): one 256x256 linear over 2,000 row counts grew RSS by 2.2 GB, by 0.18 GB with 64
-# entries (scripts/bench_memory.py; docs/bench_memory_cpu_avx2.json). Where torch
+# entries (scripts/bench_memory.py; docs/benchmarks/bench_memory_cpu_avx2.json). Where torch
 # runs matmuls through oneDNN (bf16 on a CPU with avx512_bf16 or AMX, our packed bf16 translation), every new
 # batch shape adds primitives that are rarely used again: `make train` in bf16 grew to 3.5 GB where fp32 (MKL)
 # stays near 1.8 GB. 64 entries hold every shape of one update and of a decoder step.

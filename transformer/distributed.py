@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from transformer.device import device_type
 from transformer.errors import UserError, first_line, is_out_of_memory
-from transformer.resume import set_stop_handlers
+from transformer.signals import set_stop_handlers
 
 
 @dataclass(frozen=True)

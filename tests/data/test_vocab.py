@@ -1,0 +1,81 @@
+"""The SentencePiece vocabulary: special ids, encode/decode round trip, save and load, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import sentences, subprocess_env
+from transformer.errors import UserError
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, sample_sentences, train_vocab
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Vocab:
+    return train_vocab(sentences(0, 400, hi=12), vocab_size=100)
+
+
+def test_vocab_special_ids_and_round_trip(vocab, tmp_path):
+    assert (PAD_ID, UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2, 3)
+    assert vocab.sp.pad_id() == PAD_ID and vocab.sp.unk_id() == UNK_ID
+    assert vocab.sp.bos_id() == BOS_ID and vocab.sp.eos_id() == EOS_ID
+    assert 30 <= len(vocab) <= 100
+    texts = sentences(7, 20, hi=12)
+    ids = vocab.encode(texts)
+    assert all(len(seq) > 0 for seq in ids)
+    assert all(4 <= i < len(vocab) for seq in ids for i in seq)  # no specials inside text
+    assert vocab.decode(ids) == texts
+    # Special ids are dropped when decoding.
+    assert vocab.decode([[BOS_ID] + ids[0] + [EOS_ID, PAD_ID, PAD_ID]]) == [texts[0]]
+    # Save / load gives the same model.
+    vocab.save(tmp_path / "spm.model")
+    again = Vocab.load(tmp_path / "spm.model")
+    assert again.encode(texts) == ids and len(again) == len(vocab)
+
+
+def test_text_that_is_not_unicode_encodes_as_the_replacement_character(vocab):
+    """A command-line byte that is not UTF-8 reaches Python as a lone surrogate ("M\\xe4dchen" in Latin-1 is
+    "M\\udce4dchen"), as does a JSON "\\ud800": each encodes like U+FFFD, what a stream's bad byte becomes."""
+    texts = sentences(3, 4, hi=12)
+    bad = [texts[0][:3] + "\udce4" + texts[0][3:], "\ud800" + texts[1], texts[2]]
+    assert vocab.encode(bad) == vocab.encode([t.replace("\udce4", "\ufffd").replace("\ud800", "\ufffd")
+                                             for t in bad])
+    assert vocab.encode(texts[:1]) != vocab.encode(bad[:1])  # the bad character is kept as one (unknown) piece
+    with pytest.raises(TypeError):  # not text at all stays an error
+        vocab.encode([texts[0], 5])
+
+
+def test_vocab_errors(tmp_path):
+    with pytest.raises(UserError, match="no SentencePiece model"):
+        Vocab.load(tmp_path / "missing.model")
+    with pytest.raises(UserError, match="SentencePiece"):
+        Vocab(b"definitely not a model")
+
+
+def test_sample_sentences_is_uniform_reproducible_and_keeps_a_small_corpus_whole():
+    items = [f"s{i}" for i in range(10)]
+    assert sample_sentences(iter(items), 10, seed=1) == items
+    assert sample_sentences(iter(items), 20, seed=1) == items
+    picks = sample_sentences(iter(items), 5, seed=3)
+    assert len(picks) == 5 == len(set(picks)) and set(picks) <= set(items)
+    assert picks == sample_sentences(iter(items), 5, seed=3)
+    counts = dict.fromkeys(items, 0)
+    for seed in range(2000):
+        for s in sample_sentences(iter(items), 5, seed):
+            counts[s] += 1
+    assert all(850 <= c <= 1150 for c in counts.values()), counts  # each kept half the time, the last ones too
+
+
+def test_a_sampled_vocabulary_is_the_same_in_every_process(tmp_path):
+    """SentencePiece's own sample (input_sentence_size) changed from one process to the next whatever its seed;
+    the same corpus, size and seed must give the same vocabulary in two runs of a config."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(sentences(5, 3000, hi=12)) + "\n", encoding="utf-8")
+    script = ("import hashlib, sys\nfrom transformer.data.vocab import train_vocab\n"
+              f"lines = open({str(corpus)!r}, encoding='utf-8').read().splitlines()\n"
+              "print(hashlib.sha256(train_vocab(lines, 150, max_sentences=1000, seed=7).proto).hexdigest())\n")
+    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              env=subprocess_env()).stdout for _ in range(3)}
+    assert len(digests) == 1

@@ -1,0 +1,88 @@
+"""Inference weight formats (transformer/quantize.py): input-major float linears and packed bf16 linears compute
+what nn.Linear does, and a model converted to them searches the same hypotheses; the Translator uses them for fp32
+and bf16 on a CPU."""
+
+import copy
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import LINES
+from transformer.data.batch import prepare_sources
+from transformer.model.checkpoint import load_model
+from transformer.inference.weight_formats import InputMajorLinear, PackedBF16Linear, can_pack_bf16, input_major, pack_bf16
+from transformer.inference.search import search
+from transformer.inference.translator import Translator
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_input_major_linear_computes_what_linear_does(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 24, bias=bias)
+    fast = InputMajorLinear(linear)
+    assert fast.weight_t.shape == (16, 24) and fast.weight_t.is_contiguous()
+    for shape in [(5, 16), (3, 7, 16), (2, 1, 16)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(fast(x), linear(x))
+    # A copy, not a view: training the original later does not change a converted model.
+    with torch.no_grad():
+        linear.weight.add_(1.0)
+    x = torch.randn(4, 16)
+    assert not torch.allclose(fast(x), linear(x))
+
+
+def test_input_major_model_searches_the_same(copy_model):
+    model, vocab, _ = load_model(copy_model)
+    converted = input_major(copy.deepcopy(model))
+    assert not any(isinstance(m, nn.Linear) for m in converted.modules())
+    # The tied output projection gets its own matrix; the embedding it was tied to stays.
+    torch.testing.assert_close(converted.output.weight_t, model.tgt_embed.weight.t())
+    assert converted.tgt_embed.weight.data_ptr() != converted.output.weight_t.data_ptr()
+    src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
+    for beam in (1, 3):
+        with torch.inference_mode():
+            a = search(model, src, beam=beam, nbest=beam)
+            b = search(converted, src, beam=beam, nbest=beam)
+        assert [[h.tokens for h in hyps] for hyps in a.hypotheses] == [[h.tokens for h in hyps] for hyps in b.hypotheses]
+        for x, y in zip(a.hypotheses, b.hypotheses):
+            assert [h.score for h in x] == pytest.approx([h.score for h in y], abs=1e-4)
+    assert len({tuple(h[0].tokens) for h in a.hypotheses}) > len(LINES) // 2  # varied outputs: the check means something
+
+
+def test_translator_uses_input_major_weights_for_fp32_and_packed_ones_for_bf16_on_a_cpu(run, monkeypatch):
+    assert isinstance(Translator(run, device="cpu").model.output, InputMajorLinear)
+    bf16 = Translator(run, device="cpu", dtype="bf16").model
+    assert isinstance(bf16.output, PackedBF16Linear if can_pack_bf16() else nn.Linear)
+    assert bf16.tgt_embed.weight.dtype == torch.bfloat16
+    # Where oneDNN has no bf16 kernel (CPUs without AVX512-BF16/AMX), the weights are only cast.
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    plain = Translator(run, device="cpu", dtype="bf16").model
+    assert isinstance(plain.output, nn.Linear) and plain.output.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not can_pack_bf16(), reason="oneDNN runs no bf16 on this CPU (no AVX512-BF16/AMX)")
+def test_packed_bf16_search_equals_the_plain_bf16_one(copy_model):
+    model, vocab, _ = load_model(copy_model)
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    packed = pack_bf16(copy.deepcopy(model))
+    assert isinstance(packed.output, PackedBF16Linear)
+    assert not any(isinstance(m, nn.Linear) for m in packed.modules())  # every projection packed
+    src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
+    for beam in (1, 3):
+        with torch.inference_mode():
+            a = search(plain, src, beam=beam, nbest=beam)
+            b = search(packed, src, beam=beam, nbest=beam)
+        # The same oneDNN product, only without the per-call weight reorder: the same numbers, not merely close.
+        assert [[(h.tokens, h.score) for h in hyps] for hyps in a.hypotheses] == \
+            [[(h.tokens, h.score) for h in hyps] for hyps in b.hypotheses]
+    assert len({tuple(h[0].tokens) for h in a.hypotheses}) > len(LINES) // 2
+
+
+def test_int8_without_torch_dynamic_quantization_is_a_one_line_error(run, monkeypatch, call):
+    """torch has deprecated eager dynamic quantization; where it is gone, --dtype int8 says what to use instead."""
+    monkeypatch.setitem(sys.modules, "torch.ao.quantization", None)  # importing it now fails
+    status, _, err = call("translate", run, "--dtype", "int8", "--device", "cpu", "ein hund")
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert "--dtype int8 needs torch's dynamic quantization" in err and "--engine ctranslate2" in err

@@ -1,0 +1,134 @@
+"""Searches side by side on a CPU (decode.workers): the same hypotheses in input order as one search, torch's
+thread count shared between the workers and given back, errors reaching the caller, one batch kept whole."""
+
+import threading
+
+import pytest
+import torch
+
+from tests.conftest import LINES
+from transformer.inference import translator as translate
+from transformer.model.checkpoint import load_model
+from transformer.inference.translator import Translator, search_ids, search_workers, source_batches
+
+MAX_TOKENS = 64  # several batches for LINES with one worker, more with two
+
+
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads for this test (conftest sets one before each test)."""
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Each search() call's thread name, torch thread count and batch size, recorded on the way through."""
+    seen: list[tuple[str, int, int]] = []
+    real = translate.search
+
+    def recording(model, src, *args, **kwargs):
+        seen.append((threading.current_thread().name, torch.get_num_threads(), src.size(0)))
+        return real(model, src, *args, **kwargs)
+
+    monkeypatch.setattr(translate, "search", recording)
+    return seen
+
+
+@pytest.mark.parametrize("beam, nbest", [(1, 1), (3, 2)])
+def test_two_workers_find_what_one_search_finds_in_input_order(run, two_threads, calls, beam, nbest):
+    model, vocab, _ = load_model(run)
+    src_ids = vocab.encode(LINES + [""])
+    one = search_ids(model, src_ids, beam, 0.6, 4, MAX_TOKENS, "cpu", nbest, workers=1)
+    assert {name for name, _, _ in calls} == {threading.current_thread().name}
+    assert {threads for _, threads, _ in calls} == {2}
+    calls.clear()
+    two = search_ids(model, src_ids, beam, 0.6, 4, MAX_TOKENS, "cpu", nbest, workers=2)
+    assert all(name.startswith("search") for name, _, _ in calls)  # every batch ran on a worker
+    assert {threads for _, threads, _ in calls} == {1}             # each on half of the two threads
+    assert len(calls) == len(source_batches(src_ids, model.cfg.max_positions, MAX_TOKENS // 2)) > 2
+    assert [[h.tokens for h in hyps] for hyps in two] == [[h.tokens for h in hyps] for hyps in one]
+    for hyps_two, hyps_one in zip(two, one):
+        assert [h.score for h in hyps_two] == pytest.approx([h.score for h in hyps_one], abs=1e-4)
+    assert len({tuple(hyps[0].tokens) for hyps in two}) > 5  # different outputs: a mix-up of order would show
+
+
+def test_thread_count_is_given_back_to_the_caller_and_to_later_threads(run, two_threads):
+    model, vocab, _ = load_model(run)
+    search_ids(model, vocab.encode(LINES), 1, 0.6, 4, MAX_TOKENS, "cpu", workers=2)
+    assert torch.get_num_threads() == 2
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [2]  # a worker's set_num_threads(1) would otherwise be every new thread's start
+
+
+def test_one_batch_is_searched_in_the_calling_thread_on_all_threads(run, two_threads, calls):
+    model, vocab, _ = load_model(run)
+    search_ids(model, vocab.encode(LINES[:2]), 1, 0.6, 4, 256, "cpu", workers=2)  # one batch of 128 tokens
+    assert calls == [(threading.current_thread().name, 2, 2)]
+
+
+def test_an_error_in_a_worker_reaches_the_caller(run, two_threads, monkeypatch):
+    model, vocab, _ = load_model(run)
+    real, searched = translate.search, []
+
+    def failing(model, src, *args, **kwargs):
+        searched.append(src.size(0))
+        if len(searched) == 2:
+            raise RuntimeError("out of memory in a worker")
+        return real(model, src, *args, **kwargs)
+
+    monkeypatch.setattr(translate, "search", failing)
+    with pytest.raises(RuntimeError, match="out of memory in a worker"):
+        search_ids(model, vocab.encode(LINES), 1, 0.6, 4, MAX_TOKENS, "cpu", workers=2)
+    assert torch.get_num_threads() == 2
+
+
+def test_a_model_in_training_is_searched_in_eval_mode_and_handed_back_in_training(run, two_threads, monkeypatch):
+    """The trainer's validation BLEU: the mode is set before any worker starts, not by each search (the first to
+    finish would switch dropout back on under the others, and the last would leave training without it)."""
+    model, vocab, _ = load_model(run)
+    src_ids = vocab.encode(LINES)
+    expected = search_ids(model, src_ids, 1, 0.6, 4, MAX_TOKENS, "cpu", workers=1)
+    model.train()
+    real, modes = translate.search, []
+
+    def recording(model, src, *args, **kwargs):
+        modes.append(model.training)
+        return real(model, src, *args, **kwargs)
+
+    monkeypatch.setattr(translate, "search", recording)
+    found = search_ids(model, src_ids, 1, 0.6, 4, MAX_TOKENS, "cpu", workers=2)
+    assert len(modes) > 2 and not any(modes)
+    assert model.training
+    assert [hyps[0].tokens for hyps in found] == [hyps[0].tokens for hyps in expected]
+
+
+def test_workers_are_capped_by_threads_and_one_off_the_cpu(two_threads):
+    assert search_workers(4, "cpu") == 2
+    assert search_workers(2, "cpu") == 2
+    assert search_workers(2, "cuda") == 1  # only the device type is read: no GPU needed
+    torch.set_num_threads(1)
+    assert search_workers(2, "cpu") == 1
+
+
+def test_translator_takes_workers_from_the_checkpoint_or_the_caller(run, two_threads, calls):
+    assert Translator(run, device="cpu").workers == 2  # decode.workers' default
+    translator = Translator(run, device="cpu", beam=1, max_tokens=MAX_TOKENS, workers=1)
+    assert translator.workers == 1
+    translator.translate(LINES)
+    assert {name for name, _, _ in calls} == {threading.current_thread().name}
+
+
+def test_ctranslate2_workers_translate_as_one(ctranslate2, copy_model, two_threads):
+    one = Translator(copy_model, device="cpu", beam=2, max_tokens=MAX_TOKENS, engine="ctranslate2", workers=1)
+    two = Translator(copy_model, device="cpu", beam=2, max_tokens=MAX_TOKENS, engine="ctranslate2", workers=2)
+    assert (one.ct2.num_translators, two.ct2.num_translators) == (1, 2)
+    assert torch.get_num_threads() == 2  # CTranslate2 set the caller's count to its intra_threads, 1
+    found_one, found_two = one.translate_nbest(LINES, 2), two.translate_nbest(LINES, 2)
+    assert [[text for _, text in hyps] for hyps in found_two] == [[text for _, text in hyps] for hyps in found_one]
+    for hyps_two, hyps_one in zip(found_two, found_one):  # other batches: float sums in another order
+        assert [score for score, _ in hyps_two] == pytest.approx([score for score, _ in hyps_one], abs=1e-4)

@@ -1,0 +1,198 @@
+"""The benchmark scripts run end to end at toy size and write their JSON (no timing is asserted): the counts they
+report and the rates derived from them agree."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, sentences, subprocess_env
+from transformer.data.batch import source_limit
+from transformer.config import load_config
+from transformer.device import cpu_description
+from transformer.model.transformer import Transformer, count_parameters
+
+
+def test_bench_train_runs_and_writes_json(tmp_path):
+    out = tmp_path / "train.json"
+    result = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/tiny.yaml", "--vocab", "100",
+                             "--tokens", "64", "--length", "8", "--steps", "2", "--warmup", "1", "--device", "cpu",
+                             "--impls", "ours,torch", "--peak-tflops", "0.1", "--json", str(out)],
+                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["peak_flops"] == 0.1e12 and report["tokens"] == 64 and report["length"] == 8
+    rows = {r["impl"]: r for r in report["results"]}
+    assert list(rows) == ["ours", "torch"]
+    for r in rows.values():
+        assert r["sentences"] == 64 // 8 and len(r["step_s_all"]) == 2
+        assert r["step_s_median"] == statistics.median(r["step_s_all"])
+        assert r["tgt_tokens_per_s"] == pytest.approx(64 / r["step_s_median"])
+        assert r["tokens_per_s"] == pytest.approx(2 * r["tgt_tokens_per_s"])  # source tokens as many as target
+        assert r["mfu"] == pytest.approx(r["tflops_per_s"] / 0.1)
+    # The same work per update for both (FLOPs depend on the dimensions only); ours is the package's model.
+    assert rows["ours"]["tflops_per_s"] * rows["ours"]["step_s_median"] == \
+        pytest.approx(rows["torch"]["tflops_per_s"] * rows["torch"]["step_s_median"])
+    assert rows["ours"]["params"] == count_parameters(Transformer(load_config(ROOT / "configs/tiny.yaml").model, 100))
+    assert rows["ours"]["ours_speedup"] == 1.0
+    assert rows["torch"]["ours_speedup"] == pytest.approx(rows["ours"]["tgt_tokens_per_s"] /
+                                                          rows["torch"]["tgt_tokens_per_s"])
+    table = result.stdout.splitlines()
+    assert any(line.startswith("ours ") for line in table) and any(line.startswith("torch ") for line in table)
+    assert "MFU" in result.stdout
+
+
+def test_bench_memory_runs_both_precisions_and_probes_both_cache_settings(tmp_path):
+    out = tmp_path / "memory.json"
+    result = subprocess.run([sys.executable, "scripts/bench_memory.py", "--config", "configs/tiny.yaml", "--vocab",
+                             "100", "--set", "data.max_tokens=96", "--updates", "4", "--every", "2", "--probe-shapes", "40",
+                             "--probe-width", "32", "--json", str(out)],
+                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["cpu"] == cpu_description() and report["bounded_capacity"] == 64
+    settings = {"default": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": None, "DNNL_PRIMITIVE_CACHE_CAPACITY": None,
+                            "LRU_CACHE_CAPACITY": None},
+                "bounded": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "DNNL_PRIMITIVE_CACHE_CAPACITY": None,
+                            "LRU_CACHE_CAPACITY": "64"}}
+    runs = [(r["precision"], r["caches"]) for r in report["training"]]
+    assert runs == [("fp32", "bounded"), ("bf16", "bounded")]  # the probe runs both settings
+    for r in report["training"]:
+        assert r["settings"] == settings[r["caches"]] and r["updates"] == 4 and 1 <= r["distinct_shapes"] <= 4
+        assert [step for step, _ in r["rss_mib"]] == [2, 4]
+        assert r["peak_mib"] >= max(rss for _, rss in r["rss_mib"]) > 0 and r["start_mib"] > 0
+    assert [r["caches"] for r in report["probe"]] == ["default", "bounded"]
+    for r in report["probe"]:
+        assert r["settings"] == settings[r["caches"]] and r["width"] == 32
+        assert [rows for rows, _ in r["growth_mib"]] == list(range(4, 41, 4))
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith(("fp32 ", "bf16 ")) for line in lines) == 2 and "wrote" in lines[-1]
+
+
+def _run_bench_decode(checkpoint, tmp_path, *options: str, repeats: int = 1) -> tuple[subprocess.CompletedProcess, dict]:
+    """bench_decode.py on a 12-sentence toy set with an untrained toy model; -> (process, its JSON)."""
+    (tmp_path / "test.de").write_text("\n".join(sentences(1, 12)) + "\n", encoding="utf-8")
+    (tmp_path / "test.en").write_text("\n".join(sentences(2, 12)) + "\n", encoding="utf-8")
+    out = tmp_path / "decode.json"
+    result = subprocess.run([sys.executable, "scripts/bench_decode.py", str(tmp_path / "test.de"), "--checkpoint",
+                             str(checkpoint), "--ref", str(tmp_path / "test.en"), "--device", "cpu",
+                             "--repeats", str(repeats), "--no-hf", *options, "--json", str(out)],
+                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result, json.loads(out.read_text())
+
+
+def _check_rates(row: dict) -> None:
+    """What a row's rates are made of: its timed passes, its sentences and their output tokens."""
+    assert len(row["times_s"]) == len(row["started_s"]) and row["median_s"] == statistics.median(row["times_s"])
+    assert row["sentences_per_s"] == pytest.approx(row["sentences"] / row["median_s"])
+    assert row["tokens_per_s"] == pytest.approx(row["target_tokens"] / row["median_s"])
+    # Every output ends with EOS and holds at most source length (with EOS) + max_len_offset (4) tokens.
+    longest = source_limit(max_positions=40) + 1 + 4
+    assert row["sentences"] <= row["target_tokens"] <= row["sentences"] * (longest + 1)
+
+
+def test_bench_decode_grid_of_stop_rules_and_dtypes(untrained_checkpoint, tmp_path):
+    _, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "3", "--stop", "exact", "early",
+                                  "--dtype", "fp32", "int8", repeats=2)
+    rows = {(r["beam"], r["stop"], r["dtype"]): r for r in report["results"]}
+    assert report["cpu"] == cpu_description()
+    for beam in (1, 3):
+        _check_rounds([r for r in report["results"] if r["beam"] == beam], 2)
+    # Greedy has no stop rule to vary; beam 3 runs the whole grid.
+    assert sorted(rows) == sorted([(1, "exact", "fp32"), (1, "exact", "int8")] +
+                                  [(3, s, d) for s in ("exact", "early") for d in ("fp32", "int8")])
+    for (beam, stop, dtype), r in rows.items():
+        assert r["impl"] == "ours" and r["sentences"] == 12
+        _check_rates(r)
+        # A batch runs as long as its longest sentence: the steps of all batches are at least one sentence's.
+        assert r["decoder_steps"] >= r["steps_per_sentence"] >= 1
+        assert 0 <= r["bleu"] <= 100 and 0 <= r["same_as_first"] <= 1
+    assert rows[1, "exact", "fp32"]["same_as_first"] == 1.0 and rows[3, "exact", "fp32"]["same_as_first"] == 1.0
+    assert rows[1, "exact", "fp32"]["batches"] == rows[3, "early", "int8"]["batches"] >= 1
+    for dtype in ("fp32", "int8"):  # the early rule never takes more steps
+        assert rows[3, "early", dtype]["steps_per_sentence"] <= rows[3, "exact", dtype]["steps_per_sentence"]
+
+
+def _check_rounds(rows: list[dict], repeats: int) -> None:
+    """A beam's settings are timed in interleaved rounds: every setting's pass r starts before any pass r+1."""
+    for row in rows:
+        assert len(row["times_s"]) == repeats and row["started_s"] == sorted(row["started_s"])
+    for r in range(repeats - 1):
+        assert max(row["started_s"][r] for row in rows) < min(row["started_s"][r + 1] for row in rows)
+
+
+def test_bench_decode_times_ctranslate2_on_our_weights(ctranslate2, untrained_checkpoint, tmp_path):
+    result, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "2", "--stop", "early",
+                                       "--ctranslate2", repeats=3)
+    assert report["ctranslate2"] == ctranslate2.__version__
+    for beam in (1, 2):
+        rows = {(r["impl"], r["dtype"]): r for r in report["results"] if r["beam"] == beam}
+        assert set(rows) == {("ours", "fp32"), ("ctranslate2", "fp32"), ("ctranslate2", "int8")}
+        _check_rounds(list(rows.values()), 3)
+        for row in rows.values():
+            _check_rates(row)
+            for dtype in ("fp32", "int8"):  # paired: the median of the per-round speed ratios
+                base = rows["ctranslate2", dtype]["times_s"]
+                assert row[f"vs_ct2_{dtype}"] == pytest.approx(
+                    statistics.median(b / t for t, b in zip(row["times_s"], base)))
+        assert rows["ctranslate2", "fp32"]["vs_ct2_fp32"] == 1.0
+    greedy = {r["dtype"]: r for r in report["results"] if r["beam"] == 1 and r["impl"] == "ctranslate2"}
+    assert greedy["fp32"]["same_as_first"] == 1.0  # greedy outputs agree with ours, limits included
+    assert "ctranslate2" in result.stdout
+
+
+def test_compare_decode_runs_revisions_side_by_side(untrained_checkpoint, tmp_path):
+    """Two copies of the working tree and the last commit load as separate packages in one process; a revision
+    compared with itself has identical outputs, and the first revision's paired ratio is 1."""
+    test_set = tmp_path / "test.txt"
+    test_set.write_text("\n".join(sentences(5, 6)) + "\n")
+    out = tmp_path / "compare.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_decode.py"), str(test_set),
+                             "--checkpoint", str(untrained_checkpoint), "--rev", ".", "--rev", ".", "--rev", "HEAD",
+                             "--beam", "2", "--rounds", "2", "--threads", "1", "--max-tokens", "1", "--workers", "2",
+                             "--json", str(out)],
+                            capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert report["cpu"] == cpu_description()  # which machine: ratios differ between CPUs of one model name
+    assert [r["rev"] for r in rows] == [".", ".", "HEAD"] and report["max_tokens"] == 1 and report["workers"] == 2
+    assert rows[0]["time_vs_first"] == 1.0 and rows[1]["same_outputs_as_first"] == 1.0
+    for r in rows:
+        assert len(r["times_s"]) == 2 and r["min_s"] <= r["median_s"] and 0 <= r["same_outputs_as_first"] <= 1
+
+
+@pytest.mark.parametrize("engines", ["ours", "both"])
+def test_bench_phases_splits_encoder_from_decoder(untrained_checkpoint, tmp_path, engines, request):
+    """Every pass timed once per round; a split is the whole pass less the first, and the table prints it."""
+    if engines == "both":
+        request.getfixturevalue("ctranslate2")
+    (tmp_path / "test.de").write_text("\n".join(sentences(1, 12)) + "\n", encoding="utf-8")
+    out = tmp_path / "phases.json"
+    result = subprocess.run([sys.executable, "scripts/bench_phases.py", str(tmp_path / "test.de"), "--checkpoint",
+                             str(untrained_checkpoint), "--beam", "2", "--rounds", "3", "--json", str(out),
+                             *(["--no-ctranslate2", "--profile", "4"] if engines == "ours" else [])],
+                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["sentences"] == 12 and report["beam"] == 2 and report["cpu"] == cpu_description()
+    expected = {"ours"} | ({"CTranslate2"} if engines == "both" else set())
+    assert set(report["split"]) == expected and len(report["times_s"]) == 2 * len(expected)
+    for name, times in report["times_s"].items():
+        assert len(times) == 3 and all(t > 0 for t in times)
+    for engine, split in report["split"].items():
+        first, whole = (statistics.median(t) for name, t in report["times_s"].items() if name.startswith(engine))
+        assert split == pytest.approx({"first_s": first, "whole_s": whole, "rest_s": whole - first})
+        assert f"{engine:12} first pass {first:.3f}s" in result.stdout
+    profile = report["profile"]
+    if engines == "ours":  # the costliest operators first, each a share of all operators' time
+        assert len(profile) == 4 and all(op["calls"] > 0 and 0 < op["share"] <= 1 for op in profile)
+        assert [op["self_s"] for op in profile] == sorted((op["self_s"] for op in profile), reverse=True)
+        assert sum(op["share"] for op in profile) <= 1 + 1e-9 and profile[0]["op"] in result.stdout
+    else:
+        assert profile == []

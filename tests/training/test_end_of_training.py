@@ -1,0 +1,315 @@
+"""The end of training (finish.py), precision `auto`, progress without a terminal, MFU and TensorBoard."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import cli, read_metrics, tiny_config, write_config, write_corpus
+from transformer import device as device_module
+from transformer.training import metrics as runlog
+from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
+from transformer.config import ModelConfig, from_dict, load_config
+from transformer.device import pick_precision
+from transformer.errors import UserError
+from transformer.training.end_of_training import LENPENS, _search_settings
+from transformer.model.transformer import training_flops
+from transformer.data.store import Store
+from transformer.training.loop import train
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def finished_run(tmp_path, **train_settings):
+    corpus = write_corpus(tmp_path / "c", n_train=200, n_valid=12)
+    shutil.copy(corpus / "valid.de", corpus / "test.de")
+    shutil.copy(corpus / "valid.en", corpus / "test.en")
+    raw = tiny_config(tmp_path, data_dir=corpus, decode={"max_len_offset": 4, "beam": 2}, model={"dropout": 0.0},
+                      train={"max_steps": 60, "valid_every": 20, "lr_schedule": "constant", "lr": 3e-3,
+                             "keep_last": 2, "finish": True, **train_settings})
+    return train(from_dict(raw), quiet=True), raw
+
+
+def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path, capsys):
+    run_dir, raw = finished_run(tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    test = summary["test"]
+    assert test["split"] == "test" and 0 <= test["bleu"] <= 100 and test["length_ratio"] > 0
+    assert test["bleu_signature"].startswith("nrefs:1|case:mixed") and "chrf_signature" in test
+    assert summary["made_from"] in ("best.pt", "averaged.pt") and (run_dir / "averaged.pt").is_file()
+    assert summary["updates"] == 60 and summary["training_seconds"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["best_valid_loss"] == min(m["loss"] for m in read_metrics(run_dir) if m.get("split") == "valid")
+    # Every setting of the validation grid was scored; the chosen one scored best.
+    grid = summary["valid_grid_bleu"]
+    chosen = f"beam{summary['decode']['beam']}_lp{summary['decode']['lenpen']:g}"
+    assert len(grid) >= 5 and grid[chosen] == max(grid.values())
+    # final.pt is what a run directory means now, and it carries the chosen search settings; so does config.yaml.
+    assert resolve_checkpoint(run_dir) == run_dir / "final.pt"
+    final = load_checkpoint(run_dir / "final.pt")
+    made_from = load_checkpoint(run_dir / final["made_from"])
+    if final["made_from"] == "best.pt":  # its step and score come along, for serve's /info
+        assert final["run"] == made_from["run"]
+    else:  # an average has neither
+        assert "run" not in final and "run" not in made_from
+    assert (final["config"]["decode"]["beam"], final["config"]["decode"]["lenpen"]) == \
+        (summary["decode"]["beam"], summary["decode"]["lenpen"])
+    assert load_config(run_dir / "config.yaml").decode.lenpen == summary["decode"]["lenpen"]
+    err = capsys.readouterr().err
+    assert "summary: test BLEU" in err and "summary: use" in err and "final.pt" in err
+    kept = len(Store(run_dir / "store").corpus("valid"))  # 10 of the 12: not the raw split evaluate reads
+    assert kept < 12 and f"finish: choosing on the {kept} validation pairs training kept" in err
+    # The test translations are where the summary says.
+    assert len((run_dir / "eval" / "test.final.hyp").read_text().splitlines()) == 12
+    # Resumed with nothing left to train (a job script that always passes --resume), with settings of its own: the
+    # end of training is not done again, its summary is shown again, and config.yaml stays the run's, as it chose.
+    # Moved first: config.yaml and the summary shown name where the run is now.
+    moved = tmp_path / "moved"
+    shutil.copytree(run_dir, moved)  # copied with their times, as `cp -a` does
+    written = {name: (moved / name).stat().st_mtime_ns for name in ("final.pt", "summary.json", "averaged.pt")}
+    other = {**raw, "decode": {**raw["decode"], "beam": 5, "lenpen": 0.9},
+             "train": {**raw["train"], "lr": 0.5, "run_dir": str(moved)}}
+    train(from_dict(other), resume=True, quiet=True)
+    assert {name: (moved / name).stat().st_mtime_ns for name in written} == written
+    saved = load_config(moved / "config.yaml")
+    assert (saved.decode.beam, saved.decode.lenpen) == (summary["decode"]["beam"], summary["decode"]["lenpen"])
+    assert saved.train.lr == raw["train"]["lr"]  # nothing trained with the resume's 0.5
+    assert saved.train.run_dir == str(moved)
+    err = capsys.readouterr().err
+    assert "nothing left to train; keeping final.pt and summary.json" in err and "summary: test BLEU" in err
+    assert f"summary: use {moved / 'final.pt'}" in err
+
+
+def test_the_end_of_training_counts_as_done_only_with_a_summary_of_its_step_written_after_final_pt(tmp_path):
+    from transformer.training.end_of_training import finished_summary
+
+    (tmp_path / "final.pt").write_bytes(b"weights")
+    assert finished_summary(tmp_path, 60) is None  # killed before the summary
+    record = {"updates": 60, "decode": {"beam": 6, "lenpen": 1.2}}
+    (tmp_path / "summary.json").write_text(json.dumps(record), encoding="utf-8")
+    assert finished_summary(tmp_path, 60) == record
+    assert finished_summary(tmp_path, 80) is None  # another step's summary (e.g. copied without their times)
+    os.utime(tmp_path / "summary.json", ns=(0, 0))  # an older run's summary, then a final.pt it does not describe
+    assert finished_summary(tmp_path, 60) is None
+
+
+def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):
+    run_dir, raw = finished_run(tmp_path)
+    (run_dir / "summary.json").unlink()
+    result = cli("finish", str(run_dir), "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["test"]["split"] == "test"
+    # Its data not where the config says (moved, or a relative data.dir from another directory): an error,
+    # not a summary without its test score.
+    summary = (run_dir / "summary.json").read_text()
+    (tmp_path / "c").rename(tmp_path / "c_moved")
+    result = cli("finish", str(run_dir), "--device", "cpu")
+    assert result.returncode == 2 and result.stderr == (f"error: finish: data.dir '{tmp_path}/c' is not a "
+                                                        "directory; put the corpus back there\n")
+    assert (run_dir / "summary.json").read_text() == summary
+    (tmp_path / "c_moved").rename(tmp_path / "c")
+    # Resumed with nothing left to train (and finish off): final.pt still describes the weights, and stays.
+    same = write_config(tmp_path / "same.yaml", {**raw, "train": {**raw["train"], "finish": False}})
+    assert cli("train", str(same), "--resume").returncode == 0
+    assert resolve_checkpoint(run_dir) == run_dir / "final.pt"
+    # Training on from this run: final.pt belonged to the end of the shorter run.
+    config = write_config(tmp_path / "more.yaml", {**raw, "train": {**raw["train"], "max_steps": 62, "finish": False}})
+    result = cli("train", str(config), "--resume")
+    assert result.returncode == 0
+    assert not (run_dir / "final.pt").exists() and resolve_checkpoint(run_dir) == run_dir / "best.pt"
+    assert f"removed final.pt; train.finish is off: `transformer finish {run_dir}` chooses again" in result.stderr
+    assert cli("finish", str(tmp_path / "nowhere")).stderr.startswith("error: finish:")
+
+
+def test_precision_auto_is_bf16_only_where_the_hardware_has_it(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
+    assert pick_precision("auto", cpu) == ("fp32", "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
+    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    assert pick_precision("auto", cpu) == ("bf16", "auto: this CPU has amx_bf16")
+    assert pick_precision("fp32", cpu)[0] == "fp32"  # an explicit choice stays
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
+    assert pick_precision("auto", torch.device("cuda"))[0] == "bf16"
+    with pytest.raises(UserError, match="fp16' needs CUDA"):
+        pick_precision("fp16", cpu)
+    assert from_dict({}).train.precision == "auto"
+
+
+def test_without_a_terminal_progress_shows_early_and_at_least_every_30_seconds(tmp_path, capsys, monkeypatch):
+    raw = tiny_config(tmp_path, train={"max_steps": 9, "log_every": 1000, "valid_every": 1000})
+    train(from_dict(raw), quiet=True)  # quiet: no bar, as without a terminal
+    steps = [int(line.split()[1].rstrip(":")) for line in capsys.readouterr().err.splitlines()
+             if line.startswith("step ") and ": loss" in line]
+    assert steps == [5, 9]  # after the first few updates, and the last
+    monkeypatch.setattr(runlog, "PROGRESS_SECONDS", 0.0)  # every update is "30 seconds later"
+    raw = tiny_config(tmp_path, "timed", train={"max_steps": 4, "log_every": 1000, "valid_every": 1000})
+    train(from_dict(raw), quiet=True)
+    steps = [int(line.split()[1].rstrip(":")) for line in capsys.readouterr().err.splitlines()
+             if line.startswith("step ") and ": loss" in line]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_training_lines_carry_mfu_against_the_configured_peak(tmp_path):
+    raw = tiny_config(tmp_path, train={"max_steps": 6, "peak_tflops": 1e-6, "log_every": 1})
+    run_dir = train(from_dict(raw), quiet=True)
+    lines = [m for m in read_metrics(run_dir) if m.get("split") == "train"]
+    # 1 MFLOP/s of peak: a real update does far more. No MFU above 100 % is ever logged: the peak is raised to
+    # the rate training reached, and the log says so and which peak it uses from there.
+    assert len(lines) == 6 and all(0.0 < m["mfu"] <= 1.0 for m in lines)
+    assert lines[0]["mfu"] == 1.0 and all(m["peak_tflops"] > 1e-6 for m in lines)
+    assert all(0.0 <= m["data_wait"] < 1.0 and m["elapsed"] > 0 for m in lines)
+    log = (run_dir / "train.log").read_text()
+    assert "MFU below is against 1e-06 TFLOP/s (train.peak_tflops)" in log
+    assert "above the peak of 1e-06: MFU from here is against" in log and "raised to the rate training reached" in log
+
+
+def test_training_flops_count_the_matmuls():
+    cfg = ModelConfig(d_model=8, n_heads=2, n_encoder_layers=1, n_decoder_layers=2, d_ff=16)
+    encoder = 4 * 64 + 2 * 8 * 16          # Q, K, V, O and the two feed-forward matrices
+    decoder = 2 * (8 * 64 + 2 * 8 * 16) + 8 * 100  # self- and cross-attention, feed-forward; output projection
+    dense = 6 * (encoder * 30 + decoder * 20)
+    attention = 12 * 8 * 3 * (1 * 10 * 10 + 2 * (7 * 7 + 7 * 10))
+    assert training_flops(cfg, 100, 30, 20, [(3, 10, 7)]) == dense + attention
+
+
+def test_tensorboard_gets_the_scalars_or_a_one_line_error(tmp_path, monkeypatch):
+    raw = tiny_config(tmp_path, train={"max_steps": 4, "tensorboard": True})
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(UserError, match=r"pip install 'transformer\[tensorboard\]'"):
+            train(from_dict(raw), quiet=True)
+        return
+    run_dir = train(from_dict(raw), quiet=True)
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(run_dir / "tensorboard")).Reload().Tags()["scalars"]
+    assert {"train/loss", "train/mfu", "valid/loss", "valid/ppl"} <= set(scalars)
+
+
+@pytest.mark.parametrize("beam, tried", [(1, {(1, 0.6)}), (4, {(4, a) for a in LENPENS} | {(4, 0.6), (6, 1.0)})])
+def test_the_search_grid_skips_length_penalties_where_greedy_cannot_change(beam, tried):
+    # A score that prefers lenpen 1.0 and the wider beam. Each setting is scored once; the config's own is known.
+    calls = []
+
+    def score(model, b, lenpen):
+        calls.append((b, lenpen))
+        return {"bleu": 10 + (lenpen == 1.0) + b / 100, "chrf": 30.0, "sys_len": 9, "ref_len": 10}, []
+
+    cfg = from_dict(tiny_config(Path("/nowhere"), data_dir=Path("/nowhere"), decode={"beam": beam, "lenpen": 0.6}))
+    chosen_beam, chosen_lenpen, grid = _search_settings(score, None, cfg, score(None, beam, 0.6)[0])
+    assert calls[0] == (beam, 0.6)  # the known score, made above
+    assert set(calls) == tried and len(calls) == len(tried) and (beam, 0.6) not in calls[1:]
+    assert (chosen_beam, chosen_lenpen) == ((1, 0.6) if beam == 1 else (6, 1.0))
+    assert set(grid) == {f"beam{b}_lp{a:g}" for b, a in tried}
+
+
+# ----------------------------------------------------------------------------- what mutation testing found unchecked
+
+@pytest.mark.parametrize("valid_bleu, rows, best_step", [
+    (False, [(100, 3.0, 10.0), (200, 2.0, 12.0), (300, 2.5, 30.0)], 200),  # the lowest loss
+    (True, [(100, 3.0, 10.0), (200, 2.0, 12.0), (300, 2.5, 30.0)], 300),   # the highest BLEU
+])
+def test_the_summarys_best_step_is_the_best_validation(tmp_path, valid_bleu, rows, best_step):
+    from transformer.training.end_of_training import _training_record
+
+    lines = [{"step": s, "split": "valid", "loss": loss, "bleu": bleu, "elapsed": float(s)} for s, loss, bleu in rows]
+    lines += [{"split": "valid", "loss": 0.1}, {"step": "x", "split": "valid", "loss": 0.1}]  # no numeric step
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
+    cfg = from_dict(tiny_config(tmp_path, train={"valid_bleu": valid_bleu}))
+    record = _training_record(tmp_path, cfg, {"step": 300, "data": {"epoch": 1}, "elapsed": 60.0, "tokens": 6000}, 0)
+    assert (record["best_step"], record["seconds_to_best"]) == (best_step, float(best_step))
+    assert record["best_valid_loss"] == 2.0 and record["tokens_per_s"] == 100
+
+
+def test_the_summary_reads_a_resumed_runs_later_validation_and_nothing_past_last_pt(tmp_path):
+    """A kill between metrics.jsonl and last.pt: the step is validated again on resume (the later line wins);
+    never resumed, its line names no checkpoint, unless best.pt was written before the kill."""
+    from transformer.training.end_of_training import _training_record
+
+    lines = [(100, 3.0), (200, 1.0), (100, 2.5), (200, 2.0), (300, 2.2), (400, 0.5)]  # killed after 200, resumed
+    rows = [{"step": s, "split": "valid", "loss": loss, "elapsed": float(i)} for i, (s, loss) in enumerate(lines)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    cfg = from_dict(tiny_config(tmp_path, train={"valid_bleu": False}))
+    last = {"step": 300, "data": {"epoch": 1}, "elapsed": 60.0, "tokens": 6000}
+    record = _training_record(tmp_path, cfg, last, 200)
+    assert (record["best_step"], record["best_valid_loss"], record["seconds_to_best"]) == (200, 2.0, 3.0)
+    # Killed between best.pt and last.pt at step 400, then `transformer finish`: best.pt holds that validation.
+    record = _training_record(tmp_path, cfg, last, 400)
+    assert (record["best_step"], record["best_valid_loss"]) == (400, 0.5)
+
+
+def test_metrics_rows_without_a_numeric_step_are_skipped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"split": "valid", "loss": 1}\n{"step": "x"}\n[1, 2]\n{"step": 5, "loss": 2}\n', encoding="utf-8")
+    assert runlog.read_metrics(path) == [{"step": 5, "loss": 2}]
+    path.write_text('{"split": "valid", "loss": 1}\n', encoding="utf-8")
+    with pytest.raises(UserError, match="holds no metrics yet"):
+        runlog.read_metrics(path)
+
+
+def test_a_tie_keeps_the_configured_search_settings(tmp_path):
+    """Equal BLEU everywhere: the configured beam and length penalty stay (a wider beam is only slower)."""
+    from transformer.inference.scoring import bleu_chrf
+
+    cfg = from_dict(tiny_config(tmp_path, decode={"beam": 4, "lenpen": 0.6}))
+    same = {**bleu_chrf(["a dog runs"], ["a dog runs"]), "bleu": 30.0}
+    tried = []
+
+    def score(model, beam, lenpen):
+        tried.append((beam, lenpen))
+        return same, None
+
+    beam, lenpen, _ = _search_settings(score, None, cfg, same)
+    assert (beam, lenpen) == (4, 0.6) and (6, 0.6) in tried  # the wider beam was tried, and not taken
+
+
+def test_the_chosen_search_settings_go_into_final_pt_and_config_yaml(tmp_path, monkeypatch):
+    """Settings other than the config's (whatever validation found), so that their being written shows."""
+    from transformer.training import end_of_training as finish_module
+
+    monkeypatch.setattr(finish_module, "_search_settings", lambda score, model, cfg, at: (3, 1.4, {"beam3_lp1.4": 1.0}))
+    run_dir, raw = finished_run(tmp_path, max_steps=20)
+    assert raw["decode"]["beam"] != 3
+    decode = load_config(run_dir / "config.yaml").decode
+    assert (decode.beam, decode.lenpen) == (3, 1.4)
+    final = load_checkpoint(run_dir / "final.pt")["config"]["decode"]
+    assert (final["beam"], final["lenpen"]) == (3, 1.4)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["decode"]["beam"], summary["decode"]["lenpen"]) == (3, 1.4)
+
+
+def test_finish_refuses_half_a_test_split_before_searching_and_skips_a_missing_one(tmp_path, capsys):
+    """A test split with one side missing, or sides of different lengths, is the one-line error `evaluate` gives,
+    before any search and with final.pt and summary.json as they were; only a corpus with no test files at all
+    finishes without a test score."""
+    from transformer.training.end_of_training import finish
+
+    run_dir, _ = finished_run(tmp_path, max_steps=20)
+    corpus = tmp_path / "c"
+    kept = {name: (run_dir / name).stat().st_mtime_ns for name in ("final.pt", "summary.json")}
+    reference = (corpus / "test.en").read_text()
+    (corpus / "test.en").unlink()
+    with pytest.raises(UserError, match="no such file: .*test.en"):
+        finish(run_dir, torch.device("cpu"))
+    (corpus / "test.en").write_text("".join(reference.splitlines(keepends=True)[:-1]))
+    with pytest.raises(UserError, match=r"test.de has 12 lines but .*test.en has 11"):
+        finish(run_dir, torch.device("cpu"))
+    assert {name: (run_dir / name).stat().st_mtime_ns for name in kept} == kept
+    (corpus / "test.en").unlink()
+    (corpus / "test.de").unlink()
+    capsys.readouterr()
+    summary = finish(run_dir, torch.device("cpu"))
+    assert "test" not in summary and "test" not in json.loads((run_dir / "summary.json").read_text())
+    assert "the corpus has no test split 'test'" in capsys.readouterr().err

@@ -1,0 +1,268 @@
+"""`transformer export ctranslate2`: a checkpoint as a CTranslate2 model directory, and the converted copy
+that `--engine ctranslate2` keeps beside a checkpoint (rebuilt when the checkpoint changes)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from transformer.files import current_umask
+from transformer.model.positions import ctranslate2_encodings
+from transformer.model.checkpoint import load_model, resolve_checkpoint
+from transformer.run_dir import RunDir
+from transformer.errors import UserError
+
+LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which our model uses
+# The records that make a directory ours to replace (never its file names: a user's folder may hold a model.bin).
+SOURCE_RECORD = "source.json"  # in a cached conversion: which checkpoint file it was made from, and its files
+EXPORT_RECORD = "transformer-export.json"  # in an export: that `export` wrote it, and its files
+EXPORT_FORMAT = "transformer-ctranslate2-export-v1"
+
+
+def require_ctranslate2():
+    """The ctranslate2 module, or a one-line error naming the optional extra that installs it."""
+    try:
+        import ctranslate2
+    except ImportError:
+        raise UserError("CTranslate2 is not installed: pip install 'transformer[ctranslate2]' "
+                        "(or pip install ctranslate2)") from None
+    return ctranslate2
+
+
+def _linear(spec, *linears) -> None:
+    """Set a CTranslate2 LinearSpec from one nn.Linear, or from several fused along the output axis."""
+    spec.weight = torch.cat([m.weight.detach() for m in linears]).float().numpy()  # (out, in)
+    if linears[0].bias is not None:
+        spec.bias = torch.cat([m.bias.detach() for m in linears]).float().numpy()
+
+
+def _norm(spec, norm) -> None:
+    spec.gamma = norm.weight.detach().float().numpy()
+    spec.beta = norm.bias.detach().float().numpy()
+
+
+def build_spec(model, pieces: list[str]):
+    """A ctranslate2 TransformerSpec holding our model's weights and vocabulary."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    c = model.cfg
+    spec = transformer_spec.TransformerSpec.from_config(
+        (c.n_encoder_layers, c.n_decoder_layers), c.n_heads, pre_norm=c.norm == "pre",
+        no_final_norm=c.norm == "post", activation=common_spec.Activation.RELU)
+    table = ctranslate2_encodings(model)  # (P, C)
+    for side, embedding, final_norm in ((spec.encoder, model.src_embed, model.encoder_norm),
+                                        (spec.decoder, model.tgt_embed, model.decoder_norm)):
+        embeddings = side.embeddings[0] if isinstance(side.embeddings, list) else side.embeddings
+        embeddings.weight = embedding.weight.detach().float().numpy()
+        side.scale_embeddings = True  # x * sqrt(d_model), as in _embed
+        side.position_encodings.encodings = table
+        if c.norm == "pre":
+            _norm(side.layer_norm, final_norm)
+    for layer_spec, layer in zip(spec.encoder.layer, model.encoder_layers):
+        a = layer.self_attn
+        _linear(layer_spec.self_attention.linear[0], a.q_proj, a.k_proj, a.v_proj)
+        _linear(layer_spec.self_attention.linear[1], a.out_proj)
+        _norm(layer_spec.self_attention.layer_norm, layer.sub_attn.norm)
+        _linear(layer_spec.ffn.linear_0, layer.ffn.fc1)
+        _linear(layer_spec.ffn.linear_1, layer.ffn.fc2)
+        _norm(layer_spec.ffn.layer_norm, layer.sub_ffn.norm)
+    for layer_spec, layer in zip(spec.decoder.layer, model.decoder_layers):
+        a, x = layer.self_attn, layer.cross_attn
+        _linear(layer_spec.self_attention.linear[0], a.q_proj, a.k_proj, a.v_proj)
+        _linear(layer_spec.self_attention.linear[1], a.out_proj)
+        _norm(layer_spec.self_attention.layer_norm, layer.sub_self.norm)
+        _linear(layer_spec.attention.linear[0], x.q_proj)
+        _linear(layer_spec.attention.linear[1], x.k_proj, x.v_proj)
+        _linear(layer_spec.attention.linear[2], x.out_proj)
+        _norm(layer_spec.attention.layer_norm, layer.sub_cross.norm)
+        _linear(layer_spec.ffn.linear_0, layer.ffn.fc1)
+        _linear(layer_spec.ffn.linear_1, layer.ffn.fc2)
+        _norm(layer_spec.ffn.layer_norm, layer.sub_ffn.norm)
+    _linear(spec.decoder.projection, model.output)
+
+    spec.config.add_source_eos = True  # our encoder always saw the source followed by </s>
+    spec.config.decoder_start_token = "<s>"
+    spec.config.layer_norm_epsilon = LAYER_NORM_EPS
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+    return spec
+
+
+def _write_model(checkpoint: Path, out_dir: Path, quantization: str | None) -> None:
+    model, vocab, _ = load_model(checkpoint, "cpu")
+    spec = build_spec(model.eval(), vocab.pieces(range(len(vocab))))
+    spec.validate()
+    spec.optimize(quantization=quantization)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec.save(str(out_dir))
+    RunDir(out_dir).vocab.write_bytes(vocab.proto)  # CTranslate2 takes pieces: this makes them
+
+
+def _read_record(path: Path) -> dict:
+    """A JSON record (an empty dict when it is missing, unreadable, or not a JSON object)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _file_stamps(directory: Path) -> dict[str, list[int]]:
+    """[size, mtime_ns] of every file just written into `directory`: what its record lists as ours."""
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(directory.iterdir())}
+
+
+def _replaceable(target: Path, record_name: str) -> Optional[set[str]]:
+    """The names to remove so that `target` can be replaced: none when it is absent or an empty directory; the files
+    of a directory whose record (record_name, ours) lists every file in it. None: not ours, never to be replaced."""
+    if not target.exists() and not target.is_symlink():
+        return set()
+    if target.is_symlink() or not target.is_dir():
+        return None
+    entries = {p.name: p for p in target.iterdir()}
+    if not entries:
+        return set()
+    record = _read_record(target / record_name)
+    ours = record.get("format") == EXPORT_FORMAT if record_name == EXPORT_RECORD else \
+        {"checkpoint", "size", "mtime_ns"} <= record.keys()
+    files = record.get("files", entries)  # an earlier version's source.json lists none
+    if not ours or not isinstance(files, (dict, list)) or not set(entries) <= set(files) | {record_name} or \
+            any(p.is_symlink() or not p.is_file() for p in entries.values()):
+        return None
+    return set(entries)
+
+
+def _not_ours(target: Path, record_name: str, what: str) -> UserError:
+    return UserError(f"{what}: {target} exists and is not a directory this program wrote (no {record_name} of ours "
+                     "listing every file in it); it is never replaced: move it away or choose another directory "
+                     "(an export or conversion by an earlier version has no such record: delete it yourself)")
+
+
+def _replace_ours(target: Path, staging: Path, record_name: str, what: str) -> None:
+    """Put `staging` where `target` is, if _replaceable (checked again now, at the last moment): only the files
+    that its record lists are removed, by name."""
+    ours = _replaceable(target, record_name)
+    if ours is None:
+        raise _not_ours(target, record_name, what)
+    if target.exists():
+        for name in ours:
+            (target / name).unlink(missing_ok=True)
+        target.rmdir()
+    os.replace(staging, target)
+
+
+def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, quantization: str | None = None,
+                       force: bool = False) -> Path:
+    """Write a CTranslate2 model directory (model.bin, vocabularies, our spm.model, and EXPORT_RECORD) for
+    `checkpoint` (a run directory or .pt file); returns it. CTranslate2 appends </s> to the source itself.
+    force: replace an earlier export (its record lists every file there) or an empty directory, nothing else."""
+    require_ctranslate2()
+    source = resolve_checkpoint(checkpoint)
+    given, out_dir = out_dir, Path(os.path.realpath(out_dir))  # a link to the directory stays a link
+    if out_dir.exists():
+        if not force:
+            raise UserError(f"export: {given} exists; add --force to replace it")
+        if _replaceable(out_dir, EXPORT_RECORD) is None:
+            raise _not_ours(Path(given), EXPORT_RECORD, "export")
+    # Converted beside it first: a conversion that fails leaves the earlier export as it was.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = _staging_dir(out_dir)
+    try:
+        _write_model(source, staging, quantization)
+        record = {"format": EXPORT_FORMAT, "checkpoint": str(source), "quantization": quantization,
+                  "files": _file_stamps(staging)}
+        (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        _replace_ours(out_dir, staging, EXPORT_RECORD, "export")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Path(given)
+
+
+def _staging_dir(target: Path) -> Path:
+    """A new directory beside `target` to convert into, as readable as one made with mkdir (mkdtemp's is private,
+    and it becomes the export)."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    os.chmod(staging, 0o777 & ~current_umask())
+    return staging
+
+
+def _fingerprint(path: Path, with_hash: bool) -> dict:
+    stat = path.stat()
+    record = {"checkpoint": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if with_hash:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        record["sha256"] = digest.hexdigest()
+    return record
+
+
+def _cache_is_current(model_dir: Path, checkpoint: Path) -> bool:
+    """Every file the conversion wrote still there with its size and mtime (a deleted, torn or edited file: not
+    current), and the checkpoint's size and mtime unchanged or (a copied or touched file) the same bytes by sha256.
+    A record of an earlier version lists no files: converted again, once."""
+    record = _read_record(model_dir / SOURCE_RECORD)
+    files = record.get("files")
+    if not isinstance(files, dict) or "model.bin" not in files:
+        return False
+    for name, stamp in files.items():
+        try:
+            stat = (model_dir / name).stat()
+        except OSError:
+            return False
+        if [stat.st_size, stat.st_mtime_ns] != stamp:
+            return False
+    now = _fingerprint(checkpoint, with_hash=False)
+    if record.get("size") == now["size"] and record.get("mtime_ns") == now["mtime_ns"]:
+        return True
+    return record.get("size") == now["size"] and record.get("sha256") == _fingerprint(checkpoint, True)["sha256"]
+
+
+def cached_conversion(checkpoint: str | Path) -> Path:
+    """The CTranslate2 conversion of `checkpoint`, made once and kept in CHECKPOINT_DIR/ct2/<stem>/ with a
+    record of the checkpoint it came from; rebuilt when that checkpoint changes. Where that directory
+    cannot be written, converts into a temporary directory instead (each time), with a warning."""
+    require_ctranslate2()
+    source = resolve_checkpoint(checkpoint).resolve()
+    target = source.parent / RunDir.CT2 / source.stem
+    if _cache_is_current(target, source):
+        return target
+    if _replaceable(target, SOURCE_RECORD) is None:  # a folder of the user's there: never emptied
+        raise _not_ours(target, SOURCE_RECORD, "--engine ctranslate2")
+    print(f"converting {source} for CTranslate2 into {target} (once per checkpoint)", file=sys.stderr)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = _staging_dir(target)
+    except OSError as e:
+        staging = Path(tempfile.mkdtemp(prefix="transformer_ct2_"))
+        print(f"warning: cannot write {target.parent} ({e.strerror}); converted into {staging}, "
+              "which is not reused", file=sys.stderr)
+        _write_model(source, staging, None)
+        return staging
+    try:
+        _write_model(source, staging, None)
+        record = {**_fingerprint(source, with_hash=True), "files": _file_stamps(staging)}
+        (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        # Readers load model.bin when they start, so swapping the directory under them is safe.
+        try:
+            _replace_ours(target, staging, SOURCE_RECORD, "--engine ctranslate2")
+        except OSError:  # another process put its conversion there first: that one is as good
+            if not _cache_is_current(target, source):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def run_export(checkpoint: str, out_dir: str, quantization: str | None, force: bool) -> None:
+    """The `export ctranslate2` command."""
+    print(f"wrote {export_ctranslate2(checkpoint, out_dir, quantization, force)}")

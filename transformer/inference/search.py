@@ -1,0 +1,359 @@
+"""Search over a trained Transformer: one `search()` entry for greedy (beam 1) and beam search, batched over
+sentences and beams with a KV cache, with a choice of stop rule; n-best hypotheses with scores.
+
+Conventions:
+- `src` is (B, S) source ids as the model was trained on them (subwords + EOS, right-padded with PAD:
+  batch.prepare_sources builds it); its mask comes from `padding_mask`, the only source-mask builder.
+- A sentence's output may hold at most max_len = src_len + max_len_offset tokens, where src_len counts
+  its non-PAD source positions (EOS included), capped so decoder positions stay below max_positions.
+  At that length EOS is forced, so every hypothesis ends with EOS.
+- `Hypothesis.tokens` excludes BOS and EOS; `score` is the sum of the token log-probabilities, EOS
+  included, divided by the GNMT length penalty lp(len) = ((5 + len) / 6) ** lenpen with len = tokens + 1.
+
+Stop rules (beam > 1; `stop`):
+- "exact": a sentence stops when no live hypothesis can still reach a score above its nbest-th finished
+  one, so the n-best list is the one the beam would hold if it ran to the length limit. A live hypothesis
+  with summed log-probability s < 0 can only add log-probabilities <= 0, and lp grows with the length
+  (lenpen >= 0), so the best normalised score it can reach is s / lp(max_len + 1): dividing a negative sum
+  by the largest penalty it can get. That bound is attained when every further token has probability ~1
+  and EOS comes at the limit, so without a bound on the model's probabilities no tighter exact rule
+  exists. (Hugging Face's `early_stopping=False` divides by lp at the *current* length instead: with
+  lenpen > 0 that is smaller than the reachable best, so it stops early and is not exact.) With lenpen 0
+  the bound is s itself, so a sentence stops as soon as its nbest-th finished score beats the best live
+  sum: CTranslate2's early exit without a length penalty.
+- "early": fairseq's rule: a sentence is done once `beam` hypotheses have finished, and its n-best list is
+  drawn from the first `beam` to finish: earlier steps first, and within the step that reaches the count
+  the better summed scores first (at one step they have one length, so that is also the better normalised
+  score); the others finishing at that step are dropped, as fairseq drops them. May miss a longer
+  hypothesis that would have scored higher. CTranslate2 (patience 1, with a length penalty) stops at the
+  same step but keeps every hypothesis finished there, up to 2*beam-1. The exact bound ends a sentence
+  too when it is met first (common with lenpen 0, where it needs only the best candidate to be EOS):
+  whatever the beam would still finish scores at most the bound, at most the nbest-th kept score, so it
+  could not enter the n-best ahead of a hypothesis kept already (a tie keeps the earlier one, as a stable
+  sort does); the outputs are fairseq's and the steps never more than either rule's alone.
+Greedy search (beam 1) ends a sentence at its first EOS under either rule: with one hypothesis the first
+to finish is the answer, as the early rule says.
+
+Tracing (`trace`, a list): search() appends one TraceStep per decoder step, for showing the search at work
+(`transformer serve`'s page). It only reads what the search computed; without a trace nothing extra is done.
+
+The host and the device: what the search decides in Python (which hypotheses finish, which sentences stop) it
+reads from the device once per decoder step, in one copy (`_to_host`); on CUDA every read is a synchronisation
+that leaves the GPU idle until the host has queued the next step, and a step used to make four to seven of them.
+The length limits live on the host from the start, and row indices go to the device from pinned memory without
+waiting. On a CPU the reads are the tensors' own memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from transformer.data.batch import causal_mask, padding_mask
+from transformer.model.transformer import evaluating
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
+
+StopRule = Literal["exact", "early"]
+STOP_RULES: tuple[str, ...] = ("exact", "early")
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # output ids without BOS/EOS
+    score: float
+
+
+@dataclass
+class SearchResult:
+    """What search() found: per source row its n-best hypotheses (best first), and the decoder work it took."""
+
+    hypotheses: list[list[Hypothesis]]
+    steps: int                 # decoder calls for the whole batch (one per output position with the cache)
+    sentence_steps: list[int]  # per source row, the decoder steps it took part in
+
+    def best(self) -> list[Hypothesis]:
+        return [hyps[0] for hyps in self.hypotheses]
+
+
+@dataclass
+class TraceStep:
+    """One decoder step of a traced search, per source row (an empty list for a row with nothing to show)."""
+
+    alive: list[list[Hypothesis]]     # hypotheses that go on after this step, best first; score = summed log-prob
+    finished: list[list[Hypothesis]]  # hypotheses that ended with EOS at this step; score as in the n-best lists
+
+
+def length_penalty(length, alpha: float):
+    """GNMT (Wu et al. 2016): lp = ((5 + length) / 6) ** alpha; works on floats and tensors."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def beam_above_vocabulary(beam: int, vocab_size: int) -> str:
+    """The message for a beam wider than the vocabulary: it cannot be filled at the first step, and a search
+    that tried would hold beam x vocabulary scores per sentence (a beam in the millions takes all memory)."""
+    return f"beam must be at most the vocabulary size ({vocab_size} pieces), got {beam}"
+
+
+def search(model, src: torch.Tensor, beam: int = 4, lenpen: float = 0.6, max_len_offset: int = 50,
+           nbest: int = 1, stop: StopRule = "exact", use_cache: bool = True,
+           trace: Optional[list[TraceStep]] = None) -> SearchResult:
+    """Translate source rows `src` (B, S): per row its `nbest` best hypotheses, best first.
+
+    beam 1 is greedy search (the most probable token at each step). Beam search ranks 2*beam candidates
+    per sentence at each step: the best `beam` that do not end in EOS stay alive, and an EOS candidate
+    finishes only when it ranks within the top `beam`. `stop` picks when a sentence is done (module
+    docstring). use_cache=False recomputes every step from scratch (for tests). `trace`, when given, receives
+    a TraceStep per decoder step; a sentence has no live hypotheses at the step it is done.
+    """
+    if beam < 1 or not 1 <= nbest <= beam:
+        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    if stop not in STOP_RULES:
+        raise ValueError(f"stop must be one of {', '.join(STOP_RULES)}, got {stop!r}")
+    with evaluating(model):  # dropout off while searching; the trainer decodes mid-training
+        if beam == 1:
+            return _greedy_search(model, src, lenpen, max_len_offset, use_cache, trace)
+        return _beam_search(model, src, beam, lenpen, max_len_offset, nbest, stop, use_cache, trace)
+
+
+class _Decoder:
+    """The decoder side of a search: the source encoded once, then one step for the newest token of every
+    live row; with the cache (which owns the encoder K/V and the memory mask), or from scratch for tests."""
+
+    def __init__(self, model, src: torch.Tensor, use_cache: bool):
+        src_mask = padding_mask(src)
+        memory = model.encode(src, src_mask)  # (B, S, C)
+        self.model, self.steps = model, 0
+        self.cache = model.new_cache(memory, src_mask) if use_cache else None
+        # Uncached only: the memory and its mask, kept in row order here since no cache holds them.
+        self.memory, self.memory_mask = (None, None) if use_cache else (memory, src_mask)
+
+    def log_probs(self, prefix: torch.Tensor) -> torch.Tensor:
+        """prefix (R, t+1) = BOS + tokens so far -> log p(next token) (R, V) in float32."""
+        self.steps += 1
+        if self.cache is not None:
+            logits = self.model.decode(prefix[:, -1:], cache=self.cache)
+        else:
+            mask = causal_mask(prefix.size(1), prefix.device)
+            logits = self.model.decode(prefix, self.memory, self.memory_mask, mask)
+        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)
+        lprobs[:, PAD_ID] = float("-inf")  # never emitted by training targets
+        lprobs[:, BOS_ID] = float("-inf")
+        return lprobs
+
+    def keep_rows(self, index: torch.Tensor, sources: Optional[torch.Tensor] = None) -> None:
+        """Keep rows `index`; `sources`: the sentences that stay when some leave (DecoderCache.keep_rows)."""
+        if self.cache is not None:
+            self.cache.keep_rows(index, sources)
+        else:
+            self.memory = self.memory.index_select(0, index)
+            self.memory_mask = self.memory_mask.index_select(0, index)
+
+
+def max_output_lengths(src_lengths: torch.Tensor, max_len_offset: int, max_positions: int) -> torch.Tensor:
+    """(B,) source lengths (non-PAD positions, EOS included) -> (B,) output-length limits in tokens (EOS
+    excluded): max_len_offset more than the source, capped so that BOS + max_len tokens, the decoder positions
+    that get embedded, fit in max_positions. Every engine's limit (module docstring)."""
+    return (src_lengths + max_len_offset).clamp(max=max_positions - 1)
+
+
+def _max_lengths(model, src: torch.Tensor, max_len_offset: int) -> torch.Tensor:
+    src_len = padding_mask(src).view(src.size(0), -1).sum(dim=1)  # (B, 1, 1, S) -> (B,)
+    return max_output_lengths(src_len, max_len_offset, model.cfg.max_positions)
+
+
+def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """The tensors as numpy arrays of their own dtypes, read from a GPU in one copy (one synchronisation; float64
+    holds token ids and float32 scores exactly); on a CPU, views of the tensors' memory."""
+    if tensors[0].device.type == "cpu":
+        return [t.detach().numpy() for t in tensors]
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+    out, start = [], 0
+    for t in tensors:
+        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+        out.append(flat[start:start + t.numel()].reshape(tuple(t.shape)).astype(dtype))
+        start += t.numel()
+    return out
+
+
+def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices chosen on the host, as a tensor on `device`; to a GPU from pinned memory without waiting (a copy
+    from ordinary host memory waits until the GPU has done its queued work)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return index if device.type == "cpu" else index.pin_memory().to(device, non_blocking=True)
+
+
+def _force_eos(lprobs: torch.Tensor, at_limit: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rows at their length limit may only emit EOS; at_limit None: no row is (known on the host)."""
+    if at_limit is None:  # the common case: skip a full (rows, vocab) rewrite
+        return lprobs
+    not_eos = torch.ones(lprobs.size(1), dtype=torch.bool, device=lprobs.device)
+    not_eos[EOS_ID] = False
+    return lprobs.masked_fill(at_limit[:, None] & not_eos[None, :], float("-inf"))
+
+
+def _new_step(rows: int) -> TraceStep:
+    return TraceStep([[] for _ in range(rows)], [[] for _ in range(rows)])
+
+
+def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int, use_cache: bool,
+                   trace: Optional[list[TraceStep]] = None) -> SearchResult:
+    """Most probable next token at each step; finished sentences leave the batch."""
+    decoder = _Decoder(model, src, use_cache)
+    max_len = _max_lengths(model, src, max_len_offset)  # (B,)
+    limits = _to_host(max_len)[0]                        # the same on the host
+    alive = list(range(src.size(0)))                     # original index of each row
+    prefix = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)  # (R, t+1)
+    scores = torch.zeros(src.size(0), device=src.device)
+    out: list[Optional[list[Hypothesis]]] = [None] * src.size(0)
+    sentence_steps = [0] * src.size(0)
+    t = 0
+    while alive:
+        lprobs = _force_eos(decoder.log_probs(prefix), (t >= max_len) if t >= limits.min() else None)
+        best, token = lprobs.max(dim=-1)  # (R,)
+        scores = scores + best
+        prefix = torch.cat([prefix, token[:, None]], dim=1)
+        tokens, totals, prefixes = _to_host(token, scores, prefix)  # the step's one read
+        done = tokens == EOS_ID
+        if trace is not None:
+            trace.append(_greedy_step(src.size(0), alive, prefixes, totals, done, length_penalty(t + 1, lenpen)))
+        if done.any():
+            rows = np.flatnonzero(done)
+            penalty = length_penalty(t + 1, lenpen)
+            for row, row_tokens, total in zip(rows.tolist(), prefixes[rows, 1:-1].tolist(), totals[rows].tolist()):
+                out[alive[row]] = [Hypothesis(row_tokens, total / penalty)]
+                sentence_steps[alive[row]] = t + 1
+            keep_list = np.flatnonzero(~done).tolist()
+            if not keep_list:
+                break
+            keep = _device_index(keep_list, src.device)
+            alive = [alive[row] for row in keep_list]
+            prefix, scores, max_len, limits = prefix[keep], scores[keep], max_len[keep], limits[keep_list]
+            decoder.keep_rows(keep, keep)
+        t += 1
+    return SearchResult(out, decoder.steps, sentence_steps)  # type: ignore[arg-type]
+
+
+def _greedy_step(rows: int, alive: list[int], prefix: np.ndarray, scores: np.ndarray, done: np.ndarray,
+                 penalty: float) -> TraceStep:
+    """The trace of one greedy step: each row's one hypothesis, alive or finished (prefix (R, t+2) from BOS)."""
+    step = _new_step(rows)
+    for row, row_tokens, total, ended in zip(alive, prefix[:, 1:].tolist(), scores.tolist(), done.tolist()):
+        if ended:
+            step.finished[row].append(Hypothesis(row_tokens[:-1], total / penalty))
+        else:
+            step.alive[row].append(Hypothesis(row_tokens, total))
+    return step
+
+
+def _still_searching(alive: list[int], finished: list[list[Hypothesis]], best_live: list[float],
+                     limit_hit: list[bool], best_lp: list[float], k: int, nbest: int, lenpen: float,
+                     stop: StopRule, sentence_steps: list[int], steps: int) -> list[int]:
+    """Positions in `alive` of the sentences that search on; a sentence stops at its length limit or when its
+    stop rule says so, and then keeps its `nbest` best finished hypotheses, best first, and records `steps`."""
+    keep = []
+    for s, index in enumerate(alive):
+        hyps = finished[index]
+        done = limit_hit[s] or (stop == "early" and len(hyps) >= k)
+        if not done and len(hyps) >= nbest:  # the exact bound, which can settle "early" sooner too
+            kth = sorted((h.score for h in hyps), reverse=True)[nbest - 1]
+            done = kth >= best_live[s] / (best_lp[index] if lenpen > 0 else 1.0)
+        if done:
+            hyps.sort(key=lambda h: h.score, reverse=True)
+            del hyps[nbest:]
+            sentence_steps[index] = steps
+        else:
+            keep.append(s)
+    return keep
+
+
+def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_offset: int, nbest: int,
+                 stop: StopRule, use_cache: bool, trace: Optional[list[TraceStep]] = None) -> SearchResult:
+    device, k = src.device, beam
+    inf = float("-inf")
+    # Encoded once per sentence; rows are copied per beam after the first step.
+    decoder = _Decoder(model, src, use_cache)
+    max_len = _max_lengths(model, src, max_len_offset)  # (B,) per live sentence
+    # The exact rule's divisor: the largest penalty a live hypothesis can reach (module docstring). The limits,
+    # the same on the host.
+    limits, best_lp = _to_host(max_len, length_penalty(max_len.double() + 1, lenpen))
+    best_lp = best_lp.tolist()
+    alive = list(range(src.size(0)))  # original index of each live sentence
+    finished: list[list[Hypothesis]] = [[] for _ in alive]  # by original index
+    sentence_steps = [0] * src.size(0)
+    n = 1  # rows per live sentence: one (just BOS) before the first step, then `beam`
+    prefix = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=device)  # (B*n, t+1)
+    scores = torch.zeros(src.size(0), device=device)  # (B*n,) summed log-probabilities
+    rank = torch.arange(2 * k, device=device)
+    host_rank = np.arange(2 * k)
+    t = 0
+    while alive:
+        b = len(alive)
+        step = _new_step(src.size(0)) if trace is not None else None
+        lprobs = decoder.log_probs(prefix)  # (B*n, V)
+        at_limit = (t >= max_len).repeat_interleave(n) if t >= limits.min() else None  # (B,) -> (B*n,)
+        # A sentence's 2k best (row, token) candidates are among each of its rows' 2k best tokens: rank
+        # those, rather than adding every row's score to all V log-probabilities and ranking n*V per sentence.
+        per_row = min(2 * k, lprobs.size(1))
+        row_lprobs, row_tokens = _force_eos(lprobs, at_limit).topk(per_row, dim=1)  # (B*n, per_row)
+        cand = (scores[:, None] + row_lprobs).view(b, n * per_row)  # -> (B, n*per_row)
+        row_tokens = row_tokens.view(b, n * per_row)
+        if cand.size(1) < 2 * k:  # vocabulary smaller than 2*beam: pad with impossible candidates
+            cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=inf)
+            row_tokens = F.pad(row_tokens, (0, 2 * k - row_tokens.size(1)), value=PAD_ID)
+        top_scores, top_idx = cand.topk(2 * k, dim=1)  # (B, 2k), best first
+        origin = (top_idx // per_row).clamp(max=n - 1)  # the beam each candidate extends
+        token = row_tokens.gather(1, top_idx)
+        is_eos = token == EOS_ID
+
+        # The k best non-EOS candidates stay alive (there are at least k: each beam adds one EOS at most).
+        order = (is_eos.long() * (2 * k) + rank).argsort(dim=1)[:, :k]  # (B, k) positions among the 2k
+        scores = top_scores.gather(1, order)  # (B, k)
+        parent = torch.arange(b, device=device)[:, None] * n + origin.gather(1, order)  # (B, k) row indices
+        new_token = token.gather(1, order)  # (B, k)
+
+        # The step's one read: the candidates, the prefixes they extend, each sentence's best live score.
+        host_scores, host_token, host_origin, host_prefix, best_live = _to_host(top_scores, token, origin, prefix,
+                                                                                scores[:, 0])
+        # Finish EOS candidates ranked within the top k; under "early" only until k have finished (module
+        # docstring). nonzero() gives them by sentence, then by rank: the better summed score first.
+        finishing = (host_token == EOS_ID) & (host_rank < k) & (host_scores > inf)
+        if finishing.any():
+            sent, pos = np.nonzero(finishing)
+            rows = sent * n + host_origin[sent, pos]
+            penalty = length_penalty(t + 1, lenpen)
+            for s, row_tokens, total in zip(sent.tolist(), host_prefix[rows, 1:].tolist(),
+                                            host_scores[sent, pos].tolist()):
+                if stop == "early" and len(finished[alive[s]]) >= k:
+                    continue
+                hyp = Hypothesis(row_tokens, total / penalty)
+                finished[alive[s]].append(hyp)
+                if step is not None:
+                    step.finished[alive[s]].append(hyp)
+
+        keep = _still_searching(alive, finished, best_live.tolist(), (t >= limits).tolist(), best_lp, k, nbest,
+                                lenpen, stop, sentence_steps, t + 1)
+        if step is not None:
+            for s in keep:  # (k, t+1): each kept hypothesis's tokens so far, without BOS
+                tokens = torch.cat([prefix[parent[s], 1:], new_token[s, :, None]], dim=1)
+                step.alive[alive[s]] = [Hypothesis(h, total) for h, total in zip(tokens.tolist(), scores[s].tolist())]
+            trace.append(step)
+        if not keep:
+            break
+        sentence_set_changed = len(keep) < b
+        if sentence_set_changed:
+            alive = [alive[s] for s in keep]
+            keep_t = _device_index(keep, device)
+            scores, parent, new_token, max_len = scores[keep_t], parent[keep_t], new_token[keep_t], max_len[keep_t]
+            limits = limits[keep]
+        index = parent.reshape(-1)  # (B', k) -> (B'*k,)
+        prefix = torch.cat([prefix.index_select(0, index), new_token.reshape(-1, 1)], dim=1)  # (B'*k, t+2)
+        scores = scores.reshape(-1)
+        # Rows of one sentence share its source: the encoder K/V move only when sentences leave.
+        decoder.keep_rows(index, keep_t if sentence_set_changed else None)
+        n = k
+        t += 1
+    return SearchResult(finished, decoder.steps, sentence_steps)

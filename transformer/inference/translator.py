@@ -1,0 +1,376 @@
+"""Text in, text out: a Translator that loads a checkpoint once and runs it on a device, in a dtype
+(fp32/bf16/int8), through an engine (ours or CTranslate2); batching by length (the command's own input and
+output: translate_io.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from transformer.data.batch import prepare_sources, source_limit
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+from transformer.config import DecodeConfig, lenpen_problem
+from transformer.data.batching import pack_by_size
+from transformer.device import auto_precision, bounded_onednn_caches, native_bf16, pick_device
+from transformer.errors import UserError
+from transformer.model.transformer import count_parameters, evaluating
+from transformer.inference.search import (STOP_RULES, Hypothesis, SearchResult, beam_above_vocabulary, length_penalty,
+                                max_output_lengths, search)
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
+
+DTYPES = ("auto", "fp32", "bf16", "int8")
+ENGINES = ("ours", "ctranslate2")
+TRUNCATION_WARNINGS = 5  # lines named one by one before the rest are only counted
+# A line is cut to this many characters before SentencePiece splits it: splitting costs about 60 bytes of memory per
+# character (a 20 MB line peaked at 1.2 GB), while the model reads only max_positions - 2 subwords of a line, a few
+# thousand characters. A warning names each line cut; a stream goes on (one line must not stop it).
+MAX_LINE_CHARS = 1 << 20
+CT2_COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
+
+
+def pick_dtype(name: str, device: torch.device, engine: str = "ours") -> tuple[str, str]:
+    """-> (fp32|bf16|int8, why). "auto" takes the fastest that keeps BLEU: bf16 on a CUDA device that supports
+    it and on a CPU with native bf16, else fp32 (int8 is never chosen for you: it changes more outputs). For
+    CTranslate2, bf16 only where CTranslate2 itself computes it on the device (its CPU builds do not)."""
+    if name not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    if name != "auto":
+        return name, "asked for"
+    if engine == "ctranslate2":
+        from transformer.inference.ctranslate2_engine import require_ctranslate2
+
+        if CT2_COMPUTE_TYPES["bf16"] in require_ctranslate2().get_supported_compute_types(device.type):
+            return "bf16", f"auto: CTranslate2 computes bf16 on this {device.type}"
+        return "fp32", f"auto: CTranslate2 has no bf16 on this {device.type}"
+    return auto_precision(device)
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped so that batch size x longest (length + EOS) <= max_tokens; longest first, so
+    an out-of-memory error shows on the first batch rather than the last."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return pack_by_size(order, [n + 1 for n in lengths], max_tokens)
+
+
+def source_batches(src_ids: Sequence[Sequence[int]], max_positions: int, max_tokens: int,
+                   workers: int = 1) -> list[list[int]]:
+    """Indices of the non-empty sources (empty ones are never searched) in length batches, as both engines
+    take them: of max_tokens / workers source tokens each, so that with `workers` searches side by side the
+    tokens in flight stay max_tokens."""
+    todo = [i for i, ids in enumerate(src_ids) if len(ids) > 0]
+    lengths = [min(len(src_ids[i]), source_limit(max_positions)) for i in todo]
+    return [[todo[j] for j in batch] for batch in length_batches(lengths, max(1, max_tokens // workers))]
+
+
+def search_workers(workers: int, device) -> int:
+    """How many searches run side by side (decode.workers): on a CPU at most one per torch thread; on CUDA one,
+    since the GPU runs one search's kernels at a time anyway."""
+    if torch.device(device).type != "cpu":
+        return 1
+    return max(1, min(workers, torch.get_num_threads()))
+
+
+def threads_per_worker(workers: int) -> int:
+    """torch's CPU threads shared out between `workers` searches side by side (ours, or CTranslate2's)."""
+    return max(1, torch.get_num_threads() // workers)
+
+
+@contextlib.contextmanager
+def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor]:
+    """`workers` threads that share torch's CPU threads between them (each runs its operations on
+    threads // workers), and torch's count back for the caller and later threads afterwards."""
+    threads = torch.get_num_threads()
+    # torch.set_num_threads in a worker sets its own thread's count, and also the count threads started later
+    # begin with: hence the reset below.
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="search", initializer=torch.set_num_threads,
+                              initargs=(threads_per_worker(workers),))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # on an error: finish the running batches, start no more
+        torch.set_num_threads(threads)
+
+
+def search_batches(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
+                   max_tokens: int, device, nbest: int = 1, stop: str = DecodeConfig.stop,
+                   workers: int = 1) -> Iterator[tuple[list[int], SearchResult]]:
+    """search() over the non-empty sources (subword ids, no EOS) in length batches: per batch, in order, the
+    indices of its sources and what search() found for them (hypotheses in that order, and the decoder steps
+    it took). Sources are cut as batch.prepare_sources says.
+
+    With `workers` > 1 on a CPU (search_workers), that many searches run side by side, each on its own
+    batches (source_batches). Input that fits one batch is searched in the calling thread on all threads:
+    one sentence is not slower for it."""
+    workers = search_workers(workers, device)
+    batches = source_batches(src_ids, model.cfg.max_positions, max_tokens, workers)
+
+    def run(batch: list[int]) -> SearchResult:
+        src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
+        return search(model, src.to(device), beam, lenpen, max_len_offset, nbest, stop)
+
+    if workers == 1 or len(batches) == 1:
+        for batch in batches:
+            yield batch, run(batch)
+        return
+    # Eval mode set once for all workers: each search() also sets it and puts back what it found, and side by
+    # side the first to finish would switch dropout back on under the others (the trainer's validation BLEU).
+    with evaluating(model, inference=False), worker_threads(workers) as pool:
+        yield from zip(batches, pool.map(run, batches))
+
+
+def search_ids(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
+               max_tokens: int, device, nbest: int = 1, stop: str = DecodeConfig.stop,
+               workers: int = 1) -> list[list[Hypothesis]]:
+    """Per source (subword ids, no EOS), its n-best hypotheses, input order kept. An empty source gives
+    nbest empty hypotheses without running the model. `workers`: as for search_batches."""
+    out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
+    for batch, found in search_batches(model, src_ids, beam, lenpen, max_len_offset, max_tokens, device, nbest,
+                                       stop, workers):
+        for i, hyps in zip(batch, found.hypotheses):
+            if not hyps or math.isnan(hyps[0].score):
+                # One sentence out of a batch (of serve's clients, of a file's lines) must not fail the rest:
+                # it gets an empty translation with score -inf, and a warning.
+                print("warning: the model's scores for a sentence are not numbers (NaN), so its translation is "
+                      "empty: a reduced precision that overflowed (try --dtype fp32)?", file=sys.stderr)
+                hyps = [Hypothesis([], float("-inf")) for _ in range(nbest)]
+            out[i] = hyps
+    return out
+
+
+def translate_ids(model, src_ids: list[list[int]], beam: int, lenpen: float, max_len_offset: int,
+                  max_tokens: int, device, stop: str = DecodeConfig.stop, workers: int = 1) -> list[list[int]]:
+    """Best output ids (no BOS/EOS) per source, in input order: the trainer's validation-BLEU entry point."""
+    return [hyps[0].tokens for hyps in search_ids(model, src_ids, beam, lenpen, max_len_offset, max_tokens,
+                                                  device, 1, stop, workers)]
+
+
+def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float,
+                       max_len_offset: int, max_tokens: int, max_positions: int,
+                       nbest: int = 1) -> list[list[Hypothesis]]:
+    """search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
+    limits and score definition; like ours, it never emits BOS or PAD (suppressed).
+
+    Its length limit is one per call, so each batch goes as one call per distinct limit: a sentence's output
+    never depends on the others in its batch. Every hypothesis it returns is scored again by its scorer (one
+    teacher-forced pass per call, the price of honest scores), which gives ours: its search scores are
+    renormalised over the tokens it may emit (ours drops BOS's and PAD's probability instead), and at the
+    limit it does not force EOS, so a hypothesis still unfinished there has none: the scorer adds the EOS
+    ours would force. With a length penalty it returns its `beam` best, ranked by its own penalty
+    (length**lenpen rather than GNMT's ((5 + length) / 6)**lenpen; length counting EOS in both, hence
+    return_end_token), re-ranked here by ours; without one, its `nbest` best (the two rankings agree, and its
+    early exit waits for nbest finished).
+
+    Beam outputs can differ from ours (greedy outputs do not): (1) it stops as our "early" rule does but keeps
+    every hypothesis finished at the stopping step, up to 2*beam-1, where ours keeps the first `beam`; (2) only
+    the `beam` best by its penalty reach the re-ranking; (3) at the limit its unfinished hypotheses, scored
+    without their EOS, can push a shorter finished one out of those `beam`, and a live hypothesis ours ends
+    there is missing when an EOS took its place in the beam's top `beam`; (4) the renormalisation can reorder
+    candidates of rows that give BOS and PAD different probabilities (an untrained model; after training
+    label smoothing leaves each ~smoothing / vocabulary). With several workers (the translator's
+    inter_threads) the batches are sized and run side by side as search_batches runs ours.
+    """
+    out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
+    limit = source_limit(max_positions)
+    suppress = [[piece] for piece in vocab.pieces([BOS_ID, PAD_ID])]
+    returned = nbest if lenpen == 0 else beam
+    translating = []  # per call: its indices, sources, length limit and pending results
+    for batch in source_batches(src_ids, max_positions, max_tokens, translator.num_translators):
+        sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
+        max_lens = max_output_lengths(torch.tensor([len(s) + 1 for s in sources]), max_len_offset,  # + 1: EOS
+                                      max_positions).tolist()
+        for max_len, rows in same_limit(max_lens):
+            pending = translator.translate_batch(  # asynchronous: every worker takes calls from the queue
+                [sources[r] for r in rows], beam_size=beam, num_hypotheses=returned, length_penalty=lenpen,
+                max_decoding_length=max_len, suppress_sequences=suppress, min_decoding_length=0,
+                return_end_token=True, max_input_length=0, max_batch_size=0, asynchronous=True)
+            translating.append(([batch[r] for r in rows], [sources[r] for r in rows], max_len, pending))
+    scoring = []  # per call: its indices, their hypotheses' tokens and the pending scores
+    for indices, sources, max_len, pending in translating:
+        # Without EOS: the hypotheses that ended with one have it (return_end_token, which also makes its penalty
+        # count it, as ours does: else an empty output would rank last, divided by 0**lenpen), those the limit
+        # ended have max_len tokens.
+        found = [[_without_eos(vocab.piece_ids(pieces))[:max_len] for pieces in result.result().hypotheses]
+                 for result in pending]
+        pairs = [(source, tokens) for source, hyps in zip(sources, found) for tokens in hyps]
+        scores = translator.score_batch([source for source, _ in pairs], [vocab.pieces(t) for _, t in pairs],
+                                        max_input_length=0, asynchronous=True)
+        scoring.append((indices, found, scores))
+    for indices, found, scores in scoring:
+        pending = iter(scores)
+        for i, hyps in zip(indices, found):  # log_probs: each token's and EOS's, normalised over the vocabulary
+            scored = [Hypothesis(t, sum(next(pending).result().log_probs) / length_penalty(len(t) + 1, lenpen))
+                      for t in hyps]
+            out[i] = sorted(scored, key=lambda h: h.score, reverse=True)[:nbest]
+    return out
+
+
+def _without_eos(ids: list[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == EOS_ID else ids
+
+
+def same_limit(max_lens: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """(limit, positions) for each distinct value in `max_lens`, the largest first: what one CTranslate2 call
+    with that max_decoding_length may take."""
+    groups: dict[int, list[int]] = {}
+    for position, max_len in enumerate(max_lens):
+        groups.setdefault(max_len, []).append(position)
+    return sorted(groups.items(), reverse=True)
+
+
+def _one_line(text: str) -> str:
+    # A subword may hold a line break (the vocabulary saw any character but '\n'): keep one line per input.
+    return " ".join(text.splitlines()) if ("\n" in text or "\r" in text) else text
+
+
+class Translator:
+    """A model, its vocabulary and decode settings, loaded once; translate() maps lines to lines.
+
+    dtype: fp32, bf16 (weights cast; log-probabilities still in fp32), int8 (CPU: dynamic quantization of
+    the linear layers) or auto (pick_dtype; `note` says what it picked). engine: ours (PyTorch search) or
+    ctranslate2 (the checkpoint converted once, cached beside it: export.cached_conversion). workers: searches
+    side by side on a CPU (decode.workers; search_batches); CTranslate2 gets them as its inter_threads.
+    keep_model: with CTranslate2, keep the PyTorch model too (fp32, on the CPU), for what only it can show
+    (serve's attention maps and beam traces); otherwise it is dropped once converted.
+    """
+
+    def __init__(self, checkpoint: str | Path, device: str = "auto", beam: Optional[int] = None,
+                 lenpen: Optional[float] = None, max_tokens: Optional[int] = None,
+                 max_len_offset: Optional[int] = None, stop: Optional[str] = None, dtype: str = "fp32",
+                 engine: str = "ours", workers: Optional[int] = None, keep_model: bool = False):
+        if engine not in ENGINES:
+            raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        bounded_onednn_caches()  # a library caller's first CPU work may be ours
+        self.device = pick_device(device)
+        self.dtype, why = pick_dtype(dtype, self.device, engine)
+        self.engine = engine
+        state = load_checkpoint(resolve_checkpoint(checkpoint))
+        self.model, self.vocab, self.cfg = model_from_checkpoint(state, self.device if engine == "ours" else "cpu")
+        self.run: dict = state.get("run") or {}  # the training state it was saved at (step, best), for serve's /info
+        self.parameters = count_parameters(self.model)  # as trained: the dtypes and layouts below hide some
+        del state
+        dec = self.cfg.decode
+        self.beam = dec.beam if beam is None else beam
+        self.lenpen = dec.lenpen if lenpen is None else lenpen
+        self.max_tokens = dec.max_tokens if max_tokens is None else max_tokens
+        self.max_len_offset = dec.max_len_offset if max_len_offset is None else max_len_offset
+        self.stop = dec.stop if stop is None else stop
+        self.workers = dec.workers if workers is None else workers
+        for ok, message in ((self.beam >= 1, "beam must be at least 1"),
+                            (self.beam <= len(self.vocab), beam_above_vocabulary(self.beam, len(self.vocab))),
+                            (lenpen_problem(self.lenpen, "lenpen") is None, lenpen_problem(self.lenpen, "lenpen")),
+                            (self.max_tokens >= 1, "max tokens must be positive"),
+                            (self.workers >= 1, "workers must be at least 1"),
+                            (self.max_len_offset >= 1, "max length offset must be at least 1"),
+                            (self.stop in STOP_RULES, f"stop must be one of {', '.join(STOP_RULES)}, got {self.stop!r}")):
+            if not ok:
+                raise UserError(message)
+        # For the commands to print once their own checks have passed (a library caller may ignore it).
+        self.note = f"dtype: {self.dtype} ({why})" if dtype == "auto" else None
+        if dtype == "bf16" and self.device.type == "cpu" and not native_bf16(self.device)[0]:
+            self.note = ("warning: this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 runs emulated, "
+                         "much slower than fp32")
+        if engine == "ctranslate2" and stop == "exact":  # asked for, not the checkpoint's default
+            warning = "warning: --stop exact does not apply to --engine ctranslate2, which stops like --stop early"
+            self.note = f"{self.note}\n{warning}" if self.note else warning
+        self.ct2 = None
+        if engine == "ctranslate2":
+            self.ct2 = self._load_ctranslate2(checkpoint)
+            if not keep_model:
+                self.model = None  # converted: the PyTorch copy is not needed any more
+        elif self.dtype == "bf16" and self.device.type == "cpu":
+            from transformer.inference.weight_formats import pack_bf16
+
+            self.model = pack_bf16(self.model)
+        elif self.dtype == "bf16":
+            self.model = self.model.to(torch.bfloat16)
+        elif self.dtype == "int8":
+            from transformer.inference.weight_formats import quantize_int8
+
+            self.model = quantize_int8(self.model)
+        elif self.device.type == "cpu":
+            from transformer.inference.weight_formats import input_major
+
+            self.model = input_major(self.model)
+        self.lines_seen = 0  # numbers the lines in truncation warnings across streamed chunks
+        self.lines_truncated = 0
+
+    def _load_ctranslate2(self, checkpoint):
+        from transformer.inference.ctranslate2_engine import cached_conversion, require_ctranslate2
+
+        ctranslate2 = require_ctranslate2()
+        model_dir = cached_conversion(checkpoint)
+        workers = search_workers(self.workers, self.device)  # laid out over the CPU's threads as ours
+        ours = torch.get_num_threads()
+        threads = threads_per_worker(workers) if self.device.type == "cpu" else 1
+        try:
+            return ctranslate2.Translator(str(model_dir), device=self.device.type, inter_threads=workers,
+                                          intra_threads=threads, compute_type=CT2_COMPUTE_TYPES[self.dtype])
+        except (ValueError, RuntimeError) as e:  # e.g. a compute type this machine or build lacks
+            raise UserError(f"CTranslate2 cannot run {model_dir} on {self.device.type} in {self.dtype}: "
+                            f"{str(e).splitlines()[0]}") from None
+        finally:  # it sets the calling thread's OpenMP count, torch's too, to intra_threads
+            torch.set_num_threads(ours)
+
+    def encode(self, lines: Sequence[str], warn: bool = True) -> list[list[int]]:
+        """Subword ids per line; a line longer than the model takes is truncated by the search, and one longer than
+        MAX_LINE_CHARS is cut before it is split; both are said on stderr (warn=False: the caller tells its own
+        way, as serve does in its answer)."""
+        lengths = [len(line) for line in lines]
+        cut = [line[:MAX_LINE_CHARS] for line in lines]
+        ids = self.vocab.encode([line if line.strip() else "" for line in cut])
+        limit = source_limit(self.cfg.model.max_positions)
+        for i, seq in enumerate(ids):
+            if warn and (len(seq) > limit or lengths[i] > MAX_LINE_CHARS):
+                self.lines_truncated += 1
+                # A file of long lines would bury everything else on stderr: the first few, then a count at the end.
+                if self.lines_truncated <= TRUNCATION_WARNINGS:
+                    more = "; further ones are counted at the end" if self.lines_truncated == TRUNCATION_WARNINGS else ""
+                    has = f"{len(seq)} subwords" if lengths[i] <= MAX_LINE_CHARS else \
+                        f"over {MAX_LINE_CHARS:,} characters (only those are read)"
+                    print(f"warning: input line {self.lines_seen + i + 1} has {has}; truncated to the first {limit} "
+                          f"subwords (model.max_positions - 2){more}", file=sys.stderr)
+        self.lines_seen += len(lines)
+        return ids
+
+    def report_truncation(self) -> None:
+        """At the end of the input: how many lines were truncated in all, once the warnings stopped naming them."""
+        if self.lines_truncated >= TRUNCATION_WARNINGS:  # at 5, the fifth warning promised a count
+            print(f"warning: {self.lines_truncated} of {self.lines_seen} input lines were longer than "
+                  f"{source_limit(self.cfg.model.max_positions)} subwords and were truncated", file=sys.stderr)
+
+    def search(self, src_ids: Sequence[Sequence[int]], nbest: int = 1) -> list[list[Hypothesis]]:
+        """Per source (subword ids), its n-best hypotheses, through this translator's engine."""
+        if self.ct2 is not None:
+            return ctranslate2_search(self.ct2, self.vocab, src_ids, self.beam, self.lenpen, self.max_len_offset,
+                                      self.max_tokens, self.cfg.model.max_positions, nbest)
+        return search_ids(self.model, src_ids, self.beam, self.lenpen, self.max_len_offset, self.max_tokens,
+                          self.device, nbest, self.stop, self.workers)
+
+    def translate_nbest(self, lines: Sequence[str], nbest: int = 1) -> list[list[tuple[float, str]]]:
+        """Per line, up to `nbest` (score, translation) pairs, best first."""
+        if nbest > self.beam:
+            raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({self.beam})")
+        return self.texts(self.search(self.encode(lines), nbest))
+
+    def texts(self, found: Sequence[Sequence[Hypothesis]]) -> list[list[tuple[float, str]]]:
+        """search()'s hypotheses as (score, translation) pairs, one line each."""
+        return [[(h.score, _one_line(text)) for h, text in zip(hyps, self.vocab.decode([h.tokens for h in hyps]))]
+                for hyps in found]
+
+    def translate(self, lines: Sequence[str]) -> list[str]:
+        return [hyps[0][1] for hyps in self.translate_nbest(lines, 1)]
+
+    def describe(self) -> str:
+        """The settings that change outputs, for file names: beam4.lp0.6[.early][.bf16|.int8][.ct2]."""
+        name = f"beam{self.beam}.lp{self.lenpen:g}"
+        if self.stop != "exact" and self.beam > 1 and self.ct2 is None:
+            name += f".{self.stop}"
+        if self.dtype != "fp32":
+            name += f".{self.dtype}"
+        return name + (".ct2" if self.ct2 is not None else "")

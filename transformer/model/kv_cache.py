@@ -1,0 +1,102 @@
+"""What incremental decoding keeps between search steps: each decoder layer's self-attention keys/values, one
+row per hypothesis, and cross-attention's encoder keys/values and memory mask, once per source sentence.
+
+Tensors are (rows, heads, positions, d_head), batch-first like the rest of the package (transformer/model.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+class KVCache:
+    """Keys/values of one attention layer, (R, H, T, Dh) each, for incremental decoding.
+
+    Self-attention K/V grow by one position per step. They live in buffers with spare positions, so a step
+    writes its position in place, and reordering rows (beam search, finished sentences leaving) copies the
+    filled part once, straight into a new buffer with room again: torch.cat per step and index_select per
+    reorder copied the whole cache twice a step (docs/benchmarks/log.md, "Decoding on a CPU")."""
+
+    SPARE = 8  # positions of room a new buffer gets beyond what it holds
+
+    def __init__(self, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None):
+        self.k, self.v = k, v  # the filled part: views of the buffers when built by append/keep_rows
+        self._buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add new positions (R, H, t, Dh) after the ones held."""
+        held = 0 if self.k is None else self.k.size(2)
+        end = held + k.size(2)
+        if self._buffers is None or self._buffers[0].size(2) < end:
+            size = end + max(self.SPARE, end)  # doubling: a long run without reorders re-buffers log(T) times
+            self._buffers = (self._room(self.k, k, size), self._room(self.v, v, size))
+        for buffer, new in zip(self._buffers, (k, v)):
+            buffer[:, :, held:end] = new
+        self.k, self.v = (buffer[:, :, :end] for buffer in self._buffers)
+
+    @staticmethod
+    def _room(old: Optional[torch.Tensor], new: torch.Tensor, size: int) -> torch.Tensor:
+        rows, heads, _, d_head = new.shape
+        buffer = new.new_empty(rows, heads, size, d_head)
+        if old is not None:
+            buffer[:, :, :old.size(2)] = old
+        return buffer
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index`, in that order; one copy, into buffers with room to grow."""
+        if self.k is None:
+            return
+        held = self.k.size(2)
+        buffers = []
+        for filled in (self.k, self.v):
+            heads, d_head = filled.size(1), filled.size(3)
+            buffer = filled.new_empty(index.numel(), heads, held + self.SPARE, d_head)
+            if filled.requires_grad:  # out= cannot record a gradient: gather, then copy
+                buffer[:, :, :held] = filled.index_select(0, index)
+            else:
+                torch.index_select(filled, 0, index, out=buffer[:, :, :held])  # straight into the buffer
+            buffers.append(buffer)
+        self._buffers = (buffers[0], buffers[1])
+        self.k, self.v = (buffer[:, :, :held] for buffer in self._buffers)
+
+
+@dataclass
+class DecoderCache:
+    """Everything the decoder reads between steps: per-layer self-attention K/V, one row per hypothesis (grown
+    by one position each step), and what cross-attention needs, the encoder output's K/V per layer and the
+    memory mask, held once per source (set by Transformer.new_cache).
+
+    Rows come in equal groups, one per source and in source order: rows b*g .. b*g + g-1 belong to source b,
+    g = rows / sources (1 for greedy search, the beam size in beam search). Cross-attention reads each
+    source's K/V once for its whole group, instead of from a copy per beam."""
+
+    self_attn: list[KVCache]
+    cross_attn: list[KVCache]
+    memory_mask: torch.Tensor  # (B, 1, 1, S), per source
+    length: int = 0  # target positions already consumed
+
+    def keep_rows(self, index: torch.Tensor, sources: Optional[torch.Tensor] = None) -> None:
+        """Keep rows `index`, in that order: reordering beams, growing groups (a sentence's first step has one
+        row, later steps `beam`), dropping finished sentences. `sources`: the sources that stay, in order,
+        when some leave (`index` must then hold exactly their rows, grouped as above); None keeps them all."""
+        for kv in self.self_attn:
+            kv.keep_rows(index)
+        if sources is not None:
+            for kv in self.cross_attn:  # fixed size: a plain copy
+                kv.k, kv.v = kv.k.index_select(0, sources), kv.v.index_select(0, sources)
+            self.memory_mask = self.memory_mask.index_select(0, sources)
+
+
+def by_source(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(B*g, H, T, D) -> (B, H, g*T, D): a source's g rows become g*T queries against its one K/V."""
+    rows, heads, length, d = x.shape
+    return x.view(rows // group, group, heads, length, d).transpose(1, 2).reshape(rows // group, heads, -1, d)
+
+
+def by_row(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, H, g*T, D) -> (B*g, H, T, D): the inverse of by_source."""
+    sources, heads, queries, d = x.shape
+    return x.view(sources, heads, group, queries // group, d).transpose(1, 2).reshape(sources * group, heads, -1, d)

@@ -1,0 +1,567 @@
+"""`transformer serve`: a JSON API over one checkpoint (translate, attention, beam-search trace, positional
+encoding, info), concurrent requests batched onto one model worker, what each request may make it compute, and
+the look-inside page in static/. What a connection may cost below the API is http_guard.py's."""
+
+import asyncio
+import ipaddress
+import json
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, field_validator
+from starlette.exceptions import HTTPException
+
+from transformer.visualize.attention import KINDS, inspect_attention
+from transformer.data.batch import prepare_sources, source_limit
+from transformer.serve.request_batching import Batcher
+from transformer.model.checkpoint import resolve_checkpoint
+from transformer.errors import UserError, first_line, is_out_of_memory
+from transformer.serve.http_guard import (BACKLOG, MAX_HEAD, Drain, DrainingServer, RequestGuard, allowed_hosts,
+                                    open_file_budget, protocol_class)
+from transformer.model import positions as model_positions
+from transformer.inference.search import TraceStep, search
+from transformer.inference.translator import Translator
+from transformer.data.vocab import valid_text
+
+STATIC = Path(__file__).parent / "static"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Batching, and what one request or connection may cost; each but max_position_values has a `serve` flag."""
+
+    batch_window_ms: float = 5.0      # how long a waiting /translate request waits for others to join its batch
+    max_sentences: int = 64           # sentences per /translate request
+    max_chars: int = 10_000           # characters per request, all sentences together
+    max_beam: int = 16
+    max_pending: int = 1024           # requests' sentences waiting for the model (an inspection counts one)
+    max_position_values: int = 262_144  # d_model x length of one /positions table (about 2 MB of JSON)
+    max_answer_values: int = 2_000_000  # attention weights in an /attention answer, pieces in a /beam trace
+    max_connections: int = 512        # open connections; past it a new one gets 503 and is closed
+    read_timeout_s: float = 10.0      # for a request's line and headers, and again for its body (408 after)
+    keep_alive_s: float = 5.0         # an idle connection between requests is closed after this
+    drain_s: float = 10.0             # on SIGTERM, how long requests in flight may take; the rest get 503
+    allow_hosts: tuple[str, ...] = ()  # Host names served besides loopback ones and --host; "*": any
+
+    def __post_init__(self):
+        if not 0 <= self.batch_window_ms <= 10_000:
+            raise UserError(f"--batch-window-ms must be between 0 and 10000, got {self.batch_window_ms}")
+        for name in ("max_sentences", "max_chars", "max_beam", "max_pending", "max_answer_values",
+                     "max_connections"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_position_values < 1:
+            raise UserError(f"max_position_values must be at least 1, got {self.max_position_values}")
+        if self.max_pending < self.max_sentences:
+            raise UserError(f"--max-pending ({self.max_pending}) must be at least --max-sentences ({self.max_sentences})")
+        for flag, value in (("--read-timeout", self.read_timeout_s), ("--keep-alive-timeout", self.keep_alive_s),
+                            ("--drain-timeout", self.drain_s)):
+            if not 0 < value <= 3600:
+                raise UserError(f"{flag} must be more than 0 and at most 3600 seconds, got {value}")
+        for name in self.allow_hosts:
+            if not name.strip() or any(c in name for c in "/ @?#"):
+                raise UserError(f"--allow-host takes a host name such as example.org (or '*'), got {name!r}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return 12 * self.max_chars + 65_536  # JSON may spell a character as a 12-byte surrogate pair escape
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def api_error(e: Exception, what: str) -> ApiError:
+    """What a failure in the model worker tells the client: its input's fault (422), memory (503), or ours."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, UserError):
+        return ApiError(422, str(e))
+    if is_out_of_memory(e):
+        return ApiError(503, f"not enough memory for this request ({first_line(e)})")
+    print(f"serve: {what} failed: {type(e).__name__}: {first_line(e)}", file=sys.stderr)
+    return ApiError(500, f"internal error in {what}: {type(e).__name__}")
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _TextBody(_Body):
+    @field_validator("text", "target", mode="after", check_fields=False)
+    @classmethod
+    def valid_unicode(cls, value):
+        """JSON may spell a lone surrogate ("\\ud800"), which no UTF-8 encodes: U+FFFD instead."""
+        if isinstance(value, list):
+            return [valid_text(v) for v in value]
+        return value if value is None else valid_text(value)
+
+
+class TranslateBody(_TextBody):
+    text: list[str]                   # one sentence per item; a single string is taken as one sentence
+    beam: Optional[int] = None        # default: the checkpoint's decode.beam
+    nbest: int = 1
+
+    @field_validator("text", mode="before")
+    @classmethod
+    def one_sentence(cls, value):
+        return [value] if isinstance(value, str) else value
+
+
+class AttentionBody(_TextBody):
+    text: str
+    target: Optional[str] = None      # read this target instead of the model's own translation
+    beam: Optional[int] = None
+
+
+class BeamBody(_TextBody):
+    text: str
+    beam: Optional[int] = None
+    nbest: int = 1
+
+
+# ----------------------------------------------------------------------------- the service
+
+# What serve's dtypes mean for an answer (/info, serve --help and the README say the same).
+ALONE = ("a translation does not depend on the other requests batched with it (its score may differ from the "
+         "request's alone in the sixth digit: the order of a sum depends on the batch's shape)")
+SHARED = ("a translation may depend on the other requests batched with it: {dtype} rounds each batch's numbers "
+          "together (int8 quantizes activations with one scale per batch); serve --dtype fp32 for answers that do not")
+
+
+def serve_dtype(dtype: str) -> str:
+    """serve's "auto" is fp32, whatever translate's would be: a stranger's request in the same batch must not
+    change anyone's translation, and in bf16 or int8 it can (tests/serve/test_http_guard.py measures fp32's
+    independence)."""
+    return "fp32" if dtype == "auto" else dtype
+
+
+class Service:
+    """The checkpoint loaded once, its facts for /info, the one thread that runs the model, and the bounds on
+    what a request may make it compute."""
+
+    def __init__(self, checkpoint: str | Path, settings: ServeSettings, device: str = "auto", dtype: str = "auto",
+                 beam: Optional[int] = None, lenpen: Optional[float] = None, stop: Optional[str] = None,
+                 max_tokens: Optional[int] = None, workers: Optional[int] = None, engine: str = "ours"):
+        path = resolve_checkpoint(checkpoint)
+        self.settings = settings
+        check_beam_setting(beam, settings)  # before the model loads
+        # With CTranslate2, /translate runs on it; the page's attention maps and beam traces need our model's
+        # internals, so the translator keeps that too.
+        self.translator = Translator(path, device, beam, lenpen, max_tokens, stop=stop, dtype=serve_dtype(dtype),
+                                     workers=workers, engine=engine, keep_model=True)
+        if settings.max_beam < self.translator.beam:
+            raise UserError(f"--max-beam ({settings.max_beam}) is below the checkpoint's decode.beam "
+                            f"({self.translator.beam}); raise it, or serve with a smaller --beam")
+        self.default_beam = self.translator.beam
+        self.model, self.vocab, self.cfg = self.translator.model, self.translator.vocab, self.translator.cfg
+        self.max_beam = min(settings.max_beam, len(self.vocab))  # a request's beam; wider is beam_above_vocabulary
+        self.model_device = next(self.model.parameters()).device  # the translator's, or the CPU beside CTranslate2
+        self.dtype_note = ALONE if self.translator.dtype == "fp32" else SHARED.format(dtype=self.translator.dtype)
+        self.info = self._describe(path)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")  # searches never overlap
+        self.batcher: Optional[Batcher] = None
+        self.drain = Drain(settings.drain_s)
+
+    def _describe(self, path: Path) -> dict:
+        m, d, run = self.cfg.model, self.translator, self.translator.run
+        return {
+            "checkpoint": path.name, "step": run.get("step"),
+            "validation": {"best": run.get("best"), "metric": run.get("best_metric"),
+                           **_validation_at(path.parent, run.get("step"))} if run else None,
+            "model": {**asdict(m), "parameters": d.parameters},
+            "vocab_size": len(self.vocab), "languages": [self.cfg.data.src_lang, self.cfg.data.tgt_lang],
+            # CTranslate2 has one stop rule, ours "early" (the page, /beam, still searches with ours)
+            "decode": {"engine": d.engine, "beam": d.beam, "lenpen": d.lenpen,
+                       "stop": "early" if d.engine == "ctranslate2" else d.stop,
+                       "max_len_offset": d.max_len_offset, "max_tokens": d.max_tokens, "workers": d.workers},
+            "device": str(d.device), "dtype": d.dtype, "dtype_note": self.dtype_note,
+            "limits": {**asdict(self.settings), "max_beam": self.max_beam, "max_body_bytes": self.settings.max_body_bytes},
+        }
+
+    def check_beam(self, beam: Optional[int], nbest: int = 1) -> int:
+        beam = self.default_beam if beam is None else beam
+        if not 1 <= beam <= self.max_beam:
+            raise ApiError(422, f"beam must be between 1 and {self.max_beam}, got {beam}")
+        if not 1 <= nbest <= beam:
+            raise ApiError(422, f"nbest must be between 1 and the beam size ({beam}), got {nbest}")
+        return beam
+
+    def check_size(self, lines: list[str]) -> None:
+        if len(lines) > self.settings.max_sentences:
+            raise ApiError(413, f"{len(lines)} sentences in one request; the limit is {self.settings.max_sentences}")
+        chars = sum(len(line) for line in lines)
+        if chars > self.settings.max_chars:
+            raise ApiError(413, f"{chars} characters in one request; the limit is {self.settings.max_chars}")
+
+    def check_room(self, sentences: int) -> None:
+        if self.batcher.pending_sentences() + sentences > self.settings.max_pending:
+            raise ApiError(503, "too many requests are waiting for the model; try again shortly")
+
+    def one_sentence(self, text: str) -> list[int]:
+        self.check_size([text])
+        ids = self.vocab.encode([text])[0] if text.strip() else []
+        if not ids:
+            raise ApiError(422, "text is empty")
+        limit = source_limit(self.cfg.model.max_positions)
+        if len(ids) > limit:
+            raise ApiError(422, f"the sentence is {len(ids)} pieces long; this model accepts at most {limit}")
+        return ids
+
+    def output_limit(self, ids: list[int]) -> int:
+        """The most tokens a search may write for this source (search.max_output_lengths)."""
+        return min(len(ids) + 1 + self.translator.max_len_offset, self.cfg.model.max_positions - 1)
+
+    def check_answer(self, values: int, what: str, fix: str) -> None:
+        """Refuse (413) before computing an answer that would hold more than --max-answer-values numbers."""
+        limit = self.settings.max_answer_values
+        if values > limit:
+            raise ApiError(413, f"this answer could hold {values:,} {what}; the limit is {limit:,} "
+                                f"(serve --max-answer-values): {fix}")
+
+    def check_attention(self, ids: list[int], target: Optional[str]) -> None:
+        """layers x heads x queries x keys of the three kinds, with the longest translation the search may give."""
+        m = self.cfg.model
+        s = len(ids) + 1  # with EOS
+        t = 1 + (self.output_limit(ids) if target is None else len(self.vocab.encode([target])[0]))  # with BOS
+        values = m.n_heads * (m.n_encoder_layers * s * s + m.n_decoder_layers * (t * t + t * s))
+        self.check_answer(values, "attention weights", "send a shorter sentence or target")
+
+    def check_trace(self, ids: list[int], beam: int) -> None:
+        """Each step shows at most `beam` hypotheses alive and `beam` finished, each as long as the step."""
+        steps = self.output_limit(ids) + 1
+        self.check_answer(beam * steps * (steps + 1), "pieces", "use a smaller beam or a shorter sentence")
+
+    async def inspect(self, request: Request, compute, *args) -> Response:
+        """compute(*args) -> JSON-ready answer, on the model worker in its turn (batcher.py), encoded there too:
+        the loop stays free for other clients; dropped unrun if the client goes away first."""
+        self.check_room(1)
+
+        def answer() -> bytes:
+            return _json(compute(*args))
+
+        try:
+            body = await until_gone(request, self.batcher.inspect(answer))
+        except Exception as e:
+            raise api_error(e, compute.__name__) from None
+        return Response(body, media_type="application/json")
+
+    def attention(self, text: str, target: Optional[str], beam: int) -> dict:
+        d = self.translator
+        maps = inspect_attention(self.model, self.vocab, text, target, beam, d.lenpen, d.max_len_offset, d.stop)
+        pieces = {"source": maps.source_pieces, "target": maps.target_pieces}
+        sides = {"encoder": ("source", "source"), "decoder": ("target", "target"), "cross": ("target", "source")}
+        return {"source": maps.source, "target": maps.target, "translated": maps.translated,
+                "source_pieces": pieces["source"], "target_pieces": pieces["target"],
+                "attention": {kind: {"queries": sides[kind][0], "keys": sides[kind][1],
+                                     "layers": int(maps.shape(kind)[0]), "heads": int(maps.shape(kind)[1]),
+                                     # (layers, heads, queries, keys); rows sum to 1
+                                     "weights": np.round(maps.weights[kind].astype(np.float64), 5).tolist()}
+                              for kind in KINDS}}
+
+    def beam_trace(self, ids: list[int], beam: int, nbest: int) -> dict:
+        d = self.translator
+        src, _ = prepare_sources([ids], self.cfg.model.max_positions)  # (1, S)
+        trace: list[TraceStep] = []
+        found = search(self.model, src.to(self.model_device), beam, d.lenpen, d.max_len_offset, nbest, d.stop, trace=trace)
+
+        def show(hyps):
+            return [{"pieces": self.vocab.pieces(h.tokens), "text": text, "score": round(h.score, 5)}
+                    for h, text in zip(hyps, self.vocab.decode([h.tokens for h in hyps]))]
+
+        return {"source_pieces": self.vocab.pieces(src[0].tolist()), "beam": beam, "lenpen": d.lenpen,
+                "stop": d.stop, "nbest": show(found.hypotheses[0]),
+                "steps": [{"alive": show(step.alive[0]), "finished": show(step.finished[0])} for step in trace]}
+
+
+def check_beam_setting(beam: Optional[int], settings: ServeSettings) -> None:
+    if beam is not None and beam > settings.max_beam:
+        raise UserError(f"--beam ({beam}) is above --max-beam ({settings.max_beam})")
+
+
+def _json(value) -> bytes:
+    """As FastAPI's JSONResponse encodes an answer."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+async def until_gone(request: Request, work):
+    """await `work`, unless the client hangs up first: then it is cancelled (a queued search or inspection is
+    dropped before it runs) and the request ends without an answer, for no one is there to read it."""
+    work = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_hung_up(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        raise ApiError(499, "the client closed the connection")
+    return work.result()
+
+
+async def _hung_up(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _validation_at(run_dir: Path, step: Optional[int]) -> dict:
+    """The validation figures metrics.jsonl holds for `step` (loss, ppl, bleu...), when the run directory has them."""
+    from transformer.training.metrics import read_metrics
+
+    try:
+        rows = read_metrics(run_dir)
+    except (UserError, OSError):
+        return {}
+    found = [r for r in rows if r.get("split") == "valid" and r.get("step") == step]
+    return {k: v for k, v in found[-1].items() if k in ("loss", "nll", "ppl", "bleu", "chrf")} if found else {}
+
+
+def check_positions(d_model: int, length: int, max_values: int) -> None:
+    if d_model < 2 or d_model % 2:
+        raise ApiError(422, f"d_model must be a positive even number, got {d_model}")
+    if length < 1:
+        raise ApiError(422, f"length must be at least 1, got {length}")
+    if d_model * length > max_values:
+        raise ApiError(422, f"d_model x length is {d_model} x {length}; the limit is {max_values} values")
+
+
+def positions_table(kind: str, d_model: int, length: int) -> dict:
+    table = model_positions.table(kind, d_model, length)  # (length, d_model)
+    return {"d_model": d_model, "length": length, "table": np.round(table.double().numpy(), 4).tolist()}
+
+
+def create_app(service: Service, listen_host: str = "") -> FastAPI:
+    """The API and the page over one loaded Service. Run it with its lifespan (uvicorn, or `with TestClient`).
+    It answers requests for loopback names, the address the client reached, `listen_host` (--host) and
+    settings.allow_hosts (http_guard.allowed_hosts)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.batcher = Batcher(service.translator, service.worker, service.settings.batch_window_ms / 1000)
+        stopping = ApiError(503, "the server is shutting down")
+        service.drain.on_over.append(lambda: service.batcher.fail_all(stopping))
+        task = asyncio.create_task(service.batcher.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            service.batcher.fail_all(stopping)
+
+    settings = service.settings
+    app = FastAPI(title="transformer serve", lifespan=lifespan, docs_url=None, redoc_url=None)  # docs need a CDN
+    _add_errors(app)
+    app.add_middleware(RequestGuard, hosts=allowed_hosts(listen_host, settings.allow_hosts),
+                       max_body_bytes=settings.max_body_bytes, read_timeout=settings.read_timeout_s,
+                       drain=service.drain)
+    _add_routes(app, service)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _add_errors(app: FastAPI) -> None:
+    """Every error as {"error": message} (the size, type and host checks are http_guard.RequestGuard's)."""
+
+    @app.exception_handler(ApiError)
+    async def refused(request: Request, e: ApiError):
+        return _error(e.status, e.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            return _error(400, "the body is not valid JSON")
+        if len(first["loc"]) < 2:
+            return _error(422, 'the body must be a JSON object, e.g. {"text": ["Ein Satz."]}')
+        return _error(422, f"{'.'.join(str(part) for part in first['loc'][1:])}: {first['msg']}")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):  # a bug: JSON for the client, a traceback in the log
+        return _error(500, f"internal error: {type(e).__name__}")
+
+
+def _add_routes(app: FastAPI, service: Service) -> None:
+    """The JSON API and the page. Whatever runs the model goes through the batcher, counted against
+    --max-pending and bounded before it starts; /health and /info answer from the loop at once."""
+    settings = service.settings
+
+    @app.post("/translate")
+    async def translate(body: TranslateBody, request: Request) -> dict:
+        lines = [" ".join(line.splitlines()) for line in body.text]  # one sentence per item, as one input line
+        service.check_size(lines)
+        beam = service.check_beam(body.beam, body.nbest)
+        service.check_room(len(lines))
+        ids = service.translator.encode(lines, warn=False)  # once: the batcher sizes batches by it and searches it
+        try:
+            found = await until_gone(request, service.batcher.translate(ids, beam, body.nbest)) if lines else []
+        except Exception as e:
+            raise api_error(e, "translate") from None
+        limit = source_limit(service.cfg.model.max_positions)  # longer sources were translated from their start
+        service.batcher.stats["requests"] += 1
+        service.batcher.stats["sentences"] += len(lines)
+        return {"beam": beam, "nbest": body.nbest,
+                "translations": [{"text": hyps[0][1], "score": hyps[0][0], "truncated": len(src) > limit,
+                                  "nbest": [{"text": text, "score": score} for score, text in hyps]}
+                                 for hyps, src in zip(found, ids)]}
+
+    @app.post("/attention")
+    async def attention(body: AttentionBody, request: Request) -> Response:
+        ids = service.one_sentence(body.text)
+        if body.target is not None:
+            service.check_size([body.text + body.target])
+        beam = service.check_beam(body.beam)
+        service.check_attention(ids, body.target)
+        return await service.inspect(request, service.attention, body.text, body.target, beam)
+
+    @app.post("/beam")
+    async def beam_steps(body: BeamBody, request: Request) -> Response:
+        ids = service.one_sentence(body.text)
+        beam = service.check_beam(body.beam, body.nbest)
+        service.check_trace(ids, beam)
+        return await service.inspect(request, service.beam_trace, ids, beam, body.nbest)
+
+    @app.get("/positions")
+    async def positions(request: Request, d_model: Optional[int] = None, length: Optional[int] = None) -> Response:
+        model = service.cfg.model
+        d_model = model.d_model if d_model is None else d_model
+        length = min(model.max_positions, 100) if length is None else length
+        check_positions(d_model, length, settings.max_position_values)
+        return await service.inspect(request, positions_table, model.positions, d_model, length)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "pending": service.batcher.pending_sentences(), **service.batcher.stats}
+
+    @app.get("/info")
+    async def info() -> dict:
+        return service.info
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound socket for uvicorn, so that a taken port or an unknown host is a one-line error."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)  # from now on connections wait in the backlog until uvicorn accepts them
+    except OSError as e:
+        raise UserError(f"serve: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def make_server(app: FastAPI, settings: ServeSettings, drain: Drain, max_connections: Optional[int] = None,
+                ready: str = "") -> DrainingServer:
+    """uvicorn with serve's limits: its h11 protocol with a connection cap and a deadline for each request's
+    head (http_guard.py), idle connections closed after keep_alive_s, an unfinished head buffered up to
+    MAX_HEAD bytes (400 past it; RequestGuard counts a finished one), no WebSocket, and a drained stop."""
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", ws="none", backlog=BACKLOG,
+        http=protocol_class(max_connections or settings.max_connections, settings.read_timeout_s),
+        timeout_keep_alive=settings.keep_alive_s, h11_max_incomplete_event_size=MAX_HEAD,
+        # Past the drain, uvicorn cancels what is left; the drain itself has answered it 503 by then.
+        timeout_graceful_shutdown=settings.drain_s + 2)
+    return DrainingServer(config, drain, ready)
+
+
+def run_serve(checkpoint: str, host: str, port: int, settings: ServeSettings, device: str = "auto",
+              dtype: str = "auto", beam: Optional[int] = None, lenpen: Optional[float] = None,
+              stop: Optional[str] = None, max_tokens: Optional[int] = None, workers: Optional[int] = None,
+              engine: str = "ours") -> None:
+    """The `serve` command: check what is quick to check, bind (a taken port is an error before the model
+    loads), load the checkpoint, and serve until SIGTERM or Ctrl-C, which drain (http_guard.DrainingServer)."""
+    resolve_checkpoint(checkpoint)
+    check_beam_setting(beam, settings)
+    if engine == "ctranslate2":
+        from transformer.inference.ctranslate2_engine import require_ctranslate2
+
+        require_ctranslate2()
+    connections, note = open_file_budget(settings.max_connections)
+    sock = listen(host, port)
+    try:
+        service = Service(checkpoint, settings, device, dtype, beam, lenpen, stop, max_tokens, workers, engine)
+    except BaseException:
+        sock.close()
+        raise
+    bound_host, bound_port = sock.getsockname()[:2]
+    hosts = allowed_hosts(host, settings.allow_hosts)
+    print(f"dtype: {service.translator.dtype}: {service.dtype_note}", file=sys.stderr)
+    for line in (service.translator.note, note):
+        if line:
+            print(line, file=sys.stderr)
+    if not ipaddress.ip_address(bound_host).is_loopback:
+        print(f"warning: listening on {bound_host}, not only this machine: anyone who can reach it may use the "
+              "service (there is no authentication)", file=sys.stderr)
+        if hosts is not None and ipaddress.ip_address(bound_host).is_unspecified:
+            print(f"note: requests must name this machine by its address or as {', '.join(sorted(hosts))}; "
+                  "allow its host names with --allow-host NAME (or any with --allow-host '*')", file=sys.stderr)
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    step = f" (step {service.info['step']})" if service.info["step"] is not None else ""
+    ready = f"serving {service.info['checkpoint']}{step} at http://{shown}:{bound_port}/"  # spawn() waits for it
+    make_server(create_app(service, host), settings, service.drain, connections, ready).run(sockets=[sock])
+    service.worker.shutdown(wait=False, cancel_futures=True)  # the exit waits for a search in progress only
+
+
+def spawn(checkpoint: str | Path, *flags: str, timeout: float = 120.0, env: Optional[dict] = None,
+          preexec_fn=None, log: Optional[list] = None) -> tuple[subprocess.Popen, str]:
+    """`transformer serve CHECKPOINT --port 0 FLAGS...` in a subprocess on 127.0.0.1 -> (the process, its base URL),
+    once it listens; for scripts that drive a real server. The caller stops it (terminate, then wait). `log`,
+    when given, receives every line the server writes to stderr, as it comes."""
+    proc = subprocess.Popen([sys.executable, "-m", "transformer", "serve", str(checkpoint), "--host", "127.0.0.1",
+                             "--port", "0", *flags], stderr=subprocess.PIPE, text=True, encoding="utf-8",
+                            errors="replace", env=env, preexec_fn=preexec_fn)
+    lines: "queue.Queue[str]" = queue.Queue()
+
+    def drain():  # keep reading, so that the server never blocks on a full pipe
+        for line in proc.stderr:
+            lines.put(line)
+            if log is not None:
+                log.append(line)
+        lines.put("")
+
+    threading.Thread(target=drain, daemon=True).start()
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        seen.append(line)
+        if line.startswith("serving ") and " at http://" in line:
+            return proc, line.rsplit(" at ", 1)[1].strip().rstrip("/")
+        if line == "":  # the server exited
+            break
+    proc.kill()
+    proc.wait()
+    raise RuntimeError("transformer serve did not start:\n" + "".join(seen[-20:]))

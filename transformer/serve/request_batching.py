@@ -1,0 +1,199 @@
+"""The model worker's schedule for `transformer serve`: /translate requests that arrive within a window share one
+search, and the page's requests (attention, beam traces, positional tables) take turns with those searches."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import os
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from transformer.inference.translator import Translator
+
+
+@dataclass
+class _Job:
+    ids: list[list[int]]              # the sources, encoded once by the request's handler
+    beam: int
+    nbest: int
+    done: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) + 1 for ids in self.ids)  # source tokens with EOS: what decode.max_tokens bounds
+
+
+@dataclass
+class _Inspection:
+    compute: Callable[[], Any]        # runs on the model worker; its result answers the request
+    done: asyncio.Future
+
+
+def _malloc_trim():
+    """glibc's malloc_trim(0), or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give the pages malloc holds free back to the system. Searches of ever new batch shapes leave each
+    allocator arena at its high-water mark, so a server's resident memory climbed with every peak and never came
+    down; after a trim it is what is in use."""
+    if _TRIM is not None and os.environ.get("TRANSFORMER_NO_TRIM") != "1":
+        _TRIM(0)
+
+
+def _waiting(jobs):
+    """The jobs whose request still waits: a cancelled future is a client that went away."""
+    return [job for job in jobs if not job.done.done()]
+
+
+class Batcher:
+    """Everything that runs the model goes through here, onto its one worker thread:
+
+    - /translate requests that arrive within the window go to the worker as one call (bounded by
+      decode.max_tokens); requests that arrive while it works wait and form the next batch;
+    - inspections (/attention, /beam, /positions) run one at a time, taking turns with translation batches,
+      so that a translation waits for at most one of them (each is bounded by the server's settings);
+    - a request whose client went away (its future cancelled) is dropped before it runs.
+    """
+
+    def __init__(self, translator: Translator, worker: ThreadPoolExecutor, window_s: float):
+        self.translator, self.worker, self.window = translator, worker, window_s
+        self.pending: list[_Job] = []
+        self.inspections: deque[_Inspection] = deque()
+        self.running: list[asyncio.Future] = []  # the futures of what the worker computes now
+        self.arrived = asyncio.Event()
+        self.stats = {"requests": 0, "sentences": 0, "batches": 0, "largest_batch": 0}
+        self.trimmed, self.used = 0.0, False  # when freed memory was last given back; whether work ran since
+
+    def pending_sentences(self) -> int:
+        """What waits for the model: sentences to translate, and inspections (one each)."""
+        return sum(len(job.ids) for job in _waiting(self.pending)) + len(_waiting(self.inspections))
+
+    async def translate(self, ids: list[list[int]], beam: int, nbest: int) -> list:
+        """Per source (subword ids), its n-best (score, translation) pairs, searched with whatever arrives
+        within the window."""
+        job = _Job(ids, beam, nbest, asyncio.get_running_loop().create_future())
+        self.pending.append(job)
+        self.arrived.set()
+        return await job.done
+
+    async def inspect(self, compute: Callable[[], Any]) -> Any:
+        """compute() on the model worker, in its turn."""
+        job = _Inspection(compute, asyncio.get_running_loop().create_future())
+        self.inspections.append(job)
+        self.arrived.set()
+        return await job.done
+
+    async def run(self) -> None:
+        inspect_next = False
+        while True:
+            await self._wait_for_work()
+            if self.inspections and (inspect_next or not self.pending):
+                await self._inspect(self.inspections.popleft())
+                inspect_next = False
+                continue
+            jobs = await self._collect()
+            groups: dict[tuple[int, int], list[_Job]] = {}
+            for job in jobs:  # one search per setting: a batched search runs one beam size
+                groups.setdefault((job.beam, job.nbest), []).append(job)
+            for (beam, nbest), group in groups.items():
+                await self._search(_waiting(group), beam, nbest)  # a client may leave during another search
+            inspect_next = bool(jobs)
+
+    async def _wait_for_work(self) -> None:
+        while True:
+            self.pending = _waiting(self.pending)
+            while self.inspections and self.inspections[0].done.done():
+                self.inspections.popleft()
+            busy = bool(self.pending or self.inspections)
+            if self.used and (not busy or time.monotonic() - self.trimmed > 1.0):  # idle, or once a second
+                self.used, self.trimmed = False, time.monotonic()
+                self.worker.submit(release_freed_memory)  # on the worker, before its next job
+            if busy:
+                return
+            self.arrived.clear()
+            await self.arrived.wait()
+
+    async def _on_worker(self, futures: list[asyncio.Future], fn, *args):
+        self.running, self.used = futures, True
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        finally:
+            self.running = []
+
+    async def _inspect(self, job: _Inspection) -> None:
+        if job.done.done():
+            return
+        try:
+            result = await self._on_worker([job.done], job.compute)
+        except Exception as e:
+            if not job.done.done():
+                job.done.set_exception(e)
+            return
+        if not job.done.done():  # done already: its client went away, or the server stopped waiting
+            job.done.set_result(result)
+
+    async def _search(self, group: list[_Job], beam: int, nbest: int) -> None:
+        if not group:
+            return
+        ids = [source for job in group for source in job.ids]
+        try:
+            found = await self._on_worker([job.done for job in group], self._translate, ids, beam, nbest)
+        except Exception as e:  # the requests fail; the service goes on
+            for job in group:
+                if not job.done.done():
+                    job.done.set_exception(e)
+            return
+        self.stats["batches"] += 1
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(ids))
+        for job in group:
+            if not job.done.done():
+                job.done.set_result(found[:len(job.ids)])
+            found = found[len(job.ids):]
+
+    async def _collect(self) -> list[_Job]:
+        """Wait until the first request's window closes or the waiting sources fill decode.max_tokens; take
+        what fits."""
+        deadline = self.pending[0].arrived + self.window
+        while sum(job.tokens for job in self.pending) < self.translator.max_tokens:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        self.pending = _waiting(self.pending)
+        taken, tokens = 0, 0
+        while taken < len(self.pending) and (taken == 0 or tokens + self.pending[taken].tokens
+                                             <= self.translator.max_tokens):
+            tokens += self.pending[taken].tokens
+            taken += 1
+        jobs, self.pending = self.pending[:taken], self.pending[taken:]
+        return jobs
+
+    def _translate(self, ids: list[list[int]], beam: int, nbest: int) -> list:
+        self.translator.beam = beam  # this worker thread is the translator's only user
+        return self.translator.texts(self.translator.search(ids, nbest))
+
+    def fail_all(self, error: Exception) -> None:
+        """Answer every request still waiting, and those the worker computes now, with `error` (the server is
+        stopping); what the worker computes is thrown away when it ends."""
+        for future in [job.done for job in self.pending] + [job.done for job in self.inspections] + self.running:
+            if not future.done():
+                future.set_exception(error)
+        self.pending, self.inspections = [], deque()

@@ -1,0 +1,238 @@
+"""What a run ends with: the average of its last checkpoints, the checkpoint and search settings chosen on the
+validation set, the test score, and a summary (RUN_DIR/summary.json and RUN_DIR/final.pt)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from transformer.files import atomic_write
+from transformer.training.average import average_checkpoints
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
+from transformer.config import Config, from_dict, save_config, to_dict
+from transformer.data.corpus import has_split, load_split
+from transformer.device import tf32_matmuls
+from transformer.errors import UserError
+from transformer.inference.scoring import length_ratio, translate_and_score
+from transformer.run_dir import RunDir
+from transformer.signals import stop_at_once
+from transformer.training.metrics import read_metrics
+from transformer.data.store import Store
+from transformer.data.vocab import Vocab
+
+log = logging.getLogger("transformer")
+
+FINAL = RunDir.FINAL  # what `translate RUN_DIR` uses once a run has finished
+LENPENS = (0.6, 0.8, 1.0, 1.2)
+
+
+def describe(scores: dict) -> str:
+    """BLEU with the length ratio beside it: the brevity penalty is where short translations lose."""
+    return f"BLEU {scores['bleu']:.2f} (length ratio {length_ratio(scores):.3f}), chrF {scores['chrf']:.2f}"
+
+
+class _Scorer:
+    """Translates a fixed set of sources with a model in memory and scores against references."""
+
+    def __init__(self, cfg: Config, sources: list[list[int]], references: list[str], vocab, device):
+        self.cfg, self.sources, self.references, self.vocab, self.device = cfg, sources, references, vocab, device
+
+    def __call__(self, model, beam: int, lenpen: float) -> tuple[dict, list[str]]:
+        return translate_and_score(model, self.vocab, self.sources, self.references, beam, lenpen, self.cfg.decode,
+                                   self.device)
+
+
+def _candidates(run_dir: Path, cfg: Config) -> dict[str, dict]:
+    """best.pt, and the average of the last train.keep_last step checkpoints when there are several."""
+    if not RunDir(run_dir).best.is_file():
+        raise UserError(f"finish: {run_dir} holds no best.pt (has the run validated yet?)")
+    found = {RunDir.BEST: load_checkpoint(RunDir(run_dir).best)}
+    steps = RunDir(run_dir).step_checkpoints()[-cfg.train.keep_last:] if cfg.train.keep_last else []
+    if len(steps) >= 2:
+        averaged = average_checkpoints(steps)
+        save_checkpoint(averaged, RunDir(run_dir).averaged)
+        found[RunDir.AVERAGED] = averaged
+        log.info("finish: averaged %s into averaged.pt", ", ".join(p.name for p in steps))
+    return found
+
+
+def _search_settings(score, model, cfg: Config, at_config: dict) -> tuple[int, float, dict]:
+    """The length penalty, then the beam, that score best on validation: a small grid around the config's
+    (at_config: the score at the config's own settings, already known)."""
+    beam = cfg.decode.beam
+    tried = {(beam, cfg.decode.lenpen): at_config}
+    for lenpen in LENPENS if beam > 1 else ():  # greedy search finds the same output at every length penalty
+        if (beam, lenpen) not in tried:
+            tried[(beam, lenpen)] = score(model, beam, lenpen)[0]
+    # Ties keep the config's value: a change has to earn its place.
+    lenpen = max((a for b, a in tried), key=lambda a: (tried[(beam, a)]["bleu"], a == cfg.decode.lenpen))
+    if beam > 1:  # a wider beam, where it helps
+        tried[(beam + 2, lenpen)] = score(model, beam + 2, lenpen)[0]
+    chosen = max(((b, a) for b, a in tried if a == lenpen), key=lambda k: (tried[k]["bleu"], -k[0]))
+    for (b, a), s in sorted(tried.items()):
+        log.info("finish: valid beam %d lenpen %g: %s%s", b, a, describe(s), " (chosen)" if (b, a) == chosen else "")
+    return chosen[0], chosen[1], {f"beam{b}_lp{a:g}": round(s["bleu"], 2) for (b, a), s in sorted(tried.items())}
+
+
+MEMORY_KEYS = ("peak_rss_mib", "peak_cuda_allocated_mib", "peak_cuda_reserved_mib")  # per rank, MiB (train.end)
+
+
+def _training_record(run_dir: Path, cfg: Config, run: dict, best_step: int) -> dict:
+    """Wall time, updates, epochs, throughput, the best validation and the peak memory of the last training
+    process (host, and GPU where there was one) from metrics.jsonl and last.pt's run state."""
+    # A killed run's validations past its last.pt were done again on resume: the later line of a step wins. A line
+    # past both last.pt and best.pt (a kill between metrics.jsonl and the checkpoints, never resumed) is no model's.
+    newest = max(run["step"], best_step)
+    metrics = read_metrics(run_dir)
+    valid = list({r["step"]: r for r in metrics if r.get("split") == "valid" and r["step"] <= newest}.values())
+    done = next((r for r in reversed(metrics) if r.get("event") == "done"), {})
+    by = "bleu" if cfg.train.valid_bleu and all("bleu" in r for r in valid) else "loss"
+    best = (max if by == "bleu" else min)(valid, key=lambda r: r[by]) if valid else {}
+    elapsed = run.get("elapsed", 0.0)
+    return {
+        "updates": run["step"], "epochs": run["data"]["epoch"], "training_seconds": round(elapsed, 1),
+        "tokens_per_s": round(run.get("tokens", 0) / elapsed) if elapsed else None,
+        "best_valid_loss": min((r["loss"] for r in valid), default=None),
+        "best_valid_bleu": max((r["bleu"] for r in valid if "bleu" in r), default=None),
+        "best_step": best.get("step"), "seconds_to_best": best.get("elapsed"),
+        **{key: done[key] for key in MEMORY_KEYS if key in done},
+    }
+
+
+def finished_summary(run_dir: Path, step: int) -> Optional[dict]:
+    """summary.json, when the end of training completed at `step`: final.pt and a summary.json of that step
+    written after it. A kill between the two leaves final.pt alone, and the end is done again."""
+    final, summary = RunDir(run_dir).final, RunDir(run_dir).summary
+    try:
+        if summary.stat().st_mtime_ns < final.stat().st_mtime_ns:
+            return None
+        record = json.loads(summary.read_text(encoding="utf-8"))
+        record["decode"] = {"beam": int(record["decode"]["beam"]), "lenpen": float(record["decode"]["lenpen"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record if record.get("updates") == step else None
+
+
+def end_of_training(run_dir: Path, cfg: Config, step: int, device: torch.device) -> None:
+    """What `train` does once its updates are done: finish(), unless this process trained nothing and the end of
+    training completed before (final.pt is gone once a run trains on): a job script that always passes --resume
+    must not redo its minutes."""
+    summary = finished_summary(run_dir, step)
+    if summary is None:
+        with stop_at_once(lambda name: f"{name}: stopped while choosing the final model; the checkpoints are "
+                          f"complete, and `transformer finish {run_dir}` does this part again"):
+            finish(run_dir, device)
+        return
+    # The resume wrote its own settings to config.yaml and nothing trained with them: the run's, as finish() wrote
+    # them, but where the run and its data are now (a moved run directory, a corpus put elsewhere).
+    last = load_checkpoint(RunDir(run_dir).last)
+    trained = from_dict(last["config"])
+    save_config(replace(trained, decode=replace(trained.decode, **summary["decode"]),
+                        train=replace(trained.train, run_dir=cfg.train.run_dir),
+                        data=replace(trained.data, dir=cfg.data.dir)), RunDir(run_dir).config,
+                pieces=len(Vocab(last["vocab"])))
+    log.info("finish: nothing left to train; keeping final.pt and summary.json from the end of this training "
+             "(`transformer finish %s` does it again)", run_dir)
+    _log_summary({**summary, "run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL)})
+
+
+def finish(run_dir: str | Path, device: torch.device) -> dict:
+    """Choose and score the run's final model; write final.pt (weights + tuned decode settings) and summary.json.
+    fp32 products run in TF32 on a GPU, as in training's validations (device.tf32_matmuls)."""
+    with tf32_matmuls(device):
+        return _finish(run_dir, device)
+
+
+def _finish(run_dir: str | Path, device: torch.device) -> dict:
+    started = time.perf_counter()
+    run_dir = Path(run_dir)
+    last = load_checkpoint(RunDir(run_dir).last)
+    cfg = from_dict(last["config"])
+    data_dir = Path(cfg.data.dir)
+    if cfg.data.source == "local" and not data_dir.is_dir():  # else the test score would be skipped as absent
+        fix = ("put the corpus back there" if data_dir.is_absolute() else
+               f"it is relative to {Path.cwd()}, where this runs: run from the directory training ran in")
+        raise UserError(f"finish: data.dir {cfg.data.dir!r} is not a directory; {fix}")
+    # Read before the minutes of searching: half a test split, or sides of different lengths, is an error here.
+    test = load_split(cfg.data, cfg.data.test_split) if has_split(cfg.data, cfg.data.test_split) else None
+    if test is None:
+        log.info("finish: the corpus has no test split %r: the summary will have no test score", cfg.data.test_split)
+    candidates = _candidates(run_dir, cfg)
+    store = Store(RunDir(run_dir).store)
+    valid = store.corpus("valid")
+    models = {name: model_from_checkpoint(state, device) for name, state in candidates.items()}
+    vocab = next(iter(models.values()))[1]
+    score = _Scorer(cfg, [valid.source(i) for i in range(len(valid))], store.references("valid"), vocab, device)
+    log.info("finish: choosing on the %d validation pairs training kept (data.max_valid_pairs, data.max_len); "
+             "`transformer evaluate --split valid` translates the whole split", len(valid))
+
+    # The checkpoint first, at the config's search settings; then the settings for that checkpoint.
+    valid_scores = {name: score(model, cfg.decode.beam, cfg.decode.lenpen)[0] for name, (model, _, _) in models.items()}
+    for name, s in valid_scores.items():
+        log.info("finish: valid %s: %s", name, describe(s))
+    chosen = max(valid_scores, key=lambda n: valid_scores[n]["bleu"])
+    model = models[chosen][0]
+    beam, lenpen, grid = _search_settings(score, model, cfg, valid_scores[chosen])
+
+    tuned = replace(cfg, decode=replace(cfg.decode, beam=beam, lenpen=lenpen))
+    # best.pt's training state (its step and validation score) comes along for serve's /info; an average has none.
+    made = {"made_from": chosen, **({"run": candidates[chosen]["run"]} if "run" in candidates[chosen] else {})}
+    save_checkpoint(weights_checkpoint(to_dict(tuned), candidates[chosen]["vocab"], candidates[chosen]["model"],
+                                       **made), run_dir / FINAL)
+    save_config(tuned, RunDir(run_dir).config, pieces=len(vocab))
+
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL), "made_from": chosen,
+               "decode": {"beam": beam, "lenpen": lenpen}, "valid_grid_bleu": grid,
+               "valid": {n: {"bleu": round(s["bleu"], 2), "length_ratio": round(length_ratio(s), 3)}
+                         for n, s in valid_scores.items()},
+               **_training_record(run_dir, cfg, last["run"], candidates[RunDir.BEST].get("run", {}).get("step", 0))}
+    if test is not None:
+        summary["test"] = _score_test(cfg, test, vocab, model, beam, lenpen, device, run_dir)
+    summary["finish_seconds"] = round(time.perf_counter() - started, 1)
+    text = json.dumps(summary, indent=2) + "\n"
+    atomic_write(RunDir(run_dir).summary, lambda f: f.write(text.encode("utf-8")))
+    _log_summary(summary)
+    return summary
+
+
+def _score_test(cfg: Config, test: tuple[list[str], list[str]], vocab, model, beam: int, lenpen: float, device,
+                run_dir: Path) -> dict:
+    sources, references = test
+    score = _Scorer(cfg, vocab.encode(sources), references, vocab, device)
+    scores, hypotheses = score(model, beam, lenpen)
+    RunDir(run_dir).eval.mkdir(exist_ok=True)
+    hyp_path = RunDir(run_dir).final_hyp(cfg.data.test_split)
+    text = "".join(h + "\n" for h in hypotheses)
+    atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
+    return {"split": cfg.data.test_split, "bleu": round(scores["bleu"], 2), "chrf": round(scores["chrf"], 2),
+            "length_ratio": round(length_ratio(scores), 3), "bleu_signature": scores["bleu_signature"],
+            "chrf_signature": scores["chrf_signature"], "hypotheses": str(hyp_path)}
+
+
+def _log_summary(s: dict) -> None:
+    minutes = (s["training_seconds"] or 0) / 60
+    lines = [f"summary: {s['updates']} updates, {s['epochs']} epochs, {minutes:.1f} min of training"
+             + (f", {s['tokens_per_s']:,} tokens/s" if s.get("tokens_per_s") else "")]
+    if s.get("best_valid_loss") is not None:
+        best = f"best valid loss {s['best_valid_loss']:.4f}"
+        if s.get("best_valid_bleu") is not None:
+            best += f", best valid BLEU {s['best_valid_bleu']:.2f}"
+        if s.get("seconds_to_best") is not None:
+            best += f" (best checkpoint at step {s['best_step']}, {s['seconds_to_best'] / 60:.1f} min)"
+        lines.append("summary: " + best)
+    if "test" in s:
+        t = s["test"]
+        lines.append(f"summary: test BLEU {t['bleu']:.2f} (length ratio {t['length_ratio']:.3f}), chrF {t['chrf']:.2f}"
+                     f" with {s['made_from']}, beam {s['decode']['beam']}, lenpen {s['decode']['lenpen']:g}")
+        lines.append(f"summary:   {t['bleu_signature']}")
+        lines.append(f"summary:   {t['chrf_signature']}")
+    lines.append(f"summary: use {s['checkpoint']} (`transformer translate {s['run_dir']}` picks it); "
+                 f"details in {s['run_dir']}/summary.json")
+    for line in lines:
+        log.info(line)

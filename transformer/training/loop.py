@@ -1,0 +1,485 @@
+"""The training loop as named phases: start (run directory, lock, the checkpoint to resume), data (vocabulary and
+the memory-mapped store), model, restore, the updates (with validation and checkpoints), and the end."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from transformer.files import remove_stale_temporaries
+from transformer.data.batch import Batch
+from transformer.model.checkpoint import load_checkpoint, save_checkpoint
+from transformer.config import Config, from_dict, save_config, to_dict
+from transformer.data.batching import BatchStream, Prefetcher, Update, eval_batches
+from transformer.device import (Peak, autocast_context, bounded_onednn_caches, cuda_memory_peaks,
+                               default_cuda_allocator, mfu_peak, pick_precision, tf32_matmuls)
+from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
+                                     peer_failure_explained, shutdown_distributed, wrap_ddp)
+from transformer.errors import UserError, first_line, is_out_of_memory
+from transformer.training.validation import evaluate_loss, validation_bleu
+from transformer.model.transformer import Transformer, build_model, count_parameters
+from transformer.training.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
+from transformer.run_dir import RunDir
+from transformer.signals import StopRequested, stop_at_once
+from transformer.training.run_state import (ConfigChange, RunLock, RunState, check_resume_config, check_run_dir,
+                                            continue_hint, load_resumable, make_run_dir, put_back, restore_training,
+                                            resume_command, rng_state, set_rng_state, training_checkpoint)
+from transformer.training.metrics import MetricsLog, Progress, setup_logging
+from transformer.data.store import Store, open_prepared, prepare
+from transformer.data.vocab import Vocab
+
+log = logging.getLogger("transformer")
+
+MAX_SKIPPED_IN_A_ROW = 20
+
+
+@dataclass
+class Run:
+    """What one training process holds once set up: settings, data, model and optimizer, and the run's counters."""
+
+    cfg: Config
+    info: DistInfo
+    device: torch.device
+    precision: str                  # fp32, bf16 or fp16: train.precision with `auto` resolved for this device
+    run_dir: Path
+    command: str                    # what continues the run after a stop
+    vocab: Vocab
+    store: Store
+    valid: list[Batch]
+    model: Transformer
+    forward: torch.nn.Module        # TrainingLoss as updates call it: wrapped by DDP and/or torch.compile
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    state: RunState
+    metrics: MetricsLog
+    peak: Peak                      # what MFU divides by, and where that figure comes from
+    saved_step: Optional[int]       # the step last.pt holds
+
+    @property
+    def last_path(self) -> Path:
+        return RunDir(self.run_dir).last
+
+
+# --------------------------------------------------------------------------- the command's entry points
+
+def prepare_only(cfg: Config) -> Path:
+    """The `prepare` command: the run directory's vocabulary and store, built or checked, without training."""
+    run_dir = Path(cfg.train.run_dir)
+    check_run_dir(run_dir, resume=True)  # it starts no run: a directory that --resume may continue is fine
+    make_run_dir(run_dir)
+    with RunLock(run_dir, "prepare"):  # never rebuild a store under a training process
+        setup_logging(run_dir, DistInfo())
+        saved = RunDir(run_dir).last
+        # A run in progress keeps the vocabulary its checkpoint carries.
+        vocab = Vocab(load_checkpoint(saved)["vocab"]) if saved.is_file() else None
+        return prepare(cfg, run_dir, vocab).directory
+
+
+def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, quiet: bool = False,
+          overrides: Sequence[str] = ()) -> Path:
+    """Train according to cfg (data-parallel when launched by torchrun); returns the run directory.
+    config_path and overrides (the --set items) make the printed resume command; without a config_path
+    it is `transformer train --resume RUN_DIR`."""
+    default_cuda_allocator()  # before anything allocates on a GPU
+    bounded_onednn_caches()   # and before any CPU work builds a oneDNN primitive
+    info, device = init_distributed(cfg.train.device)
+    command = resume_command(config_path, overrides, cfg.train.run_dir)
+    try:
+        # The run-directory lock and signal handlers, until the end; a failed collective explained before
+        # they are undone (the update loop explains its own, inside its stop handler).
+        with contextlib.ExitStack() as scope, peer_failure_explained(info):
+            run_dir = _train(cfg, info, device, resume, command, quiet, scope)
+    except (RuntimeError, MemoryError) as e:
+        if is_out_of_memory(e):
+            raise UserError(f"out of memory while training ({first_line(e)}); lower data.max_tokens (raise "
+                            f"train.update_freq to keep the batch) or the model's sizes, then: {command}") from None
+        raise
+    # Only after a normal end: on NCCL, destroy_process_group waits for every rank's collectives to complete,
+    # so after an error (a peer that died, a rank out of memory) it could hang instead of letting the error
+    # out. The process ends right after an error anyway (under torchrun without finalizing: cli.main).
+    shutdown_distributed()
+    return run_dir
+
+
+def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, command: str, quiet: bool,
+           scope: contextlib.ExitStack) -> Path:
+    metrics_since = time.perf_counter()
+    pick_precision(cfg.train.precision, device)  # fp16 on a CPU refused before a vocabulary and store are built
+    check_compile(cfg, device)
+    # Training, validation and the end of training compute fp32 products in TF32 on a GPU (device.tf32_matmuls).
+    scope.enter_context(tf32_matmuls(device))
+    run_dir, saved, changes = start(cfg, info, resume, command, scope)
+    vocab, store = load_data(cfg, info, run_dir, saved, quiet)
+    run = build(cfg, info, device, run_dir, command, vocab, store, saved, metrics_since)
+    restore(run, saved, changes)
+    if saved is not None:
+        run.metrics.record({"step": run.state.step, "event": "resume"})
+    # Dropped before training: the checkpoint's weights (and on CUDA its optimizer moments, copied to the GPU)
+    # would otherwise stay in host memory for the whole run, about 3x the model's size.
+    del saved
+    update_loop(run, quiet)
+    end(run)
+    return run_dir
+
+
+# --------------------------------------------------------------------------- phases
+
+def start(cfg: Config, info: DistInfo, resume: bool, command: str,
+          scope: contextlib.ExitStack) -> tuple[Path, Optional[dict], list[ConfigChange]]:
+    """The run directory (checked, created, locked), logging, and the checkpoint to continue from with the config
+    changes that apply to it."""
+    run_dir = Path(cfg.train.run_dir)
+    last_path = RunDir(run_dir).last
+    check_run_dir(run_dir, resume)
+    if last_path.exists() and not resume:
+        raise UserError(f"{run_dir} already holds a run (last.pt); add --resume to continue it, "
+                        "or set train.run_dir to a new directory")
+    # A kill before the first save leaves nothing to continue from; a job script that always passes
+    # --resume (as preemptible jobs do) must then simply start the run. A kill at the first validation after
+    # its step checkpoint was written but before last.pt leaves that step checkpoint: continue from it.
+    source = last_path if last_path.exists() else RunDir(run_dir).newest_resumable() if resume else None
+    from_scratch = resume and source is None
+    held = {"step": None}  # what `source` holds, for the message of a signal that arrives before the updates
+
+    def stop_message(name: str) -> str:
+        where = f"{source} holds step {held['step']}" if held["step"] is not None else "no checkpoint yet"
+        return f"{name}: stopped ({where}); continue with: {command}"
+
+    scope.enter_context(stop_at_once(stop_message))  # until the update loop, which saves before it stops
+    lock, new_dir = None, not run_dir.exists()
+    if info.is_main:  # only the main process writes, so only it locks
+        make_run_dir(run_dir)
+        lock = scope.enter_context(RunLock(run_dir))
+        remove_stale_temporaries(run_dir)
+    barrier(info)
+    setup_logging(run_dir, info)
+    if lock is not None and lock.took_over:
+        log.warning(lock.took_over)
+    if from_scratch and new_dir:  # the first start of a job that always passes --resume (as `make train` does)
+        log.info("resume: %s did not exist; starting a new run there from step 0", run_dir)
+    elif from_scratch:
+        log.warning("resume: no checkpoint at %s yet (the run stopped before its first save); starting from step 0",
+                    last_path)
+    if resume and source not in (None, last_path):
+        log.warning("resume: %s is missing; continuing from %s, the newest checkpoint with training state",
+                    last_path, source.name)
+    try:
+        saved = load_resumable(source) if resume and source is not None else None
+    except UserError as e:
+        raise UserError(f"{e}{continue_hint(run_dir) if source == last_path else ''}") from None
+    if saved is not None and source != last_path and info.is_main:
+        put_back(source, run_dir, saved)
+    changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
+    if saved is not None:
+        held["step"] = saved["run"]["step"]
+    for change in changes:
+        log.info("resume: config change applies: %s", change)
+    if info.is_main:
+        save_config(cfg, RunDir(run_dir).config)
+    return run_dir, saved, changes
+
+
+def load_data(cfg: Config, info: DistInfo, run_dir: Path, saved: Optional[dict], quiet: bool) -> tuple[Vocab, Store]:
+    """Rank 0 trains or reuses the SentencePiece model and builds or reuses the memory-mapped store; the other
+    ranks wait, then map the same files."""
+    saved_vocab = Vocab(saved["vocab"]) if saved is not None else None
+    if info.is_main:
+        store = prepare(cfg, run_dir, saved_vocab, quiet)
+    barrier(info)
+    vocab = saved_vocab or Vocab.load(RunDir(run_dir).vocab)
+    if not info.is_main:
+        store = open_prepared(cfg, run_dir, vocab)
+    if info.is_main and len(vocab) != cfg.data.vocab_size:  # so that config.yaml does not misstate it
+        save_config(cfg, RunDir(run_dir).config, pieces=len(vocab))
+    return vocab, store
+
+
+def check_compile(cfg: Config, device: torch.device) -> None:
+    """train.compile on CUDA needs lengths padded to a multiple of 8: inside the compiled graph, the memory-efficient
+    attention kernel takes a key-padding mask only with its key length aligned to 8 (eager SDPA pads a copy of
+    the mask instead; the compiled one cannot)."""
+    if cfg.train.compile and device.type == "cuda" and cfg.data.pad_to_multiple % 8:
+        raise UserError(f"train.compile on CUDA needs data.pad_to_multiple to be a multiple of 8 (it is "
+                        f"{cfg.data.pad_to_multiple}): add --set data.pad_to_multiple=8, or set train.compile: false")
+
+
+class TrainingLoss(nn.Module):
+    """The model and its label-smoothed loss as one module: what DDP wraps and torch.compile compiles. Compiled
+    together, the loss fuses with the output projection instead of reading the (batch, length, vocabulary) logits,
+    the largest activation of a step, back from memory in separate kernels."""
+
+    def __init__(self, model: Transformer, smoothing: float):
+        super().__init__()
+        self.model, self.smoothing = model, smoothing
+
+    def forward(self, src, tgt_in, tgt_out, src_mask, tgt_mask) -> torch.Tensor:
+        """The loss summed over the batch's target tokens (optim.label_smoothed_loss)."""
+        return label_smoothed_loss(self.model(src, tgt_in, src_mask, tgt_mask), tgt_out, self.smoothing)
+
+
+def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
+    """The loss scaler, enabled for fp16 only. It starts at 2^7, as fairseq and NVIDIA's recipes do: torch's 2^16
+    overflows in the first updates, and each overflow skips an update while the scale halves."""
+    return torch.amp.GradScaler(device.type, init_scale=2.0 ** 7, enabled=precision == "fp16")
+
+
+def build(cfg: Config, info: DistInfo, device: torch.device, run_dir: Path, command: str, vocab: Vocab,
+          store: Store, saved: Optional[dict], started: float) -> Run:
+    """The model (seeded per rank, so each rank has its own dropout stream), its loss with the DDP / compiled
+    wrapper, the optimizer, the fp16 grad scaler, the validation batches, the metrics log, the precision and the
+    peak for MFU."""
+    t = cfg.train
+    precision, why = pick_precision(t.precision, device)
+    random.seed(t.seed + info.rank)
+    torch.manual_seed(t.seed + info.rank)
+    model = build_model(cfg.model, len(vocab)).to(device)
+    forward = TrainingLoss(model, t.label_smoothing)
+    if info.enabled:
+        forward = wrap_ddp(forward, device)
+    if t.compile:
+        forward = torch.compile(forward, dynamic=True)
+    state = RunState(**saved["run"]) if saved is not None else \
+        RunState(best_metric="bleu" if cfg.train.valid_bleu else "loss")
+    peak = mfu_peak(device, precision, t.peak_tflops)
+    log.info("precision: %s (%s); MFU below is against %s", precision, why, peak.describe())
+    valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple)
+    return Run(cfg, info, device, precision, run_dir, command, vocab, store, valid, model, forward,
+               build_optimizer(model, cfg), make_grad_scaler(device, precision), state,
+               MetricsLog(run_dir, info.is_main, state.elapsed, started, t.tensorboard), peak,
+               state.step if saved is not None else None)
+
+
+def restore(run: Run, saved: Optional[dict], changes: list[ConfigChange]) -> None:
+    """Continue an interrupted run: weights, optimizer and scaler, RNG streams, and the data position (the epoch
+    restarts when the batches no longer line up with the updates or the data order changed)."""
+    if saved is None:
+        return
+    t, state = run.cfg.train, run.state
+    restore_training(saved, run.model, run.optimizer, run.scaler)
+    metric = "bleu" if t.valid_bleu else "loss"
+    if state.best_metric != metric:
+        log.info("resume: best checkpoint now chosen by %s instead of %s", metric, state.best_metric)
+        state.best, state.best_metric, state.bad_validations = None, metric, 0
+    group_size = run.info.world_size * t.update_freq
+    reordered = any(c.reorders_data for c in changes)
+    # Checkpoints written before train_order was saved have none: their position is kept, as it was.
+    corpus_changed = bool(state.data["batches_done"]) and \
+        saved.get("train_order", run.store.train_order) != run.store.train_order
+    if state.data["batches_done"] and (reordered or corpus_changed or state.data["batches_done"] % group_size):
+        why = ("the data order changed" if reordered else "the training corpus changed" if corpus_changed else
+               f"{state.data['batches_done']} batches done do not split into updates of {group_size}")
+        log.warning("resume: %s; epoch %d restarts from its first batch", why, state.data["epoch"])
+        state.data = {"epoch": state.data["epoch"], "batches_done": 0}
+    rngs = saved["rng"]
+    if len(rngs) == run.info.world_size:
+        set_rng_state(rngs[run.info.rank], run.device)
+    else:
+        log.warning("resume: the checkpoint holds RNG states of %d ranks, this run has %d; "
+                    "dropout streams restart from the seed", len(rngs), run.info.world_size)
+    log.info("resume: continuing %s at step %d", run.last_path, state.step)
+
+
+@dataclass
+class StepResult:
+    loss: float                 # summed over the update's target tokens, all ranks
+    nonfinite: bool             # some rank saw a non-finite loss or gradient: the update was skipped
+    stop_requested: bool        # some rank got SIGINT/SIGTERM: every rank saves and stops after this update
+    grad_norm: float            # before clipping
+    lr: float
+
+
+def train_update(run: Run, update: Update, stop: StopRequested) -> StepResult:
+    """One optimizer update over this rank's update_freq batches; gradients sync once, at the last of them."""
+    info = run.info
+    lr = set_hyperparameters(run.optimizer, run.cfg, run.state.step + 1)
+    loss_sum = torch.zeros((), device=run.device, dtype=torch.float64)
+    for i, batch in enumerate(update.batches):
+        batch = batch.to(run.device, non_blocking=True)
+        # DDP averages gradients over ranks; scaling by world_size / (tokens of the whole update)
+        # makes the result the per-token mean of one big batch.
+        sync = i == len(update.batches) - 1 or not info.enabled
+        with (contextlib.nullcontext() if sync else run.forward.no_sync()):
+            with autocast_context(run.device, run.precision):
+                loss = run.forward(batch.src, batch.tgt_in, batch.tgt_out, batch.src_mask, batch.tgt_mask)
+            run.scaler.scale(loss * (info.world_size / update.n_tgt_tokens)).backward()
+        loss_sum += loss.detach()
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.clip_norm or float("inf"))
+    # One small reduction and the update's one host sync: the update's loss, whether any rank saw a non-finite
+    # value, whether any rank was asked to stop (so all ranks stop together), and the gradient norm for the log
+    # (the same on every rank after DDP's averaging: summed, then divided). The stop flag is filled in on the
+    # device: torch.tensor(flag, device=...) would copy it from pageable host memory, a sync of its own.
+    stopping = torch.full((), float(stop.signal_name is not None), device=run.device, dtype=torch.float64)
+    flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).double(), stopping,
+                         grad_norm.double() / info.world_size])
+    update_loss, nonfinite, stop_requested, grad_norm = all_reduce_sum(flags, info).tolist()
+    if not nonfinite:
+        run.scaler.step(run.optimizer)
+        run.state.step += 1
+        run.state.tokens += update.n_tgt_tokens + update.n_src_tokens
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return StepResult(update_loss, bool(nonfinite), bool(stop_requested), grad_norm, lr)
+
+
+def save(run: Run, path: Path, rngs: list) -> None:
+    run.state.elapsed = run.metrics.elapsed()
+    save_checkpoint(training_checkpoint(to_dict(run.cfg), run.vocab.proto, run.model, run.optimizer, run.scaler,
+                                        rngs, asdict(run.state), run.store.train_order), path)
+
+
+def validate_and_save(run: Run) -> bool:
+    """Validate, log, write this step's checkpoints; returns True when early stopping says stop."""
+    t, state = run.cfg.train, run.state
+    result = evaluate_loss(run.model, run.valid, run.device, run.precision, t.label_smoothing, run.info)
+    score, higher_is_better = result["loss"], False
+    if t.valid_bleu:
+        score = torch.zeros(1, dtype=torch.float64, device=run.device)
+        if run.info.is_main:
+            result.update(validation_bleu(run.model, run.vocab, run.store.corpus("valid"),
+                                          run.store.references("valid"), run.cfg, run.device))
+            score += result["bleu"]
+        score, higher_is_better = all_reduce_sum(score, run.info).item(), True
+    improved = state.best is None or (score > state.best if higher_is_better else score < state.best)
+    if improved:
+        state.best, state.bad_validations = score, 0
+    else:
+        state.bad_validations += 1
+    run.metrics.record({"step": state.step, "split": "valid", **result})
+    state.last_validation = state.step
+    rngs = gather_objects(rng_state(run.device), run.info)
+    if run.info.is_main:
+        # last.pt last: a kill between these writes leaves last.pt at the previous validation, so that
+        # --resume redoes the updates since and writes this step's files again, the same, before last.pt.
+        if t.keep_last:
+            save(run, RunDir(run.run_dir).step(state.step), rngs)
+        if improved:
+            save(run, RunDir(run.run_dir).best, rngs)
+        save(run, run.last_path, rngs)
+        if t.keep_last:
+            for old in RunDir(run.run_dir).step_checkpoints()[: -t.keep_last]:
+                old.unlink()
+    run.saved_step = state.step
+    bleu = f" bleu {result['bleu']:.2f} (length ratio {result['length_ratio']:.3f})" if "bleu" in result else ""
+    best = f" (best, {run.metrics.elapsed() / 60:.1f} min into training)" if improved else ""
+    log.info("step %d: valid loss %.4f nll %.4f ppl %.2f%s%s", state.step, result["loss"], result["nll"],
+             result["ppl"], bleu, best)
+    if out_of_patience(run):
+        log.info("early stopping: %d validations without improvement", state.bad_validations)
+        return True
+    return False
+
+
+def out_of_patience(run: Run) -> bool:
+    """train.patience validations in a row without improvement: early stopping ends the run."""
+    return bool(run.cfg.train.patience) and run.state.bad_validations >= run.cfg.train.patience
+
+
+def update_loop(run: Run, quiet: bool) -> None:
+    """Updates until train.max_steps or train.max_epochs (or early stopping), validating and saving every
+    train.valid_every updates and at the end; SIGINT/SIGTERM save last.pt after the current update and exit."""
+    t, state, info = run.cfg.train, run.state, run.info
+    if out_of_patience(run):  # resuming a run that stopped early: it stays stopped
+        log.info("early stopping: this run stopped at step %d after %d validations without improvement; raise "
+                 "train.patience to train on", state.step, state.bad_validations)
+        return
+    stream = BatchStream(run.store.corpus("train"), run.cfg.data, t.seed, **state.data, rank=info.rank,
+                         world_size=info.world_size, update_freq=t.update_freq)
+    log.info("model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
+             f"{count_parameters(run.model):,}", run.device, info.world_size, run.precision,
+             stream.batches_per_epoch // t.update_freq)
+    run.model.train()
+    bar = tqdm(total=t.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
+               disable=True if (quiet or not info.is_main) else None)
+    prefetch = Prefetcher(stream, pin_memory=run.device.type == "cuda", device=run.device)
+    progress = Progress(run.metrics, bar, prefetch, run.model, t.log_every, t.max_steps, state.step, run.peak)
+    skipped_in_a_row, stopped_early = 0, False
+
+    def more_to_train() -> bool:
+        return state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs)
+
+    final = RunDir(run.run_dir).final  # chosen at the end of the run being continued: stale once it trains on
+    if run.saved_step is not None and info.is_main and final.is_file() and more_to_train():
+        final.unlink()
+        log.info("resume: removed final.pt; %s", "the end of this training chooses again" if t.finish else
+                 f"train.finish is off: `transformer finish {run.run_dir}` chooses again")
+    with StopRequested() as stop, peer_failure_explained(info), \
+            contextlib.closing(prefetch), contextlib.closing(bar):
+        while more_to_train():
+            update = prefetch.next()
+            state.data = update.data_state  # the stream after this update: what a checkpoint saves
+            result = train_update(run, update, stop)
+            if result.nonfinite:
+                skipped_in_a_row += 1
+                log.warning("update %d: non-finite loss or gradient; skipped, the weights are unchanged", state.step + 1)
+                if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                    held = f"last.pt holds step {run.saved_step}" if run.saved_step is not None else \
+                        "no last.pt was written"
+                    raise UserError(f"training diverged: {skipped_in_a_row} updates in a row had a non-finite "
+                                    f"loss or gradient; stopping without saving them ({held})")
+            else:
+                skipped_in_a_row = 0
+                progress.add(update, result.loss)
+                if progress.first_step + 1 == state.step:  # how long a start or resume takes before training proper
+                    first_update(run, bar)
+                if progress.due(state.step):
+                    progress.write(state.step, state.data["epoch"], result.lr, result.grad_norm)
+                if state.step % t.valid_every == 0 and validate_and_save(run):
+                    stopped_early = True
+                    break
+            if result.stop_requested:
+                bar.close()
+                rngs = gather_objects(rng_state(run.device), info)  # every rank takes part in the gather
+                if info.is_main:
+                    save(run, run.last_path, rngs)
+                stopped(run, stop.signal_name or "stop requested on another rank")
+        # The last validation, unless the loop's last step had one (or a finished run was resumed).
+        if not stopped_early and state.last_validation != state.step:
+            validate_and_save(run)
+        if stop.signal_name is not None:  # asked to stop during it: it has saved last.pt at this step
+            stopped(run, stop.signal_name)
+
+
+def first_update(run: Run, bar: tqdm) -> None:
+    seconds = time.perf_counter() - run.metrics.started
+    run.metrics.record({"step": run.state.step, "event": "first_update", "seconds": round(seconds, 3),
+                        "time": time.time()})
+    log.info("first update %.1f s after start", seconds, extra={"console": bool(bar.disable)})
+
+
+def stopped(run: Run, name: str) -> None:
+    log.info("%s: saved %s at step %d; continue with: %s", name, run.last_path, run.state.step, run.command)
+    raise SystemExit(130 if name == "SIGINT" else 143)
+
+
+def end(run: Run) -> None:
+    """Each rank's peak memory in the log (host, and GPU where there is one); then, on rank 0 and unless
+    train.finish is off, the end of training: averaging, choosing the checkpoint and search settings on
+    validation, the test score, the summary."""
+    # ru_maxrss is in KiB on Linux; memory-mapped store pages count in it (they are shared between ranks).
+    peak = [round(kib / 1024, 1) for kib in gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                                                           run.info)]
+    gpu = gather_objects(cuda_memory_peaks(run.device), run.info)  # per rank: {} on a CPU
+    by_key = {key: [rank[key] for rank in gpu] for key in gpu[0]}
+    run.metrics.record({"step": run.state.step, "event": "done", "peak_rss_mib": peak, **by_key, "time": time.time()})
+    run.metrics.close()
+    def mib(values: list) -> str:
+        return " / ".join(f"{v:.0f}" for v in values) + " MiB"
+
+    gpu_line = (f"; GPU peak {mib(by_key['peak_cuda_allocated_mib'])} allocated, "
+                f"{mib(by_key['peak_cuda_reserved_mib'])} reserved" if by_key else "")
+    log.info("done: %d steps; checkpoints in %s; peak memory %s%s", run.state.step, run.run_dir, mib(peak), gpu_line)
+    if run.cfg.train.finish and run.info.is_main:
+        from transformer.training.end_of_training import end_of_training
+
+        end_of_training(run.run_dir, run.cfg, run.state.step, run.device)

@@ -1,0 +1,39 @@
+"""Validation during training: the label-smoothed loss and NLL over every rank's share, and BLEU on a slice."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from transformer.device import autocast_context
+from transformer.distributed import DistInfo, all_reduce_sum
+from transformer.inference.scoring import length_ratio, translate_and_score
+from transformer.model.transformer import evaluating
+from transformer.training.optim import label_smoothed_loss
+
+
+@torch.no_grad()
+def evaluate_loss(model, batches, device, precision: str, smoothing: float, info: DistInfo = DistInfo()) -> dict:
+    """Label-smoothed loss and NLL per target token, summed over all ranks' shares; ppl = exp(NLL)."""
+    total = torch.zeros(3, device=device, dtype=torch.float64)  # loss, nll, tokens
+    with evaluating(model, inference=False):  # no_grad above; total is updated in place
+        for batch in batches[info.rank::info.world_size]:
+            batch = batch.to(device)
+            with autocast_context(device, precision):
+                logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+            logits = logits.float()
+            total[0] += label_smoothed_loss(logits, batch.tgt_out, smoothing)
+            total[1] += label_smoothed_loss(logits, batch.tgt_out, 0.0)
+            total[2] += batch.n_tgt_tokens
+    loss, nll, tokens = all_reduce_sum(total, info).tolist()
+    nll = nll / max(tokens, 1)
+    return {"loss": loss / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50.0))}
+
+
+def validation_bleu(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
+    """sacreBLEU of the model's translations of (a slice of) the validation set, and their length ratio."""
+    n = min(cfg.train.valid_bleu_pairs or len(corpus), len(corpus))
+    scores, _ = translate_and_score(model, vocab, [corpus.source(i) for i in range(n)], refs[:n],
+                                    cfg.train.valid_bleu_beam, cfg.decode.lenpen, cfg.decode, device)
+    return {"bleu": scores["bleu"], "length_ratio": length_ratio(scores)}

@@ -1,0 +1,1 @@
+"""Looking inside: attention weights and figures."""
