@@ -1,6 +1,6 @@
 """Devices: which one to run on (a CUDA device always with its index), whether it computes bf16 natively, the
-training precision `auto` picks, the CUDA settings a run starts with (TF32 matmuls, the allocator), and the peak
-rate that model FLOPs utilisation (MFU) divides by."""
+training precision `auto` picks, the CUDA settings a run starts with (TF32 matmuls, the allocator), the bound on
+oneDNN's CPU caches, and the peak rate that model FLOPs utilisation (MFU) divides by."""
 
 from __future__ import annotations
 
@@ -137,6 +137,31 @@ def default_cuda_allocator(environ: Optional[dict] = None) -> bool:
         return False
     environ["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT_ALLOC_CONF
     return True
+
+
+# oneDNN keeps every primitive it built, one per operation and shape, in two caches of 1,024 entries each (its
+# own, and ideep's in torch): one 256x256 linear over 2,000 row counts grew RSS by 2.2 GB, by 0.18 GB with 64
+# entries (scripts/bench_memory.py; docs/benchmarks/bench_memory_cpu_avx2.json). Where torch
+# runs matmuls through oneDNN (bf16 on a CPU with avx512_bf16 or AMX, our packed bf16 translation), every new
+# batch shape adds primitives that are rarely used again: `make train` in bf16 grew to 3.5 GB where fp32 (MKL)
+# stays near 1.8 GB. 64 entries hold every shape of one update and of a decoder step.
+ONEDNN_CACHE_CAPACITY = 64
+ONEDNN_CACHE_VARIABLES = (("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),  # oneDNN's, old name
+                          ("LRU_CACHE_CAPACITY",))                                              # ideep's (torch)
+
+
+def bounded_onednn_caches(environ: Optional[dict] = None) -> list[str]:
+    """Set each oneDNN primitive cache's capacity to ONEDNN_CACHE_CAPACITY unless the user set it (by either of
+    its names): each is read once, when the first primitive is built, so this must run before any CPU work (torch
+    may be imported already). Returns the variables it set. Called first thing by the command line, by train()
+    and by Translator (translate, evaluate, serve)."""
+    environ = os.environ if environ is None else environ
+    added = []
+    for names in ONEDNN_CACHE_VARIABLES:
+        if not any(name in environ for name in names):
+            environ[names[0]] = str(ONEDNN_CACHE_CAPACITY)
+            added.append(names[0])
+    return added
 
 
 @contextlib.contextmanager

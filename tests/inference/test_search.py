@@ -66,17 +66,20 @@ def model(request):
 
 
 def reference_search(model, source: list[int], beam: int, lenpen: float, offset: int, nbest: int,
-                     stop: str) -> list[Hypothesis]:
+                     stop: str, keep_all: bool = False) -> list[Hypothesis]:
     """The stop rules written plainly: one sentence, every hypothesis's prefix decoded from scratch each step.
 
     Each step ranks the 2*beam best (hypothesis, token) extensions; an EOS among the first `beam` finishes,
     the first `beam` others stay alive. exact: stop once the nbest-th finished score >= the best live sum
-    divided by the largest penalty it can reach, lp(max_len + 1); early: once `beam` have finished.
+    divided by the largest penalty it can reach, lp(max_len + 1); early: once `beam` have finished, keeping
+    the first `beam` to finish, in rank order within a step (fairseq's finalize_hypos); keep_all: every one
+    finished at the stopping step (the rule before, and CTranslate2's).
     """
     src = torch.tensor([source])  # (1, S)
     mask = padding_mask(src)
     memory = model.encode(src, mask)
-    max_len = min(len(source) + offset, CFG.max_positions - 1)
+    max_len = min(len(source) + offset, model.cfg.max_positions - 1)
+    vocab = model.output.out_features
     live = [([], torch.tensor(0.0))]  # (tokens, summed log-probability as float32, as search.py keeps it)
     finished: list[Hypothesis] = []
     for t in range(max_len + 1):
@@ -86,11 +89,13 @@ def reference_search(model, source: list[int], beam: int, lenpen: float, offset:
         lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)
         lprobs[:, [PAD_ID, BOS_ID]] = float("-inf")
         if t == max_len:
-            lprobs[:, [i for i in range(VOCAB) if i != EOS_ID]] = float("-inf")
+            lprobs[:, [i for i in range(vocab) if i != EOS_ID]] = float("-inf")
         candidates = [(total + lprobs[b, tok], tokens, tok) for b, (tokens, total) in enumerate(live)
-                      for tok in range(VOCAB)]
+                      for tok in range(vocab)]
         candidates = sorted(candidates, key=lambda c: -c[0].item())[:2 * beam]
         for score, tokens, tok in candidates[:beam]:
+            if stop == "early" and not keep_all and len(finished) >= beam:
+                break
             if tok == EOS_ID and score.item() > float("-inf"):
                 finished.append(Hypothesis(tokens, score.item() / length_penalty(t + 1, lenpen)))
         live = [(tokens + [tok], score) for score, tokens, tok in candidates if tok != EOS_ID][:beam]
@@ -146,6 +151,67 @@ def test_early_rule_beam_one_equals_greedy(model, lenpen):
     beam = _beam_search(model.eval(), src, 1, lenpen, 10, 1, "early", True)
     assert_same(fast.hypotheses, beam.hypotheses)
     assert fast.sentence_steps == beam.sentence_steps
+
+
+def random_model(seed: int) -> Transformer:
+    """A small random model of a random shape, its logits scaled and EOS favoured by random amounts, so that
+    sentences finish at varied steps, several at once, or only at the length limit."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda *options: options[torch.randint(len(options), (1,), generator=g).item()]  # noqa: E731
+    cfg = ModelConfig(d_model=pick(16, 32), n_heads=pick(2, 4), n_encoder_layers=pick(1, 2),
+                      n_decoder_layers=pick(1, 2), d_ff=pick(32, 64), dropout=0.0, max_positions=pick(12, 64),
+                      norm=pick("pre", "post"))
+    torch.manual_seed(seed)
+    model = Transformer(cfg, pick(12, 24, 40))
+    with torch.no_grad():
+        w = model.output.weight
+        w.mul_(1.0 + 3.0 * torch.rand((), generator=g).item())
+        w[EOS_ID] *= w.norm(dim=1).mean() / w[EOS_ID].norm() * (1.0 + 2.0 * torch.rand((), generator=g).item())
+    return model.eval()
+
+
+def random_sources(seed: int, vocab: int, n: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (int(length),), generator=g).tolist() + [EOS_ID]
+            for length in torch.randint(1, 9, (n,), generator=g)]
+
+
+def test_early_rule_keeps_at_most_beam_finished_and_equals_the_reference(random_seed):
+    """A property over random small models, beams, n-best sizes and length penalties: under --stop early a
+    sentence's n-best list comes from at most `beam` finished hypotheses (the trace shows every one kept), and
+    equals fairseq's rule written plainly. At beam 1, search() runs greedy search: it equals the rule too, and
+    so does the beam machinery with one beam."""
+    rng = torch.Generator().manual_seed(random_seed)
+    for trial in range(12):
+        model = random_model(random_seed + trial)
+        beam = int(torch.randint(1, 5, (1,), generator=rng))
+        nbest = int(torch.randint(1, beam + 1, (1,), generator=rng))
+        lenpen = (0.0, 0.6, 1.0, 2.0)[int(torch.randint(4, (1,), generator=rng))]
+        sources = random_sources(random_seed + 100 + trial, model.output.out_features)
+        trace = []
+        found = search(model, as_batch(sources), beam, lenpen, 6, nbest, "early", trace=trace).hypotheses
+        assert_same(found, [reference_search(model, s, beam, lenpen, 6, nbest, "early") for s in sources])
+        for row, hyps in enumerate(found):
+            kept = [h for step in trace for h in step.finished[row]]
+            assert len(hyps) == nbest and nbest <= len(kept) <= beam
+        if beam == 1:
+            assert_same(found, _beam_search(model, as_batch(sources), 1, lenpen, 6, 1, "early", True).hypotheses)
+
+
+def test_early_rule_drops_what_finishes_beyond_the_beam():
+    """The cap at work (fixed models, so that it is sure to be exercised): at beam 3, n-best 3, some lists that
+    kept every hypothesis finished at the stopping step (up to 2*beam-1: the rule before, and CTranslate2's)
+    differ from fairseq's, and search() gives fairseq's."""
+    changed = 0
+    for seed in range(10):  # 8 of these 50 lists differ (lenpen 2 favours the longer hypotheses dropped)
+        model = random_model(seed)
+        sources = random_sources(seed, model.output.out_features)
+        found = search(model, as_batch(sources), 3, 2.0, 6, 3, "early").hypotheses
+        expected = [reference_search(model, s, 3, 2.0, 6, 3, "early") for s in sources]
+        assert_same(found, expected)
+        every = [reference_search(model, s, 3, 2.0, 6, 3, "early", keep_all=True) for s in sources]
+        changed += sum([h.tokens for h in a] != [h.tokens for h in b] for a, b in zip(every, expected))
+    assert changed > 0
 
 
 @pytest.mark.parametrize("stop", ["exact", "early"])

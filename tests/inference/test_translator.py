@@ -14,10 +14,12 @@ import torch
 from tests.conftest import LINES, SENTENCES, sentences, subprocess_env
 from transformer.model.checkpoint import load_model, save_checkpoint
 from transformer import device as device_module
-from transformer.device import cpu_bf16_flags, cpu_description
+from transformer.device import (ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES, bounded_onednn_caches,
+                                cpu_bf16_flags, cpu_description)
 from transformer.inference.weight_formats import InputMajorLinear
 from transformer.cli import translate_io
 from transformer.inference.translator import Translator, pick_dtype, search_ids, translate_ids
+from transformer.data.vocab import BOS_ID, PAD_ID
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +309,69 @@ def test_ctranslate2_engine_greedy_equals_ours(ctranslate2, copy_model, capsys, 
     assert status == 0 and out.splitlines() == ours[:5] and "converting" not in err
 
 
+def test_ctranslate2_engine_never_emits_bos_or_pad(ctranslate2, untrained_checkpoint, tmp_path):
+    """Ours never emits BOS or PAD (search.py); CTranslate2 does unless told not to. A model whose output favours
+    them (their rows copy the two tokens it emits most, scaled up) shows it: greedy outputs of both engines are
+    then the same token ids, and no hypothesis of either holds BOS or PAD."""
+    state = torch.load(untrained_checkpoint, weights_only=True)
+    ids = Translator(untrained_checkpoint, device="cpu", beam=1).encode(LINES)
+    emitted = [t for h in search_ids(model_of(untrained_checkpoint), ids, 1, 0.6, 4, 64, "cpu") for t in h[0].tokens]
+    first, second = torch.bincount(torch.tensor(emitted)).topk(2).indices.tolist()
+    weight = state["model"]["output.weight"]  # tied: the embeddings change too, for both engines alike
+    weight[BOS_ID], weight[PAD_ID] = 1.1 * weight[first], 1.1 * weight[second]
+    checkpoint = tmp_path / "model.pt"
+    save_checkpoint(state, checkpoint)
+    theirs = Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2")
+    raw = theirs.ct2.translate_batch([theirs.vocab.pieces(s) for s in ids], beam_size=1, max_decoding_length=20)
+    assert sum("<s>" in r.hypotheses[0] for r in raw) > len(ids) // 2  # unsuppressed, it would emit <s>
+    ours = Translator(checkpoint, device="cpu", beam=1).search(ids)
+    assert [h[0].tokens for h in theirs.search(ids)] == [h[0].tokens for h in ours]
+    beam = Translator(checkpoint, device="cpu", beam=3, engine="ctranslate2").search(ids, 3)
+    assert not any({BOS_ID, PAD_ID} & set(h.tokens) for hyps in beam + ours for h in hyps)
+
+
+def model_of(checkpoint):
+    model, _, _ = load_model(checkpoint)
+    return model.eval()
+
+
+@pytest.mark.parametrize("engine", ["ours", "ctranslate2"])
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_sentence_translates_the_same_whatever_shares_its_batch(request, run, engine, beam):
+    """Length limits are per sentence in both engines (CTranslate2's is per call: one call per limit), so what
+    a sentence gets does not depend on the others batched with it. An untrained model runs to its limits."""
+    if engine == "ctranslate2":
+        request.getfixturevalue("ctranslate2")
+    translator = Translator(run, device="cpu", beam=beam, engine=engine, stop="early", max_tokens=100_000)
+    ids = translator.encode(sentences(7, 12, lo=1, hi=9))
+    limits = [len(s) + 1 + translator.max_len_offset for s in ids]
+    together = translator.search(ids, beam)  # one batch
+    alone = [translator.search([s], beam)[0] for s in ids]
+    assert len(set(limits)) > 3 and sum(len(h[0].tokens) == n for h, n in zip(together, limits)) >= 3
+    for a, b in zip(together, alone):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+
+
+def test_ctranslate2_beam_outputs_are_ours_where_the_rules_agree(ctranslate2, copy_model):
+    """With a length penalty CTranslate2 stops as our early rule does, and it returns the beam best by its own
+    penalty, which are re-ranked by ours: the best one is ours (our early rule's best is the best of all it
+    finishes), unless its penalty ranked ours out of its beam, so it is never better. Without a length penalty
+    it stops at the exact bound for the best (the best candidate is EOS): ours under the exact rule. Scores:
+    the engines' kernels agree to ~1e-5 a token, hence 1e-3."""
+    for beam, lenpen, stop in ((3, 0.6, "early"), (4, 1.0, "early"), (3, 0.0, "exact")):
+        ours = Translator(copy_model, device="cpu", beam=beam, lenpen=lenpen, stop=stop).translate_nbest(LINES)
+        theirs = Translator(copy_model, device="cpu", beam=beam, lenpen=lenpen,
+                            engine="ctranslate2").translate_nbest(LINES)
+        same = sum(a[0][1] == b[0][1] for a, b in zip(ours, theirs))
+        assert same >= len(LINES) - 1, (beam, lenpen, same)  # measured: 40, 39 (its penalty) and 40 of 40
+        for a, b in zip(ours, theirs):
+            if a[0][1] == b[0][1]:
+                assert a[0][0] == pytest.approx(b[0][0], abs=1e-3)
+            else:
+                assert b[0][0] <= a[0][0] + 1e-3
+
+
 def test_ctranslate2_engine_auto_dtype_is_one_ctranslate2_computes(ctranslate2, copy_model, monkeypatch, call):
     """auto means bf16 for our engine on a CPU with native bf16, but CTranslate2's CPU builds compute no bf16:
     the default --dtype must not turn --engine ctranslate2 into an error there."""
@@ -417,3 +482,68 @@ def test_many_long_lines_warn_a_few_times_then_count(run, call, tmp_path):
     assert status == 0 and "input line 1 has" in err and "counted" not in err and "of 1 input" not in err
     status, _, err = call("translate", run, *[long_line] * 5)  # exactly five: the count the fifth promised
     assert status == 0 and "counted at the end" in err and "warning: 5 of 5 input lines were longer" in err
+
+
+# --------------------------------------------------------------------------- oneDNN's caches bounded
+
+
+def _no_cache_settings(monkeypatch) -> None:
+    """None of the capacity variables set, and whatever the test sets undone afterwards."""
+    for names in ONEDNN_CACHE_VARIABLES:
+        for name in names:
+            monkeypatch.setenv(name, "0")  # recorded, so that the teardown removes what the code sets
+            monkeypatch.delenv(name)
+
+
+def test_onednn_cache_capacity_bounded_unless_the_user_set_it():
+    environ = {}
+    assert bounded_onednn_caches(environ) == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"]
+    assert environ == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+    assert ONEDNN_CACHE_CAPACITY == 64
+    for theirs in ({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}, {"DNNL_PRIMITIVE_CACHE_CAPACITY": "0"}):
+        environ = {**theirs, "LRU_CACHE_CAPACITY": "7"}
+        assert bounded_onednn_caches(environ) == [] and environ == {**theirs, "LRU_CACHE_CAPACITY": "7"}
+
+
+@pytest.mark.parametrize("verb", ["translate", "evaluate", "serve", "train"])
+def test_every_entry_bounds_onednn_caches_before_its_work(run, call, monkeypatch, tmp_path, verb):
+    """The commands (and train() and Translator, for a library caller) set the capacities before any work;
+    a value of the user's own is kept."""
+    import yaml
+
+    import transformer.inference.translator
+    import transformer.serve.app
+    import transformer.training.loop
+    from tests.conftest import tiny_config
+    from transformer.config import from_dict
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        seen.update({n: os.environ.get(n) for names in ONEDNN_CACHE_VARIABLES for n in names})
+        raise Stop
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
+    # The first step of each after the bound: the work it must precede.
+    monkeypatch.setattr(transformer.serve.app, "run_serve", record)
+    monkeypatch.setattr(transformer.inference.translator, "pick_device", record)  # Translator (translate, evaluate)
+    monkeypatch.setattr(transformer.training.loop, "init_distributed", record)  # train()
+    argv = {"translate": (run, "ein hund"), "evaluate": (run,), "serve": (run,), "train": (config,)}[verb]
+    bounded = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "DNNL_PRIMITIVE_CACHE_CAPACITY": None}
+    for theirs in (None, "1000"):
+        _no_cache_settings(monkeypatch)
+        if theirs:
+            monkeypatch.setenv("LRU_CACHE_CAPACITY", theirs)
+        seen.clear()
+        with pytest.raises(Stop):
+            call(verb, *argv)
+        assert seen == {**bounded, "LRU_CACHE_CAPACITY": theirs or "64"}, verb
+    # The library entries, without the command line.
+    _no_cache_settings(monkeypatch)
+    with pytest.raises(Stop):
+        transformer.training.loop.train(from_dict(tiny_config(tmp_path)), quiet=True) if verb == "train" else Translator(run)
+    assert seen == {**bounded, "LRU_CACHE_CAPACITY": "64"}

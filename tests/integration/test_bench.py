@@ -46,6 +46,33 @@ def test_bench_train_runs_and_writes_json(tmp_path):
     assert "MFU" in result.stdout
 
 
+def test_bench_memory_runs_both_precisions_and_probes_both_cache_settings(tmp_path):
+    out = tmp_path / "memory.json"
+    result = subprocess.run([sys.executable, "scripts/bench_memory.py", "--config", "configs/tiny.yaml", "--vocab",
+                             "100", "--set", "data.max_tokens=96", "--updates", "4", "--every", "2", "--probe-shapes", "40",
+                             "--probe-width", "32", "--json", str(out)],
+                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["cpu"] == cpu_description() and report["bounded_capacity"] == 64
+    settings = {"default": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": None, "DNNL_PRIMITIVE_CACHE_CAPACITY": None,
+                            "LRU_CACHE_CAPACITY": None},
+                "bounded": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "DNNL_PRIMITIVE_CACHE_CAPACITY": None,
+                            "LRU_CACHE_CAPACITY": "64"}}
+    runs = [(r["precision"], r["caches"]) for r in report["training"]]
+    assert runs == [("fp32", "bounded"), ("bf16", "bounded")]  # the probe runs both settings
+    for r in report["training"]:
+        assert r["settings"] == settings[r["caches"]] and r["updates"] == 4 and 1 <= r["distinct_shapes"] <= 4
+        assert [step for step, _ in r["rss_mib"]] == [2, 4]
+        assert r["peak_mib"] >= max(rss for _, rss in r["rss_mib"]) > 0 and r["start_mib"] > 0
+    assert [r["caches"] for r in report["probe"]] == ["default", "bounded"]
+    for r in report["probe"]:
+        assert r["settings"] == settings[r["caches"]] and r["width"] == 32
+        assert [rows for rows, _ in r["growth_mib"]] == list(range(4, 41, 4))
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith(("fp32 ", "bf16 ")) for line in lines) == 2 and "wrote" in lines[-1]
+
+
 def _run_bench_decode(checkpoint, tmp_path, *options: str, repeats: int = 1) -> tuple[subprocess.CompletedProcess, dict]:
     """bench_decode.py on a 12-sentence toy set with an untrained toy model; -> (process, its JSON)."""
     (tmp_path / "test.de").write_text("\n".join(sentences(1, 12)) + "\n", encoding="utf-8")

@@ -416,9 +416,10 @@ def _exit_without_finalizing(argv: Optional[Sequence[str]]) -> NoReturn:
 def _main(argv: Optional[Sequence[str]]) -> None:
     _fill_closed_outputs()
     args = build_parser().parse_args(argv)
-    from transformer.device import default_cuda_allocator  # torch: not imported for --help
+    from transformer.device import bounded_onednn_caches, default_cuda_allocator  # torch: not imported for --help
 
     default_cuda_allocator()  # before any command allocates on a GPU
+    bounded_onednn_caches()   # before any command builds a oneDNN primitive on the CPU
     try:
         args.func(args)
         if sys.stdout is not None:

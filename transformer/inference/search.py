@@ -21,11 +21,16 @@ Stop rules (beam > 1; `stop`):
   lenpen > 0 that is smaller than the reachable best, so it stops early and is not exact.) With lenpen 0
   the bound is s itself, so a sentence stops as soon as its nbest-th finished score beats the best live
   sum: CTranslate2's early exit without a length penalty.
-- "early": fairseq's rule, and CTranslate2's with a length penalty (patience 1): a sentence is done once
-  `beam` hypotheses have finished; may miss a longer hypothesis that would have scored higher. The exact
-  bound ends a sentence too when it is met first (common with lenpen 0, where it needs only the best
-  candidate to be EOS): whatever the beam would still finish could not enter the n-best, so the outputs
-  are fairseq's and the steps never more than either rule's alone.
+- "early": fairseq's rule: a sentence is done once `beam` hypotheses have finished, and its n-best list is
+  drawn from the first `beam` to finish: earlier steps first, and within the step that reaches the count
+  the better summed scores first (at one step they have one length, so that is also the better normalised
+  score); the others finishing at that step are dropped, as fairseq drops them. May miss a longer
+  hypothesis that would have scored higher. CTranslate2 (patience 1, with a length penalty) stops at the
+  same step but keeps every hypothesis finished there, up to 2*beam-1. The exact bound ends a sentence
+  too when it is met first (common with lenpen 0, where it needs only the best candidate to be EOS):
+  whatever the beam would still finish scores at most the bound, at most the nbest-th kept score, so it
+  could not enter the n-best ahead of a hypothesis kept already (a tie keeps the earlier one, as a stable
+  sort does); the outputs are fairseq's and the steps never more than either rule's alone.
 Greedy search (beam 1) ends a sentence at its first EOS under either rule: with one hypothesis the first
 to finish is the answer, as the early rule says.
 
@@ -313,7 +318,8 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
         # The step's one read: the candidates, the prefixes they extend, each sentence's best live score.
         host_scores, host_token, host_origin, host_prefix, best_live = _to_host(top_scores, token, origin, prefix,
                                                                                 scores[:, 0])
-        # Finish EOS candidates ranked within the top k.
+        # Finish EOS candidates ranked within the top k; under "early" only until k have finished (module
+        # docstring). nonzero() gives them by sentence, then by rank: the better summed score first.
         finishing = (host_token == EOS_ID) & (host_rank < k) & (host_scores > inf)
         if finishing.any():
             sent, pos = np.nonzero(finishing)
@@ -321,6 +327,8 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
             penalty = length_penalty(t + 1, lenpen)
             for s, row_tokens, total in zip(sent.tolist(), host_prefix[rows, 1:].tolist(),
                                             host_scores[sent, pos].tolist()):
+                if stop == "early" and len(finished[alive[s]]) >= k:
+                    continue
                 hyp = Hypothesis(row_tokens, total / penalty)
                 finished[alive[s]].append(hyp)
                 if step is not None:

@@ -17,12 +17,12 @@ from transformer.data.batch import prepare_sources, source_limit
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from transformer.config import DecodeConfig, lenpen_problem
 from transformer.data.batching import pack_by_size
-from transformer.device import auto_precision, native_bf16, pick_device
+from transformer.device import auto_precision, bounded_onednn_caches, native_bf16, pick_device
 from transformer.errors import UserError
 from transformer.model.transformer import count_parameters, evaluating
 from transformer.inference.search import (STOP_RULES, Hypothesis, SearchResult, beam_above_vocabulary, length_penalty,
                                 max_output_lengths, search)
-from transformer.data.vocab import Vocab
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
 
 DTYPES = ("auto", "fp32", "bf16", "int8")
 ENGINES = ("ours", "ctranslate2")
@@ -154,49 +154,73 @@ def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]
                        max_len_offset: int, max_tokens: int, max_positions: int,
                        nbest: int = 1) -> list[list[Hypothesis]]:
     """search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
-    limits and score definition (scores are converted to ours, and n-best lists re-sorted by them).
+    limits and score definition; like ours, it never emits BOS or PAD (suppressed).
 
-    What stays CTranslate2's own: its stop rule (our "early": done once `beam` hypotheses finished) and the
-    length penalty it ranks by, length**lenpen rather than GNMT's ((5 + length) / 6)**lenpen (length
-    counting EOS in both), so beam outputs can differ from ours; greedy outputs agree. Its length limit is
-    per call: an output longer than its own sentence's limit (only a degenerate one) is cut to that limit
-    and rescored. With several workers (the translator's inter_threads) the batches are sized and run side by
-    side as search_batches runs ours.
+    Its length limit is one per call, so each batch goes as one call per distinct limit: a sentence's output
+    never depends on the others in its batch. Every hypothesis it returns is scored again by its scorer (one
+    teacher-forced pass per call, the price of honest scores), which gives ours: its search scores are
+    renormalised over the tokens it may emit (ours drops BOS's and PAD's probability instead), and at the
+    limit it does not force EOS, so a hypothesis still unfinished there has none: the scorer adds the EOS
+    ours would force. With a length penalty it returns its `beam` best, ranked by its own penalty
+    (length**lenpen rather than GNMT's ((5 + length) / 6)**lenpen; length counting EOS in both, hence
+    return_end_token), re-ranked here by ours; without one, its `nbest` best (the two rankings agree, and its
+    early exit waits for nbest finished).
+
+    Beam outputs can differ from ours (greedy outputs do not): (1) it stops as our "early" rule does but keeps
+    every hypothesis finished at the stopping step, up to 2*beam-1, where ours keeps the first `beam`; (2) only
+    the `beam` best by its penalty reach the re-ranking; (3) at the limit its unfinished hypotheses, scored
+    without their EOS, can push a shorter finished one out of those `beam`, and a live hypothesis ours ends
+    there is missing when an EOS took its place in the beam's top `beam`; (4) the renormalisation can reorder
+    candidates of rows that give BOS and PAD different probabilities (an untrained model; after training
+    label smoothing leaves each ~smoothing / vocabulary). With several workers (the translator's
+    inter_threads) the batches are sized and run side by side as search_batches runs ours.
     """
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     limit = source_limit(max_positions)
-    submitted = []  # per batch: its indices, sources, length limits and pending results
+    suppress = [[piece] for piece in vocab.pieces([BOS_ID, PAD_ID])]
+    returned = nbest if lenpen == 0 else beam
+    translating = []  # per call: its indices, sources, length limit and pending results
     for batch in source_batches(src_ids, max_positions, max_tokens, translator.num_translators):
         sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
         max_lens = max_output_lengths(torch.tensor([len(s) + 1 for s in sources]), max_len_offset,  # + 1: EOS
                                       max_positions).tolist()
-        pending = translator.translate_batch(  # asynchronous: every worker takes batches from the queue
-            sources, beam_size=beam, num_hypotheses=nbest, length_penalty=lenpen, return_scores=True,
-            max_decoding_length=max(max_lens) + 1,  # + 1: room for the EOS after max_len tokens
-            min_decoding_length=0, max_input_length=0, max_batch_size=0, asynchronous=True)
-        submitted.append((batch, sources, max_lens, pending))
-    for batch, sources, max_lens, pending in submitted:
-        results = [result.result() for result in pending]
-        rescore = []  # (row in batch, hypothesis) whose score must come from CTranslate2's scorer
-        for row, (i, result, max_len) in enumerate(zip(batch, results, max_lens)):
-            hyps = []
-            for pieces, score in zip(result.hypotheses, result.scores):
-                ids = vocab.piece_ids(pieces)
-                hyp = Hypothesis(ids[:max_len], 0.0)
-                if len(ids) <= max_len:  # its score is sum / (tokens + EOS)**lenpen: back to the sum, then ours
-                    hyp.score = score * (len(ids) + 1) ** lenpen / length_penalty(len(ids) + 1, lenpen)
-                else:
-                    rescore.append((row, hyp))
-                hyps.append(hyp)
-            out[i] = hyps
-        if rescore:
-            scored = translator.score_batch([sources[row] for row, _ in rescore],
-                                            [vocab.pieces(h.tokens) for _, h in rescore])
-            for (_, hyp), result in zip(rescore, scored):  # log_probs: each token's and EOS's
-                hyp.score = sum(result.log_probs) / length_penalty(len(hyp.tokens) + 1, lenpen)
-        for i in batch:
-            out[i].sort(key=lambda h: h.score, reverse=True)
+        for max_len, rows in same_limit(max_lens):
+            pending = translator.translate_batch(  # asynchronous: every worker takes calls from the queue
+                [sources[r] for r in rows], beam_size=beam, num_hypotheses=returned, length_penalty=lenpen,
+                max_decoding_length=max_len, suppress_sequences=suppress, min_decoding_length=0,
+                return_end_token=True, max_input_length=0, max_batch_size=0, asynchronous=True)
+            translating.append(([batch[r] for r in rows], [sources[r] for r in rows], max_len, pending))
+    scoring = []  # per call: its indices, their hypotheses' tokens and the pending scores
+    for indices, sources, max_len, pending in translating:
+        # Without EOS: the hypotheses that ended with one have it (return_end_token, which also makes its penalty
+        # count it, as ours does: else an empty output would rank last, divided by 0**lenpen), those the limit
+        # ended have max_len tokens.
+        found = [[_without_eos(vocab.piece_ids(pieces))[:max_len] for pieces in result.result().hypotheses]
+                 for result in pending]
+        pairs = [(source, tokens) for source, hyps in zip(sources, found) for tokens in hyps]
+        scores = translator.score_batch([source for source, _ in pairs], [vocab.pieces(t) for _, t in pairs],
+                                        max_input_length=0, asynchronous=True)
+        scoring.append((indices, found, scores))
+    for indices, found, scores in scoring:
+        pending = iter(scores)
+        for i, hyps in zip(indices, found):  # log_probs: each token's and EOS's, normalised over the vocabulary
+            scored = [Hypothesis(t, sum(next(pending).result().log_probs) / length_penalty(len(t) + 1, lenpen))
+                      for t in hyps]
+            out[i] = sorted(scored, key=lambda h: h.score, reverse=True)[:nbest]
     return out
+
+
+def _without_eos(ids: list[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == EOS_ID else ids
+
+
+def same_limit(max_lens: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """(limit, positions) for each distinct value in `max_lens`, the largest first: what one CTranslate2 call
+    with that max_decoding_length may take."""
+    groups: dict[int, list[int]] = {}
+    for position, max_len in enumerate(max_lens):
+        groups.setdefault(max_len, []).append(position)
+    return sorted(groups.items(), reverse=True)
 
 
 def _one_line(text: str) -> str:
@@ -221,6 +245,7 @@ class Translator:
                  engine: str = "ours", workers: Optional[int] = None, keep_model: bool = False):
         if engine not in ENGINES:
             raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        bounded_onednn_caches()  # a library caller's first CPU work may be ours
         self.device = pick_device(device)
         self.dtype, why = pick_dtype(dtype, self.device, engine)
         self.engine = engine

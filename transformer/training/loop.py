@@ -21,8 +21,8 @@ from transformer.data.batch import Batch
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.batching import BatchStream, Prefetcher, Update, eval_batches
-from transformer.device import (Peak, autocast_context, cuda_memory_peaks, default_cuda_allocator, mfu_peak,
-                               pick_precision, tf32_matmuls)
+from transformer.device import (Peak, autocast_context, bounded_onednn_caches, cuda_memory_peaks,
+                               default_cuda_allocator, mfu_peak, pick_precision, tf32_matmuls)
 from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
                                      peer_failure_explained, shutdown_distributed, wrap_ddp)
 from transformer.errors import UserError, first_line, is_out_of_memory
@@ -91,6 +91,7 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
     config_path and overrides (the --set items) make the printed resume command; without a config_path
     it is `transformer train --resume RUN_DIR`."""
     default_cuda_allocator()  # before anything allocates on a GPU
+    bounded_onednn_caches()   # and before any CPU work builds a oneDNN primitive
     info, device = init_distributed(cfg.train.device)
     command = resume_command(config_path, overrides, cfg.train.run_dir)
     try:
