@@ -256,7 +256,7 @@ def test_translate_says_which_dtype_auto_picked(run, monkeypatch, call):
     assert status == 0 and err.splitlines() == ["dtype: fp32 (auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16))"]
     monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["avx512_bf16"])
     translator = Translator(run, "cpu", SearchFlags(dtype="auto"))
-    assert translator.dtype == "bf16" and next(translator.model.parameters()).dtype == torch.bfloat16
+    assert translator.settings.dtype == "bf16" and next(translator.model.parameters()).dtype == torch.bfloat16
     status, _, err = call("translate", run, "--device", "cpu", "--dtype", "fp32", SENTENCES[0])
     assert status == 0 and err == ""  # nothing to say about an explicit choice
     monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
@@ -387,7 +387,7 @@ def test_ctranslate2_engine_at_the_length_limit(ctranslate2, run):
     theirs = Translator(run, "cpu", SearchFlags(beam=1, engine="ctranslate2"))
     ids = ours.encode(lines)
     mine, other = ours.search(ids), theirs.search(ids)
-    limits = [len(s) + 1 + ours.max_len_offset for s in ids]
+    limits = [len(s) + 1 + ours.settings.max_len_offset for s in ids]
     assert sum(len(h[0].tokens) == n for h, n in zip(mine, limits)) >= 3  # the limit case is exercised
     assert len(set(limits)) > 1
     for a, b in zip(mine, other):

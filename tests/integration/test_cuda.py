@@ -167,8 +167,8 @@ def test_int8_on_cuda_is_refused_with_the_fix(copy_model):
 
 def test_auto_dtype_on_cuda_is_bf16_and_close_to_fp32(copy_model):
     auto = Translator(copy_model, "cuda", SearchFlags(beam=3, dtype="auto"))
-    assert auto.dtype == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32")
-    assert next(auto.model.parameters()).dtype == (torch.bfloat16 if auto.dtype == "bf16" else torch.float32)
+    assert auto.settings.dtype == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32")
+    assert next(auto.model.parameters()).dtype == (torch.bfloat16 if auto.settings.dtype == "bf16" else torch.float32)
     fp32 = Translator(copy_model, "cuda", SearchFlags(beam=3, dtype="fp32")).translate(LINES)
     assert sum(a == b for a, b in zip(fp32, auto.translate(LINES))) >= 0.75 * len(LINES)
     cpu = Translator(copy_model, "cpu", SearchFlags(beam=3, dtype="fp32")).translate(LINES)
