@@ -29,6 +29,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from transformer.data.batch import prepare_sources
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
 from transformer.inference.scoring import bleu_chrf
-from transformer.inference.search import STOP_RULES
+from transformer.inference.settings import STOP_RULES, SearchFlags, SearchSettings, search_settings
 from transformer.inference.translator import (CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_batches,
                                    search_ids, search_workers, source_batches)
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
@@ -69,11 +70,11 @@ def timed_rounds(settings: list, device: torch.device, repeats: int, clock_zero:
             setting["started"].append(start - clock_zero)
 
 
-def count_steps(model, src_ids, beam, lenpen, offset, max_tokens, stop, device, workers):
+def count_steps(model, src_ids, settings: SearchSettings, device):
     """search_ids' search, keeping what it reports: -> (outputs by sentence, decoder steps per batch, decoder
     steps per sentence)."""
     outputs, batch_steps, sentence_steps = [None] * len(src_ids), [], [0] * len(src_ids)
-    for batch, result in search_batches(model, src_ids, beam, lenpen, offset, max_tokens, device, 1, stop, workers):
+    for batch, result in search_batches(model, src_ids, settings, device):
         batch_steps.append(result.steps)
         for i, hyp, steps in zip(batch, result.best(), result.sentence_steps):
             outputs[i], sentence_steps[i] = hyp.tokens, steps
@@ -116,7 +117,7 @@ def score(row: dict, outputs, reference_outputs, vocab, refs) -> None:
 
 def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
     device = torch.device(device_name)
-    base = Translator(args.checkpoint, device=device_name, dtype="fp32")
+    base = Translator(args.checkpoint, device_name, SearchFlags(dtype="fp32"))
     vocab, cfg = base.vocab, base.cfg
     dec = cfg.decode
     encoded = vocab.encode(lines)
@@ -132,11 +133,12 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
     print(f"{device_name}: {len(src_ids)} sentences in {len(batches)} batches; --dtype auto would pick "
           "{} ({})".format(*pick_dtype("auto", device)), file=sys.stderr)
     dtypes = [d for d in args.dtype if not (d == "int8" and device.type == "cuda")]  # int8 is a CPU path here
-    models = {d: (base.model if d == "fp32" else Translator(args.checkpoint, device=device_name, dtype=d).model)
+    models = {d: (base.model if d == "fp32" else Translator(args.checkpoint, device_name, SearchFlags(dtype=d)).model)
               for d in dtypes}
     ct2 = {}
     if args.ctranslate2:
-        ct2 = {(d, w): Translator(args.checkpoint, device=device_name, dtype=d, engine="ctranslate2", workers=w).ct2
+        ct2 = {(d, w): Translator(args.checkpoint, device_name,
+                                  SearchFlags(dtype=d, engine="ctranslate2", workers=w)).ct2
                for w in workers for d in args.ct2_dtype}
     marian = None
     if not args.no_hf:
@@ -152,22 +154,23 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
         stops = args.stop if beam > 1 else args.stop[:1]  # greedy ignores the stop rule
         for stop in stops:
             for w in workers:
+                ours = replace(search_settings(dec), beam=beam, stop=stop, max_tokens=max_tokens, workers=w)
                 for dtype, model in models.items():
-                    def warm_up(model=model, stop=stop, w=w):
-                        found = count_steps(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, stop,
-                                            device, w)
+                    def warm_up(model=model, ours=ours):
+                        found = count_steps(model, src_ids, ours, device)
                         first.setdefault("outputs", found[0])
                         first.setdefault("steps", found[1])
                         return found
 
-                    def ours_pass(model=model, stop=stop, w=w):
-                        search_ids(model, src_ids, beam, dec.lenpen, dec.max_len_offset, max_tokens, device, 1, stop, w)
+                    def ours_pass(model=model, ours=ours):
+                        search_ids(model, src_ids, ours, device)
                     settings.append({"row": {"device": device_name, "beam": beam, "impl": "ours", "stop": stop,
                                              "dtype": dtype, "workers": w}, "warm_up": warm_up, "timed_pass": ours_pass})
         for (dtype, w), translator in ct2.items():
-            def ct2_pass(translator=translator):
-                found = ctranslate2_search(translator, vocab, src_ids, beam, dec.lenpen, dec.max_len_offset,
-                                           max_tokens, cfg.model.max_positions)
+            theirs = replace(search_settings(dec), beam=beam, max_tokens=max_tokens)
+
+            def ct2_pass(translator=translator, theirs=theirs):
+                found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions)
                 return [hyps[0].tokens for hyps in found]
             settings.append({"row": {"device": device_name, "beam": beam, "impl": "ctranslate2",
                                      "stop": "ctranslate2", "dtype": dtype, "workers": w}, "warm_up": ct2_pass,

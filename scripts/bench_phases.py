@@ -30,7 +30,7 @@ from transformer.data.batch import padding_mask, prepare_sources
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
 from transformer.model.transformer import evaluating
-from transformer.inference.search import STOP_RULES
+from transformer.inference.settings import STOP_RULES, SearchFlags
 from transformer.inference.translator import Translator, source_batches
 
 
@@ -77,11 +77,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    ours = Translator(args.checkpoint, device="cpu", dtype=args.dtype, beam=args.beam, workers=1, stop=args.stop)
+    ours = Translator(args.checkpoint, "cpu", SearchFlags(dtype=args.dtype, beam=args.beam, workers=1, stop=args.stop))
     lines = read_lines(args.source)[: args.limit]
     ids = ours.encode(lines)
     model, positions = ours.model, ours.cfg.model.max_positions
-    batches = source_batches(ids, positions, ours.max_tokens, 1)
+    batches = source_batches(ids, positions, ours.settings.max_tokens, 1)
     sources = [prepare_sources([ids[i] for i in batch], positions)[0] for batch in batches]
 
     def ours_encoder():
@@ -92,8 +92,8 @@ def main(argv=None) -> int:
 
     passes = {"ours: encoder": ours_encoder, "ours: whole search": lambda: ours.search(ids)}
     if not args.no_ctranslate2:
-        ct2 = Translator(args.checkpoint, device="cpu", dtype="int8" if args.dtype == "int8" else "fp32",
-                         beam=args.beam, workers=1, engine="ctranslate2")
+        ct2 = Translator(args.checkpoint, "cpu", SearchFlags(dtype="int8" if args.dtype == "int8" else "fp32",
+                                                             beam=args.beam, workers=1, engine="ctranslate2"))
         torch.set_num_threads(args.threads)
         pieces = [[ct2.vocab.pieces(ids[i]) for i in batch] for batch in batches]
 

@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
+from transformer.inference.settings import ENGINES, STOP_RULES
 from transformer.serve.app import spawn
 
 
@@ -277,9 +278,9 @@ def main() -> None:
     ap.add_argument("--beam", type=int, default=4, help="beam size of every request (default 4)")
     ap.add_argument("--windows", type=float, nargs="+", default=[5.0, 0.0],
                     help="batching windows to compare, in ms (default: 5 0)")
-    ap.add_argument("--engines", nargs="+", choices=("ours", "ctranslate2"), default=["ours"],
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=["ours"],
                     help="what runs /translate, each in its own server (default: ours)")
-    ap.add_argument("--stop", choices=("exact", "early"),
+    ap.add_argument("--stop", choices=STOP_RULES,
                     help="our beam search's stop rule (serve --stop; default: the checkpoint's decode.stop); "
                          "CTranslate2 always stops like early")
     ap.add_argument("--device", default="cpu", help="where the server runs the model (default cpu)")

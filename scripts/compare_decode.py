@@ -32,6 +32,7 @@ import torch
 
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
+from transformer.inference.settings import STOP_RULES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,7 +59,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", required=True, help="run directory or .pt file")
     ap.add_argument("--rev", action="append", required=True, help="git revision, or . for the working tree")
     ap.add_argument("--beam", type=int, default=4)
-    ap.add_argument("--stop", default="exact", choices=("exact", "early"))
+    ap.add_argument("--stop", default="exact", choices=STOP_RULES)
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "int8"))
     ap.add_argument("--lenpen", type=float, default=None, help="default: the checkpoint's decode.lenpen")
     ap.add_argument("--limit", type=int, default=500, help="first N sentences (0 = all)")
@@ -83,18 +84,32 @@ def main() -> None:
                 translate = importlib.import_module(f"t_{i}.inference.translator")
             except ModuleNotFoundError:
                 translate = importlib.import_module(f"t_{i}.translate")
-            tr = translate.Translator(args.checkpoint, device="cpu", dtype=args.dtype)
+            try:  # the search settings as objects since they got one owner (issue 34), separate values before
+                settings = importlib.import_module(f"t_{i}.inference.settings")
+            except ModuleNotFoundError:
+                settings = None
+            if settings is not None:
+                tr = translate.Translator(args.checkpoint, "cpu", settings.SearchFlags(dtype=args.dtype))
+            else:
+                tr = translate.Translator(args.checkpoint, device="cpu", dtype=args.dtype)
             src = tr.vocab.encode(lines)
             dec = tr.cfg.decode
             lenpen = dec.lenpen if args.lenpen is None else args.lenpen
 
             max_tokens = args.max_tokens or dec.max_tokens
+            if settings is not None:
+                chosen = settings.SearchSettings(beam=args.beam, lenpen=lenpen, stop=args.stop,
+                                                 max_len_offset=dec.max_len_offset, max_tokens=max_tokens,
+                                                 workers=args.workers)
 
-            def run(translate=translate, tr=tr, src=src, lenpen=lenpen, dec=dec, max_tokens=max_tokens):
-                # workers only when asked: revisions before decode.workers (a38a639) do not take it
-                side_by_side = {"workers": args.workers} if args.workers > 1 else {}
-                return translate.search_ids(tr.model, src, args.beam, lenpen, dec.max_len_offset, max_tokens,
-                                            torch.device("cpu"), 1, args.stop, **side_by_side)
+                def run(translate=translate, tr=tr, src=src, chosen=chosen):
+                    return translate.search_ids(tr.model, src, chosen, torch.device("cpu"))
+            else:
+                def run(translate=translate, tr=tr, src=src, lenpen=lenpen, dec=dec, max_tokens=max_tokens):
+                    # workers only when asked: revisions before decode.workers (a38a639) do not take it
+                    side_by_side = {"workers": args.workers} if args.workers > 1 else {}
+                    return translate.search_ids(tr.model, src, args.beam, lenpen, dec.max_len_offset, max_tokens,
+                                                torch.device("cpu"), 1, args.stop, **side_by_side)
             outputs.append([hyps[0].tokens for hyps in run()])  # untimed: warms up, and the outputs to compare
             runs.append(run)
         times: list[list[float]] = [[] for _ in runs]

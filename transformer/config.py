@@ -92,6 +92,13 @@ class TrainConfig:
     peak_tflops: float = 0.0           # the device's peak for MFU; 0 = measure it with a short matmul probe
 
 
+# Beam search's stop rules, defined here once: decode.stop is checked against them, and
+# transformer/inference/settings.py (--stop's choices, SearchSettings) re-exports them; the rules themselves are in
+# inference/search.py. A type and its values in one: STOP_RULES is read from the Literal.
+StopRule = Literal["exact", "early"]
+STOP_RULES: tuple[str, ...] = typing.get_args(StopRule)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     beam: int = 4
@@ -101,7 +108,7 @@ class DecodeConfig:
     # When beam search ends a sentence (search.py): "exact" (no live hypothesis can still win) or "early"
     # (fairseq's: once `beam` hypotheses have finished; faster). Exact stays the default: early scored 0.26
     # test BLEU below it on Multi30k, more than the 0.1 allowed for a default (docs/benchmarks/log.md).
-    stop: Literal["exact", "early"] = "exact"
+    stop: StopRule = "exact"
     # Searches run side by side on a CPU, each on its own batches with threads / workers of torch's threads
     # (CTranslate2's inter_threads): serial work in one overlaps the other's matrix products. 2 translated
     # 1.2x the sentences/s of 1 on a 2-core CPU (docs/benchmarks/log.md). 1: one search on all threads. A

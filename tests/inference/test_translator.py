@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from transformer.device import (ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES, b
                                 cpu_bf16_flags, cpu_description)
 from transformer.inference.weight_formats import InputMajorLinear
 from transformer.cli import translate_io
+from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator, pick_dtype, search_ids, translate_ids
 from transformer.data.vocab import BOS_ID, PAD_ID
 
@@ -25,7 +27,7 @@ from transformer.data.vocab import BOS_ID, PAD_ID
 @pytest.fixture(scope="module")
 def singles(run):
     """Each sentence translated alone: what any batching and ordering must reproduce."""
-    translator = Translator(run, device="cpu")
+    translator = Translator(run, "cpu")
     return [translator.translate([s])[0] for s in SENTENCES]
 
 
@@ -74,7 +76,7 @@ def test_scores_that_are_not_numbers_give_an_empty_line_not_a_missing_one(run, b
     """What a reduced precision that overflows would give: NaN logits from finite weights. Each sentence gets
     nbest empty translations scored -inf, and a warning (beam search used to finish no hypothesis: an
     IndexError, or no output line at all). Per sentence, so that one sentence cannot fail a batch of others."""
-    translator = Translator(run, device="cpu", beam=beam)
+    translator = Translator(run, "cpu", SearchFlags(beam=beam))
     decode = translator.model.decode
     monkeypatch.setattr(translator.model, "decode", lambda *args, **kwargs: decode(*args, **kwargs) * float("nan"))
     capsys.readouterr()
@@ -191,20 +193,21 @@ def test_translate_ids_keeps_order_and_matches_translator(run):
     model, vocab, cfg = load_model(run)
     lines = [SENTENCES[2], "", SENTENCES[0], SENTENCES[1]]
     reordered = vocab.encode(lines)
-    out = translate_ids(model, reordered, beam=2, lenpen=0.6, max_len_offset=4, max_tokens=16, device="cpu")
-    alone = [translate_ids(model, [s], beam=2, lenpen=0.6, max_len_offset=4, max_tokens=16, device="cpu")[0]
+    settings = SearchSettings(beam=2, lenpen=0.6, max_len_offset=4, max_tokens=16, workers=1)
+    out = translate_ids(model, reordered, settings, device="cpu")
+    alone = [translate_ids(model, [s], settings, device="cpu")[0]
              for s in reordered]
     assert out == alone and out[1] == []
     assert len({tuple(o) for o in out}) > 2  # different translations: a mix-up of the order would show
     # The Translator (the decode settings of the checkpoint: max_len_offset 4) finds the same, as ids and as text.
-    translator = Translator(run, device="cpu", beam=2, lenpen=0.6, max_tokens=16)
+    translator = Translator(run, "cpu", SearchFlags(beam=2, lenpen=0.6, max_tokens=16))
     assert [hyps[0].tokens for hyps in translator.search(reordered)] == out
     assert translator.translate(lines) == vocab.decode(out)
 
 
 def test_int8_translation_runs_and_mostly_agrees(run, call):
-    fp32 = Translator(run / "best.pt", device="cpu", beam=1)
-    int8 = Translator(run / "best.pt", device="cpu", beam=1, dtype="int8")
+    fp32 = Translator(run / "best.pt", "cpu", SearchFlags(beam=1))
+    int8 = Translator(run / "best.pt", "cpu", SearchFlags(beam=1, dtype="int8"))
     lines = sentences(5, 20) + [""]
     a, b = fp32.translate(lines), int8.translate(lines)
     assert len(b) == len(lines) and b[-1] == ""
@@ -254,8 +257,8 @@ def test_translate_says_which_dtype_auto_picked(run, monkeypatch, call):
     status, out, err = call("translate", run, "--device", "cpu", SENTENCES[0])
     assert status == 0 and err.splitlines() == ["dtype: fp32 (auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16))"]
     monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["avx512_bf16"])
-    translator = Translator(run, device="cpu", dtype="auto")
-    assert translator.dtype == "bf16" and next(translator.model.parameters()).dtype == torch.bfloat16
+    translator = Translator(run, "cpu", SearchFlags(dtype="auto"))
+    assert translator.settings.dtype == "bf16" and next(translator.model.parameters()).dtype == torch.bfloat16
     status, _, err = call("translate", run, "--device", "cpu", "--dtype", "fp32", SENTENCES[0])
     assert status == 0 and err == ""  # nothing to say about an explicit choice
     monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
@@ -265,8 +268,8 @@ def test_translate_says_which_dtype_auto_picked(run, monkeypatch, call):
 
 @pytest.mark.parametrize("beam", [1, 3])
 def test_bf16_translations_are_close_to_fp32(copy_model, beam):
-    fp32 = Translator(copy_model, device="cpu", beam=beam).translate(LINES)
-    bf16 = Translator(copy_model, device="cpu", beam=beam, dtype="bf16").translate(LINES)
+    fp32 = Translator(copy_model, "cpu", SearchFlags(beam=beam)).translate(LINES)
+    bf16 = Translator(copy_model, "cpu", SearchFlags(beam=beam, dtype="bf16")).translate(LINES)
     assert sum(a == b for a, b in zip(fp32, bf16)) >= 0.75 * len(LINES)
     assert len(set(fp32)) > len(LINES) // 2  # real, varied translations: the agreement above means something
 
@@ -275,13 +278,15 @@ def test_stop_rule_setting(run, call):
     model, vocab, _ = load_model(run)
     ids = vocab.encode(SENTENCES)
     for stop in ("exact", "early"):
-        translator = Translator(run, device="cpu", beam=3, stop=stop)
-        assert translator.stop == stop
-        found, expected = translator.search(ids, 3), search_ids(model, ids, 3, 0.6, 4, 64, "cpu", 3, stop)
+        translator = Translator(run, "cpu", SearchFlags(beam=3, stop=stop))
+        assert translator.settings.stop == stop
+        settings = SearchSettings(beam=3, lenpen=0.6, max_len_offset=4, max_tokens=64, workers=1, nbest=3, stop=stop)
+        found = translator.search(ids, replace(translator.settings, nbest=3))
+        expected = search_ids(model, ids, settings, "cpu")
         assert [[h.tokens for h in hyps] for hyps in found] == [[h.tokens for h in hyps] for hyps in expected]
         # Its input-major weights (quantize.py) multiply in another order: scores agree to float rounding.
         assert [h.score for hyps in found for h in hyps] == pytest.approx([h.score for hyps in expected for h in hyps])
-    assert Translator(run, device="cpu").stop == "exact"  # decode.stop's default
+    assert Translator(run, "cpu").settings.stop == "exact"  # decode.stop's default
     status, _, _ = call("evaluate", run, "--split", "test", "--beam", "2", "--stop", "early", "--dtype", "bf16")
     record = json.loads((run / "eval" / "test.beam2.lp0.6.early.bf16.json").read_text())
     assert status == 0 and record["stop"] == "early" and record["dtype"] == "bf16" and record["engine"] == "ours"
@@ -298,8 +303,8 @@ def test_missing_ctranslate2_is_a_one_line_error(run, monkeypatch, call):
 
 
 def test_ctranslate2_engine_greedy_equals_ours(ctranslate2, copy_model, capsys, call):
-    ours = Translator(copy_model, device="cpu", beam=1).translate(LINES + [""])
-    theirs = Translator(copy_model, device="cpu", beam=1, engine="ctranslate2")
+    ours = Translator(copy_model, "cpu", SearchFlags(beam=1)).translate(LINES + [""])
+    theirs = Translator(copy_model, "cpu", SearchFlags(beam=1, engine="ctranslate2"))
     assert theirs.translate(LINES + [""]) == ours
     assert ours[-1] == "" and len(set(ours)) > len(LINES) // 2
     # Through the command, with the conversion reused.
@@ -314,19 +319,21 @@ def test_ctranslate2_engine_never_emits_bos_or_pad(ctranslate2, untrained_checkp
     them (their rows copy the two tokens it emits most, scaled up) shows it: greedy outputs of both engines are
     then the same token ids, and no hypothesis of either holds BOS or PAD."""
     state = torch.load(untrained_checkpoint, weights_only=True)
-    ids = Translator(untrained_checkpoint, device="cpu", beam=1).encode(LINES)
-    emitted = [t for h in search_ids(model_of(untrained_checkpoint), ids, 1, 0.6, 4, 64, "cpu") for t in h[0].tokens]
+    ids = Translator(untrained_checkpoint, "cpu", SearchFlags(beam=1)).encode(LINES)
+    greedy = SearchSettings(beam=1, lenpen=0.6, max_len_offset=4, max_tokens=64)
+    emitted = [t for h in search_ids(model_of(untrained_checkpoint), ids, greedy, "cpu") for t in h[0].tokens]
     first, second = torch.bincount(torch.tensor(emitted)).topk(2).indices.tolist()
     weight = state["model"]["output.weight"]  # tied: the embeddings change too, for both engines alike
     weight[BOS_ID], weight[PAD_ID] = 1.1 * weight[first], 1.1 * weight[second]
     checkpoint = tmp_path / "model.pt"
     save_checkpoint(state, checkpoint)
-    theirs = Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2")
+    theirs = Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2"))
     raw = theirs.ct2.translate_batch([theirs.vocab.pieces(s) for s in ids], beam_size=1, max_decoding_length=20)
     assert sum("<s>" in r.hypotheses[0] for r in raw) > len(ids) // 2  # unsuppressed, it would emit <s>
-    ours = Translator(checkpoint, device="cpu", beam=1).search(ids)
+    ours = Translator(checkpoint, "cpu", SearchFlags(beam=1)).search(ids)
     assert [h[0].tokens for h in theirs.search(ids)] == [h[0].tokens for h in ours]
-    beam = Translator(checkpoint, device="cpu", beam=3, engine="ctranslate2").search(ids, 3)
+    wide = Translator(checkpoint, "cpu", SearchFlags(beam=3, nbest=3, engine="ctranslate2"))
+    beam = wide.search(ids)
     assert not any({BOS_ID, PAD_ID} & set(h.tokens) for hyps in beam + ours for h in hyps)
 
 
@@ -342,11 +349,12 @@ def test_a_sentence_translates_the_same_whatever_shares_its_batch(request, run, 
     a sentence gets does not depend on the others batched with it. An untrained model runs to its limits."""
     if engine == "ctranslate2":
         request.getfixturevalue("ctranslate2")
-    translator = Translator(run, device="cpu", beam=beam, engine=engine, stop="early", max_tokens=100_000)
+    translator = Translator(run, "cpu", SearchFlags(beam=beam, engine=engine, stop="early", max_tokens=100_000))
     ids = translator.encode(sentences(7, 12, lo=1, hi=9))
-    limits = [len(s) + 1 + translator.max_len_offset for s in ids]
-    together = translator.search(ids, beam)  # one batch
-    alone = [translator.search([s], beam)[0] for s in ids]
+    limits = [len(s) + 1 + translator.settings.max_len_offset for s in ids]
+    nbest = replace(translator.settings, nbest=beam)
+    together = translator.search(ids, nbest)  # one batch
+    alone = [translator.search([s], nbest)[0] for s in ids]
     assert len(set(limits)) > 3 and sum(len(h[0].tokens) == n for h, n in zip(together, limits)) >= 3
     for a, b in zip(together, alone):
         assert [h.tokens for h in a] == [h.tokens for h in b]
@@ -360,9 +368,8 @@ def test_ctranslate2_beam_outputs_are_ours_where_the_rules_agree(ctranslate2, co
     it stops at the exact bound for the best (the best candidate is EOS): ours under the exact rule. Scores:
     the engines' kernels agree to ~1e-5 a token, hence 1e-3."""
     for beam, lenpen, stop in ((3, 0.6, "early"), (4, 1.0, "early"), (3, 0.0, "exact")):
-        ours = Translator(copy_model, device="cpu", beam=beam, lenpen=lenpen, stop=stop).translate_nbest(LINES)
-        theirs = Translator(copy_model, device="cpu", beam=beam, lenpen=lenpen,
-                            engine="ctranslate2").translate_nbest(LINES)
+        ours = Translator(copy_model, "cpu", SearchFlags(beam=beam, lenpen=lenpen, stop=stop)).translate_nbest(LINES)
+        theirs = Translator(copy_model, "cpu", SearchFlags(beam=beam, lenpen=lenpen, engine="ctranslate2")).translate_nbest(LINES)
         same = sum(a[0][1] == b[0][1] for a, b in zip(ours, theirs))
         assert same >= len(LINES) - 1, (beam, lenpen, same)  # measured: 40, 39 (its penalty) and 40 of 40
         for a, b in zip(ours, theirs):
@@ -396,8 +403,9 @@ def test_ctranslate2_engine_says_it_ignores_an_exact_stop(ctranslate2, copy_mode
 
 
 def test_ctranslate2_engine_nbest_scores_are_ours(ctranslate2, copy_model):
-    ours = Translator(copy_model, device="cpu", beam=3, lenpen=0.6).translate_nbest(LINES[:15], 3)
-    theirs = Translator(copy_model, device="cpu", beam=3, lenpen=0.6, engine="ctranslate2").translate_nbest(LINES[:15], 3)
+    ours = Translator(copy_model, "cpu", SearchFlags(beam=3, lenpen=0.6)).translate_nbest(LINES[:15], 3)
+    theirs = Translator(copy_model, "cpu", SearchFlags(beam=3, lenpen=0.6, engine="ctranslate2"))
+    theirs = theirs.translate_nbest(LINES[:15], 3)
     shared = 0
     for mine, other in zip(ours, theirs):
         assert len(other) == 3 and [s for s, _ in other] == sorted((s for s, _ in other), reverse=True)
@@ -412,29 +420,29 @@ def test_ctranslate2_engine_nbest_scores_are_ours(ctranslate2, copy_model):
 def test_ctranslate2_conversion_is_cached_and_follows_the_checkpoint(ctranslate2, copy_model, tmp_path, capsys):
     checkpoint = tmp_path / "model.pt"
     checkpoint.write_bytes(copy_model.read_bytes())
-    first = Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2").translate(LINES[:8])
+    first = Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2")).translate(LINES[:8])
     model_bin = tmp_path / "ct2" / "model" / "model.bin"
     built = model_bin.stat().st_mtime_ns
     assert "converting" in capsys.readouterr().err
     os.utime(checkpoint)  # touched, same bytes: the sha256 says it is current
-    assert Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2").translate(LINES[:8]) == first
+    assert Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2")).translate(LINES[:8]) == first
     assert model_bin.stat().st_mtime_ns == built and "converting" not in capsys.readouterr().err
     state = torch.load(checkpoint, weights_only=True)
     state["model"]["output.weight"] = -state["model"]["output.weight"]  # (tied) a different model
     save_checkpoint(state, checkpoint)
-    changed = Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2").translate(LINES[:8])
+    changed = Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2")).translate(LINES[:8])
     assert "converting" in capsys.readouterr().err
-    assert changed == Translator(checkpoint, device="cpu", beam=1).translate(LINES[:8]) != first
+    assert changed == Translator(checkpoint, "cpu", SearchFlags(beam=1)).translate(LINES[:8]) != first
     # Another model of the same size (a retrained run's checkpoints all have one size): the mtime tells.
     size = checkpoint.stat().st_size
     state["model"]["output.weight"] = -state["model"]["output.weight"]
     save_checkpoint(state, checkpoint)
     assert checkpoint.stat().st_size == size
-    assert Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2").translate(LINES[:8]) == first
+    assert Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2")).translate(LINES[:8]) == first
     assert "converting" in capsys.readouterr().err
     # A torn conversion (a full disk, a kill of some other tool) is converted again, not an error for ever.
     model_bin.write_bytes(model_bin.read_bytes()[:1000])
-    assert Translator(checkpoint, device="cpu", beam=1, engine="ctranslate2").translate(LINES[:8]) == first
+    assert Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2")).translate(LINES[:8]) == first
     assert "converting" in capsys.readouterr().err
 
 
@@ -442,11 +450,11 @@ def test_ctranslate2_engine_at_the_length_limit(ctranslate2, run):
     """An untrained model runs to its length limits, which differ per sentence but are one per CTranslate2
     call: outputs are cut to each sentence's own limit and rescored, so they still equal ours."""
     lines = sentences(6, 12)
-    ours = Translator(run, device="cpu", beam=1)
-    theirs = Translator(run, device="cpu", beam=1, engine="ctranslate2")
+    ours = Translator(run, "cpu", SearchFlags(beam=1))
+    theirs = Translator(run, "cpu", SearchFlags(beam=1, engine="ctranslate2"))
     ids = ours.encode(lines)
     mine, other = ours.search(ids), theirs.search(ids)
-    limits = [len(s) + 1 + ours.max_len_offset for s in ids]
+    limits = [len(s) + 1 + ours.settings.max_len_offset for s in ids]
     assert sum(len(h[0].tokens) == n for h, n in zip(mine, limits)) >= 3  # the limit case is exercised
     assert len(set(limits)) > 1
     for a, b in zip(mine, other):

@@ -14,6 +14,7 @@ from transformer.data.batch import prepare_sources
 from transformer.model.checkpoint import load_model
 from transformer.inference.weight_formats import InputMajorLinear, PackedBF16Linear, can_pack_bf16, input_major, pack_bf16
 from transformer.inference.search import search
+from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 
 
@@ -52,13 +53,13 @@ def test_input_major_model_searches_the_same(copy_model):
 
 
 def test_translator_uses_input_major_weights_for_fp32_and_packed_ones_for_bf16_on_a_cpu(run, monkeypatch):
-    assert isinstance(Translator(run, device="cpu").model.output, InputMajorLinear)
-    bf16 = Translator(run, device="cpu", dtype="bf16").model
+    assert isinstance(Translator(run, "cpu").model.output, InputMajorLinear)
+    bf16 = Translator(run, "cpu", SearchFlags(dtype="bf16")).model
     assert isinstance(bf16.output, PackedBF16Linear if can_pack_bf16() else nn.Linear)
     assert bf16.tgt_embed.weight.dtype == torch.bfloat16
     # Where oneDNN has no bf16 kernel (CPUs without AVX512-BF16/AMX), the weights are only cast.
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    plain = Translator(run, device="cpu", dtype="bf16").model
+    plain = Translator(run, "cpu", SearchFlags(dtype="bf16")).model
     assert isinstance(plain.output, nn.Linear) and plain.output.weight.dtype == torch.bfloat16
 
 

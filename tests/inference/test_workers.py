@@ -2,6 +2,7 @@
 thread count shared between the workers and given back, errors reaching the caller, one batch kept whole."""
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,9 +10,14 @@ import torch
 from tests.conftest import LINES
 from transformer.inference import translator as translate
 from transformer.model.checkpoint import load_model
+from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator, search_ids, search_workers, source_batches
 
 MAX_TOKENS = 64  # several batches for LINES with one worker, more with two
+
+
+def greedy(**changes) -> SearchSettings:
+    return SearchSettings(**{"beam": 1, "lenpen": 0.6, "max_len_offset": 4, "max_tokens": MAX_TOKENS, **changes})
 
 
 @pytest.fixture
@@ -40,11 +46,12 @@ def calls(monkeypatch):
 def test_two_workers_find_what_one_search_finds_in_input_order(run, two_threads, calls, beam, nbest):
     model, vocab, _ = load_model(run)
     src_ids = vocab.encode(LINES + [""])
-    one = search_ids(model, src_ids, beam, 0.6, 4, MAX_TOKENS, "cpu", nbest, workers=1)
+    settings = SearchSettings(beam=beam, lenpen=0.6, max_len_offset=4, max_tokens=MAX_TOKENS, nbest=nbest, workers=1)
+    one = search_ids(model, src_ids, settings, "cpu")
     assert {name for name, _, _ in calls} == {threading.current_thread().name}
     assert {threads for _, threads, _ in calls} == {2}
     calls.clear()
-    two = search_ids(model, src_ids, beam, 0.6, 4, MAX_TOKENS, "cpu", nbest, workers=2)
+    two = search_ids(model, src_ids, replace(settings, workers=2), "cpu")
     assert all(name.startswith("search") for name, _, _ in calls)  # every batch ran on a worker
     assert {threads for _, threads, _ in calls} == {1}             # each on half of the two threads
     assert len(calls) == len(source_batches(src_ids, model.cfg.max_positions, MAX_TOKENS // 2)) > 2
@@ -56,7 +63,7 @@ def test_two_workers_find_what_one_search_finds_in_input_order(run, two_threads,
 
 def test_thread_count_is_given_back_to_the_caller_and_to_later_threads(run, two_threads):
     model, vocab, _ = load_model(run)
-    search_ids(model, vocab.encode(LINES), 1, 0.6, 4, MAX_TOKENS, "cpu", workers=2)
+    search_ids(model, vocab.encode(LINES), greedy(workers=2), "cpu")
     assert torch.get_num_threads() == 2
     later = []
     thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
@@ -67,7 +74,7 @@ def test_thread_count_is_given_back_to_the_caller_and_to_later_threads(run, two_
 
 def test_one_batch_is_searched_in_the_calling_thread_on_all_threads(run, two_threads, calls):
     model, vocab, _ = load_model(run)
-    search_ids(model, vocab.encode(LINES[:2]), 1, 0.6, 4, 256, "cpu", workers=2)  # one batch of 128 tokens
+    search_ids(model, vocab.encode(LINES[:2]), greedy(workers=2, max_tokens=256), "cpu")  # one batch of 128 tokens
     assert calls == [(threading.current_thread().name, 2, 2)]
 
 
@@ -83,7 +90,7 @@ def test_an_error_in_a_worker_reaches_the_caller(run, two_threads, monkeypatch):
 
     monkeypatch.setattr(translate, "search", failing)
     with pytest.raises(RuntimeError, match="out of memory in a worker"):
-        search_ids(model, vocab.encode(LINES), 1, 0.6, 4, MAX_TOKENS, "cpu", workers=2)
+        search_ids(model, vocab.encode(LINES), greedy(workers=2), "cpu")
     assert torch.get_num_threads() == 2
 
 
@@ -92,7 +99,7 @@ def test_a_model_in_training_is_searched_in_eval_mode_and_handed_back_in_trainin
     finish would switch dropout back on under the others, and the last would leave training without it)."""
     model, vocab, _ = load_model(run)
     src_ids = vocab.encode(LINES)
-    expected = search_ids(model, src_ids, 1, 0.6, 4, MAX_TOKENS, "cpu", workers=1)
+    expected = search_ids(model, src_ids, greedy(workers=1), "cpu")
     model.train()
     real, modes = translate.search, []
 
@@ -101,7 +108,7 @@ def test_a_model_in_training_is_searched_in_eval_mode_and_handed_back_in_trainin
         return real(model, src, *args, **kwargs)
 
     monkeypatch.setattr(translate, "search", recording)
-    found = search_ids(model, src_ids, 1, 0.6, 4, MAX_TOKENS, "cpu", workers=2)
+    found = search_ids(model, src_ids, greedy(workers=2), "cpu")
     assert len(modes) > 2 and not any(modes)
     assert model.training
     assert [hyps[0].tokens for hyps in found] == [hyps[0].tokens for hyps in expected]
@@ -116,16 +123,16 @@ def test_workers_are_capped_by_threads_and_one_off_the_cpu(two_threads):
 
 
 def test_translator_takes_workers_from_the_checkpoint_or_the_caller(run, two_threads, calls):
-    assert Translator(run, device="cpu").workers == 2  # decode.workers' default
-    translator = Translator(run, device="cpu", beam=1, max_tokens=MAX_TOKENS, workers=1)
-    assert translator.workers == 1
+    assert Translator(run, "cpu").settings.workers == 2  # decode.workers' default
+    translator = Translator(run, "cpu", SearchFlags(beam=1, max_tokens=MAX_TOKENS, workers=1))
+    assert translator.settings.workers == 1
     translator.translate(LINES)
     assert {name for name, _, _ in calls} == {threading.current_thread().name}
 
 
 def test_ctranslate2_workers_translate_as_one(ctranslate2, copy_model, two_threads):
-    one = Translator(copy_model, device="cpu", beam=2, max_tokens=MAX_TOKENS, engine="ctranslate2", workers=1)
-    two = Translator(copy_model, device="cpu", beam=2, max_tokens=MAX_TOKENS, engine="ctranslate2", workers=2)
+    one = Translator(copy_model, "cpu", SearchFlags(beam=2, max_tokens=MAX_TOKENS, engine="ctranslate2", workers=1))
+    two = Translator(copy_model, "cpu", SearchFlags(beam=2, max_tokens=MAX_TOKENS, engine="ctranslate2", workers=2))
     assert (one.ct2.num_translators, two.ct2.num_translators) == (1, 2)
     assert torch.get_num_threads() == 2  # CTranslate2 set the caller's count to its intra_threads, 1
     found_one, found_two = one.translate_nbest(LINES, 2), two.translate_nbest(LINES, 2)

@@ -30,6 +30,7 @@ from transformer.signals import StopRequested
 from transformer.inference.search import search
 from transformer.data.store import Corpus, open_prepared
 from transformer.training.loop import TrainingLoss, train
+from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 from transformer.data.vocab import Vocab
 
@@ -126,8 +127,8 @@ def test_a_cuda_trained_run_translates_and_resumes_on_a_cpu_and_back(tmp_path, m
     run_dir = train(from_dict(raw), quiet=True)
     saved = load_checkpoint(run_dir / "last.pt")
     assert isinstance(saved["rng"][0]["cuda"], torch.Tensor)  # the run's own GPU's stream, not a list of all
-    on_cpu = Translator(run_dir / "last.pt", device="cpu", dtype="fp32").translate(LINES)
-    on_gpu = Translator(run_dir / "last.pt", device="cuda", dtype="fp32").translate(LINES)
+    on_cpu = Translator(run_dir / "last.pt", "cpu", SearchFlags(dtype="fp32")).translate(LINES)
+    on_gpu = Translator(run_dir / "last.pt", "cuda", SearchFlags(dtype="fp32")).translate(LINES)
     assert len(on_cpu) == len(LINES) and sum(a == b for a, b in zip(on_cpu, on_gpu)) >= 0.5 * len(LINES)
     flags = _fused_flags(monkeypatch)
     raw["train"].update(device="cpu", precision="fp32", max_steps=9)
@@ -154,16 +155,16 @@ def test_resume_on_cuda_continues_the_run_within_tolerance(tmp_path):
 
 def test_int8_on_cuda_is_refused_with_the_fix(copy_model):
     with pytest.raises(UserError, match="int8 is a CPU path: use --device cpu"):
-        Translator(copy_model, device="cuda", dtype="int8")
+        Translator(copy_model, "cuda", SearchFlags(dtype="int8"))
 
 
 def test_auto_dtype_on_cuda_is_bf16_and_close_to_fp32(copy_model):
-    auto = Translator(copy_model, device="cuda", beam=3, dtype="auto")
-    assert auto.dtype == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32")
-    assert next(auto.model.parameters()).dtype == (torch.bfloat16 if auto.dtype == "bf16" else torch.float32)
-    fp32 = Translator(copy_model, device="cuda", beam=3, dtype="fp32").translate(LINES)
+    auto = Translator(copy_model, "cuda", SearchFlags(beam=3, dtype="auto"))
+    assert auto.settings.dtype == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32")
+    assert next(auto.model.parameters()).dtype == (torch.bfloat16 if auto.settings.dtype == "bf16" else torch.float32)
+    fp32 = Translator(copy_model, "cuda", SearchFlags(beam=3, dtype="fp32")).translate(LINES)
     assert sum(a == b for a, b in zip(fp32, auto.translate(LINES))) >= 0.75 * len(LINES)
-    cpu = Translator(copy_model, device="cpu", beam=3, dtype="fp32").translate(LINES)
+    cpu = Translator(copy_model, "cpu", SearchFlags(beam=3, dtype="fp32")).translate(LINES)
     assert sum(a == b for a, b in zip(fp32, cpu)) >= 0.9 * len(LINES)  # the same search on either device
 
 

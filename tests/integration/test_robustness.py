@@ -6,12 +6,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 
 
 @pytest.fixture(scope="module")
 def translator(untrained_checkpoint):
-    return Translator(untrained_checkpoint, device="cpu", beam=2)
+    return Translator(untrained_checkpoint, "cpu", SearchFlags(beam=2))
 
 
 # Any Unicode text a file line can hold: every code point but the line break, surrogates excluded.
@@ -79,7 +80,7 @@ def test_a_stdin_line_is_kept_only_up_to_its_bound():
 def test_a_line_over_the_bound_is_read_up_to_it_with_a_warning(untrained_checkpoint, monkeypatch, capsys):
     from transformer.inference import translator as translate
 
-    translator = Translator(untrained_checkpoint, device="cpu", beam=2)  # its own: warnings stop after five
+    translator = Translator(untrained_checkpoint, "cpu", SearchFlags(beam=2))  # its own: warnings stop after five
     monkeypatch.setattr(translate, "MAX_LINE_CHARS", 100)
     lines = ["ein hund", "der mann " * 30, "zwei katzen"]
     ids = translator.encode(lines)

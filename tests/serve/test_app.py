@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from transformer.config import from_dict, to_dict
 from transformer.device import cpu_description
 from transformer.model.positions import PositionalEncoding
 from transformer.model.transformer import Transformer, count_parameters
+from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 from transformer.data.vocab import train_vocab
 
@@ -84,12 +86,12 @@ def tiny_run(run_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def translator(run) -> Translator:
-    return Translator(run, device="cpu", dtype="fp32")
+    return Translator(run, "cpu", SearchFlags(dtype="fp32"))
 
 
 @pytest.fixture(scope="module")
 def client(run):
-    with TestClient(create_app(Service(run, SETTINGS, device="cpu", dtype="fp32"))) as c:
+    with TestClient(create_app(Service(run, SETTINGS, "cpu", SearchFlags(dtype="fp32")))) as c:
         yield c
 
 
@@ -105,7 +107,7 @@ def post(client, path: str, body) -> dict:
 def test_translate_equals_the_translator(client, translator, beam, nbest):
     lines = [SENTENCES[0], "", SENTENCES[2], "   ", SENTENCES[1], SENTENCES[3], SENTENCES[5]]
     result = post(client, "/translate", {"text": lines, "beam": beam, "nbest": nbest})
-    translator.beam = beam
+    translator.settings = replace(translator.settings, beam=beam)
     expected = translator.translate_nbest(lines, nbest)
     assert (result["beam"], result["nbest"]) == (beam, nbest)
     assert len(result["translations"]) == len(lines)  # one output per input
@@ -117,7 +119,7 @@ def test_translate_equals_the_translator(client, translator, beam, nbest):
 
 
 def test_translate_defaults_and_shapes(client, translator):
-    translator.beam = 3  # the checkpoint's decode.beam
+    translator.settings = replace(translator.settings, beam=3)  # the checkpoint's decode.beam
     one = post(client, "/translate", {"text": SENTENCES[0]})  # a single string is one sentence
     assert one["beam"] == 3 and [t["text"] for t in one["translations"]] == translator.translate([SENTENCES[0]])
     assert post(client, "/translate", {"text": []})["translations"] == []
@@ -142,7 +144,7 @@ def test_concurrent_requests_are_batched_and_match_one_by_one(run, translator):
                 for i, s in enumerate(SENTENCES)]
     results = [None] * len(requests)
     # max_tokens far above these sources: only the window decides what merges.
-    with TestClient(create_app(Service(run, settings, device="cpu", dtype="fp32", max_tokens=4096))) as c:
+    with TestClient(create_app(Service(run, settings, "cpu", SearchFlags(dtype="fp32", max_tokens=4096)))) as c:
         def send(i):
             results[i] = c.post("/translate", json=requests[i])
 
@@ -154,7 +156,7 @@ def test_concurrent_requests_are_batched_and_match_one_by_one(run, translator):
         health = c.get("/health").json()
     assert all(r is not None and r.status_code == 200 for r in results), [r and r.text for r in results]
     for request, response in zip(requests, results):
-        translator.beam = request["beam"]
+        translator.settings = replace(translator.settings, beam=request["beam"])
         assert [t["text"] for t in response.json()["translations"]] == translator.translate(request["text"])
     assert health["requests"] == len(requests) and health["sentences"] == sum(len(r["text"]) for r in requests)
     assert health["batches"] < len(requests)  # merged: at most one search per beam size and window
@@ -164,7 +166,7 @@ def test_concurrent_requests_are_batched_and_match_one_by_one(run, translator):
 def test_a_full_batch_does_not_wait_for_the_window(run):
     """Sources that fill decode.max_tokens go to the model at once: the window bounds waiting, not work."""
     settings = ServeSettings(batch_window_ms=5000, max_sentences=8, max_chars=400, max_beam=5)
-    with TestClient(create_app(Service(run, settings, device="cpu", dtype="fp32", max_tokens=1))) as c:
+    with TestClient(create_app(Service(run, settings, "cpu", SearchFlags(dtype="fp32", max_tokens=1)))) as c:
         for sentence in SENTENCES[:3]:
             start = time.monotonic()
             assert c.post("/translate", json={"text": [sentence]}).status_code == 200
@@ -175,7 +177,7 @@ def test_a_full_batch_does_not_wait_for_the_window(run):
 def test_a_beam_wider_than_the_vocabulary_is_refused_whatever_max_beam_allows(run):
     """A beam in the millions held millions of scores per sentence until the server ran out of memory."""
     settings = ServeSettings(batch_window_ms=2, max_sentences=8, max_chars=400, max_beam=10 ** 9)
-    with TestClient(create_app(Service(run, settings, device="cpu", dtype="fp32"))) as c:
+    with TestClient(create_app(Service(run, settings, "cpu", SearchFlags(dtype="fp32")))) as c:
         for path in ("/translate", "/beam"):
             response = c.post(path, json={"text": SENTENCES[0] if path == "/beam" else [SENTENCES[0]],
                                           "beam": 10 ** 8})
@@ -322,9 +324,9 @@ def test_ctranslate2_engine_serves_translate_and_our_model_the_page(ctranslate2,
     real = translate_module.ctranslate2_search
     monkeypatch.setattr(translate_module, "ctranslate2_search", lambda *a, **k: calls.append(1) or real(*a, **k))
     lines = LINES[:SETTINGS.max_sentences]
-    with TestClient(create_app(Service(copy_model, SETTINGS, device="cpu", dtype="fp32"))) as ours, \
-            TestClient(create_app(Service(copy_model, SETTINGS, device="cpu", dtype="fp32",
-                                          engine="ctranslate2"))) as theirs:
+    with TestClient(create_app(Service(copy_model, SETTINGS, "cpu", SearchFlags(dtype="fp32")))) as ours, \
+            TestClient(create_app(Service(copy_model, SETTINGS, "cpu",
+                                          SearchFlags(dtype="fp32", engine="ctranslate2")))) as theirs:
         assert ours.get("/info").json()["decode"]["engine"] == "ours"
         assert theirs.get("/info").json()["decode"]["engine"] == "ctranslate2"
         # /translate's stop rule: CTranslate2 stops once `beam` hypotheses have finished, whatever decode.stop says
@@ -385,7 +387,7 @@ def test_checkpoint_is_read_once_and_each_request_encoded_once(run, monkeypatch)
     real_load, real_encode = translate_module.load_checkpoint, Vocab.encode
     monkeypatch.setattr(translate_module, "load_checkpoint", lambda path: loads.append(path) or real_load(path))
     monkeypatch.setattr(Vocab, "encode", lambda self, lines: encoded.append(list(lines)) or real_encode(self, lines))
-    with TestClient(create_app(Service(run, SETTINGS, device="cpu", dtype="fp32"))) as c:
+    with TestClient(create_app(Service(run, SETTINGS, "cpu", SearchFlags(dtype="fp32")))) as c:
         assert len(loads) == 1 and c.get("/info").json()["step"] == 120
         result = post(c, "/translate", {"text": SENTENCES[:3], "beam": 2})
     assert len(result["translations"]) == 3
@@ -456,7 +458,7 @@ CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 def server(run):
     """A real uvicorn on 127.0.0.1 and a free port, with serve's limits, in a thread; -> its base URL."""
     sock = listen("127.0.0.1", 0)
-    service = Service(run, SETTINGS, device="cpu", dtype="fp32")
+    service = Service(run, SETTINGS, "cpu", SearchFlags(dtype="fp32"))
     server = make_server(create_app(service, "127.0.0.1"), SETTINGS, service.drain)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

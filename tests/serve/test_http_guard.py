@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 
 from tests.conftest import subprocess_env
 from tests.serve.test_app import SENTENCES, run_cli, synthetic, tiny_run
+from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 
 pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")
@@ -47,7 +49,7 @@ def settings(**changes) -> ServeSettings:
 @contextmanager
 def real_server(run_dir: Path, **changes):
     """uvicorn with serve's protocol, guard and limits on 127.0.0.1 and a free port, in a thread -> (port, service)."""
-    service = Service(run_dir, settings(**changes), device="cpu", dtype="fp32")
+    service = Service(run_dir, settings(**changes), "cpu", SearchFlags(dtype="fp32"))
     sock = listen("127.0.0.1", 0)
     server = make_server(create_app(service, "127.0.0.1"), service.settings, service.drain)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -328,7 +330,7 @@ def test_attention_and_beam_answers_are_bounded_before_anything_runs(run, monkey
     ran = []
     monkeypatch.setattr(Service, "attention", lambda self, *a: ran.append(a) or {})
     monkeypatch.setattr(Service, "beam_trace", lambda self, *a: ran.append(a) or {})
-    with TestClient(create_app(Service(run, settings(max_answer_values=3000), device="cpu", dtype="fp32"))) as c:
+    with TestClient(create_app(Service(run, settings(max_answer_values=3000), "cpu", SearchFlags(dtype="fp32")))) as c:
         long = SENTENCES[2]
         for path, body in (("/attention", {"text": long, "beam": 1}), ("/beam", {"text": long, "beam": 5})):
             response = c.post(path, json=body)
@@ -345,7 +347,7 @@ def test_the_answer_bounds_hold_for_what_the_model_really_answers(run, beam):
     needed after computing)."""
     import random
 
-    service = Service(run, settings(), device="cpu", dtype="fp32")
+    service = Service(run, settings(), "cpu", SearchFlags(dtype="fp32"))
     limits = []
     monkey = service.check_answer
     service.check_answer = lambda values, what, fix: limits.append(values) or monkey(values, what, fix)
@@ -384,7 +386,7 @@ def test_every_endpoint_counts_against_max_pending(run, monkeypatch):
     """/attention and /beam requests queued without bound (a /beam flood kept /translate waiting 68 s with no
     503): each now counts one against --max-pending."""
     gate = blocking_attention(monkeypatch)
-    service = Service(run, settings(max_pending=8), device="cpu", dtype="fp32")
+    service = Service(run, settings(max_pending=8), "cpu", SearchFlags(dtype="fp32"))
     with TestClient(create_app(service)) as c:
         results = []
 
@@ -416,7 +418,7 @@ def test_translate_waits_for_at_most_one_inspection_and_health_for_none(run, mon
     """Inspections take turns with translation batches: a /translate sent while one /attention runs and three
     wait is answered next, not after all of them; /health answers while the model is busy."""
     gate = blocking_attention(monkeypatch)
-    service = Service(run, settings(), device="cpu", dtype="fp32")
+    service = Service(run, settings(), "cpu", SearchFlags(dtype="fp32"))
     done: list[str] = []
     with TestClient(create_app(service)) as c:
         def send(name, path, body):
@@ -447,7 +449,7 @@ def test_positions_are_computed_off_the_event_loop(run, monkeypatch):
 
     gate, started, real = threading.Event(), threading.Event(), serve_module.positions_table
     monkeypatch.setattr(serve_module, "positions_table", lambda *a: started.set() or gate.wait(30) and real(*a))
-    with TestClient(create_app(Service(run, settings(), device="cpu", dtype="fp32"))) as c:
+    with TestClient(create_app(Service(run, settings(), "cpu", SearchFlags(dtype="fp32")))) as c:
         got = {}
         t = threading.Thread(target=lambda: got.setdefault("r", c.get("/positions?d_model=16&length=30")))
         t.start()
@@ -558,7 +560,7 @@ def test_sigterm_answers_requests_in_flight_then_503_past_the_drain(run):
 
 def test_only_the_host_names_served_are_answered(run):
     """A page elsewhere could read the API through DNS rebinding: its requests name its own host."""
-    service = Service(run, settings(allow_hosts=("Example.org",)), device="cpu", dtype="fp32")
+    service = Service(run, settings(allow_hosts=("Example.org",)), "cpu", SearchFlags(dtype="fp32"))
     with TestClient(create_app(service, "127.0.0.1")) as c:
         for host in ("localhost:8000", "127.0.0.1", "[::1]:8000", "LOCALHOST", "example.org", "example.org.:80",
                      "testserver"):  # the last: the address the client reached (the test client's)
@@ -568,7 +570,7 @@ def test_only_the_host_names_served_are_answered(run):
             assert response.status_code == 421, host
             assert "--allow-host" in response.json()["error"] and response.headers["connection"] == "close"
             assert c.post("/translate", json={"text": ["zwei"]}, headers={"host": host}).status_code == 421
-    service = Service(run, settings(allow_hosts=("*",)), device="cpu", dtype="fp32")
+    service = Service(run, settings(allow_hosts=("*",)), "cpu", SearchFlags(dtype="fp32"))
     with TestClient(create_app(service, "0.0.0.0")) as c:
         assert c.get("/health", headers={"host": "anything.example"}).status_code == 200
 
@@ -594,12 +596,12 @@ def test_fp32_translations_do_not_depend_on_the_other_requests_in_the_batch(run)
     translations of a trained tiny model this way, and bf16 9 of 120 in the issue's measurement."""
     import random
 
-    translator = Translator(run, device="cpu", dtype="fp32", max_tokens=100_000)
+    translator = Translator(run, "cpu", SearchFlags(dtype="fp32", max_tokens=100_000))
     mine = SENTENCES + synthetic(random.Random(5), 10)
     strangers = synthetic(random.Random(6), 30) + [" ".join(["hund katze"] * 12)]
     for beam in (1, 3, 5):
         nbest = min(beam, 2)
-        translator.beam = beam
+        translator.settings = replace(translator.settings, beam=beam)
         alone = [translator.translate_nbest([line], nbest)[0] for line in mine]
         mixed = mine + strangers
         random.Random(beam).shuffle(mixed)
@@ -616,10 +618,10 @@ def test_serve_defaults_to_fp32_where_translate_would_pick_bf16(run, monkeypatch
 
     monkeypatch.setattr(translate_module, "auto_precision", lambda device: ("bf16", "auto: native bf16"))
     assert translate_module.pick_dtype("auto", torch.device("cpu"))[0] == "bf16"  # what translate takes
-    with TestClient(create_app(Service(run, settings(), device="cpu"))) as c:
+    with TestClient(create_app(Service(run, settings(), "cpu"))) as c:
         info = c.get("/info").json()
     assert info["dtype"] == "fp32" and "does not depend on the other requests" in info["dtype_note"]
-    service = Service(run, settings(), device="cpu", dtype="int8")
+    service = Service(run, settings(), "cpu", SearchFlags(dtype="int8"))
     assert "depend on the other requests" in service.info["dtype_note"]
 
 

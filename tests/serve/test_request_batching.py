@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from transformer.inference.settings import SearchSettings
 from transformer.serve.request_batching import Batcher, _Job
 
 
@@ -15,9 +16,9 @@ class StubTranslator:
     """Translates a source to its length; the first search fails when asked to."""
 
     def __init__(self, max_tokens: int = 64, fail_first: bool = False):
-        self.max_tokens, self.beam, self.fail_first, self.searches = max_tokens, 1, fail_first, []
+        self.settings, self.fail_first, self.searches = SearchSettings(beam=1, max_tokens=max_tokens), fail_first, []
 
-    def search(self, ids, nbest):
+    def search(self, ids, settings):
         self.searches.append([len(s) for s in ids])
         if self.fail_first:
             self.fail_first = False

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.config import ModelConfig, from_dict, load_config
 from transformer.device import pick_precision
 from transformer.errors import UserError
-from transformer.training.end_of_training import LENPENS, _search_settings
+from transformer.inference.settings import search_settings
+from transformer.training.end_of_training import LENPENS, _tune
 from transformer.model.transformer import training_flops
 from transformer.data.store import Store
 from transformer.training.loop import train
@@ -203,12 +205,15 @@ def test_the_search_grid_skips_length_penalties_where_greedy_cannot_change(beam,
     # A score that prefers lenpen 1.0 and the wider beam. Each setting is scored once; the config's own is known.
     calls = []
 
-    def score(model, b, lenpen):
+    def score(model, settings):
+        b, lenpen = settings.beam, settings.lenpen
         calls.append((b, lenpen))
         return {"bleu": 10 + (lenpen == 1.0) + b / 100, "chrf": 30.0, "sys_len": 9, "ref_len": 10}, []
 
     cfg = from_dict(tiny_config(Path("/nowhere"), data_dir=Path("/nowhere"), decode={"beam": beam, "lenpen": 0.6}))
-    chosen_beam, chosen_lenpen, grid = _search_settings(score, None, cfg, score(None, beam, 0.6)[0])
+    config = search_settings(cfg.decode)
+    chosen, grid = _tune(score, None, config, score(None, config)[0])
+    chosen_beam, chosen_lenpen = chosen.beam, chosen.lenpen
     assert calls[0] == (beam, 0.6)  # the known score, made above
     assert set(calls) == tried and len(calls) == len(tried) and (beam, 0.6) not in calls[1:]
     assert (chosen_beam, chosen_lenpen) == ((1, 0.6) if beam == 1 else (6, 1.0))
@@ -267,11 +272,12 @@ def test_a_tie_keeps_the_configured_search_settings(tmp_path):
     same = {**bleu_chrf(["a dog runs"], ["a dog runs"]), "bleu": 30.0}
     tried = []
 
-    def score(model, beam, lenpen):
-        tried.append((beam, lenpen))
+    def score(model, settings):
+        tried.append((settings.beam, settings.lenpen))
         return same, None
 
-    beam, lenpen, _ = _search_settings(score, None, cfg, same)
+    chosen, _ = _tune(score, None, search_settings(cfg.decode), same)
+    beam, lenpen = chosen.beam, chosen.lenpen
     assert (beam, lenpen) == (4, 0.6) and (6, 0.6) in tried  # the wider beam was tried, and not taken
 
 
@@ -279,7 +285,8 @@ def test_the_chosen_search_settings_go_into_final_pt_and_config_yaml(tmp_path, m
     """Settings other than the config's (whatever validation found), so that their being written shows."""
     from transformer.training import end_of_training as finish_module
 
-    monkeypatch.setattr(finish_module, "_search_settings", lambda score, model, cfg, at: (3, 1.4, {"beam3_lp1.4": 1.0}))
+    monkeypatch.setattr(finish_module, "_tune",
+                        lambda score, model, config, at: (replace(config, beam=3, lenpen=1.4), {"beam3_lp1.4": 1.0}))
     run_dir, raw = finished_run(tmp_path, max_steps=20)
     assert raw["decode"]["beam"] != 3
     decode = load_config(run_dir / "config.yaml").decode

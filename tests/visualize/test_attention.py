@@ -13,6 +13,7 @@ from transformer.model.checkpoint import save_checkpoint
 from transformer.cli import main
 from transformer.config import Config, DataConfig, ModelConfig, to_dict
 from transformer.errors import UserError
+from transformer.inference.settings import SearchSettings
 from transformer.model.transformer import Transformer
 from transformer.data.vocab import PAD_ID, train_vocab
 
@@ -130,7 +131,7 @@ def test_inspect_sentence_pieces_and_translation(model, vocab):
         assert maps.weights[kind].shape[2:] == (len(query), len(key))
     assert maps.shape("decoder") == (3, 4) and maps.shape("encoder") == (2, 4)
     assert not maps.translated
-    own = inspect_attention(model, vocab, "the dog sits", beam=1, max_len_offset=5)
+    own = inspect_attention(model, vocab, "the dog sits", settings=SearchSettings(beam=1, max_len_offset=5))
     assert own.translated and own.weights["cross"].shape[2] == len(own.target_pieces)
     with pytest.raises(UserError, match="empty"):
         inspect_attention(model, vocab, "   ")

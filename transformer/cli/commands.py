@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING
 
 from transformer.errors import UserError, out_of_memory_names
+
+if TYPE_CHECKING:
+    from transformer.inference.settings import SearchFlags
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -29,30 +32,17 @@ def cmd_train(args: argparse.Namespace) -> None:
     train(load_config(config, args.set), resume=resume, config_path=config, overrides=args.set)
 
 
-def _check_beam(beam: Optional[int]) -> None:
-    if beam is not None and beam < 1:
-        raise UserError(f"--beam must be at least 1 (1 = greedy), got {beam}")
+def _search_flags(args: argparse.Namespace) -> SearchFlags:
+    """translate's, evaluate's and serve's search options (parser.add_search_options; translate's --nbest too) as
+    SearchFlags, checked there before anything loads. --int8 is --dtype int8: not with another --dtype (no last
+    flag wins); no --dtype is auto."""
+    from transformer.inference.settings import SearchFlags
 
-
-def _check_search_args(args: argparse.Namespace) -> None:
-    """Ranges argparse's types do not check, reported in one line like every other error (translate, evaluate,
-    serve)."""
-    from transformer.config import lenpen_problem
-
-    _check_beam(args.beam)
-    if args.lenpen is not None and lenpen_problem(args.lenpen, "--lenpen") is not None:
-        raise UserError(lenpen_problem(args.lenpen, "--lenpen"))
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if args.workers is not None and args.workers < 1:
-        raise UserError(f"--workers must be at least 1, got {args.workers}")
-
-
-def _dtype(args: argparse.Namespace) -> str:
-    """translate's and evaluate's --dtype, or --int8: not both unless they agree (no last flag wins)."""
     if args.int8 and args.dtype not in (None, "int8"):
         raise UserError(f"--int8 means --dtype int8; it cannot go with --dtype {args.dtype}")
-    return "int8" if args.int8 else args.dtype or "auto"
+    return SearchFlags(beam=args.beam, lenpen=args.lenpen, stop=args.stop, max_tokens=args.max_tokens,
+                       workers=args.workers, dtype="int8" if args.int8 else args.dtype or "auto", engine=args.engine,
+                       nbest=getattr(args, "nbest", None))
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -83,17 +73,16 @@ def cmd_attention(args: argparse.Namespace) -> None:
     from transformer.model.checkpoint import load_model
     from transformer.visualize.attention import KINDS, inspect_attention
     from transformer.visualize.plots import output_path, write_attention_figures
-    from transformer.inference.search import beam_above_vocabulary
+    from transformer.inference.settings import SearchFlags, beam_above_vocabulary, search_settings
 
     output_path(args.out, "attention")  # a bad suffix or a directory fails before the model is loaded
-    _check_beam(args.beam)
+    flags = SearchFlags(beam=args.beam)
     model, vocab, cfg = load_model(args.checkpoint)
-    beam = cfg.decode.beam if args.beam is None else args.beam
-    if beam > len(vocab):
-        raise UserError(f"attention: {beam_above_vocabulary(beam, len(vocab))}")
-    with out_of_memory_names(f"the attention maps with beam {beam} (lower --beam)"):
-        maps = inspect_attention(model, vocab, args.source, args.target, beam=beam, lenpen=cfg.decode.lenpen,
-                                 max_len_offset=cfg.decode.max_len_offset, stop=cfg.decode.stop)
+    settings = search_settings(cfg.decode, flags)
+    if settings.beam > len(vocab):
+        raise UserError(f"attention: {beam_above_vocabulary(settings.beam, len(vocab))}")
+    with out_of_memory_names(f"the attention maps with beam {settings.beam} (lower --beam)"):
+        maps = inspect_attention(model, vocab, args.source, args.target, settings)
     if args.target is None:
         print(f"translation: {maps.target}", file=sys.stderr)
     kinds = KINDS if args.kind == "all" else (args.kind,)
@@ -118,19 +107,17 @@ def cmd_plot(args: argparse.Namespace) -> None:
 def cmd_translate(args: argparse.Namespace) -> None:
     from transformer.cli.translate_io import run_translate
 
-    _check_search_args(args)
+    flags = _search_flags(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
-        run_translate(args.checkpoint, args.sentences, args.input, args.output, args.beam, args.lenpen, args.nbest,
-                      args.max_tokens, args.device, _dtype(args), args.stop, args.engine, args.workers)
+        run_translate(args.checkpoint, args.sentences, args.input, args.output, args.device, flags)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from transformer.inference.evaluation import run_evaluate
 
-    _check_search_args(args)
+    flags = _search_flags(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
-        run_evaluate(args.run, args.split, args.src, args.ref, args.beam, args.lenpen, args.max_tokens, args.device,
-                     _dtype(args), args.stop, args.engine, args.workers)
+        run_evaluate(args.run, args.split, args.src, args.ref, args.device, flags)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -143,7 +130,7 @@ SERVE_MODULES = ("fastapi", "uvicorn", "starlette", "pydantic")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    _check_search_args(args)
+    flags = _search_flags(args)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be between 0 and 65535, got {args.port}")
     try:
@@ -158,8 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                              max_answer_values=args.max_answer_values, max_connections=args.max_connections,
                              read_timeout_s=args.read_timeout, keep_alive_s=args.keep_alive_timeout,
                              drain_s=args.drain_timeout, allow_hosts=tuple(args.allow_host))
-    run_serve(args.checkpoint, args.host, args.port, settings, args.device, args.dtype, args.beam, args.lenpen,
-              args.stop, args.max_tokens, args.workers, args.engine)
+    run_serve(args.checkpoint, args.host, args.port, settings, args.device, flags)
 
 
 def cmd_average(args: argparse.Namespace) -> None:

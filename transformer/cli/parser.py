@@ -1,6 +1,7 @@
 """The `transformer` command line: one subcommand per step of the pipeline, errors as one line.
 
-Each verb's options are built by its `_add_<verb>` function here; what the verb does is `commands.cmd_<verb>`."""
+Each verb's options are built by its `_add_<verb>` function here; what the verb does is `commands.cmd_<verb>`.
+The search options of translate, evaluate and serve are declared once, by `add_search_options`."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import logging
 import os
 import sys
 import traceback
-from typing import NoReturn, Optional, Sequence
+from typing import Mapping, NoReturn, Optional, Sequence
 
 from transformer.cli import commands
 from transformer.errors import UserError
+from transformer.inference.settings import DTYPES, ENGINES, STOP_RULES  # imports no torch: --help stays fast
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -145,9 +147,9 @@ def _add_plot(sub) -> None:
     p.set_defaults(func=commands.cmd_plot)
 
 
-def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
+def _add_translate(sub) -> None:
     p = sub.add_parser(
-        "translate", parents=[decode], help="translate sentences with a trained model",
+        "translate", help="translate sentences with a trained model",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Translate sentences given as arguments, read from --input FILE, or read from stdin\n"
                     "line by line (each line is translated as soon as it arrives, so interactive use works).\n"
@@ -171,13 +173,14 @@ def _add_translate(sub, decode: argparse.ArgumentParser) -> None:
                         "translated (after a stop FILE is unchanged and FILE.partial keeps what was done; an existing "
                         "FILE.partial is never written over: move it away first)")
     p.add_argument("--nbest", type=int, default=1, metavar="N", help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)")
+    add_search_options(p)
     p.set_defaults(func=commands.cmd_translate)
     p.__class__ = _IntermixedParser  # same parser, intermixed positionals
 
 
-def _add_evaluate(sub, decode: argparse.ArgumentParser) -> None:
+def _add_evaluate(sub) -> None:
     p = sub.add_parser(
-        "evaluate", parents=[decode], help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
+        "evaluate", help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
         description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
                     "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
                     "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
@@ -189,6 +192,7 @@ def _add_evaluate(sub, decode: argparse.ArgumentParser) -> None:
     p.add_argument("--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)")
     p.add_argument("--src", metavar="FILE", help="source sentences to translate instead of a split (with --ref)")
     p.add_argument("--ref", metavar="FILE", help="reference translations of --src, line by line")
+    add_search_options(p)
     p.set_defaults(func=commands.cmd_evaluate)
 
 
@@ -210,24 +214,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    p.add_argument("--beam", type=int, metavar="N", help="beam size when a request gives none (default: decode.beam)")
-    p.add_argument("--lenpen", type=float, metavar="A",
-                   help="GNMT length penalty alpha, 0 to 10 (default: decode.lenpen)")
-    p.add_argument("--stop", choices=("exact", "early"), help="beam search stop rule (default: decode.stop)")
-    p.add_argument("--max-tokens", type=int, metavar="N",
-                   help="source tokens per batched search; also ends a batching window early (default: decode.max_tokens)")
-    p.add_argument("--workers", type=int, metavar="N",
-                   help="searches side by side on a CPU when a batched search holds several batches, as for "
-                        "translate (default: decode.workers)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where to run (default auto)")
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"), default="auto",
-                   help="number format (default auto: fp32, so that each answer is what its request would get "
-                        "alone; in bf16 or int8 an answer may depend on the other requests batched with it)")
-    p.add_argument("--engine", choices=("ours", "ctranslate2"), default="ours",
-                   help="what runs /translate: ours (default) or ctranslate2, as for translate (pip install "
-                        "'transformer[ctranslate2]'; on a CPU it answers sooner). The page's attention maps and "
-                        "beam traces always come from our model, so with beam > 1 they may show a different "
-                        "translation (CTranslate2 has its own stop rule and length penalty)")
+    add_search_options(p, SERVE_SEARCH_HELP)
     p.add_argument("--batch-window-ms", type=float, default=5.0, metavar="MS",
                    help="how long a /translate request waits for others to share its search (default 5; 0: only "
                         "requests that queued while the model was busy are merged)")
@@ -295,40 +282,58 @@ def _add_export(sub) -> None:
     p.set_defaults(func=commands.cmd_export)
 
 
-def _search_options() -> argparse.ArgumentParser:
-    """The search options translate and evaluate share (argparse parents)."""
-    decode = argparse.ArgumentParser(add_help=False)
-    decode.add_argument("--beam", type=int, metavar="N", help="beam size; 1 = greedy (default: decode.beam of the checkpoint's config)")
-    decode.add_argument("--lenpen", type=float, metavar="A",
-                        help="GNMT length penalty alpha, 0 to 10: score = log p / ((5 + len) / 6)^A "
-                             "(default: decode.lenpen)")
-    decode.add_argument("--max-tokens", type=int, metavar="N", help="source tokens per batch (default: decode.max_tokens)")
-    decode.add_argument("--workers", type=int, metavar="N",
-                        help="searches run side by side on a CPU, each on its own batches of max-tokens / N "
-                             "tokens with torch's threads / N threads (CTranslate2: its inter_threads); 1 = one "
-                             "search on all threads, the lowest latency for one batch with CTranslate2 "
-                             "(default: decode.workers, 2)")
-    decode.add_argument("--stop", choices=("exact", "early"),
-                        help="when beam search ends a sentence: exact (once no live hypothesis can beat the "
-                             "n-best finished ones) or early (fairseq's: once BEAM hypotheses have finished; "
-                             "fewer decoder steps) (default: decode.stop)")
-    decode.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where to run (default auto: CUDA when available)")
+# What the search options say in translate's and evaluate's --help; SERVE_SEARCH_HELP rewords some for serve.
+SEARCH_HELP = {
+    "--beam": "beam size; 1 = greedy (default: decode.beam of the checkpoint's config)",
+    "--lenpen": "GNMT length penalty alpha, 0 to 10: score = log p / ((5 + len) / 6)^A (default: decode.lenpen)",
+    "--stop": "when beam search ends a sentence: exact (once no live hypothesis can beat the n-best finished ones) "
+              "or early (fairseq's: once BEAM hypotheses have finished; fewer decoder steps) (default: decode.stop)",
+    "--max-tokens": "source tokens per batch (default: decode.max_tokens)",
+    "--workers": "searches run side by side on a CPU, each on its own batches of max-tokens / N tokens with torch's "
+                 "threads / N threads (CTranslate2: its inter_threads); 1 = one search on all threads, the lowest "
+                 "latency for one batch with CTranslate2 (default: decode.workers, 2)",
+    "--device": "where to run (default auto: CUDA when available)",
+    "--dtype": "number format: fp32 (on CUDA full fp32, TF32 tensor cores off, as in torch's default: exact but "
+               "several times slower than bf16 there); bf16 (fast on CUDA and on CPUs with avx512_bf16/amx_bf16, "
+               "emulated and slow elsewhere); int8 (CPU: linear layers quantized, faster at a small cost in "
+               "accuracy); auto (default): bf16 where it is native, else fp32, printed on stderr. `evaluate` "
+               "measures what a choice costs",
+    "--int8": "the same as --dtype int8",
+    "--engine": "ours (PyTorch search, default) or ctranslate2: the checkpoint is converted once (kept in "
+                "CHECKPOINT_DIR/ct2/, rebuilt when the checkpoint changes) and run by CTranslate2 (pip install "
+                "'transformer[ctranslate2]'), with its own stop rule (like --stop early) and length penalty "
+                "(length^A rather than GNMT's; scores are still reported in ours)",
+}
+SERVE_SEARCH_HELP = {
+    "--beam": "beam size when a request gives none (default: decode.beam)",
+    "--max-tokens": "source tokens per batched search; also ends a batching window early (default: "
+                    "decode.max_tokens)",
+    "--workers": "searches side by side on a CPU when a batched search holds several batches, as for translate "
+                 "(default: decode.workers)",
+    "--dtype": "number format (default auto: fp32, so that each answer is what its request would get alone; in "
+               "bf16 or int8 an answer may depend on the other requests batched with it)",
+    "--engine": "what runs /translate: ours (default) or ctranslate2, as for translate (pip install "
+                "'transformer[ctranslate2]'; on a CPU it answers sooner). The page's attention maps and beam traces "
+                "always come from our model, so with beam > 1 they may show a different translation (CTranslate2 "
+                "has its own stop rule and length penalty)",
+}
+
+
+def add_search_options(p: argparse.ArgumentParser, wording: Optional[Mapping[str, str]] = None) -> None:
+    """The search options, the same for translate, evaluate and serve (commands._search_flags reads them), in a
+    group of their own; the choices are inference/settings.py's. `wording`: a verb's own help for some, by flag."""
+    words = {**SEARCH_HELP, **(wording or {})}
+    g = p.add_argument_group("search options")
+    g.add_argument("--beam", type=int, metavar="N", help=words["--beam"])
+    g.add_argument("--lenpen", type=float, metavar="A", help=words["--lenpen"])
+    g.add_argument("--stop", choices=STOP_RULES, help=words["--stop"])
+    g.add_argument("--max-tokens", type=int, metavar="N", help=words["--max-tokens"])
+    g.add_argument("--workers", type=int, metavar="N", help=words["--workers"])
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=words["--device"])
     # No default here: commands.py tells "--dtype X --int8" (refused) from "--int8" alone, then makes it auto.
-    decode.add_argument("--dtype", choices=("auto", "fp32", "bf16", "int8"),
-                        help="number format: fp32 (on CUDA full fp32, TF32 tensor cores off, as in torch's "
-                             "default: exact but several times slower than bf16 there); bf16 (fast on CUDA and on "
-                             "CPUs with avx512_bf16/amx_bf16, emulated and slow elsewhere); int8 (CPU: linear layers "
-                             "quantized, faster at a small cost in accuracy); auto (default): bf16 where it is "
-                             "native, else fp32, printed on stderr. `evaluate` measures what a choice costs")
-    decode.add_argument("--int8", action="store_true", help="the same as --dtype int8")
-    decode.add_argument("--engine", choices=("ours", "ctranslate2"), default="ours",
-                        help="ours (PyTorch search, default) or ctranslate2: the checkpoint is converted once "
-                             "(kept in CHECKPOINT_DIR/ct2/, rebuilt when the checkpoint changes) and run by "
-                             "CTranslate2 (pip install 'transformer[ctranslate2]'), with its own stop rule (like "
-                             "--stop early) and length penalty (length^A rather than GNMT's; scores are still "
-                             "reported in ours)")
-    return decode
+    g.add_argument("--dtype", choices=DTYPES, help=words["--dtype"])
+    g.add_argument("--int8", action="store_true", help=words["--int8"])
+    g.add_argument("--engine", choices=ENGINES, default="ours", help=words["--engine"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,15 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    decode = _search_options()
     _add_train(sub)
     _add_prepare(sub)
     _add_finish(sub)
     _add_attention(sub)
     _add_plot_positions(sub)
     _add_plot(sub)
-    _add_translate(sub, decode)
-    _add_evaluate(sub, decode)
+    _add_translate(sub)
+    _add_evaluate(sub)
     _add_serve(sub)
     _add_average(sub)
     _add_export(sub)

@@ -14,6 +14,7 @@ from typing import Iterator, Optional, Sequence, TextIO
 from tqdm import tqdm
 
 from transformer.errors import UserError
+from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import MAX_LINE_CHARS, Translator
 
 # An --input file is translated and written this many lines at a time: a stop keeps what was done, and each
@@ -206,18 +207,15 @@ def write_nbest(out: TextIO, results: list[list[tuple[float, str]]], nbest: int)
 
 
 def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str], output: Optional[str],
-                  beam: Optional[int], lenpen: Optional[float], nbest: int, max_tokens: Optional[int],
-                  device: str, dtype: str = "fp32", stop: Optional[str] = None, engine: str = "ours",
-                  workers: Optional[int] = None) -> None:
-    """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line."""
+                  device: str = "auto", flags: SearchFlags = SearchFlags()) -> None:
+    """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line (or
+    flags.nbest), searched with `flags` over the checkpoint's decode section."""
     from transformer.files import check_output_path
     from transformer.data.corpus import read_lines
 
     if sentences and input:
         raise UserError("translate: give sentences as arguments or --input FILE, not both")
     input = None if input == "-" else input  # standard input, streamed as without --input
-    if nbest < 1:
-        raise UserError("--nbest must be at least 1")
     if output is None and sys.stdout is None:
         raise UserError("translate: standard output is closed; give --output FILE")
     if not sentences and not input and sys.stdin is None:
@@ -228,10 +226,8 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
             check_partial(output, input)
     # Read once (a pipe cannot be read again), before the model loads and before the output is opened.
     lines = list(sentences) if sentences else read_lines(input) if input else None
-    translator = Translator(checkpoint, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine,
-                            workers=workers)
-    if nbest > translator.beam:
-        raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({translator.beam}); raise --beam")
+    translator = Translator(checkpoint, device, flags)  # --nbest above the beam is refused here
+    nbest = translator.settings.nbest
     if translator.note:
         print(translator.note, file=sys.stderr)
     if output is None and hasattr(sys.stdout, "reconfigure"):
@@ -244,7 +240,7 @@ def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str
             # A progress bar for a file; sentences given as arguments come back at once.
             chunks = file_chunks(lines, progress=input is not None) if lines is not None else stdin_chunks()
             for chunk in chunks:
-                write_nbest(out, translator.translate_nbest(chunk, nbest), nbest)
+                write_nbest(out, translator.translate_nbest(chunk), nbest)
         translator.report_truncation()
     except OSError as e:
         if isinstance(e, BrokenPipeError) or e.filename is not None:

@@ -16,6 +16,7 @@ from transformer.files import atomic_write
 from transformer.errors import UserError
 from transformer.run_dir import RunDir
 from transformer.inference.scoring import bleu_chrf
+from transformer.inference.settings import SearchFlags
 
 
 def _check_writable(eval_dir: Path) -> None:
@@ -60,10 +61,10 @@ def _results_name(eval_dir: Path, name: str, settings: str, source: Optional[lis
     return f"{name}.{digest[:8]}.{settings}"
 
 
-def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], beam: Optional[int],
-                 lenpen: Optional[float], max_tokens: Optional[int], device: str, dtype: str = "fp32",
-                 stop: Optional[str] = None, engine: str = "ours", workers: Optional[int] = None) -> dict:
-    """The `evaluate` command: translate a split (or --src/--ref files), score, write .hyp and .json."""
+def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], device: str = "auto",
+                 flags: SearchFlags = SearchFlags()) -> dict:
+    """The `evaluate` command: translate a split (or --src/--ref files) with the search `flags` over the
+    checkpoint's decode section, score, write .hyp and .json."""
     from transformer.config import split_name_problem
     from transformer.data.corpus import load_split, read_parallel, resolve_split
     from transformer.inference.translator import Translator
@@ -74,8 +75,8 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         raise UserError("evaluate: give --split or --src/--ref, not both")
     if split is not None and split_name_problem(split, "--split") is not None:  # never a path out of the run
         raise UserError(f"evaluate: {split_name_problem(split, '--split')}; for other files pass --src FILE --ref FILE")
-    translator = Translator(run_dir, device, beam, lenpen, max_tokens, stop=stop, dtype=dtype, engine=engine,
-                            workers=workers)
+    translator = Translator(run_dir, device, flags)
+    settings = translator.settings
     if src is not None:
         sources, references = read_parallel(src, ref)
         # A pipe (`--src <(zcat test.de.gz)` is /dev/fd/63) would name the results "63"
@@ -109,7 +110,7 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     else:
         source = (["files", str(Path(src).resolve()), str(Path(ref).resolve())]
                   if Path(src).is_file() and Path(ref).is_file() else None)
-    name = _results_name(eval_dir, name, translator.describe(), source, digest)
+    name = _results_name(eval_dir, name, settings.describe(), source, digest)
     _check_writable(eval_dir)  # before the translating, not after it
     start = time.perf_counter()
     hypotheses = translator.translate(sources)
@@ -121,12 +122,12 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     hyp_path, json_path = eval_dir / f"{name}.hyp", eval_dir / f"{name}.json"
     text = "".join(h + "\n" for h in hypotheses)
     atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
-    record = {"checkpoint": str(run_dir), "split": split, "src": src, "ref": ref, "beam": translator.beam,
-              "lenpen": translator.lenpen, "stop": translator.stop if translator.engine == "ours" else None,
-              "dtype": translator.dtype, "engine": translator.engine, "seconds": round(seconds, 3),
+    record = {"checkpoint": str(run_dir), "split": split, "src": src, "ref": ref, "beam": settings.beam,
+              "lenpen": settings.lenpen, "stop": settings.stop if settings.engine == "ours" else None,
+              "dtype": settings.dtype, "engine": settings.engine, "seconds": round(seconds, 3),
               "hypotheses": str(hyp_path), "source": source, "inputs_sha256": digest, **scores}
     summary = json.dumps(record, indent=2) + "\n"
     atomic_write(json_path, lambda f: f.write(summary.encode("utf-8")))
-    print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({translator.describe()}); "
+    print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({settings.describe()}); "
           f"wrote {hyp_path} and {json_path}")
     return record

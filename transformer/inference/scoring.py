@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from transformer.errors import UserError
+from transformer.inference.settings import SearchSettings
 from transformer.inference.translator import translate_ids
 
 
@@ -32,11 +33,9 @@ def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
     }
 
 
-def translate_and_score(model, vocab, sources: Sequence[Sequence[int]], references: Sequence[str], beam: int,
-                        lenpen: float, decode, device) -> tuple[dict, list[str]]:
-    """BLEU and chrF (bleu_chrf) of a model in memory translating `sources` (subword ids) with the search
-    settings of `decode` (a DecodeConfig) but `beam` and `lenpen`; and the translations."""
-    ids = translate_ids(model, sources, beam, lenpen, decode.max_len_offset, decode.max_tokens, device, decode.stop,
-                        decode.workers)
-    hypotheses = vocab.decode(ids)
+def translate_and_score(model, vocab, sources: Sequence[Sequence[int]], references: Sequence[str],
+                        settings: SearchSettings, device) -> tuple[dict, list[str]]:
+    """BLEU and chrF (bleu_chrf) of a model in memory translating `sources` (subword ids) with `settings`; and
+    the translations."""
+    hypotheses = vocab.decode(translate_ids(model, sources, settings, device))
     return bleu_chrf(hypotheses, references), hypotheses

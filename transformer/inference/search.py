@@ -47,18 +47,16 @@ waiting. On a CPU the reads are the tensors' own memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from transformer.data.batch import causal_mask, padding_mask
+from transformer.inference.settings import STOP_RULES, StopRule
 from transformer.model.transformer import evaluating
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
-
-StopRule = Literal["exact", "early"]
-STOP_RULES: tuple[str, ...] = ("exact", "early")
 
 
 @dataclass
@@ -90,12 +88,6 @@ class TraceStep:
 def length_penalty(length, alpha: float):
     """GNMT (Wu et al. 2016): lp = ((5 + length) / 6) ** alpha; works on floats and tensors."""
     return ((5.0 + length) / 6.0) ** alpha
-
-
-def beam_above_vocabulary(beam: int, vocab_size: int) -> str:
-    """The message for a beam wider than the vocabulary: it cannot be filled at the first step, and a search
-    that tried would hold beam x vocabulary scores per sentence (a beam in the millions takes all memory)."""
-    return f"beam must be at most the vocabulary size ({vocab_size} pieces), got {beam}"
 
 
 def search(model, src: torch.Tensor, beam: int = 4, lenpen: float = 0.6, max_len_offset: int = 50,

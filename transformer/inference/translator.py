@@ -1,6 +1,6 @@
 """Text in, text out: a Translator that loads a checkpoint once and runs it on a device, in a dtype
-(fp32/bf16/int8), through an engine (ours or CTranslate2); batching by length (the command's own input and
-output: translate_io.py)."""
+(fp32/bf16/int8), through an engine (ours or CTranslate2), with the SearchSettings its flags and the checkpoint
+make (settings.py); batching by length (the command's own input and output: translate_io.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -15,17 +16,14 @@ import torch
 
 from transformer.data.batch import prepare_sources, source_limit
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
-from transformer.config import DecodeConfig, lenpen_problem
 from transformer.data.batching import pack_by_size
 from transformer.device import auto_precision, bounded_onednn_caches, native_bf16, pick_device
 from transformer.errors import UserError
 from transformer.model.transformer import count_parameters, evaluating
-from transformer.inference.search import (STOP_RULES, Hypothesis, SearchResult, beam_above_vocabulary, length_penalty,
-                                max_output_lengths, search)
+from transformer.inference.search import Hypothesis, SearchResult, length_penalty, max_output_lengths, search
+from transformer.inference.settings import SearchFlags, SearchSettings, search_settings
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
 
-DTYPES = ("auto", "fp32", "bf16", "int8")
-ENGINES = ("ours", "ctranslate2")
 TRUNCATION_WARNINGS = 5  # lines named one by one before the rest are only counted
 # A line is cut to this many characters before SentencePiece splits it: splitting costs about 60 bytes of memory per
 # character (a 20 MB line peaked at 1.2 GB), while the model reads only max_positions - 2 subwords of a line, a few
@@ -37,9 +35,8 @@ CT2_COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
 def pick_dtype(name: str, device: torch.device, engine: str = "ours") -> tuple[str, str]:
     """-> (fp32|bf16|int8, why). "auto" takes the fastest that keeps BLEU: bf16 on a CUDA device that supports
     it and on a CPU with native bf16, else fp32 (int8 is never chosen for you: it changes more outputs). For
-    CTranslate2, bf16 only where CTranslate2 itself computes it on the device (its CPU builds do not)."""
-    if name not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    CTranslate2, bf16 only where CTranslate2 itself computes it on the device (its CPU builds do not). `name` is
+    one of settings.DTYPES (SearchFlags checked it)."""
     if name != "auto":
         return name, "asked for"
     if engine == "ctranslate2":
@@ -97,22 +94,23 @@ def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor]:
         torch.set_num_threads(threads)
 
 
-def search_batches(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
-                   max_tokens: int, device, nbest: int = 1, stop: str = DecodeConfig.stop,
-                   workers: int = 1) -> Iterator[tuple[list[int], SearchResult]]:
-    """search() over the non-empty sources (subword ids, no EOS) in length batches: per batch, in order, the
-    indices of its sources and what search() found for them (hypotheses in that order, and the decoder steps
-    it took). Sources are cut as batch.prepare_sources says.
+def search_batches(model, src_ids: Sequence[Sequence[int]], settings: SearchSettings,
+                   device) -> Iterator[tuple[list[int], SearchResult]]:
+    """search() over the non-empty sources (subword ids, no EOS) in length batches of settings.max_tokens: per
+    batch, in order, the indices of its sources and what search() found for them (hypotheses in that order, and
+    the decoder steps it took). Sources are cut as batch.prepare_sources says. The model is searched as it is:
+    settings.dtype and settings.engine are the Translator's business.
 
-    With `workers` > 1 on a CPU (search_workers), that many searches run side by side, each on its own
+    With settings.workers > 1 on a CPU (search_workers), that many searches run side by side, each on its own
     batches (source_batches). Input that fits one batch is searched in the calling thread on all threads:
     one sentence is not slower for it."""
-    workers = search_workers(workers, device)
-    batches = source_batches(src_ids, model.cfg.max_positions, max_tokens, workers)
+    workers = search_workers(settings.workers, device)
+    batches = source_batches(src_ids, model.cfg.max_positions, settings.max_tokens, workers)
 
     def run(batch: list[int]) -> SearchResult:
         src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
-        return search(model, src.to(device), beam, lenpen, max_len_offset, nbest, stop)
+        return search(model, src.to(device), settings.beam, settings.lenpen, settings.max_len_offset,
+                      settings.nbest, settings.stop)
 
     if workers == 1 or len(batches) == 1:
         for batch in batches:
@@ -124,14 +122,12 @@ def search_batches(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: f
         yield from zip(batches, pool.map(run, batches))
 
 
-def search_ids(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float, max_len_offset: int,
-               max_tokens: int, device, nbest: int = 1, stop: str = DecodeConfig.stop,
-               workers: int = 1) -> list[list[Hypothesis]]:
-    """Per source (subword ids, no EOS), its n-best hypotheses, input order kept. An empty source gives
-    nbest empty hypotheses without running the model. `workers`: as for search_batches."""
+def search_ids(model, src_ids: Sequence[Sequence[int]], settings: SearchSettings, device) -> list[list[Hypothesis]]:
+    """Per source (subword ids, no EOS), its settings.nbest best hypotheses, input order kept. An empty source
+    gives nbest empty hypotheses without running the model. Batches and workers: as for search_batches."""
+    nbest = settings.nbest
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
-    for batch, found in search_batches(model, src_ids, beam, lenpen, max_len_offset, max_tokens, device, nbest,
-                                       stop, workers):
+    for batch, found in search_batches(model, src_ids, settings, device):
         for i, hyps in zip(batch, found.hypotheses):
             if not hyps or math.isnan(hyps[0].score):
                 # One sentence out of a batch (of serve's clients, of a file's lines) must not fail the rest:
@@ -143,18 +139,17 @@ def search_ids(model, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float
     return out
 
 
-def translate_ids(model, src_ids: list[list[int]], beam: int, lenpen: float, max_len_offset: int,
-                  max_tokens: int, device, stop: str = DecodeConfig.stop, workers: int = 1) -> list[list[int]]:
-    """Best output ids (no BOS/EOS) per source, in input order: the trainer's validation-BLEU entry point."""
-    return [hyps[0].tokens for hyps in search_ids(model, src_ids, beam, lenpen, max_len_offset, max_tokens,
-                                                  device, 1, stop, workers)]
+def translate_ids(model, src_ids: list[list[int]], settings: SearchSettings, device) -> list[list[int]]:
+    """Best output ids (no BOS/EOS) per source, in input order (settings.nbest aside: one is kept): the
+    trainer's validation-BLEU entry point."""
+    return [hyps[0].tokens for hyps in search_ids(model, src_ids, replace(settings, nbest=1), device)]
 
 
-def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]], beam: int, lenpen: float,
-                       max_len_offset: int, max_tokens: int, max_positions: int,
-                       nbest: int = 1) -> list[list[Hypothesis]]:
+def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]], settings: SearchSettings,
+                       max_positions: int) -> list[list[Hypothesis]]:
     """search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
-    limits and score definition; like ours, it never emits BOS or PAD (suppressed).
+    limits and score definition; like ours, it never emits BOS or PAD (suppressed). settings.stop, .dtype and
+    .workers do not apply here (the translator was made with its compute type and inter_threads).
 
     Its length limit is one per call, so each batch goes as one call per distinct limit: a sentence's output
     never depends on the others in its batch. Every hypothesis it returns is scored again by its scorer (one
@@ -175,14 +170,15 @@ def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]
     label smoothing leaves each ~smoothing / vocabulary). With several workers (the translator's
     inter_threads) the batches are sized and run side by side as search_batches runs ours.
     """
+    beam, lenpen, nbest = settings.beam, settings.lenpen, settings.nbest
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     limit = source_limit(max_positions)
     suppress = [[piece] for piece in vocab.pieces([BOS_ID, PAD_ID])]
     returned = nbest if lenpen == 0 else beam
     translating = []  # per call: its indices, sources, length limit and pending results
-    for batch in source_batches(src_ids, max_positions, max_tokens, translator.num_translators):
+    for batch in source_batches(src_ids, max_positions, settings.max_tokens, translator.num_translators):
         sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
-        max_lens = max_output_lengths(torch.tensor([len(s) + 1 for s in sources]), max_len_offset,  # + 1: EOS
+        max_lens = max_output_lengths(torch.tensor([len(s) + 1 for s in sources]), settings.max_len_offset,  # + EOS
                                       max_positions).tolist()
         for max_len, rows in same_limit(max_lens):
             pending = translator.translate_batch(  # asynchronous: every worker takes calls from the queue
@@ -229,53 +225,37 @@ def _one_line(text: str) -> str:
 
 
 class Translator:
-    """A model, its vocabulary and decode settings, loaded once; translate() maps lines to lines.
+    """A model, its vocabulary and search settings, loaded once; translate() maps lines to lines.
 
-    dtype: fp32, bf16 (weights cast; log-probabilities still in fp32), int8 (CPU: dynamic quantization of
-    the linear layers) or auto (pick_dtype; `note` says what it picked). engine: ours (PyTorch search) or
-    ctranslate2 (the checkpoint converted once, cached beside it: export.cached_conversion). workers: searches
-    side by side on a CPU (decode.workers; search_batches); CTranslate2 gets them as its inter_threads.
-    keep_model: with CTranslate2, keep the PyTorch model too (fp32, on the CPU), for what only it can show
-    (serve's attention maps and beam traces); otherwise it is dropped once converted.
+    flags: what the caller asked for (SearchFlags; None = the checkpoint's decode section), made into
+    `settings` (SearchSettings, search_settings) once the checkpoint is read, with the dtype picked for the
+    device. dtype: fp32, bf16 (weights cast; log-probabilities still in fp32), int8 (CPU: dynamic quantization
+    of the linear layers) or auto (pick_dtype; `note` says what it picked; a library caller's default is fp32).
+    engine: ours (PyTorch search) or ctranslate2 (the checkpoint converted once, cached beside it:
+    ctranslate2_engine.cached_conversion). workers: searches side by side on a CPU (search_batches);
+    CTranslate2 gets them as its inter_threads. keep_model: with CTranslate2, keep the PyTorch model too (fp32,
+    on the CPU), for what only it can show (serve's attention maps and beam traces); otherwise it is dropped
+    once converted.
     """
 
-    def __init__(self, checkpoint: str | Path, device: str = "auto", beam: Optional[int] = None,
-                 lenpen: Optional[float] = None, max_tokens: Optional[int] = None,
-                 max_len_offset: Optional[int] = None, stop: Optional[str] = None, dtype: str = "fp32",
-                 engine: str = "ours", workers: Optional[int] = None, keep_model: bool = False):
-        if engine not in ENGINES:
-            raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    def __init__(self, checkpoint: str | Path, device: str = "auto", flags: SearchFlags = SearchFlags(),
+                 keep_model: bool = False):
         bounded_onednn_caches()  # a library caller's first CPU work may be ours
         self.device = pick_device(device)
-        self.dtype, why = pick_dtype(dtype, self.device, engine)
-        self.engine = engine
+        engine = flags.engine or SearchSettings.engine
+        dtype, why = pick_dtype(flags.dtype or SearchSettings.dtype, self.device, engine)
         state = load_checkpoint(resolve_checkpoint(checkpoint))
         self.model, self.vocab, self.cfg = model_from_checkpoint(state, self.device if engine == "ours" else "cpu")
         self.run: dict = state.get("run") or {}  # the training state it was saved at (step, best), for serve's /info
         self.parameters = count_parameters(self.model)  # as trained: the dtypes and layouts below hide some
         del state
-        dec = self.cfg.decode
-        self.beam = dec.beam if beam is None else beam
-        self.lenpen = dec.lenpen if lenpen is None else lenpen
-        self.max_tokens = dec.max_tokens if max_tokens is None else max_tokens
-        self.max_len_offset = dec.max_len_offset if max_len_offset is None else max_len_offset
-        self.stop = dec.stop if stop is None else stop
-        self.workers = dec.workers if workers is None else workers
-        for ok, message in ((self.beam >= 1, "beam must be at least 1"),
-                            (self.beam <= len(self.vocab), beam_above_vocabulary(self.beam, len(self.vocab))),
-                            (lenpen_problem(self.lenpen, "lenpen") is None, lenpen_problem(self.lenpen, "lenpen")),
-                            (self.max_tokens >= 1, "max tokens must be positive"),
-                            (self.workers >= 1, "workers must be at least 1"),
-                            (self.max_len_offset >= 1, "max length offset must be at least 1"),
-                            (self.stop in STOP_RULES, f"stop must be one of {', '.join(STOP_RULES)}, got {self.stop!r}")):
-            if not ok:
-                raise UserError(message)
+        self.settings = search_settings(self.cfg.decode, replace(flags, dtype=dtype), len(self.vocab))
         # For the commands to print once their own checks have passed (a library caller may ignore it).
-        self.note = f"dtype: {self.dtype} ({why})" if dtype == "auto" else None
+        self.note = f"dtype: {dtype} ({why})" if flags.dtype == "auto" else None
         if dtype == "bf16" and self.device.type == "cpu" and not native_bf16(self.device)[0]:
             self.note = ("warning: this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 runs emulated, "
                          "much slower than fp32")
-        if engine == "ctranslate2" and stop == "exact":  # asked for, not the checkpoint's default
+        if engine == "ctranslate2" and flags.stop == "exact":  # asked for, not the checkpoint's default
             warning = "warning: --stop exact does not apply to --engine ctranslate2, which stops like --stop early"
             self.note = f"{self.note}\n{warning}" if self.note else warning
         self.ct2 = None
@@ -283,13 +263,13 @@ class Translator:
             self.ct2 = self._load_ctranslate2(checkpoint)
             if not keep_model:
                 self.model = None  # converted: the PyTorch copy is not needed any more
-        elif self.dtype == "bf16" and self.device.type == "cpu":
+        elif dtype == "bf16" and self.device.type == "cpu":
             from transformer.inference.weight_formats import pack_bf16
 
             self.model = pack_bf16(self.model)
-        elif self.dtype == "bf16":
+        elif dtype == "bf16":
             self.model = self.model.to(torch.bfloat16)
-        elif self.dtype == "int8":
+        elif dtype == "int8":
             from transformer.inference.weight_formats import quantize_int8
 
             self.model = quantize_int8(self.model)
@@ -305,14 +285,14 @@ class Translator:
 
         ctranslate2 = require_ctranslate2()
         model_dir = cached_conversion(checkpoint)
-        workers = search_workers(self.workers, self.device)  # laid out over the CPU's threads as ours
+        workers = search_workers(self.settings.workers, self.device)  # laid out over the CPU's threads as ours
         ours = torch.get_num_threads()
         threads = threads_per_worker(workers) if self.device.type == "cpu" else 1
         try:
             return ctranslate2.Translator(str(model_dir), device=self.device.type, inter_threads=workers,
-                                          intra_threads=threads, compute_type=CT2_COMPUTE_TYPES[self.dtype])
+                                          intra_threads=threads, compute_type=CT2_COMPUTE_TYPES[self.settings.dtype])
         except (ValueError, RuntimeError) as e:  # e.g. a compute type this machine or build lacks
-            raise UserError(f"CTranslate2 cannot run {model_dir} on {self.device.type} in {self.dtype}: "
+            raise UserError(f"CTranslate2 cannot run {model_dir} on {self.device.type} in {self.settings.dtype}: "
                             f"{str(e).splitlines()[0]}") from None
         finally:  # it sets the calling thread's OpenMP count, torch's too, to intra_threads
             torch.set_num_threads(ours)
@@ -344,19 +324,20 @@ class Translator:
             print(f"warning: {self.lines_truncated} of {self.lines_seen} input lines were longer than "
                   f"{source_limit(self.cfg.model.max_positions)} subwords and were truncated", file=sys.stderr)
 
-    def search(self, src_ids: Sequence[Sequence[int]], nbest: int = 1) -> list[list[Hypothesis]]:
-        """Per source (subword ids), its n-best hypotheses, through this translator's engine."""
+    def search(self, src_ids: Sequence[Sequence[int]],
+               settings: Optional[SearchSettings] = None) -> list[list[Hypothesis]]:
+        """Per source (subword ids), its settings.nbest best hypotheses, through this translator's engine.
+        settings: this translator's, or a variant of them (serve's request beam and n-best: dataclasses.replace
+        of these; their dtype and engine are this translator's whatever they say)."""
+        settings = self.settings if settings is None else settings
         if self.ct2 is not None:
-            return ctranslate2_search(self.ct2, self.vocab, src_ids, self.beam, self.lenpen, self.max_len_offset,
-                                      self.max_tokens, self.cfg.model.max_positions, nbest)
-        return search_ids(self.model, src_ids, self.beam, self.lenpen, self.max_len_offset, self.max_tokens,
-                          self.device, nbest, self.stop, self.workers)
+            return ctranslate2_search(self.ct2, self.vocab, src_ids, settings, self.cfg.model.max_positions)
+        return search_ids(self.model, src_ids, settings, self.device)
 
-    def translate_nbest(self, lines: Sequence[str], nbest: int = 1) -> list[list[tuple[float, str]]]:
-        """Per line, up to `nbest` (score, translation) pairs, best first."""
-        if nbest > self.beam:
-            raise UserError(f"--nbest ({nbest}) cannot exceed the beam size ({self.beam})")
-        return self.texts(self.search(self.encode(lines), nbest))
+    def translate_nbest(self, lines: Sequence[str], nbest: Optional[int] = None) -> list[list[tuple[float, str]]]:
+        """Per line, up to `nbest` (default settings.nbest) (score, translation) pairs, best first."""
+        return self.texts(self.search(self.encode(lines), None if nbest is None else
+                                      replace(self.settings, nbest=nbest)))
 
     def texts(self, found: Sequence[Sequence[Hypothesis]]) -> list[list[tuple[float, str]]]:
         """search()'s hypotheses as (score, translation) pairs, one line each."""
@@ -365,12 +346,3 @@ class Translator:
 
     def translate(self, lines: Sequence[str]) -> list[str]:
         return [hyps[0][1] for hyps in self.translate_nbest(lines, 1)]
-
-    def describe(self) -> str:
-        """The settings that change outputs, for file names: beam4.lp0.6[.early][.bf16|.int8][.ct2]."""
-        name = f"beam{self.beam}.lp{self.lenpen:g}"
-        if self.stop != "exact" and self.beam > 1 and self.ct2 is None:
-            name += f".{self.stop}"
-        if self.dtype != "fp32":
-            name += f".{self.dtype}"
-        return name + (".ct2" if self.ct2 is not None else "")

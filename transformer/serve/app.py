@@ -13,7 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -35,6 +35,7 @@ from transformer.serve.http_guard import (BACKLOG, MAX_HEAD, Drain, DrainingServ
                                     open_file_budget, protocol_class)
 from transformer.model import positions as model_positions
 from transformer.inference.search import TraceStep, search
+from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 from transformer.data.vocab import valid_text
 
@@ -148,58 +149,56 @@ SHARED = ("a translation may depend on the other requests batched with it: {dtyp
           "together (int8 quantizes activations with one scale per batch); serve --dtype fp32 for answers that do not")
 
 
-def serve_dtype(dtype: str) -> str:
+def serve_dtype(flags: SearchFlags) -> SearchFlags:
     """serve's "auto" is fp32, whatever translate's would be: a stranger's request in the same batch must not
     change anyone's translation, and in bf16 or int8 it can (tests/serve/test_http_guard.py measures fp32's
     independence)."""
-    return "fp32" if dtype == "auto" else dtype
+    return replace(flags, dtype="fp32") if flags.dtype in (None, "auto") else flags
 
 
 class Service:
     """The checkpoint loaded once, its facts for /info, the one thread that runs the model, and the bounds on
     what a request may make it compute."""
 
-    def __init__(self, checkpoint: str | Path, settings: ServeSettings, device: str = "auto", dtype: str = "auto",
-                 beam: Optional[int] = None, lenpen: Optional[float] = None, stop: Optional[str] = None,
-                 max_tokens: Optional[int] = None, workers: Optional[int] = None, engine: str = "ours"):
+    def __init__(self, checkpoint: str | Path, settings: ServeSettings, device: str = "auto",
+                 flags: SearchFlags = SearchFlags()):
         path = resolve_checkpoint(checkpoint)
         self.settings = settings
-        check_beam_setting(beam, settings)  # before the model loads
+        check_beam_setting(flags.beam, settings)  # before the model loads
         # With CTranslate2, /translate runs on it; the page's attention maps and beam traces need our model's
         # internals, so the translator keeps that too.
-        self.translator = Translator(path, device, beam, lenpen, max_tokens, stop=stop, dtype=serve_dtype(dtype),
-                                     workers=workers, engine=engine, keep_model=True)
-        if settings.max_beam < self.translator.beam:
+        self.translator = Translator(path, device, serve_dtype(flags), keep_model=True)
+        if settings.max_beam < self.translator.settings.beam:
             raise UserError(f"--max-beam ({settings.max_beam}) is below the checkpoint's decode.beam "
-                            f"({self.translator.beam}); raise it, or serve with a smaller --beam")
-        self.default_beam = self.translator.beam
+                            f"({self.translator.settings.beam}); raise it, or serve with a smaller --beam")
         self.model, self.vocab, self.cfg = self.translator.model, self.translator.vocab, self.translator.cfg
         self.max_beam = min(settings.max_beam, len(self.vocab))  # a request's beam; wider is beam_above_vocabulary
         self.model_device = next(self.model.parameters()).device  # the translator's, or the CPU beside CTranslate2
-        self.dtype_note = ALONE if self.translator.dtype == "fp32" else SHARED.format(dtype=self.translator.dtype)
+        dtype = self.translator.settings.dtype
+        self.dtype_note = ALONE if dtype == "fp32" else SHARED.format(dtype=dtype)
         self.info = self._describe(path)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")  # searches never overlap
         self.batcher: Optional[Batcher] = None
         self.drain = Drain(settings.drain_s)
 
     def _describe(self, path: Path) -> dict:
-        m, d, run = self.cfg.model, self.translator, self.translator.run
+        m, d, run = self.cfg.model, self.translator.settings, self.translator.run
         return {
             "checkpoint": path.name, "step": run.get("step"),
             "validation": {"best": run.get("best"), "metric": run.get("best_metric"),
                            **_validation_at(path.parent, run.get("step"))} if run else None,
-            "model": {**asdict(m), "parameters": d.parameters},
+            "model": {**asdict(m), "parameters": self.translator.parameters},
             "vocab_size": len(self.vocab), "languages": [self.cfg.data.src_lang, self.cfg.data.tgt_lang],
             # CTranslate2 has one stop rule, ours "early" (the page, /beam, still searches with ours)
             "decode": {"engine": d.engine, "beam": d.beam, "lenpen": d.lenpen,
                        "stop": "early" if d.engine == "ctranslate2" else d.stop,
                        "max_len_offset": d.max_len_offset, "max_tokens": d.max_tokens, "workers": d.workers},
-            "device": str(d.device), "dtype": d.dtype, "dtype_note": self.dtype_note,
+            "device": str(self.translator.device), "dtype": d.dtype, "dtype_note": self.dtype_note,
             "limits": {**asdict(self.settings), "max_beam": self.max_beam, "max_body_bytes": self.settings.max_body_bytes},
         }
 
     def check_beam(self, beam: Optional[int], nbest: int = 1) -> int:
-        beam = self.default_beam if beam is None else beam
+        beam = self.translator.settings.beam if beam is None else beam
         if not 1 <= beam <= self.max_beam:
             raise ApiError(422, f"beam must be between 1 and {self.max_beam}, got {beam}")
         if not 1 <= nbest <= beam:
@@ -229,7 +228,7 @@ class Service:
 
     def output_limit(self, ids: list[int]) -> int:
         """The most tokens a search may write for this source (search.max_output_lengths)."""
-        return min(len(ids) + 1 + self.translator.max_len_offset, self.cfg.model.max_positions - 1)
+        return min(len(ids) + 1 + self.translator.settings.max_len_offset, self.cfg.model.max_positions - 1)
 
     def check_answer(self, values: int, what: str, fix: str) -> None:
         """Refuse (413) before computing an answer that would hold more than --max-answer-values numbers."""
@@ -266,8 +265,8 @@ class Service:
         return Response(body, media_type="application/json")
 
     def attention(self, text: str, target: Optional[str], beam: int) -> dict:
-        d = self.translator
-        maps = inspect_attention(self.model, self.vocab, text, target, beam, d.lenpen, d.max_len_offset, d.stop)
+        settings = replace(self.translator.settings, beam=beam, nbest=1)
+        maps = inspect_attention(self.model, self.vocab, text, target, settings)
         pieces = {"source": maps.source_pieces, "target": maps.target_pieces}
         sides = {"encoder": ("source", "source"), "decoder": ("target", "target"), "cross": ("target", "source")}
         return {"source": maps.source, "target": maps.target, "translated": maps.translated,
@@ -279,10 +278,11 @@ class Service:
                               for kind in KINDS}}
 
     def beam_trace(self, ids: list[int], beam: int, nbest: int) -> dict:
-        d = self.translator
+        d = self.translator.settings
         src, _ = prepare_sources([ids], self.cfg.model.max_positions)  # (1, S)
         trace: list[TraceStep] = []
-        found = search(self.model, src.to(self.model_device), beam, d.lenpen, d.max_len_offset, nbest, d.stop, trace=trace)
+        found = search(self.model, src.to(self.model_device), beam, d.lenpen, d.max_len_offset, nbest, d.stop,
+                       trace=trace)
 
         def show(hyps):
             return [{"pieces": self.vocab.pieces(h.tokens), "text": text, "score": round(h.score, 5)}
@@ -496,27 +496,25 @@ def make_server(app: FastAPI, settings: ServeSettings, drain: Drain, max_connect
 
 
 def run_serve(checkpoint: str, host: str, port: int, settings: ServeSettings, device: str = "auto",
-              dtype: str = "auto", beam: Optional[int] = None, lenpen: Optional[float] = None,
-              stop: Optional[str] = None, max_tokens: Optional[int] = None, workers: Optional[int] = None,
-              engine: str = "ours") -> None:
+              flags: SearchFlags = SearchFlags()) -> None:
     """The `serve` command: check what is quick to check, bind (a taken port is an error before the model
     loads), load the checkpoint, and serve until SIGTERM or Ctrl-C, which drain (http_guard.DrainingServer)."""
     resolve_checkpoint(checkpoint)
-    check_beam_setting(beam, settings)
-    if engine == "ctranslate2":
+    check_beam_setting(flags.beam, settings)
+    if flags.engine == "ctranslate2":
         from transformer.inference.ctranslate2_engine import require_ctranslate2
 
         require_ctranslate2()
     connections, note = open_file_budget(settings.max_connections)
     sock = listen(host, port)
     try:
-        service = Service(checkpoint, settings, device, dtype, beam, lenpen, stop, max_tokens, workers, engine)
+        service = Service(checkpoint, settings, device, flags)
     except BaseException:
         sock.close()
         raise
     bound_host, bound_port = sock.getsockname()[:2]
     hosts = allowed_hosts(host, settings.allow_hosts)
-    print(f"dtype: {service.translator.dtype}: {service.dtype_note}", file=sys.stderr)
+    print(f"dtype: {service.translator.settings.dtype}: {service.dtype_note}", file=sys.stderr)
     for line in (service.translator.note, note):
         if line:
             print(line, file=sys.stderr)

@@ -10,7 +10,7 @@ import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from transformer.inference.translator import Translator
@@ -168,7 +168,7 @@ class Batcher:
         """Wait until the first request's window closes or the waiting sources fill decode.max_tokens; take
         what fits."""
         deadline = self.pending[0].arrived + self.window
-        while sum(job.tokens for job in self.pending) < self.translator.max_tokens:
+        while sum(job.tokens for job in self.pending) < self.translator.settings.max_tokens:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -180,15 +180,15 @@ class Batcher:
         self.pending = _waiting(self.pending)
         taken, tokens = 0, 0
         while taken < len(self.pending) and (taken == 0 or tokens + self.pending[taken].tokens
-                                             <= self.translator.max_tokens):
+                                             <= self.translator.settings.max_tokens):
             tokens += self.pending[taken].tokens
             taken += 1
         jobs, self.pending = self.pending[:taken], self.pending[taken:]
         return jobs
 
     def _translate(self, ids: list[list[int]], beam: int, nbest: int) -> list:
-        self.translator.beam = beam  # this worker thread is the translator's only user
-        return self.translator.texts(self.translator.search(ids, nbest))
+        settings = replace(self.translator.settings, beam=beam, nbest=nbest)  # the request's, the rest the server's
+        return self.translator.texts(self.translator.search(ids, settings))
 
     def fail_all(self, error: Exception) -> None:
         """Answer every request still waiting, and those the worker computes now, with `error` (the server is

@@ -20,6 +20,7 @@ from transformer.data.corpus import has_split, load_split
 from transformer.device import tf32_matmuls
 from transformer.errors import UserError
 from transformer.inference.scoring import length_ratio, translate_and_score
+from transformer.inference.settings import SearchSettings, search_settings
 from transformer.run_dir import RunDir
 from transformer.signals import stop_at_once
 from transformer.training.metrics import read_metrics
@@ -40,12 +41,11 @@ def describe(scores: dict) -> str:
 class _Scorer:
     """Translates a fixed set of sources with a model in memory and scores against references."""
 
-    def __init__(self, cfg: Config, sources: list[list[int]], references: list[str], vocab, device):
-        self.cfg, self.sources, self.references, self.vocab, self.device = cfg, sources, references, vocab, device
+    def __init__(self, sources: list[list[int]], references: list[str], vocab, device):
+        self.sources, self.references, self.vocab, self.device = sources, references, vocab, device
 
-    def __call__(self, model, beam: int, lenpen: float) -> tuple[dict, list[str]]:
-        return translate_and_score(model, self.vocab, self.sources, self.references, beam, lenpen, self.cfg.decode,
-                                   self.device)
+    def __call__(self, model, settings: SearchSettings) -> tuple[dict, list[str]]:
+        return translate_and_score(model, self.vocab, self.sources, self.references, settings, self.device)
 
 
 def _candidates(run_dir: Path, cfg: Config) -> dict[str, dict]:
@@ -62,22 +62,23 @@ def _candidates(run_dir: Path, cfg: Config) -> dict[str, dict]:
     return found
 
 
-def _search_settings(score, model, cfg: Config, at_config: dict) -> tuple[int, float, dict]:
+def _tune(score, model, config: SearchSettings, at_config: dict) -> tuple[SearchSettings, dict]:
     """The length penalty, then the beam, that score best on validation: a small grid around the config's
-    (at_config: the score at the config's own settings, already known)."""
-    beam = cfg.decode.beam
-    tried = {(beam, cfg.decode.lenpen): at_config}
+    settings (at_config: the score at those, already known). -> the chosen settings, and the grid's BLEU."""
+    beam = config.beam
+    tried = {(beam, config.lenpen): at_config}
     for lenpen in LENPENS if beam > 1 else ():  # greedy search finds the same output at every length penalty
         if (beam, lenpen) not in tried:
-            tried[(beam, lenpen)] = score(model, beam, lenpen)[0]
+            tried[(beam, lenpen)] = score(model, replace(config, lenpen=lenpen))[0]
     # Ties keep the config's value: a change has to earn its place.
-    lenpen = max((a for b, a in tried), key=lambda a: (tried[(beam, a)]["bleu"], a == cfg.decode.lenpen))
+    lenpen = max((a for b, a in tried), key=lambda a: (tried[(beam, a)]["bleu"], a == config.lenpen))
     if beam > 1:  # a wider beam, where it helps
-        tried[(beam + 2, lenpen)] = score(model, beam + 2, lenpen)[0]
+        tried[(beam + 2, lenpen)] = score(model, replace(config, beam=beam + 2, lenpen=lenpen))[0]
     chosen = max(((b, a) for b, a in tried if a == lenpen), key=lambda k: (tried[k]["bleu"], -k[0]))
     for (b, a), s in sorted(tried.items()):
         log.info("finish: valid beam %d lenpen %g: %s%s", b, a, describe(s), " (chosen)" if (b, a) == chosen else "")
-    return chosen[0], chosen[1], {f"beam{b}_lp{a:g}": round(s["bleu"], 2) for (b, a), s in sorted(tried.items())}
+    grid = {f"beam{b}_lp{a:g}": round(s["bleu"], 2) for (b, a), s in sorted(tried.items())}
+    return replace(config, beam=chosen[0], lenpen=chosen[1]), grid
 
 
 MEMORY_KEYS = ("peak_rss_mib", "peak_cuda_allocated_mib", "peak_cuda_reserved_mib")  # per rank, MiB (train.end)
@@ -168,17 +169,19 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
     valid = store.corpus("valid")
     models = {name: model_from_checkpoint(state, device) for name, state in candidates.items()}
     vocab = next(iter(models.values()))[1]
-    score = _Scorer(cfg, [valid.source(i) for i in range(len(valid))], store.references("valid"), vocab, device)
+    score = _Scorer([valid.source(i) for i in range(len(valid))], store.references("valid"), vocab, device)
     log.info("finish: choosing on the %d validation pairs training kept (data.max_valid_pairs, data.max_len); "
              "`transformer evaluate --split valid` translates the whole split", len(valid))
 
-    # The checkpoint first, at the config's search settings; then the settings for that checkpoint.
-    valid_scores = {name: score(model, cfg.decode.beam, cfg.decode.lenpen)[0] for name, (model, _, _) in models.items()}
+    # The checkpoint first, at the config's search settings (in fp32, with our search); then the settings for it.
+    config = search_settings(cfg.decode)
+    valid_scores = {name: score(model, config)[0] for name, (model, _, _) in models.items()}
     for name, s in valid_scores.items():
         log.info("finish: valid %s: %s", name, describe(s))
     chosen = max(valid_scores, key=lambda n: valid_scores[n]["bleu"])
     model = models[chosen][0]
-    beam, lenpen, grid = _search_settings(score, model, cfg, valid_scores[chosen])
+    settings, grid = _tune(score, model, config, valid_scores[chosen])
+    beam, lenpen = settings.beam, settings.lenpen
 
     tuned = replace(cfg, decode=replace(cfg.decode, beam=beam, lenpen=lenpen))
     # best.pt's training state (its step and validation score) comes along for serve's /info; an average has none.
@@ -193,7 +196,7 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
                          for n, s in valid_scores.items()},
                **_training_record(run_dir, cfg, last["run"], candidates[RunDir.BEST].get("run", {}).get("step", 0))}
     if test is not None:
-        summary["test"] = _score_test(cfg, test, vocab, model, beam, lenpen, device, run_dir)
+        summary["test"] = _score_test(cfg, test, vocab, model, settings, device, run_dir)
     summary["finish_seconds"] = round(time.perf_counter() - started, 1)
     text = json.dumps(summary, indent=2) + "\n"
     atomic_write(RunDir(run_dir).summary, lambda f: f.write(text.encode("utf-8")))
@@ -201,11 +204,10 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
     return summary
 
 
-def _score_test(cfg: Config, test: tuple[list[str], list[str]], vocab, model, beam: int, lenpen: float, device,
+def _score_test(cfg: Config, test: tuple[list[str], list[str]], vocab, model, settings: SearchSettings, device,
                 run_dir: Path) -> dict:
     sources, references = test
-    score = _Scorer(cfg, vocab.encode(sources), references, vocab, device)
-    scores, hypotheses = score(model, beam, lenpen)
+    scores, hypotheses = _Scorer(vocab.encode(sources), references, vocab, device)(model, settings)
     RunDir(run_dir).eval.mkdir(exist_ok=True)
     hyp_path = RunDir(run_dir).final_hyp(cfg.data.test_split)
     text = "".join(h + "\n" for h in hypotheses)

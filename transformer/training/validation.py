@@ -9,6 +9,7 @@ import torch
 from transformer.device import autocast_context
 from transformer.distributed import DistInfo, all_reduce_sum
 from transformer.inference.scoring import length_ratio, translate_and_score
+from transformer.inference.settings import SearchFlags, search_settings
 from transformer.model.transformer import evaluating
 from transformer.training.optim import label_smoothed_loss
 
@@ -34,6 +35,6 @@ def evaluate_loss(model, batches, device, precision: str, smoothing: float, info
 def validation_bleu(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
     """sacreBLEU of the model's translations of (a slice of) the validation set, and their length ratio."""
     n = min(cfg.train.valid_bleu_pairs or len(corpus), len(corpus))
-    scores, _ = translate_and_score(model, vocab, [corpus.source(i) for i in range(n)], refs[:n],
-                                    cfg.train.valid_bleu_beam, cfg.decode.lenpen, cfg.decode, device)
+    settings = search_settings(cfg.decode, SearchFlags(beam=cfg.train.valid_bleu_beam))
+    scores, _ = translate_and_score(model, vocab, [corpus.source(i) for i in range(n)], refs[:n], settings, device)
     return {"bleu": scores["bleu"], "length_ratio": length_ratio(scores)}

@@ -13,6 +13,7 @@ from transformer.data.batch import causal_mask, padding_mask, prepare_sources, s
 from transformer.errors import UserError
 from transformer.model.transformer import Transformer, evaluating
 from transformer.inference.search import search
+from transformer.inference.settings import SearchSettings
 from transformer.data.vocab import BOS_ID, Vocab
 
 KINDS = ("encoder", "decoder", "cross")
@@ -117,13 +118,10 @@ def inspect_attention(
     vocab: Vocab,
     source: str,
     target: Optional[str] = None,
-    beam: int = 1,
-    lenpen: float = 0.6,
-    max_len_offset: int = 50,
-    stop: str = "exact",
+    settings: SearchSettings = SearchSettings(beam=1),
 ) -> AttentionMaps:
     """Attention weights for `source` while the decoder reads `target`, or the model's own
-    translation (greedy, or beam search with beam > 1 and stop rule `stop`) when no target is given."""
+    translation (its best, searched with `settings`: greedy by default) when no target is given."""
     if not source.strip():
         raise UserError("the source sentence is empty")
     device = next(model.parameters()).device
@@ -136,7 +134,8 @@ def inspect_attention(
     src_ids = src[0].tolist()
     translated = target is None
     if translated:
-        found = search(model, src, beam=beam, lenpen=lenpen, max_len_offset=max_len_offset, stop=stop)
+        found = search(model, src, beam=settings.beam, lenpen=settings.lenpen, max_len_offset=settings.max_len_offset,
+                       stop=settings.stop)
         tgt_ids = found.hypotheses[0][0].tokens
         target = vocab.decode([tgt_ids])[0]
     else:
