@@ -277,18 +277,22 @@ def _add_average(sub) -> None:
 
 def _add_export(sub) -> None:
     p = sub.add_parser(
-        "export", help="write a checkpoint as a CTranslate2 model directory",
-        description="Write a checkpoint as a CTranslate2 model directory (model.bin, vocabularies and the "
-                    "SentencePiece model spm.model) for serving with CTranslate2 (pip install "
-                    "'transformer[ctranslate2]'). CTranslate2 takes SentencePiece pieces and appends </s> to the "
-                    "source itself. `translate --engine ctranslate2` does this for you, once per checkpoint.",
+        "export", help="write a checkpoint as a CTranslate2 or Hugging Face (MarianMTModel) model directory",
+        description="Write a checkpoint as a model directory for another engine. ctranslate2: model.bin, "
+                    "vocabularies and the SentencePiece model spm.model, for serving with CTranslate2 (pip install "
+                    "'transformer[ctranslate2]'); CTranslate2 takes SentencePiece pieces and appends </s> to the "
+                    "source itself, and `translate --engine ctranslate2` does this for you, once per checkpoint. "
+                    "hf: a transformers MarianMTModel directory (config.json, model.safetensors, source.spm, "
+                    "target.spm, vocab.json, tokenizer and generation configs) that MarianMTModel.from_pretrained "
+                    "and MarianTokenizer.from_pretrained load (pip install 'transformer[hf]'); the weights are "
+                    "converted exactly, and a model Marian cannot compute (pre-norm) is refused.",
     )
-    p.add_argument("format", choices=("ctranslate2",), help="the target format")
+    p.add_argument("format", choices=("ctranslate2", "hf"), help="the target format")
     p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
     p.add_argument("out", metavar="OUT_DIR", help="the model directory to write")
     p.add_argument("--quantization", choices=("int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"),
-                   help="store the weights quantized (default: float32; CTranslate2 can also convert when it loads "
-                        "a model, with compute_type)")
+                   help="ctranslate2 only: store the weights quantized (default: float32; CTranslate2 can also convert "
+                        "when it loads a model, with compute_type)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT_DIR if it is an earlier export (its transformer-export.json lists every file "
                         "in it), never any other directory")
