@@ -47,7 +47,9 @@ def _add_train(sub) -> None:
                     "training ends (unless train.finish is false) the last checkpoints are averaged (with "
                     "train.keep_last >= 2), the checkpoint and the length penalty are chosen on the validation "
                     "set, the test split is translated and scored, and a summary is printed and written to "
-                    "summary.json; final.pt is then what `translate RUN_DIR` uses.",
+                    "summary.json; final.pt is then what `translate RUN_DIR` uses. With train.init_from: "
+                    "RUN_DIR_OR_CHECKPOINT (or --set train.init_from=...), a new run starts from that model's "
+                    "weights and vocabulary (fine-tuning), with a fresh optimizer, schedule and data.",
         epilog="To continue a stopped run: `transformer train CONFIG --resume` (the config file again, with the "
                "same --set overrides) or `transformer train --resume RUN_DIR` (the run's own config.yaml, which "
                "holds the overrides it was started with; --set on top applies like a changed config).",
@@ -68,7 +70,9 @@ def _add_prepare(sub) -> None:
                     "once into train.run_dir/store: flat numpy token files that training memory-maps, so every "
                     "start, resume and rank begins in seconds. `train` does this itself when the store is missing "
                     "or its inputs changed; run `prepare` on one machine before training on many (under torchrun "
-                    "every rank maps the same files). Prints the store directory.",
+                    "every rank maps the same files). With train.init_from (a run that starts from a trained "
+                    "model) the store is encoded with that model's vocabulary, and how well it fits the new data is "
+                    "reported (pieces per word, unknown pieces). Prints the store directory.",
     )
     p.add_argument("config", help="YAML config file, e.g. configs/base.yaml")
     p.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
