@@ -211,6 +211,8 @@ def test_the_files_say_what_transformers_needs(copy_model, tmp_path):
     assert (directory / "source.spm").read_bytes() == (directory / "target.spm").read_bytes() == \
         load_checkpoint(copy_model)["vocab"]
     assert transformers.GenerationConfig.from_pretrained(directory).num_beams == cfg.decode.beam
+    modes = {p.name: p.stat().st_mode & 0o777 for p in directory.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # every file as readable as the others (none private)
 
 
 @pytest.mark.skipif(TRANSFORMERS_MAJOR >= 5, reason="transformers 5 removed the translation pipeline "

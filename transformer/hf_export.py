@@ -161,7 +161,7 @@ def tokenizer_files(vocab: Vocab, cfg: Config) -> dict[str, bytes]:
 
 def write_marian(checkpoint: Path, out_dir: Path) -> None:
     """Every file of FILES into out_dir (an empty directory) for the model in `checkpoint`."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     model, vocab, cfg = load_model(checkpoint, "cpu")
     problem = refusal(cfg)
@@ -172,7 +172,8 @@ def write_marian(checkpoint: Path, out_dir: Path) -> None:
         (out_dir / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
     for name, data in tokenizer_files(vocab, cfg).items():
         (out_dir / name).write_bytes(data)
-    save_file(marian_weights(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    # As bytes, written like the other files: save_file would create the file readable by its owner alone.
+    (out_dir / "model.safetensors").write_bytes(save(marian_weights(model), metadata={"format": "pt"}))
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) -> Path:
