@@ -21,7 +21,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,plot,hub,tensorboard,serve]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,plot,hub,tensorboard,serve,hf]"
 	# Optional: lets the CTranslate2 export tests run; they are skipped where no wheel installs.
 	$(PY) -m pip install -q --disable-pip-version-check "ctranslate2>=4.0" \
 		|| echo "ctranslate2 did not install: its tests will be skipped"

@@ -36,6 +36,8 @@ def default_text(value) -> str:
         return "null"
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(default_text(v) for v in value) + "]"
+    if value == "":
+        return '""'
     if isinstance(value, float):
         return re.sub(r"e([-+])0*(\d)", r"e\1\2", repr(value))  # 1e-09 -> 1e-9
     return str(value)

@@ -285,14 +285,6 @@ def tail(path: Path, chars: int = 3000) -> str:
     return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines())[-chars:]
 
 
-
-
-def tail(path: Path, chars: int = 3000) -> str:
-    """The end of a log, progress-bar redraws ('\\r') reduced to their last state."""
-    text = path.read_text(encoding="utf-8", errors="replace")[-4 * chars:]
-    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines())[-chars:]
-
-
 def run_step(ctx: Context, step: Step, deadline: Optional[float], later: bool) -> dict:
     """Run one step within its limit, and within what --budget has left less what it keeps for the steps after it
     (`later`: some are selected)."""

@@ -90,6 +90,13 @@ class TrainConfig:
     finish: bool = True                # at the end: average, choose checkpoint and lenpen on valid, score test
     tensorboard: bool = False          # also log to run_dir/tensorboard (needs the tensorboard extra)
     peak_tflops: float = 0.0           # the device's peak for MFU; 0 = measure it with a short matmul probe
+    # A new run from a trained model (fine-tuning): its weights and vocabulary, from a run directory (its final.pt,
+    # else best.pt, else last.pt) or a checkpoint file; step, optimizer, schedule and data start afresh. The model
+    # and vocabulary settings must be the checkpoint's. "" = a model of its own.
+    init_from: str = ""
+    # The sha256 of the checkpoint init_from names; "" = not checked. Training writes it (config.yaml), so that the
+    # run records where it started from, and a copy of that config starts from the same bytes or not at all.
+    init_from_sha256: str = ""
 
 
 # Beam search's stop rules, defined here once: decode.stop is checked against them, and
@@ -275,6 +282,10 @@ def validate(cfg: Config) -> None:
         (t.valid_bleu_beam >= 1, "train.valid_bleu_beam must be at least 1"),
         (t.valid_bleu_pairs >= 0 and t.patience >= 0, "train.valid_bleu_pairs and train.patience must not be negative"),
         (t.peak_tflops >= 0, "train.peak_tflops must not be negative (0 = measure it)"),
+        (not t.init_from_sha256 or re.fullmatch(r"[0-9a-f]{64}", t.init_from_sha256) is not None,
+         f"train.init_from_sha256 must be 64 lowercase hexadecimal digits or empty, got {t.init_from_sha256!r}"),
+        (not t.init_from_sha256 or t.init_from.strip() != "",
+         "train.init_from_sha256 is set but train.init_from is empty: name the checkpoint it is the hash of"),
         (dec.beam >= 1, "decode.beam must be at least 1"),
         (lenpen_problem(dec.lenpen, "decode.lenpen") is None, lenpen_problem(dec.lenpen, "decode.lenpen")),
         *((problem is None, problem) for problem in splits),
@@ -302,7 +313,8 @@ def from_dict(raw: Any) -> Config:
     validate(cfg)
     # The shell expands ~ only at the start of a word, never in `--set train.run_dir=~/runs/x`.
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=os.path.expanduser(cfg.data.dir)),
-                               train=dataclasses.replace(cfg.train, run_dir=os.path.expanduser(cfg.train.run_dir)))
+                               train=dataclasses.replace(cfg.train, run_dir=os.path.expanduser(cfg.train.run_dir),
+                                                         init_from=os.path.expanduser(cfg.train.init_from)))
 
 
 def to_dict(cfg: Config) -> dict:

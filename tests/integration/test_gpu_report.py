@@ -55,6 +55,7 @@ def dry_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_report")
     data = write_corpus(tmp / "corpus")
     md = tmp / "docs/benchmarks/log.md"
+    md.parent.mkdir(parents=True)
     md.write_text(f"# Performance\n\nhand-written text\n\n{OLD_BLOCK}\n\n## After\n", encoding="utf-8")
     result = gpu_report(tmp, "--device", "cpu", "--data", str(data), "--out-dir", str(tmp / "out"),
                         "--json", str(tmp / "report.json"), "--out-md", str(md), "--skip", "bench_train_compile")

@@ -121,6 +121,14 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+    if args.format == "hf":
+        if args.quantization is not None:
+            raise UserError("export hf: --quantization is for ctranslate2 only (the hf export writes float32 weights; "
+                            "from_pretrained converts them when it loads, with its dtype argument)")
+        from transformer.inference.hf_export import run_export_hf
+
+        run_export_hf(args.checkpoint, args.out, args.force)
+        return
     from transformer.inference.ctranslate2_engine import run_export
 
     run_export(args.checkpoint, args.out, args.quantization, args.force)

@@ -49,7 +49,9 @@ def _add_train(sub) -> None:
                     "training ends (unless train.finish is false) the last checkpoints are averaged (with "
                     "train.keep_last >= 2), the checkpoint and the length penalty are chosen on the validation "
                     "set, the test split is translated and scored, and a summary is printed and written to "
-                    "summary.json; final.pt is then what `translate RUN_DIR` uses.",
+                    "summary.json; final.pt is then what `translate RUN_DIR` uses. With train.init_from: "
+                    "RUN_DIR_OR_CHECKPOINT (or --set train.init_from=...), a new run starts from that model's "
+                    "weights and vocabulary (fine-tuning), with a fresh optimizer, schedule and data.",
         epilog="To continue a stopped run: `transformer train CONFIG --resume` (the config file again, with the "
                "same --set overrides) or `transformer train --resume RUN_DIR` (the run's own config.yaml, which "
                "holds the overrides it was started with; --set on top applies like a changed config).",
@@ -70,7 +72,9 @@ def _add_prepare(sub) -> None:
                     "once into train.run_dir/store: flat numpy token files that training memory-maps, so every "
                     "start, resume and rank begins in seconds. `train` does this itself when the store is missing "
                     "or its inputs changed; run `prepare` on one machine before training on many (under torchrun "
-                    "every rank maps the same files). Prints the store directory.",
+                    "every rank maps the same files). With train.init_from (a run that starts from a trained "
+                    "model) the store is encoded with that model's vocabulary, and how well it fits the new data is "
+                    "reported (pieces per word, unknown pieces). Prints the store directory.",
     )
     p.add_argument("config", help="YAML config file, e.g. configs/base.yaml")
     p.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
@@ -264,18 +268,22 @@ def _add_average(sub) -> None:
 
 def _add_export(sub) -> None:
     p = sub.add_parser(
-        "export", help="write a checkpoint as a CTranslate2 model directory",
-        description="Write a checkpoint as a CTranslate2 model directory (model.bin, vocabularies and the "
-                    "SentencePiece model spm.model) for serving with CTranslate2 (pip install "
-                    "'transformer[ctranslate2]'). CTranslate2 takes SentencePiece pieces and appends </s> to the "
-                    "source itself. `translate --engine ctranslate2` does this for you, once per checkpoint.",
+        "export", help="write a checkpoint as a CTranslate2 or Hugging Face (MarianMTModel) model directory",
+        description="Write a checkpoint as a model directory for another engine. ctranslate2: model.bin, "
+                    "vocabularies and the SentencePiece model spm.model, for serving with CTranslate2 (pip install "
+                    "'transformer[ctranslate2]'); CTranslate2 takes SentencePiece pieces and appends </s> to the "
+                    "source itself, and `translate --engine ctranslate2` does this for you, once per checkpoint. "
+                    "hf: a transformers MarianMTModel directory (config.json, model.safetensors, source.spm, "
+                    "target.spm, vocab.json, tokenizer and generation configs) that MarianMTModel.from_pretrained "
+                    "and MarianTokenizer.from_pretrained load (pip install 'transformer[hf]'); the weights are "
+                    "converted exactly, and a model Marian cannot compute (pre-norm) is refused.",
     )
-    p.add_argument("format", choices=("ctranslate2",), help="the target format")
+    p.add_argument("format", choices=("ctranslate2", "hf"), help="the target format")
     p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
     p.add_argument("out", metavar="OUT_DIR", help="the model directory to write")
     p.add_argument("--quantization", choices=("int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"),
-                   help="store the weights quantized (default: float32; CTranslate2 can also convert when it loads "
-                        "a model, with compute_type)")
+                   help="ctranslate2 only: store the weights quantized (default: float32; CTranslate2 can also convert "
+                        "when it loads a model, with compute_type)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT_DIR if it is an earlier export (its transformer-export.json lists every file "
                         "in it), never any other directory")

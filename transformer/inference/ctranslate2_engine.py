@@ -10,7 +10,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -25,6 +25,8 @@ LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which our model uses
 SOURCE_RECORD = "source.json"  # in a cached conversion: which checkpoint file it was made from, and its files
 EXPORT_RECORD = "transformer-export.json"  # in an export: that `export` wrote it, and its files
 EXPORT_FORMAT = "transformer-ctranslate2-export-v1"
+# Every export of ours (hf_export.HF_EXPORT_FORMAT too): --force may replace any of them, and nothing else.
+EXPORT_FORMATS = (EXPORT_FORMAT, "transformer-hf-export-v1")
 
 
 def require_ctranslate2():
@@ -131,7 +133,7 @@ def _replaceable(target: Path, record_name: str) -> Optional[set[str]]:
     if not entries:
         return set()
     record = _read_record(target / record_name)
-    ours = record.get("format") == EXPORT_FORMAT if record_name == EXPORT_RECORD else \
+    ours = record.get("format") in EXPORT_FORMATS if record_name == EXPORT_RECORD else \
         {"checkpoint", "size", "mtime_ns"} <= record.keys()
     files = record.get("files", entries)  # an earlier version's source.json lists none
     if not ours or not isinstance(files, (dict, list)) or not set(entries) <= set(files) | {record_name} or \
@@ -166,6 +168,18 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, quantization
     force: replace an earlier export (its record lists every file there) or an empty directory, nothing else."""
     require_ctranslate2()
     source = resolve_checkpoint(checkpoint)
+
+    def write(staging: Path) -> dict:
+        _write_model(source, staging, quantization)
+        return {"checkpoint": str(source), "quantization": quantization}
+
+    return write_export(out_dir, force, EXPORT_FORMAT, write)
+
+
+def write_export(out_dir: str | Path, force: bool, export_format: str, write: Callable[[Path], dict]) -> Path:
+    """The export directory `out_dir`, made by write(staging) (which returns what the record says besides the format
+    and the files) in a directory beside it, then put in its place: an existing out_dir only with force, and only
+    when it is an earlier export of ours (EXPORT_FORMATS) or empty. Returns out_dir as given."""
     given, out_dir = out_dir, Path(os.path.realpath(out_dir))  # a link to the directory stays a link
     if out_dir.exists():
         if not force:
@@ -176,9 +190,8 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, quantization
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging_dir(out_dir)
     try:
-        _write_model(source, staging, quantization)
-        record = {"format": EXPORT_FORMAT, "checkpoint": str(source), "quantization": quantization,
-                  "files": _file_stamps(staging)}
+        about = write(staging)
+        record = {"format": export_format, **about, "files": _file_stamps(staging)}
         (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         _replace_ours(out_dir, staging, EXPORT_RECORD, "export")
     finally:

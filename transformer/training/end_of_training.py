@@ -190,7 +190,10 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
                                        **made), run_dir / FINAL)
     save_config(tuned, RunDir(run_dir).config, pieces=len(vocab))
 
-    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL), "made_from": chosen,
+    # A run started from a trained model says which (train.init_from): the file and its sha256.
+    origin = {"init_from": {"path": cfg.train.init_from, "sha256": cfg.train.init_from_sha256}} \
+        if cfg.train.init_from else {}
+    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL), "made_from": chosen, **origin,
                "decode": {"beam": beam, "lenpen": lenpen}, "valid_grid_bleu": grid,
                "valid": {n: {"bleu": round(s["bleu"], 2), "length_ratio": round(length_ratio(s), 3)}
                          for n, s in valid_scores.items()},

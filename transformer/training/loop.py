@@ -37,6 +37,8 @@ from transformer.training.run_state import (ConfigChange, RunLock, RunState, che
 from transformer.training.metrics import MetricsLog, Progress, setup_logging
 from transformer.data.store import Store, open_prepared, prepare
 from transformer.data.vocab import Vocab
+from transformer.training import init_from
+from transformer.training.init_from import Origin
 
 log = logging.getLogger("transformer")
 
@@ -80,9 +82,18 @@ def prepare_only(cfg: Config) -> Path:
     with RunLock(run_dir, "prepare"):  # never rebuild a store under a training process
         setup_logging(run_dir, DistInfo())
         saved = RunDir(run_dir).last
-        # A run in progress keeps the vocabulary its checkpoint carries.
-        vocab = Vocab(load_checkpoint(saved)["vocab"]) if saved.is_file() else None
-        return prepare(cfg, run_dir, vocab).directory
+        # A run in progress keeps the vocabulary its checkpoint carries; a new run from a trained model takes its.
+        vocab, origin = None, None
+        if saved.is_file():
+            vocab = Vocab(load_checkpoint(saved)["vocab"])
+        elif cfg.train.init_from:
+            cfg, origin = init_from.start(cfg)
+            vocab = origin.vocab
+            init_from.install_vocab(run_dir, vocab)
+        directory = prepare(cfg, run_dir, vocab).directory
+        if origin is not None:
+            init_from.fit_report(cfg, origin)
+        return directory
 
 
 def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, quiet: bool = False,
@@ -118,12 +129,16 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, comm
     check_compile(cfg, device)
     # Training, validation and the end of training compute fp32 products in TF32 on a GPU (device.tf32_matmuls).
     scope.enter_context(tf32_matmuls(device))
-    run_dir, saved, changes = start(cfg, info, resume, command, scope)
-    vocab, store = load_data(cfg, info, run_dir, saved, quiet)
+    run_dir, saved, changes, cfg, origin = start(cfg, info, resume, command, scope)
+    vocab, store = load_data(cfg, info, run_dir, saved, quiet, origin)
     run = build(cfg, info, device, run_dir, command, vocab, store, saved, metrics_since)
     restore(run, saved, changes)
     if saved is not None:
         run.metrics.record({"step": run.state.step, "event": "resume"})
+    if origin is not None:
+        init_from.copy_weights(run.model, origin)
+        run.metrics.record({"step": 0, "event": "init_from", **origin.record(), "vocab_fit": origin.fit})
+        del origin  # its weights: not held for the whole run
     # Dropped before training: the checkpoint's weights (and on CUDA its optimizer moments, copied to the GPU)
     # would otherwise stay in host memory for the whole run, about 3x the model's size.
     del saved
@@ -134,10 +149,11 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, comm
 
 # --------------------------------------------------------------------------- phases
 
-def start(cfg: Config, info: DistInfo, resume: bool, command: str,
-          scope: contextlib.ExitStack) -> tuple[Path, Optional[dict], list[ConfigChange]]:
-    """The run directory (checked, created, locked), logging, and the checkpoint to continue from with the config
-    changes that apply to it."""
+def start(cfg: Config, info: DistInfo, resume: bool, command: str, scope: contextlib.ExitStack
+          ) -> tuple[Path, Optional[dict], list[ConfigChange], Config, Optional[Origin]]:
+    """The run directory (checked, created, locked), logging, the checkpoint to continue from with the config
+    changes that apply to it, the config (with where the run started from) and, for a new run from a trained
+    model (train.init_from), that model."""
     run_dir = Path(cfg.train.run_dir)
     last_path = RunDir(run_dir).last
     check_run_dir(run_dir, resume)
@@ -179,6 +195,11 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
         raise UserError(f"{e}{continue_hint(run_dir) if source == last_path else ''}") from None
     if saved is not None and source != last_path and info.is_main:
         put_back(source, run_dir, saved)
+    origin = None
+    if saved is not None:
+        cfg = init_from.on_resume(from_dict(saved["config"]), cfg)
+    elif cfg.train.init_from:
+        cfg, origin = init_from.start(cfg)
     changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
     if saved is not None:
         held["step"] = saved["run"]["step"]
@@ -186,15 +207,20 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str,
         log.info("resume: config change applies: %s", change)
     if info.is_main:
         save_config(cfg, RunDir(run_dir).config)
-    return run_dir, saved, changes
+    return run_dir, saved, changes, cfg, origin
 
 
-def load_data(cfg: Config, info: DistInfo, run_dir: Path, saved: Optional[dict], quiet: bool) -> tuple[Vocab, Store]:
-    """Rank 0 trains or reuses the SentencePiece model and builds or reuses the memory-mapped store; the other
-    ranks wait, then map the same files."""
-    saved_vocab = Vocab(saved["vocab"]) if saved is not None else None
+def load_data(cfg: Config, info: DistInfo, run_dir: Path, saved: Optional[dict], quiet: bool,
+              origin: Optional[Origin] = None) -> tuple[Vocab, Store]:
+    """Rank 0 trains or reuses the SentencePiece model (takes the one of the model the run starts from) and builds or
+    reuses the memory-mapped store; the other ranks wait, then map the same files."""
+    saved_vocab = Vocab(saved["vocab"]) if saved is not None else origin.vocab if origin is not None else None
     if info.is_main:
+        if origin is not None:
+            init_from.install_vocab(run_dir, origin.vocab)
         store = prepare(cfg, run_dir, saved_vocab, quiet)
+        if origin is not None:
+            init_from.fit_report(cfg, origin)
     barrier(info)
     vocab = saved_vocab or Vocab.load(RunDir(run_dir).vocab)
     if not info.is_main:

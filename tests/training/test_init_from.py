@@ -1,0 +1,176 @@
+"""train.init_from: a new run that starts from a trained model's exact weights and vocabulary, refuses settings that
+are not that model's, records where it started, resumes like any run, and reports how the vocabulary fits."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import (WORDS, assert_same_training_state, read_metrics, sentences, tiny_config, write_config,
+                            write_corpus)
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.config import from_dict
+from transformer.data.batching import eval_batches
+from transformer.errors import UserError
+from transformer.training.validation import evaluate_loss
+from transformer.training.init_from import measure
+from transformer.data.store import Store
+from transformer.training.loop import train
+from transformer.data.vocab import train_vocab
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A trained tiny run (best.pt, last.pt) on one corpus: the model the runs here start from."""
+    root = tmp_path_factory.mktemp("base")
+    return train(from_dict(tiny_config(root, "run", write_corpus(root / "corpus", seed=0))), quiet=True)
+
+
+@pytest.fixture(scope="module")
+def new_data(tmp_path_factory) -> Path:
+    """Another corpus (other sentences, fewer pairs): the new domain."""
+    return write_corpus(tmp_path_factory.mktemp("new") / "corpus", n_train=120, n_valid=16, seed=9)
+
+
+def fine_tune_config(tmp_path: Path, origin: Path, data: Path, run: str = "ft", **train_keys) -> dict:
+    return tiny_config(tmp_path, run, data, train={"init_from": str(origin), "max_steps": 8, **train_keys})
+
+
+def first_validation(run_dir: Path) -> dict:
+    return next(m for m in read_metrics(run_dir) if m.get("split") == "valid")
+
+
+def checkpoint_loss(checkpoint: Path, run_dir: Path) -> float:
+    """The checkpoint's validation loss on the validation set of the run in run_dir, computed as training does."""
+    model, _, cfg = model_from_checkpoint(load_checkpoint(checkpoint))
+    batches = eval_batches(Store(run_dir / "store").corpus("valid"), cfg.data.max_tokens)
+    return evaluate_loss(model, batches, "cpu", "fp32", cfg.train.label_smoothing)["loss"]
+
+
+def test_a_fine_tuning_run_starts_from_the_checkpoints_weights_and_vocabulary(base, new_data, tmp_path):
+    # A learning rate of 1e-30: the updates before the first validation leave every weight as it was, so that
+    # validation sees the weights the run started with.
+    ft = train(from_dict(fine_tune_config(tmp_path, base, new_data, lr=1e-30)), quiet=True)
+    origin = base / "best.pt"  # no final.pt (train.finish is off): best.pt is what the directory means
+    expected = checkpoint_loss(origin, ft)
+    assert first_validation(ft)["loss"] == expected
+    scratch = train(from_dict(tiny_config(tmp_path, "scratch", new_data, train={"max_steps": 8, "lr": 1e-30})),
+                    quiet=True)
+    assert first_validation(scratch)["loss"] > expected + 0.5  # the same run without init_from: an untrained model
+
+    vocab = load_checkpoint(origin)["vocab"]
+    assert (ft / "spm.model").read_bytes() == vocab == load_checkpoint(ft / "last.pt")["vocab"]
+    assert Store(ft / "store").manifest["fingerprint"]["vocab_sha256"] == hashlib.sha256(vocab).hexdigest()
+    log = (ft / "train.log").read_text()
+    assert "vocab: training" not in log and "vocab fit: source (de)" in log
+    sha256 = hashlib.sha256(origin.read_bytes()).hexdigest()
+    saved = yaml.safe_load((ft / "config.yaml").read_text())["train"]
+    assert (saved["init_from"], saved["init_from_sha256"]) == (str(origin), sha256)
+    events = [m for m in read_metrics(ft) if m.get("event") == "init_from"]
+    assert len(events) == 1 and (events[0]["path"], events[0]["sha256"], events[0]["step"]) == (str(origin), sha256, 0)
+    assert events[0]["vocab_fit"]["original"]["src"]["words"] > 0  # the base run's corpus is at hand
+    state = load_checkpoint(ft / "last.pt")
+    assert state["run"]["step"] == 8  # counted from 0, with a fresh optimizer: its own 8 updates
+    assert all(int(s["step"]) == 8 for s in state["optimizer"]["state"].values())
+
+
+def test_fine_tuning_trains_on_and_the_summary_records_the_origin(base, new_data, tmp_path):
+    raw = fine_tune_config(tmp_path, base / "last.pt", new_data, finish=True, max_steps=12)
+    ft = train(from_dict(raw), quiet=True)
+    before, after = load_checkpoint(base / "last.pt")["model"], load_checkpoint(ft / "last.pt")["model"]
+    assert not all(torch.equal(before[k], after[k]) for k in before)  # it trained on
+    summary = json.loads((ft / "summary.json").read_text())
+    assert summary["init_from"] == {"path": str(base / "last.pt"),
+                                    "sha256": hashlib.sha256((base / "last.pt").read_bytes()).hexdigest()}
+
+
+def test_model_and_vocabulary_settings_must_be_the_checkpoints(base, new_data, tmp_path, call):
+    raw = tiny_config(tmp_path, "ft", new_data, model={"d_ff": 48, "n_heads": 4}, data={"vocab_size": 50})
+    status, _, err = call("train", write_config(tmp_path / "ft.yaml", raw), "--set", f"train.init_from={base}")
+    assert status == 2
+    for named in ("model.d_ff is 48 here but 64 there", "model.n_heads is 4 here but 2 there",
+                  "data.vocab_size is 50 here but 64 there"):
+        assert named in err
+    assert not (tmp_path / "ft" / "last.pt").exists()
+
+
+def test_training_time_settings_may_change_and_are_logged(base, new_data, tmp_path):
+    raw = fine_tune_config(tmp_path, base, new_data, max_steps=4, label_smoothing=0.0)
+    raw["model"]["dropout"] = 0.3
+    ft = train(from_dict(raw), quiet=True)
+    log = (ft / "train.log").read_text()
+    assert "model.dropout: 0.1 -> 0.3" in log and "train.label_smoothing: 0.1 -> 0.0" in log
+
+
+def test_a_changed_checkpoint_is_refused_by_its_recorded_sha256(base, new_data, tmp_path):
+    origin = tmp_path / "origin.pt"
+    shutil.copy(base / "best.pt", origin)
+    raw = fine_tune_config(tmp_path, origin, new_data, init_from_sha256="0" * 64)
+    with pytest.raises(UserError, match=r"has sha256 [0-9a-f]{64}, not 0{64}"):
+        train(from_dict(raw), quiet=True)
+
+
+def test_resuming_a_fine_tuning_run_continues_it_and_never_starts_over(base, new_data, tmp_path):
+    origin = tmp_path / "origin.pt"
+    shutil.copy(base / "best.pt", origin)
+    straight = train(from_dict(fine_tune_config(tmp_path, origin, new_data, "straight")), quiet=True)
+    split = fine_tune_config(tmp_path, origin, new_data, "split", max_steps=4)  # a validation step: no extra one
+    train(from_dict(split), quiet=True)
+    origin.unlink()  # a resume reads the run's own last.pt: the model it started from may be gone
+    split["train"]["max_steps"] = 8
+    train(from_dict(split), resume=True, quiet=True)
+    assert_same_training_state(straight / "last.pt", tmp_path / "split" / "last.pt")
+    metrics = read_metrics(tmp_path / "split")
+    assert [m["event"] for m in metrics if m.get("event") in ("init_from", "resume")] == ["init_from", "resume"]
+    saved = yaml.safe_load((tmp_path / "split" / "config.yaml").read_text())["train"]
+    assert saved["init_from"] == str(origin) and len(saved["init_from_sha256"]) == 64
+
+
+def test_prepare_encodes_with_the_checkpoints_vocabulary_and_reports_the_fit(base, tmp_path, call):
+    """A corpus of words the base model never saw: more pieces per word than on its own data, and unknown pieces."""
+    rng = random.Random(4)
+    novel = ["".join(rng.choice("qxzjwyäöü") for _ in range(rng.randint(5, 9))) for _ in range(40)]
+    corpus = tmp_path / "novel"
+    corpus.mkdir()
+    for split, n in (("train", 60), ("valid", 10)):
+        lines = [" ".join(rng.choice(novel) for _ in range(3)) for _ in range(n)]
+        (corpus / f"{split}.de").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        (corpus / f"{split}.en").write_text("".join(line.upper() + "\n" for line in lines), encoding="utf-8")
+    raw = fine_tune_config(tmp_path, base, corpus)
+    raw["data"]["max_len"] = 60  # such words take many pieces
+    config = write_config(tmp_path / "ft.yaml", raw)
+    status, out, err = call("prepare", config)
+    assert status == 0 and out.strip() == str(tmp_path / "ft" / "store"), err
+    assert "vocab fit: source (de)" in err and "vocab fit: target (en)" in err and "its own data:" in err
+    assert "unknown pieces are characters the vocabulary lacks" in err
+    vocab = load_checkpoint(base / "best.pt")["vocab"]
+    assert (tmp_path / "ft" / "spm.model").read_bytes() == vocab
+    assert Store(tmp_path / "ft" / "store").manifest["fingerprint"]["vocab_sha256"] == hashlib.sha256(vocab).hexdigest()
+
+
+def test_measure_counts_pieces_per_word_unknown_pieces_and_long_words():
+    vocab = train_vocab(sentences(0, 300), vocab_size=80)
+    known = measure(vocab, sentences(1, 50))
+    assert known["unknown_pieces_pct"] == 0 and known["words"] > 100
+    novel = measure(vocab, ["Quixotisch jazzy Żubrówka", "quizzical jinx"])
+    assert novel["words"] == 5 and novel["pieces_per_word"] > known["pieces_per_word"]
+    assert novel["unknown_pieces_pct"] > 0 and novel["long_words_pct"] > known["long_words_pct"]
+    one = measure(vocab, [WORDS[0]])
+    assert math.isclose(one["pieces_per_word"], len(vocab.encode([WORDS[0]])[0]))
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"init_from_sha256": "abc"}, "64 lowercase hexadecimal digits"),
+    ({"init_from": "", "init_from_sha256": "0" * 64}, "train.init_from is empty"),
+])
+def test_the_sha256_key_is_checked(tmp_path, keys, message):
+    with pytest.raises(UserError, match=message):
+        from_dict(tiny_config(tmp_path, train={"init_from": "x", **keys}))
