@@ -651,7 +651,7 @@ def _dead_pid() -> int:
 
 
 def test_run_directory_lock(env, tmp_path, call):
-    from transformer.training.run_state import RunLock
+    from transformer.training.lock import RunLock
 
     run_dir = tmp_path / "run"
     cfg = tiny_config(tmp_path, "run", data_dir=env["root"] / "corpus", train={"max_steps": 1, "valid_every": 1})
@@ -698,7 +698,7 @@ def test_run_directory_lock(env, tmp_path, call):
 def test_the_lock_is_never_written_through_a_link_or_into_another_file(tmp_path, kind):
     """train.lock used to be opened with O_CREAT and followed links: the pid overwrote a victim file, and a dangling
     link's target was created. Now: O_CREAT|O_EXCL|O_NOFOLLOW, and only a regular file with one name is taken."""
-    from transformer.training.run_state import RunLock
+    from transformer.training.lock import RunLock
 
     run_dir, victim = tmp_path / "run", tmp_path / "victim.txt"
     run_dir.mkdir()

@@ -56,7 +56,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 def cmd_finish(args: argparse.Namespace) -> None:
     from transformer.device import pick_device
     from transformer.training.end_of_training import finish
-    from transformer.training.run_state import RunLock
+    from transformer.training.lock import RunLock
     from transformer.training.metrics import setup_logging
     from transformer.distributed import DistInfo
     from transformer.run_dir import RunDir

@@ -31,7 +31,8 @@ from transformer.model.transformer import Transformer, build_model, count_parame
 from transformer.training.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
 from transformer.run_dir import RunDir
 from transformer.signals import StopRequested, stop_at_once
-from transformer.training.run_state import (ConfigChange, RunLock, RunState, check_resume_config, check_run_dir,
+from transformer.training.lock import RunLock
+from transformer.training.run_state import (ConfigChange, RunState, check_resume_config, check_run_dir,
                                             continue_hint, load_resumable, make_run_dir, put_back, restore_training,
                                             resume_command, rng_state, set_rng_state, training_checkpoint)
 from transformer.training.metrics import MetricsLog, Progress, setup_logging
