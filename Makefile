@@ -14,7 +14,7 @@ ARGS        ?=
 # a module's tests stay in one process (its fixtures are built once). TEST_JOBS=0 runs them in this process.
 TEST_JOBS   ?= auto
 
-.PHONY: install data train test browser clean
+.PHONY: install data train test lint format browser clean
 
 install: $(VENV)/.installed
 
@@ -42,8 +42,17 @@ data/multi30k/train.de:
 train: install data
 	$(PY) -m transformer train $(CONFIG) --resume $(ARGS)
 
+# The code's format and lint rules (ruff, configured in pyproject.toml); `make format` applies them.
+lint: install
+	$(VENV)/bin/ruff format --check transformer tests scripts
+	$(VENV)/bin/ruff check transformer tests scripts
+
+format: install
+	$(VENV)/bin/ruff format transformer tests scripts
+	$(VENV)/bin/ruff check --fix transformer tests scripts
+
 # -rs: a skipped test prints its reason (the page's browser test says why it could not run).
-test: install browser
+test: install browser lint
 	TRANSFORMER_DATA="$(abspath $(DATA_MIRROR))" $(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist loadscope tests
 
 # The page's real-browser test (tests/serve/test_app.py) needs Chromium and its driver: Debian's packages, installed

@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # --------------------------------------------------------------------------- the synthetic corpus
 
+
 def _lexicon(rng: np.random.Generator, n_words: int, syllables: list[str]) -> np.ndarray:
     """n_words distinct made-up words of 1-5 syllables, most frequent (shortest, on average) first."""
     words: dict[str, None] = {}
@@ -105,6 +106,7 @@ def take_prefix(source: Path, target: Path, pairs: int) -> None:
 
 # --------------------------------------------------------------------------- running the command line
 
+
 def _env(pythonpath: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if pythonpath is not None:
@@ -116,8 +118,13 @@ def timed(command: list[str], pythonpath: Path | None = None) -> dict:
     """Run under /usr/bin/time: wall seconds, peak RSS of the process (MiB), its stderr, launch time.
     With `pythonpath` the command also runs there: `python -m` puts the working directory first on sys.path."""
     launched = time.time()
-    proc = subprocess.run(["/usr/bin/time", "-f", "MAXRSS_KB=%M", *command], capture_output=True, text=True,
-                          env=_env(pythonpath), cwd=pythonpath or ROOT)
+    proc = subprocess.run(
+        ["/usr/bin/time", "-f", "MAXRSS_KB=%M", *command],
+        capture_output=True,
+        text=True,
+        env=_env(pythonpath),
+        cwd=pythonpath or ROOT,
+    )
     wall = time.time() - launched
     if proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(command)}\n{proc.stderr[-3000:]}")
@@ -131,29 +138,56 @@ def events(run_dir: Path, name: str) -> list[dict]:
 
 
 def train_run(args, data_dir: Path, run_dir: Path, steps: int, resume: bool, ranks: int = 1) -> dict:
-    overrides = [f"data.dir={data_dir}", f"train.run_dir={run_dir}", "data.max_train_pairs=0",
-                 f"data.vocab_size={args.vocab_size}", f"data.max_len={args.max_len}",
-                 f"train.max_steps={steps}", "train.valid_every=1000000", "train.log_every=1", "train.device=cpu",
-                 "train.finish=false",  # the start is timed, not the end-of-training translations
-                 *args.set]
+    overrides = [
+        f"data.dir={data_dir}",
+        f"train.run_dir={run_dir}",
+        "data.max_train_pairs=0",
+        f"data.vocab_size={args.vocab_size}",
+        f"data.max_len={args.max_len}",
+        f"train.max_steps={steps}",
+        "train.valid_every=1000000",
+        "train.log_every=1",
+        "train.device=cpu",
+        "train.finish=false",  # the start is timed, not the end-of-training translations
+        *args.set,
+    ]
     tail = [args.config, *(x for o in overrides for x in ("--set", o)), *(["--resume"] if resume else [])]
     if ranks == 1:
         command = [sys.executable, "-m", "transformer", "train", *tail]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                   "-m", "transformer", "train", *tail]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(ranks),
+            "-m",
+            "transformer",
+            "train",
+            *tail,
+        ]
     result = timed(command)
     first = events(run_dir, "first_update")[-1]
     done = events(run_dir, "done")[-1]
-    return {"wall_s": result["wall_s"], "to_first_update_s": round(first["time"] - result["launched"], 2),
-            "peak_rss_mib": done["peak_rss_mib"] if ranks > 1 else result["peak_rss_mib"]}
+    return {
+        "wall_s": result["wall_s"],
+        "to_first_update_s": round(first["time"] - result["launched"], 2),
+        "peak_rss_mib": done["peak_rss_mib"] if ranks > 1 else result["peak_rss_mib"],
+    }
 
 
 def prepare_run(args, data_dir: Path, run_dir: Path) -> dict:
-    overrides = [f"data.dir={data_dir}", f"train.run_dir={run_dir}", "data.max_train_pairs=0",
-                 f"data.vocab_size={args.vocab_size}", f"data.max_len={args.max_len}", *args.set]
-    result = timed([sys.executable, "-m", "transformer", "prepare", args.config,
-                    *(x for o in overrides for x in ("--set", o))])
+    overrides = [
+        f"data.dir={data_dir}",
+        f"train.run_dir={run_dir}",
+        "data.max_train_pairs=0",
+        f"data.vocab_size={args.vocab_size}",
+        f"data.max_len={args.max_len}",
+        *args.set,
+    ]
+    result = timed(
+        [sys.executable, "-m", "transformer", "prepare", args.config, *(x for o in overrides for x in ("--set", o))]
+    )
     log = result["stderr"]
     spm = float(re.search(r"vocab: trained in ([\d.]+) s", log).group(1))
     encode = [(int(n), float(s)) for n, s in re.findall(r"store: \w+: encoded (\d+) pairs in ([\d.]+) s", log)]
@@ -161,9 +195,15 @@ def prepare_run(args, data_dir: Path, run_dir: Path) -> dict:
     size = sum(f.stat().st_size for f in store.iterdir())
     encoded = sum(n for n, _ in encode)
     seconds = sum(s for _, s in encode)
-    return {"wall_s": result["wall_s"], "peak_rss_mib": result["peak_rss_mib"], "spm_s": spm,
-            "encode_s": round(seconds, 1), "encode_pairs_per_s": round(encoded / seconds), "store_mib":
-            round(size / 2 ** 20, 1), "pairs_kept": Store(store).stats("train")["pairs"]}
+    return {
+        "wall_s": result["wall_s"],
+        "peak_rss_mib": result["peak_rss_mib"],
+        "spm_s": spm,
+        "encode_s": round(seconds, 1),
+        "encode_pairs_per_s": round(encoded / seconds),
+        "store_mib": round(size / 2**20, 1),
+        "pairs_kept": Store(store).stats("train")["pairs"],
+    }
 
 
 def stream_rate(args, run_dir: Path, n_batches: int = 300) -> dict:
@@ -183,24 +223,45 @@ def baseline(args, data_dir: Path, work: Path) -> dict:
     run_dir = work / "baseline_run"
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(work / "run" / "spm.model", run_dir / "spm.model")
-    overrides = [f"data.dir={data_dir}", f"train.run_dir={run_dir}", "data.max_train_pairs=0",
-                 f"data.vocab_size={args.vocab_size}", f"data.max_len={args.max_len}", "train.valid_every=1000000",
-                 "train.device=cpu", *args.set]
-    package = subprocess.run([sys.executable, "-c", "import transformer; print(transformer.__file__)"],
-                             capture_output=True, text=True, env=_env(args.baseline), cwd=args.baseline).stdout.strip()
+    overrides = [
+        f"data.dir={data_dir}",
+        f"train.run_dir={run_dir}",
+        "data.max_train_pairs=0",
+        f"data.vocab_size={args.vocab_size}",
+        f"data.max_len={args.max_len}",
+        "train.valid_every=1000000",
+        "train.device=cpu",
+        *args.set,
+    ]
+    package = subprocess.run(
+        [sys.executable, "-c", "import transformer; print(transformer.__file__)"],
+        capture_output=True,
+        text=True,
+        env=_env(args.baseline),
+        cwd=args.baseline,
+    ).stdout.strip()
     if not Path(package).resolve().is_relative_to(args.baseline.resolve()):
-        raise SystemExit(f"--baseline {args.baseline}: python -m transformer there imports {package}, not that checkout")
+        raise SystemExit(
+            f"--baseline {args.baseline}: python -m transformer there imports {package}, not that checkout"
+        )
     out = {"package": package}
     for name, steps, resume in (("first", 2, False), ("resume", 4, True)):
-        command = [sys.executable, "-m", "transformer", "train", args.config,
-                   *(x for o in [*overrides, f"train.max_steps={steps}"] for x in ("--set", o)),
-                   *(["--resume"] if resume else [])]
+        command = [
+            sys.executable,
+            "-m",
+            "transformer",
+            "train",
+            args.config,
+            *(x for o in [*overrides, f"train.max_steps={steps}"] for x in ("--set", o)),
+            *(["--resume"] if resume else []),
+        ]
         result = timed(command, pythonpath=args.baseline)
         out[name] = {"wall_s": result["wall_s"], "peak_rss_mib": result["peak_rss_mib"]}
     return out
 
 
 # --------------------------------------------------------------------------- main
+
 
 def bench_size(args, corpus: Path, pairs: int, work: Path) -> dict:
     data_dir = work / "data"
@@ -227,24 +288,52 @@ def bench_size(args, corpus: Path, pairs: int, work: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    rows = [("pairs", "spm s", "encode s", "pairs/s", "prepare s", "prepare RSS", "store MiB", "cold s", "warm s",
-             "warm RSS", "2-rank s", "2-rank RSS", "batches/s")]
+    rows = [
+        (
+            "pairs",
+            "spm s",
+            "encode s",
+            "pairs/s",
+            "prepare s",
+            "prepare RSS",
+            "store MiB",
+            "cold s",
+            "warm s",
+            "warm RSS",
+            "2-rank s",
+            "2-rank RSS",
+            "batches/s",
+        )
+    ]
     for r in results:
         p = r["prepare"]
-        rows.append((f"{r['pairs']:,}", f"{p['spm_s']:.1f}", f"{p['encode_s']:.1f}", f"{p['encode_pairs_per_s']:,}",
-                     f"{p['wall_s']:.1f}", f"{p['peak_rss_mib']:.0f}", f"{p['store_mib']:.0f}",
-                     f"{r['cold']['to_first_update_s']:.1f}", f"{r['warm']['to_first_update_s']:.1f}",
-                     f"{r['warm']['peak_rss_mib']:.0f}", f"{r['ranks2']['to_first_update_s']:.1f}",
-                     " / ".join(f"{m:.0f}" for m in r["ranks2"]["peak_rss_mib"]),
-                     f"{r['stream']['batches_per_s']:,}"))
+        rows.append(
+            (
+                f"{r['pairs']:,}",
+                f"{p['spm_s']:.1f}",
+                f"{p['encode_s']:.1f}",
+                f"{p['encode_pairs_per_s']:,}",
+                f"{p['wall_s']:.1f}",
+                f"{p['peak_rss_mib']:.0f}",
+                f"{p['store_mib']:.0f}",
+                f"{r['cold']['to_first_update_s']:.1f}",
+                f"{r['warm']['to_first_update_s']:.1f}",
+                f"{r['warm']['peak_rss_mib']:.0f}",
+                f"{r['ranks2']['to_first_update_s']:.1f}",
+                " / ".join(f"{m:.0f}" for m in r["ranks2"]["peak_rss_mib"]),
+                f"{r['stream']['batches_per_s']:,}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     for r in results:
         if "baseline" in r:
             b = r["baseline"]
-            lines.append(f"baseline at {r['pairs']:,} pairs: first run {b['first']['wall_s']:.1f} s "
-                         f"({b['first']['peak_rss_mib']:.0f} MiB), resume {b['resume']['wall_s']:.1f} s "
-                         f"({b['resume']['peak_rss_mib']:.0f} MiB)")
+            lines.append(
+                f"baseline at {r['pairs']:,} pairs: first run {b['first']['wall_s']:.1f} s "
+                f"({b['first']['peak_rss_mib']:.0f} MiB), resume {b['resume']['wall_s']:.1f} s "
+                f"({b['resume']['peak_rss_mib']:.0f} MiB)"
+            )
     return "\n".join(lines)
 
 
@@ -256,12 +345,18 @@ def main() -> None:
     parser.add_argument("--config", default="configs/tiny.yaml", help="model and data settings")
     parser.add_argument("--vocab-size", type=int, default=32000, help="data.vocab_size")
     parser.add_argument("--max-len", type=int, default=126, help="data.max_len (subwords)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="more config overrides for every run")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="more config overrides for every run"
+    )
     parser.add_argument("--baseline", type=Path, help="a checkout whose package to time for before/after")
-    parser.add_argument("--baseline-max-pairs", type=int, default=10 ** 12, metavar="N",
-                        help="run the baseline only at sizes up to N pairs (an old checkout holds the corpus in "
-                             "Python lists: gigabytes at millions of pairs)")
+    parser.add_argument(
+        "--baseline-max-pairs",
+        type=int,
+        default=10**12,
+        metavar="N",
+        help="run the baseline only at sizes up to N pairs (an old checkout holds the corpus in "
+        "Python lists: gigabytes at millions of pairs)",
+    )
     parser.add_argument("--workdir", type=Path, help="where to generate (default: a new temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the generated corpus and runs")
     parser.add_argument("--json", default="bench_data.json")
@@ -286,11 +381,21 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(table(results))
-    Path(args.json).write_text(json.dumps({
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version()},
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "results": results}, indent=2) + "\n")
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "cpu": platform.processor() or platform.machine(),
+                    "cores": os.cpu_count(),
+                    "python": platform.python_version(),
+                },
+                "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.json}")
 
 

@@ -36,12 +36,20 @@ import torch
 
 from transformer.data.batch import prepare_sources
 from transformer.data.corpus import read_lines
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from transformer.device import cpu_description
 from transformer.inference.scoring import bleu_chrf
 from transformer.inference.settings import STOP_RULES, SearchFlags, SearchSettings, search_settings
-from transformer.inference.translator import (CT2_COMPUTE_TYPES, Translator, ctranslate2_search, pick_dtype, search_batches,
-                                   search_ids, search_workers, source_batches)
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.inference.translator import (
+    CT2_COMPUTE_TYPES,
+    Translator,
+    ctranslate2_search,
+    pick_dtype,
+    search_batches,
+    search_ids,
+    search_workers,
+    source_batches,
+)
 
 
 def sync(device: torch.device) -> None:
@@ -86,13 +94,27 @@ def build_marian(model, vocab_size: int, device: torch.device):
 
     c = model.cfg
     config = MarianConfig(
-        vocab_size=vocab_size, decoder_vocab_size=vocab_size, max_position_embeddings=c.max_positions,
-        d_model=c.d_model, encoder_layers=c.n_encoder_layers, decoder_layers=c.n_decoder_layers,
-        encoder_attention_heads=c.n_heads, decoder_attention_heads=c.n_heads,
-        encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff, activation_function="relu", scale_embedding=True,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        pad_token_id=PAD_ID, eos_token_id=EOS_ID, decoder_start_token_id=BOS_ID, forced_eos_token_id=None,
-        share_encoder_decoder_embeddings=c.share_embeddings, tie_word_embeddings=c.tie_output,
+        vocab_size=vocab_size,
+        decoder_vocab_size=vocab_size,
+        max_position_embeddings=c.max_positions,
+        d_model=c.d_model,
+        encoder_layers=c.n_encoder_layers,
+        decoder_layers=c.n_decoder_layers,
+        encoder_attention_heads=c.n_heads,
+        decoder_attention_heads=c.n_heads,
+        encoder_ffn_dim=c.d_ff,
+        decoder_ffn_dim=c.d_ff,
+        activation_function="relu",
+        scale_embedding=True,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        decoder_start_token_id=BOS_ID,
+        forced_eos_token_id=None,
+        share_encoder_decoder_embeddings=c.share_embeddings,
+        tie_word_embeddings=c.tie_output,
     )
     torch.manual_seed(0)
     return MarianMTModel(config).to(device).eval()
@@ -101,9 +123,17 @@ def build_marian(model, vocab_size: int, device: torch.device):
 def run_marian(marian, tensors, steps: list[int], beam: int) -> None:
     with torch.inference_mode():
         for src, n in zip(tensors, steps):
-            marian.generate(input_ids=src, attention_mask=(src != PAD_ID).long(), num_beams=beam, do_sample=False,
-                            min_new_tokens=n, max_new_tokens=n, length_penalty=1.0, early_stopping=False,
-                            num_return_sequences=1)
+            marian.generate(
+                input_ids=src,
+                attention_mask=(src != PAD_ID).long(),
+                num_beams=beam,
+                do_sample=False,
+                min_new_tokens=n,
+                max_new_tokens=n,
+                length_penalty=1.0,
+                early_stopping=False,
+                num_return_sequences=1,
+            )
 
 
 def score(row: dict, outputs, reference_outputs, vocab, refs) -> None:
@@ -127,19 +157,27 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
     max_tokens = args.max_tokens or dec.max_tokens
     workers = args.workers or [dec.workers]
     # The batches each layout searches (source_batches); Marian runs the first setting's.
-    batches_for = {w: source_batches(src_ids, cfg.model.max_positions, max_tokens, search_workers(w, device))
-                   for w in workers}
+    batches_for = {
+        w: source_batches(src_ids, cfg.model.max_positions, max_tokens, search_workers(w, device)) for w in workers
+    }
     batches = batches_for[workers[0]]
-    print(f"{device_name}: {len(src_ids)} sentences in {len(batches)} batches; --dtype auto would pick "
-          "{} ({})".format(*pick_dtype("auto", device)), file=sys.stderr)
+    print(
+        f"{device_name}: {len(src_ids)} sentences in {len(batches)} batches; --dtype auto would pick "
+        "{} ({})".format(*pick_dtype("auto", device)),
+        file=sys.stderr,
+    )
     dtypes = [d for d in args.dtype if not (d == "int8" and device.type == "cuda")]  # int8 is a CPU path here
-    models = {d: (base.model if d == "fp32" else Translator(args.checkpoint, device_name, SearchFlags(dtype=d)).model)
-              for d in dtypes}
+    models = {
+        d: (base.model if d == "fp32" else Translator(args.checkpoint, device_name, SearchFlags(dtype=d)).model)
+        for d in dtypes
+    }
     ct2 = {}
     if args.ctranslate2:
-        ct2 = {(d, w): Translator(args.checkpoint, device_name,
-                                  SearchFlags(dtype=d, engine="ctranslate2", workers=w)).ct2
-               for w in workers for d in args.ct2_dtype}
+        ct2 = {
+            (d, w): Translator(args.checkpoint, device_name, SearchFlags(dtype=d, engine="ctranslate2", workers=w)).ct2
+            for w in workers
+            for d in args.ct2_dtype
+        }
     marian = None
     if not args.no_hf:
         try:
@@ -156,6 +194,7 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
             for w in workers:
                 ours = replace(search_settings(dec), beam=beam, stop=stop, max_tokens=max_tokens, workers=w)
                 for dtype, model in models.items():
+
                     def warm_up(model=model, ours=ours):
                         found = count_steps(model, src_ids, ours, device)
                         first.setdefault("outputs", found[0])
@@ -164,31 +203,74 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
 
                     def ours_pass(model=model, ours=ours):
                         search_ids(model, src_ids, ours, device)
-                    settings.append({"row": {"device": device_name, "beam": beam, "impl": "ours", "stop": stop,
-                                             "dtype": dtype, "workers": w}, "warm_up": warm_up, "timed_pass": ours_pass})
+
+                    settings.append(
+                        {
+                            "row": {
+                                "device": device_name,
+                                "beam": beam,
+                                "impl": "ours",
+                                "stop": stop,
+                                "dtype": dtype,
+                                "workers": w,
+                            },
+                            "warm_up": warm_up,
+                            "timed_pass": ours_pass,
+                        }
+                    )
         for (dtype, w), translator in ct2.items():
             theirs = replace(search_settings(dec), beam=beam, max_tokens=max_tokens)
 
             def ct2_pass(translator=translator, theirs=theirs):
                 found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions)
                 return [hyps[0].tokens for hyps in found]
-            settings.append({"row": {"device": device_name, "beam": beam, "impl": "ctranslate2",
-                                     "stop": "ctranslate2", "dtype": dtype, "workers": w}, "warm_up": ct2_pass,
-                             "timed_pass": ct2_pass})
+
+            settings.append(
+                {
+                    "row": {
+                        "device": device_name,
+                        "beam": beam,
+                        "impl": "ctranslate2",
+                        "stop": "ctranslate2",
+                        "dtype": dtype,
+                        "workers": w,
+                    },
+                    "warm_up": ct2_pass,
+                    "timed_pass": ct2_pass,
+                }
+            )
         if marian is not None:  # as many steps per batch as our first setting took (warmed up before it)
+
             def marian_pass():
                 run_marian(marian, tensors, first["steps"], beam)
-            settings.append({"row": {"device": device_name, "beam": beam, "impl": "hf_marian", "stop": "forced",
-                                     "dtype": "fp32", "workers": 1}, "warm_up": marian_pass,
-                             "timed_pass": marian_pass})
+
+            settings.append(
+                {
+                    "row": {
+                        "device": device_name,
+                        "beam": beam,
+                        "impl": "hf_marian",
+                        "stop": "forced",
+                        "dtype": "fp32",
+                        "workers": 1,
+                    },
+                    "warm_up": marian_pass,
+                    "timed_pass": marian_pass,
+                }
+            )
         timed_rounds(settings, device, args.repeats, clock_zero)
 
         for setting in settings:
             row, times, result = setting["row"], setting["times"], setting["result"]
             # Marian searches the first setting's batches in one process (workers 1).
             searched = batches if row["impl"] == "hf_marian" else batches_for[row["workers"]]
-            row.update(sentences=len(src_ids), batches=len(searched), times_s=times, started_s=setting["started"],
-                       median_s=statistics.median(times))
+            row.update(
+                sentences=len(src_ids),
+                batches=len(searched),
+                times_s=times,
+                started_s=setting["started"],
+                median_s=statistics.median(times),
+            )
             row["sentences_per_s"] = len(src_ids) / row["median_s"]
             if row["impl"] == "ours":
                 outputs, batch_steps, sentence_steps = result
@@ -203,8 +285,16 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
         for setting in settings:
             row = setting["row"]
             for dtype in ("fp32", "int8"):
-                base = next((b for b in settings if b["row"]["impl"] == "ctranslate2" and b["row"]["dtype"] == dtype
-                             and b["row"]["workers"] == row["workers"]), None)
+                base = next(
+                    (
+                        b
+                        for b in settings
+                        if b["row"]["impl"] == "ctranslate2"
+                        and b["row"]["dtype"] == dtype
+                        and b["row"]["workers"] == row["workers"]
+                    ),
+                    None,
+                )
                 if base is not None:  # paired: this setting's pass against CTranslate2's of the same round
                     row[f"vs_ct2_{dtype}"] = statistics.median(b / t for t, b in zip(setting["times"], base["times"]))
             rows.append(row)
@@ -218,16 +308,21 @@ _printed_header = False
 def print_row(row: dict) -> None:
     global _printed_header
     if not _printed_header:
-        print(f"{'device':6} {'beam':>4} {'impl':11} {'stop':11} {'dtype':5} {'wk':>2} {'steps/sent':>10} {'sent/s':>8} "
-              f"{'tok/s':>9} {'BLEU':>6} {'same':>6} {'/ct2 fp32':>9} {'/ct2 int8':>9}")
+        print(
+            f"{'device':6} {'beam':>4} {'impl':11} {'stop':11} {'dtype':5} {'wk':>2} {'steps/sent':>10} {'sent/s':>8} "
+            f"{'tok/s':>9} {'BLEU':>6} {'same':>6} {'/ct2 fp32':>9} {'/ct2 int8':>9}"
+        )
         _printed_header = True
     steps = f"{row['steps_per_sentence']:.1f}" if "steps_per_sentence" in row else ""
     bleu = f"{row['bleu']:.2f}" if "bleu" in row else ""
     same = f"{row['same_as_first']:.1%}" if "same_as_first" in row else ""
     tok = f"{row['tokens_per_s']:.0f}" if "tokens_per_s" in row else ""
     ratios = [f"{row[k]:.2f}x" if k in row else "" for k in ("vs_ct2_fp32", "vs_ct2_int8")]
-    print(f"{row['device']:6} {row['beam']:>4} {row['impl']:11} {row['stop']:11} {row['dtype']:5} {row['workers']:>2} {steps:>10} "
-          f"{row['sentences_per_s']:8.1f} {tok:>9} {bleu:>6} {same:>6} {ratios[0]:>9} {ratios[1]:>9}", flush=True)
+    print(
+        f"{row['device']:6} {row['beam']:>4} {row['impl']:11} {row['stop']:11} {row['dtype']:5} {row['workers']:>2} {steps:>10} "
+        f"{row['sentences_per_s']:8.1f} {tok:>9} {bleu:>6} {same:>6} {ratios[0]:>9} {ratios[1]:>9}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -235,22 +330,45 @@ def main() -> None:
     ap.add_argument("test_set", nargs="?", default="data/multi30k/test.de", help="source sentences, one per line")
     ap.add_argument("--checkpoint", required=True, help="run directory or .pt file")
     ap.add_argument("--ref", metavar="FILE", help="reference translations of test_set: adds BLEU and chrF per setting")
-    ap.add_argument("--device", default="all", choices=("all", "auto", "cpu", "cuda"),
-                    help="all: CPU, and CUDA when present (default); auto: CUDA if present else CPU")
+    ap.add_argument(
+        "--device",
+        default="all",
+        choices=("all", "auto", "cpu", "cuda"),
+        help="all: CPU, and CUDA when present (default); auto: CUDA if present else CPU",
+    )
     ap.add_argument("--max-tokens", type=int, default=0, help="source tokens per batch (default: decode.max_tokens)")
     ap.add_argument("--beam", type=int, nargs="+", default=[1, 4], help="beam sizes (1 = greedy); default 1 4")
-    ap.add_argument("--stop", nargs="+", choices=STOP_RULES, default=list(STOP_RULES),
-                    help="beam-search stop rules to time (default: exact early)")
-    ap.add_argument("--dtype", nargs="+", choices=("fp32", "bf16", "int8"), default=["fp32"],
-                    help="our number formats to time (default fp32; int8 runs on CPU only; bf16 on a CPU without "
-                         "avx512_bf16/amx_bf16 is emulated and very slow)")
+    ap.add_argument(
+        "--stop",
+        nargs="+",
+        choices=STOP_RULES,
+        default=list(STOP_RULES),
+        help="beam-search stop rules to time (default: exact early)",
+    )
+    ap.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=("fp32", "bf16", "int8"),
+        default=["fp32"],
+        help="our number formats to time (default fp32; int8 runs on CPU only; bf16 on a CPU without "
+        "avx512_bf16/amx_bf16 is emulated and very slow)",
+    )
     ap.add_argument("--ctranslate2", action="store_true", help="also time CTranslate2 on our weights")
-    ap.add_argument("--ct2-dtype", nargs="+", choices=tuple(CT2_COMPUTE_TYPES), default=["fp32", "int8"],
-                    help="CTranslate2 compute types with --ctranslate2 (default: fp32 int8)")
+    ap.add_argument(
+        "--ct2-dtype",
+        nargs="+",
+        choices=tuple(CT2_COMPUTE_TYPES),
+        default=["fp32", "int8"],
+        help="CTranslate2 compute types with --ctranslate2 (default: fp32 int8)",
+    )
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face Marian comparison")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for every engine (default: torch's)")
-    ap.add_argument("--workers", type=int, nargs="+",
-                    help="searches side by side, sharing the threads, for both engines (default: decode.workers)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        help="searches side by side, sharing the threads, for both engines (default: decode.workers)",
+    )
     ap.add_argument("--limit", type=int, default=0, help="only the first N sentences (0 = all)")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per setting; the median is reported")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
@@ -276,9 +394,17 @@ def main() -> None:
     for name in ("ctranslate2", "transformers", "sacrebleu"):
         module = sys.modules.get(name)
         versions[name] = getattr(module, "__version__", None)
-    report = {"checkpoint": args.checkpoint, "test_set": args.test_set, "ref": args.ref, "torch": torch.__version__,
-              **versions, "device_names": {d: (torch.cuda.get_device_name(0) if d == "cuda" else "cpu") for d in devices},
-              "cpu_threads": torch.get_num_threads(), "cpu": cpu_description(), "results": results}
+    report = {
+        "checkpoint": args.checkpoint,
+        "test_set": args.test_set,
+        "ref": args.ref,
+        "torch": torch.__version__,
+        **versions,
+        "device_names": {d: (torch.cuda.get_device_name(0) if d == "cuda" else "cpu") for d in devices},
+        "cpu_threads": torch.get_num_threads(),
+        "cpu": cpu_description(),
+        "results": results,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")

@@ -40,7 +40,7 @@ PRECISIONS = ("fp32", "bf16")
 def rss_mib() -> float:
     """This process's resident set now, in MiB."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def peak_rss_mib() -> float:
@@ -81,13 +81,13 @@ def train_child(args) -> dict:
         bounded_onednn_caches()  # before any oneDNN work, as the entry points do
     import torch
 
-    from transformer.data.batch import CAUSAL, padding_mask
     from transformer.config import load_config
+    from transformer.data.batch import CAUSAL, padding_mask
+    from transformer.data.vocab import PAD_ID
     from transformer.device import autocast_context
     from transformer.model.transformer import build_model
-    from transformer.training.optim import build_optimizer, set_hyperparameters
     from transformer.training.loop import TrainingLoss
-    from transformer.data.vocab import PAD_ID
+    from transformer.training.optim import build_optimizer, set_hyperparameters
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
@@ -114,10 +114,16 @@ def train_child(args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         if step % args.every == 0 or step == args.updates:
             samples.append([step, round(rss_mib(), 1)])
-    return {"precision": args.precision, "caches": args.capacity, "settings": capacity_settings(),
-            "start_mib": round(start, 1),
-            "rss_mib": samples, "peak_mib": round(peak_rss_mib(), 1),
-            "distinct_shapes": len(set(shapes)), "updates": args.updates}
+    return {
+        "precision": args.precision,
+        "caches": args.capacity,
+        "settings": capacity_settings(),
+        "start_mib": round(start, 1),
+        "rss_mib": samples,
+        "peak_mib": round(peak_rss_mib(), 1),
+        "distinct_shapes": len(set(shapes)),
+        "updates": args.updates,
+    }
 
 
 def probe_child(args) -> dict:
@@ -140,9 +146,14 @@ def probe_child(args) -> dict:
         mkldnn._linear_pointwise(x, weight, None, "none", [], "")
         if rows % every == 0:
             growth.append([rows, round(rss_mib() - start, 1)])
-    return {"caches": args.capacity, "settings": capacity_settings(), "dtype": str(dtype).replace("torch.", ""),
-            "width": args.probe_width,
-            "growth_mib": growth, "start_mib": round(start, 1)}
+    return {
+        "caches": args.capacity,
+        "settings": capacity_settings(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "width": args.probe_width,
+        "growth_mib": growth,
+        "start_mib": round(start, 1),
+    }
 
 
 def capacity_settings() -> dict:
@@ -153,8 +164,14 @@ def capacity_settings() -> dict:
 
 
 def run_child(mode: str, capacity: str, args, extra: list[str]) -> dict:
-    command = [sys.executable, __file__, f"--child={mode}", f"--capacity={capacity}", f"--threads={args.threads}",
-               *extra]
+    command = [
+        sys.executable,
+        __file__,
+        f"--child={mode}",
+        f"--capacity={capacity}",
+        f"--threads={args.threads}",
+        *extra,
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, env=child_env(capacity), cwd=ROOT)
     if proc.returncode != 0:
         reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
@@ -165,14 +182,24 @@ def run_child(mode: str, capacity: str, args, extra: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/multi30k.yaml", help="model, optimizer and batch size")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config value (repeatable), as for `transformer train`")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), as for `transformer train`",
+    )
     parser.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: the config's)")
     parser.add_argument("--updates", type=int, default=1000)
     parser.add_argument("--every", type=int, default=100, help="updates between RSS readings")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
-    parser.add_argument("--capacities", nargs="+", choices=CAPACITIES, default=["bounded"],
-                        help="cache settings for the training runs (the probe always runs both)")
+    parser.add_argument(
+        "--capacities",
+        nargs="+",
+        choices=CAPACITIES,
+        default=["bounded"],
+        help="cache settings for the training runs (the probe always runs both)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each child")
     parser.add_argument("--probe-shapes", type=int, default=2000, help="distinct row counts in the probe")
     parser.add_argument("--probe-width", type=int, default=256, help="the probe's square weight, one side")
@@ -186,39 +213,68 @@ def main() -> None:
         print(json.dumps(train_child(args) if args.child == "train" else probe_child(args)))
         return
 
-    from transformer.device import ONEDNN_CACHE_CAPACITY, cpu_description, native_bf16
-
     import torch
+
+    from transformer.device import ONEDNN_CACHE_CAPACITY, cpu_description, native_bf16
 
     training = []
     if not args.probe_only:
-        common = [f"--config={args.config}", f"--updates={args.updates}", f"--every={args.every}",
-                  f"--vocab={args.vocab}", *(f"--set={s}" for s in args.set)]
+        common = [
+            f"--config={args.config}",
+            f"--updates={args.updates}",
+            f"--every={args.every}",
+            f"--vocab={args.vocab}",
+            *(f"--set={s}" for s in args.set),
+        ]
         for precision in args.precisions:
             for capacity in args.capacities:
                 training.append(run_child("train", capacity, args, [*common, f"--precision={precision}"]))
         steps = [step for step, _ in training[0]["rss_mib"]]
-        print(f"training {args.config}, {args.updates} updates, {training[0]['distinct_shapes']} distinct batch "
-              f"shapes; RSS in MiB after each {args.every} updates")
-        print(f"{'precision':9} {'caches':8} {'start':>7} " + " ".join(f"{'@' + str(s):>7}" for s in steps)
-              + f" {'peak':>7}")
+        print(
+            f"training {args.config}, {args.updates} updates, {training[0]['distinct_shapes']} distinct batch "
+            f"shapes; RSS in MiB after each {args.every} updates"
+        )
+        print(
+            f"{'precision':9} {'caches':8} {'start':>7} "
+            + " ".join(f"{'@' + str(s):>7}" for s in steps)
+            + f" {'peak':>7}"
+        )
         for r in training:
-            print(f"{r['precision']:9} {r['caches']:8} {r['start_mib']:7.0f} "
-                  + " ".join(f"{rss:7.0f}" for _, rss in r["rss_mib"]) + f" {r['peak_mib']:7.0f}")
+            print(
+                f"{r['precision']:9} {r['caches']:8} {r['start_mib']:7.0f} "
+                + " ".join(f"{rss:7.0f}" for _, rss in r["rss_mib"])
+                + f" {r['peak_mib']:7.0f}"
+            )
     probe_args = [f"--probe-shapes={args.probe_shapes}", f"--probe-width={args.probe_width}"]
     probe = [run_child("probe", capacity, args, probe_args) for capacity in CAPACITIES]
     points = [rows for rows, _ in probe[0]["growth_mib"]]
-    print(f"oneDNN linear ({probe[0]['dtype']}, {args.probe_width}x{args.probe_width} weight) over distinct row "
-          f"counts: RSS growth in MiB; bounded = {ONEDNN_CACHE_CAPACITY} entries a cache")
+    print(
+        f"oneDNN linear ({probe[0]['dtype']}, {args.probe_width}x{args.probe_width} weight) over distinct row "
+        f"counts: RSS growth in MiB; bounded = {ONEDNN_CACHE_CAPACITY} entries a cache"
+    )
     print(f"{'caches':8} " + " ".join(f"{rows:>6}" for rows in points))
     for r in probe:
         print(f"{r['caches']:8} " + " ".join(f"{growth:6.0f}" for _, growth in r["growth_mib"]))
     native, why = native_bf16(torch.device("cpu"))
-    Path(args.json).write_text(json.dumps({
-        "command": " ".join(["python", "scripts/bench_memory.py", *sys.argv[1:]]), "cpu": cpu_description(),
-        "native_bf16": native, "native_bf16_why": why, "torch": torch.__version__,
-        "bounded_capacity": ONEDNN_CACHE_CAPACITY, "config": args.config, "set": args.set, "threads": args.threads,
-        "training": training, "probe": probe}, indent=2) + "\n")
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "command": " ".join(["python", "scripts/bench_memory.py", *sys.argv[1:]]),
+                "cpu": cpu_description(),
+                "native_bf16": native,
+                "native_bf16_why": why,
+                "torch": torch.__version__,
+                "bounded_capacity": ONEDNN_CACHE_CAPACITY,
+                "config": args.config,
+                "set": args.set,
+                "threads": args.threads,
+                "training": training,
+                "probe": probe,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.json}")
 
 

@@ -29,9 +29,9 @@ import torch
 from transformer.data.batch import padding_mask, prepare_sources
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
-from transformer.model.transformer import evaluating
 from transformer.inference.settings import STOP_RULES, SearchFlags
 from transformer.inference.translator import Translator, source_batches
+from transformer.model.transformer import evaluating
 
 
 def interleaved(passes: dict, rounds: int) -> dict[str, list[float]]:
@@ -40,7 +40,7 @@ def interleaved(passes: dict, rounds: int) -> dict[str, list[float]]:
         run()
     times: dict[str, list[float]] = {name: [] for name in passes}
     for r in range(rounds):
-        for name in (list(passes) if r % 2 == 0 else list(reversed(passes))):
+        for name in list(passes) if r % 2 == 0 else list(reversed(passes)):
             start = time.perf_counter()
             passes[name]()
             times[name].append(time.perf_counter() - start)
@@ -55,8 +55,10 @@ def operator_profile(run, top: int) -> list[dict]:
         run()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) or 1.0
-    return [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total,
-             "calls": e.count} for e in events[:top]]
+    return [
+        {"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total, "calls": e.count}
+        for e in events[:top]
+    ]
 
 
 def main(argv=None) -> int:
@@ -64,15 +66,24 @@ def main(argv=None) -> int:
     ap.add_argument("source", help="source sentences, one per line")
     ap.add_argument("--checkpoint", required=True, help="run directory or checkpoint file")
     ap.add_argument("--beam", type=int, default=1)
-    ap.add_argument("--dtype", choices=("fp32", "bf16", "int8"), default="fp32",
-                    help="ours; CTranslate2 runs int8 for int8, else fp32 (it has no bf16 on a CPU)")
+    ap.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "int8"),
+        default="fp32",
+        help="ours; CTranslate2 runs int8 for int8, else fp32 (it has no bf16 on a CPU)",
+    )
     ap.add_argument("--stop", choices=STOP_RULES, default="early", help="our stop rule (default early)")
     ap.add_argument("--threads", type=int, default=1, help="torch / CTranslate2 threads (default 1)")
     ap.add_argument("--limit", type=int, default=500, help="first N sentences (default 500)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--no-ctranslate2", action="store_true", help="time our engine only")
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="also profile one pass of our search and show its N costliest operators")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile one pass of our search and show its N costliest operators",
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -92,23 +103,37 @@ def main(argv=None) -> int:
 
     passes = {"ours: encoder": ours_encoder, "ours: whole search": lambda: ours.search(ids)}
     if not args.no_ctranslate2:
-        ct2 = Translator(args.checkpoint, "cpu", SearchFlags(dtype="int8" if args.dtype == "int8" else "fp32",
-                                                             beam=args.beam, workers=1, engine="ctranslate2"))
+        ct2 = Translator(
+            args.checkpoint,
+            "cpu",
+            SearchFlags(
+                dtype="int8" if args.dtype == "int8" else "fp32", beam=args.beam, workers=1, engine="ctranslate2"
+            ),
+        )
         torch.set_num_threads(args.threads)
         pieces = [[ct2.vocab.pieces(ids[i]) for i in batch] for batch in batches]
 
         def ct2_first_step():
             for batch in pieces:
-                ct2.ct2.translate_batch(batch, beam_size=args.beam, max_decoding_length=1, min_decoding_length=0,
-                                        max_input_length=0, max_batch_size=0, return_scores=True)
+                ct2.ct2.translate_batch(
+                    batch,
+                    beam_size=args.beam,
+                    max_decoding_length=1,
+                    min_decoding_length=0,
+                    max_input_length=0,
+                    max_batch_size=0,
+                    return_scores=True,
+                )
 
         passes["CTranslate2: encoder + 1 step"] = ct2_first_step
         passes["CTranslate2: whole search"] = lambda: ct2.search(ids)
     times = interleaved(passes, args.rounds)
     median = {name: statistics.median(t) for name, t in times.items()}
 
-    print(f"cpu, {len(ids)} sentences in {len(batches)} batches, beam {args.beam}, ours {args.dtype} "
-          f"{args.stop}, {args.threads} thread(s), {args.rounds} rounds")
+    print(
+        f"cpu, {len(ids)} sentences in {len(batches)} batches, beam {args.beam}, ours {args.dtype} "
+        f"{args.stop}, {args.threads} thread(s), {args.rounds} rounds"
+    )
     print(f"{'pass':32} {'median s':>9}  rounds")
     for name, t in times.items():
         print(f"{name:32} {median[name]:9.3f}  {' '.join(f'{x:.2f}' for x in t)}")
@@ -118,11 +143,15 @@ def main(argv=None) -> int:
     split = {}
     for engine, first, whole in engines:
         split[engine] = {"first_s": median[first], "rest_s": median[whole] - median[first], "whole_s": median[whole]}
-        print(f"{engine:12} first pass {median[first]:.3f}s, decoder (the rest) {median[whole] - median[first]:.3f}s, "
-              f"whole {median[whole]:.3f}s")
+        print(
+            f"{engine:12} first pass {median[first]:.3f}s, decoder (the rest) {median[whole] - median[first]:.3f}s, "
+            f"whole {median[whole]:.3f}s"
+        )
     if len(split) == 2:
-        print(f"CTranslate2's time / ours: whole {split['CTranslate2']['whole_s'] / split['ours']['whole_s']:.2f}, "
-              f"decoder {split['CTranslate2']['rest_s'] / split['ours']['rest_s']:.2f}")
+        print(
+            f"CTranslate2's time / ours: whole {split['CTranslate2']['whole_s'] / split['ours']['whole_s']:.2f}, "
+            f"decoder {split['CTranslate2']['rest_s'] / split['ours']['rest_s']:.2f}"
+        )
     profile = operator_profile(lambda: ours.search(ids), args.profile) if args.profile else []
     if profile:
         print(f"ours, one pass under torch.profiler: the {len(profile)} operators with the most self time")
@@ -130,11 +159,28 @@ def main(argv=None) -> int:
         for op in profile:
             print(f"{op['op'][:52]:52} {op['self_s']:8.3f} {op['share']:6.1%} {op['calls']:7d}")
     if args.json:
-        args.json.write_text(json.dumps({
-            "source": args.source, "checkpoint": str(args.checkpoint), "sentences": len(ids), "batches": len(batches),
-            "beam": args.beam, "dtype": args.dtype, "stop": args.stop, "threads": args.threads,
-            "rounds": args.rounds, "torch": torch.__version__, "cpu": cpu_description(), "times_s": times,
-            "split": split, "profile": profile}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "source": args.source,
+                    "checkpoint": str(args.checkpoint),
+                    "sentences": len(ids),
+                    "batches": len(batches),
+                    "beam": args.beam,
+                    "dtype": args.dtype,
+                    "stop": args.stop,
+                    "threads": args.threads,
+                    "rounds": args.rounds,
+                    "torch": torch.__version__,
+                    "cpu": cpu_description(),
+                    "times_s": times,
+                    "split": split,
+                    "profile": profile,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         print(f"wrote {args.json}")
     return 0
 

@@ -72,8 +72,9 @@ def health(port: int) -> dict:
         conn.close()
 
 
-def load(port: int, sentences: list[str], clients: int, total: int, per_request: int, beam: int,
-         time_limit: float) -> dict:
+def load(
+    port: int, sentences: list[str], clients: int, total: int, per_request: int, beam: int, time_limit: float
+) -> dict:
     """--clients threads, one request at a time each, until `total` requests are sent or time is up."""
     lock, issued, latencies, errors = threading.Lock(), [0], [], []
     deadline = time.monotonic() + time_limit
@@ -111,16 +112,35 @@ def load(port: int, sentences: list[str], clients: int, total: int, per_request:
     elapsed = time.perf_counter() - start
     ms = sorted(1000 * s for s in latencies)
     pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))] if ms else float("nan")  # noqa: E731
-    return {"requests": len(latencies), "errors": len(errors), "first_errors": errors[:5], "seconds": elapsed,
-            "requests_per_s": len(latencies) / elapsed, "sentences_per_s": len(latencies) * per_request / elapsed,
-            "p50_ms": pick(0.50), "p99_ms": pick(0.99), "mean_ms": statistics.fmean(ms) if ms else float("nan")}
+    return {
+        "requests": len(latencies),
+        "errors": len(errors),
+        "first_errors": errors[:5],
+        "seconds": elapsed,
+        "requests_per_s": len(latencies) / elapsed,
+        "sentences_per_s": len(latencies) * per_request / elapsed,
+        "p50_ms": pick(0.50),
+        "p99_ms": pick(0.99),
+        "mean_ms": statistics.fmean(ms) if ms else float("nan"),
+    }
 
 
 def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
     stop = ("--stop", args.stop) if args.stop else ()
-    server, url = spawn(args.checkpoint, "--device", args.device, "--engine", engine, *stop, "--batch-window-ms", str(window),
-                        "--max-pending", str(max(1024, args.clients * args.sentences)),
-                        "--max-sentences", str(max(64, args.sentences)))
+    server, url = spawn(
+        args.checkpoint,
+        "--device",
+        args.device,
+        "--engine",
+        engine,
+        *stop,
+        "--batch-window-ms",
+        str(window),
+        "--max-pending",
+        str(max(1024, args.clients * args.sentences)),
+        "--max-sentences",
+        str(max(64, args.sentences)),
+    )
     port = urlsplit(url).port
     try:
         # Warm-up, a short burst of the same load: first-call allocations and the allocator's growth to the
@@ -135,8 +155,15 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
         server.wait(timeout=60)
     result["errors"] += warmup["errors"]
     result["first_errors"] = (warmup["first_errors"] + result["first_errors"])[:5]
-    return {"engine": engine, "window_ms": window, **result, "rss_before_mb": before, "rss_after_mb": after,
-            "batches": batches, "sentences_per_batch": searched / max(1, batches)}
+    return {
+        "engine": engine,
+        "window_ms": window,
+        **result,
+        "rss_before_mb": before,
+        "rss_after_mb": after,
+        "batches": batches,
+        "sentences_per_batch": searched / max(1, batches),
+    }
 
 
 def hostile(kind: str, port: int, sentence: str) -> str:
@@ -145,12 +172,16 @@ def hostile(kind: str, port: int, sentence: str) -> str:
     try:
         if kind == "hang up":  # sends a request and leaves before the answer
             body = json.dumps({"text": [sentence], "beam": 4}).encode()
-            sock.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.sendall(
+                b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             return "hung up"
         if kind == "chunked":  # a chunked body past the size limit
-            sock.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Transfer-Encoding: chunked\r\n\r\n")
+            sock.sendall(
+                b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
             chunk = b"x" * 65536
             try:
                 for _ in range(64):
@@ -181,10 +212,21 @@ def mixed_request(rng: random.Random, sentences: list[str]) -> tuple[str, str, d
     if r < 0.6:
         beam = rng.choice([1, 2, 4, 8])
         count = rng.choice([1, 1, 2, 4, 8, 16, 64])
-        return "POST", "/translate", {"text": rng.sample(sentences, min(count, len(sentences))), "beam": beam,
-                                      "nbest": rng.randint(1, min(beam, 3))}
+        return (
+            "POST",
+            "/translate",
+            {
+                "text": rng.sample(sentences, min(count, len(sentences))),
+                "beam": beam,
+                "nbest": rng.randint(1, min(beam, 3)),
+            },
+        )
     if r < 0.75:
-        return "POST", "/attention", {"text": " ".join(rng.sample(sentences, rng.randint(1, 2))), "beam": rng.choice([1, 4])}
+        return (
+            "POST",
+            "/attention",
+            {"text": " ".join(rng.sample(sentences, rng.randint(1, 2))), "beam": rng.choice([1, 4])},
+        )
     if r < 0.9:
         return "POST", "/beam", {"text": rng.choice(sentences), "beam": rng.choice([2, 4, 8]), "nbest": 1}
     d_model = 2 * rng.randint(1, 256)
@@ -194,8 +236,18 @@ def mixed_request(rng: random.Random, sentences: list[str]) -> tuple[str, str, d
 def soak(args, sentences: list[str]) -> dict:
     """--clients clients sending the mix for --minutes; the server's RSS every --every seconds."""
     stop = ("--stop", args.stop) if args.stop else ()
-    server, url = spawn(args.checkpoint, "--device", args.device, "--engine", args.engines[0], *stop,
-                        "--batch-window-ms", str(args.windows[0]), "--read-timeout", "2")
+    server, url = spawn(
+        args.checkpoint,
+        "--device",
+        args.device,
+        "--engine",
+        args.engines[0],
+        *stop,
+        "--batch-window-ms",
+        str(args.windows[0]),
+        "--read-timeout",
+        "2",
+    )
     port = urlsplit(url).port
     outcomes: Counter = Counter()
     lock = threading.Lock()
@@ -238,22 +290,43 @@ def soak(args, sentences: list[str]) -> dict:
             time.sleep(max(0.0, min(args.every, deadline - time.monotonic())))
             with lock:
                 done = sum(outcomes.values())
-            samples.append({"s": round(time.monotonic() - start, 1), "rss_mb": rss_mb(server.pid),
-                            "peak_mb": rss_mb(server.pid, "VmHWM"), "requests": done})
+            samples.append(
+                {
+                    "s": round(time.monotonic() - start, 1),
+                    "rss_mb": rss_mb(server.pid),
+                    "peak_mb": rss_mb(server.pid, "VmHWM"),
+                    "requests": done,
+                }
+            )
         for t in threads:
             t.join()
         time.sleep(2)  # idle: what the server keeps once the load is over
-        samples.append({"s": round(time.monotonic() - start, 1), "rss_mb": rss_mb(server.pid),
-                        "peak_mb": rss_mb(server.pid, "VmHWM"), "requests": sum(outcomes.values()), "idle": True})
+        samples.append(
+            {
+                "s": round(time.monotonic() - start, 1),
+                "rss_mb": rss_mb(server.pid),
+                "peak_mb": rss_mb(server.pid, "VmHWM"),
+                "requests": sum(outcomes.values()),
+                "idle": True,
+            }
+        )
     finally:
         server.terminate()
         server.wait(timeout=60)
     expected = ("hung up", " 413", " 421", " 408", "closed")
     errors = {k: n for k, n in outcomes.items() if not (k.endswith(" 200") or any(k.endswith(e) for e in expected))}
-    return {"minutes": args.minutes, "clients": args.clients, "every_s": args.every, "samples": samples,
-            "outcomes": dict(sorted(outcomes.items())), "errors": sum(errors.values()), "error_kinds": errors,
-            "rss_first_mb": samples[0]["rss_mb"], "rss_max_mb": max(x["rss_mb"] for x in samples),
-            "rss_last_mb": samples[-1]["rss_mb"]}
+    return {
+        "minutes": args.minutes,
+        "clients": args.clients,
+        "every_s": args.every,
+        "samples": samples,
+        "outcomes": dict(sorted(outcomes.items())),
+        "errors": sum(errors.values()),
+        "error_kinds": errors,
+        "rss_first_mb": samples[0]["rss_mb"],
+        "rss_max_mb": max(x["rss_mb"] for x in samples),
+        "rss_last_mb": samples[-1]["rss_mb"],
+    }
 
 
 def print_soak(result: dict, args) -> None:
@@ -276,13 +349,22 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per setting, at most (default 60)")
     ap.add_argument("--sentences", type=int, default=1, help="sentences per request (default 1)")
     ap.add_argument("--beam", type=int, default=4, help="beam size of every request (default 4)")
-    ap.add_argument("--windows", type=float, nargs="+", default=[5.0, 0.0],
-                    help="batching windows to compare, in ms (default: 5 0)")
-    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=["ours"],
-                    help="what runs /translate, each in its own server (default: ours)")
-    ap.add_argument("--stop", choices=STOP_RULES,
-                    help="our beam search's stop rule (serve --stop; default: the checkpoint's decode.stop); "
-                         "CTranslate2 always stops like early")
+    ap.add_argument(
+        "--windows", type=float, nargs="+", default=[5.0, 0.0], help="batching windows to compare, in ms (default: 5 0)"
+    )
+    ap.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=["ours"],
+        help="what runs /translate, each in its own server (default: ours)",
+    )
+    ap.add_argument(
+        "--stop",
+        choices=STOP_RULES,
+        help="our beam search's stop rule (serve --stop; default: the checkpoint's decode.stop); "
+        "CTranslate2 always stops like early",
+    )
     ap.add_argument("--device", default="cpu", help="where the server runs the model (default cpu)")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     ap.add_argument("--soak", action="store_true", help="memory over time under a mix of requests (see above)")
@@ -300,33 +382,60 @@ def main() -> None:
         result = soak(args, sentences)
         print_soak(result, args)
         if args.json:
-            report = {"checkpoint": str(args.checkpoint), "test_set": str(args.test_set), "device": args.device,
-                      "engine": args.engines[0], "window_ms": args.windows[0],
-                      "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                  "python": platform.python_version(), "cpu": cpu_description()},
-                      "soak": result}
+            report = {
+                "checkpoint": str(args.checkpoint),
+                "test_set": str(args.test_set),
+                "device": args.device,
+                "engine": args.engines[0],
+                "window_ms": args.windows[0],
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "platform": platform.platform(),
+                    "python": platform.python_version(),
+                    "cpu": cpu_description(),
+                },
+                "soak": result,
+            }
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         sys.exit(1 if result["errors"] else 0)
 
     results = [run_one(args, sentences, engine, window) for engine in args.engines for window in args.windows]
-    print(f"{args.clients} clients, {args.sentences} sentence(s) per request, beam {args.beam}, "
-          f"stop {args.stop or 'decode.stop'}, {args.device}; "
-          f"server RSS in MiB")
-    print(f"{'engine':>11} {'window':>8} {'requests':>8} {'errors':>6} {'req/s':>8} {'sent/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'sent/batch':>10} {'RSS before':>10} {'RSS after':>9}")
+    print(
+        f"{args.clients} clients, {args.sentences} sentence(s) per request, beam {args.beam}, "
+        f"stop {args.stop or 'decode.stop'}, {args.device}; "
+        f"server RSS in MiB"
+    )
+    print(
+        f"{'engine':>11} {'window':>8} {'requests':>8} {'errors':>6} {'req/s':>8} {'sent/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'sent/batch':>10} {'RSS before':>10} {'RSS after':>9}"
+    )
     for r in results:
-        print(f"{r['engine']:>11} {r['window_ms']:>6g}ms {r['requests']:>8} {r['errors']:>6} {r['requests_per_s']:>8.1f} "
-              f"{r['sentences_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['sentences_per_batch']:>10.2f} "
-              f"{r['rss_before_mb']:>10.1f} {r['rss_after_mb']:>9.1f}")
+        print(
+            f"{r['engine']:>11} {r['window_ms']:>6g}ms {r['requests']:>8} {r['errors']:>6} {r['requests_per_s']:>8.1f} "
+            f"{r['sentences_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['sentences_per_batch']:>10.2f} "
+            f"{r['rss_before_mb']:>10.1f} {r['rss_after_mb']:>9.1f}"
+        )
         for why in r["first_errors"]:
             print(f"  error: {why}")
     if args.json:
-        report = {"checkpoint": str(args.checkpoint), "test_set": str(args.test_set), "clients": args.clients,
-                  "sentences_per_request": args.sentences, "beam": args.beam, "stop": args.stop, "device": args.device,
-                  "requests_limit": args.requests, "time_limit_s": args.time_limit,
-                  "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                              "cpu": cpu_description()},
-                  "results": results}
+        report = {
+            "checkpoint": str(args.checkpoint),
+            "test_set": str(args.test_set),
+            "clients": args.clients,
+            "sentences_per_request": args.sentences,
+            "beam": args.beam,
+            "stop": args.stop,
+            "device": args.device,
+            "requests_limit": args.requests,
+            "time_limit_s": args.time_limit,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "cpu": cpu_description(),
+            },
+            "results": results,
+        }
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if any(r["errors"] for r in results):
         sys.exit(1)

@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from transformer.data.batch import CAUSAL, padding_mask
 from transformer.config import load_config
+from transformer.data.batch import CAUSAL, padding_mask
+from transformer.data.vocab import PAD_ID
 from transformer.device import cpu_description, mfu_peak, tf32_matmuls
 from transformer.model.transformer import build_model, training_flops
 from transformer.training.loop import TrainingLoss
-from transformer.data.vocab import PAD_ID
 
 IMPLS = ("ours", "marian", "torch")
 
@@ -58,42 +58,65 @@ def build(impl: str, m, vocab: int, device, compile: bool = False):
 
         def loss_fn(src, tgt_in, tgt_out):  # the trainer's loss, per target token (as Marian's below)
             return fwd(src, tgt_in, tgt_out, padding_mask(src), CAUSAL) / (tgt_out != PAD_ID).sum()
+
         return model, loss_fn
     if impl == "marian":
         from transformers import MarianConfig, MarianMTModel
 
-        config = MarianConfig(vocab_size=vocab, d_model=m.d_model, encoder_layers=m.n_encoder_layers,
-                              decoder_layers=m.n_decoder_layers, encoder_attention_heads=m.n_heads,
-                              decoder_attention_heads=m.n_heads, encoder_ffn_dim=m.d_ff, decoder_ffn_dim=m.d_ff,
-                              max_position_embeddings=m.max_positions, dropout=m.dropout,
-                              attention_dropout=m.attention_dropout, activation_function="relu",
-                              pad_token_id=0, eos_token_id=3, decoder_start_token_id=2, scale_embedding=True,
-                              share_encoder_decoder_embeddings=True, tie_word_embeddings=True)
+        config = MarianConfig(
+            vocab_size=vocab,
+            d_model=m.d_model,
+            encoder_layers=m.n_encoder_layers,
+            decoder_layers=m.n_decoder_layers,
+            encoder_attention_heads=m.n_heads,
+            decoder_attention_heads=m.n_heads,
+            encoder_ffn_dim=m.d_ff,
+            decoder_ffn_dim=m.d_ff,
+            max_position_embeddings=m.max_positions,
+            dropout=m.dropout,
+            attention_dropout=m.attention_dropout,
+            activation_function="relu",
+            pad_token_id=0,
+            eos_token_id=3,
+            decoder_start_token_id=2,
+            scale_embedding=True,
+            share_encoder_decoder_embeddings=True,
+            tie_word_embeddings=True,
+        )
         model = MarianMTModel(config).to(device)
         fwd = torch.compile(model) if compile else model
 
         def loss_fn(src, tgt_in, tgt_out):
-            out = fwd(input_ids=src, attention_mask=src.ne(0), decoder_input_ids=tgt_in,
-                        decoder_attention_mask=tgt_in.ne(0))
-            return F.cross_entropy(out.logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1,
-                                   ignore_index=PAD_ID)
+            out = fwd(
+                input_ids=src, attention_mask=src.ne(0), decoder_input_ids=tgt_in, decoder_attention_mask=tgt_in.ne(0)
+            )
+            return F.cross_entropy(
+                out.logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1, ignore_index=PAD_ID
+            )
+
         return model, loss_fn
 
     class TorchSeq2Seq(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = torch.nn.Embedding(vocab, m.d_model, padding_idx=0)
-            self.core = torch.nn.Transformer(m.d_model, m.n_heads, m.n_encoder_layers, m.n_decoder_layers, m.d_ff,
-                                             m.dropout, batch_first=True)
+            self.core = torch.nn.Transformer(
+                m.d_model, m.n_heads, m.n_encoder_layers, m.n_decoder_layers, m.d_ff, m.dropout, batch_first=True
+            )
             self.out = torch.nn.Linear(m.d_model, vocab, bias=False)
             self.out.weight = self.embed.weight
 
         def forward(self, src, tgt_in):
-            scale = m.d_model ** 0.5  # positions omitted: they cost nothing next to the layers
+            scale = m.d_model**0.5  # positions omitted: they cost nothing next to the layers
             mask = torch.nn.Transformer.generate_square_subsequent_mask(tgt_in.size(1), device=src.device)
-            h = self.core(self.embed(src) * scale, self.embed(tgt_in) * scale, tgt_mask=mask,
-                          src_key_padding_mask=src.eq(0), tgt_key_padding_mask=tgt_in.eq(0),
-                          memory_key_padding_mask=src.eq(0))
+            h = self.core(
+                self.embed(src) * scale,
+                self.embed(tgt_in) * scale,
+                tgt_mask=mask,
+                src_key_padding_mask=src.eq(0),
+                tgt_key_padding_mask=tgt_in.eq(0),
+                memory_key_padding_mask=src.eq(0),
+            )
             return self.out(h)
 
     model = TorchSeq2Seq().to(device)
@@ -102,6 +125,7 @@ def build(impl: str, m, vocab: int, device, compile: bool = False):
     def loss_fn(src, tgt_in, tgt_out):
         logits = fwd(src, tgt_in)
         return F.cross_entropy(logits.reshape(-1, vocab), tgt_out.reshape(-1), label_smoothing=0.1, ignore_index=PAD_ID)
+
     return model, loss_fn
 
 
@@ -113,8 +137,9 @@ def run_one(args) -> dict:
     compiled = args.compile == "all" or (args.compile == "ours" and args.impl == "ours")
     model, loss_fn = build(args.impl, m, args.vocab, device, compiled)
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                           fused=True if device.type == "cuda" else None)
+    opt = torch.optim.Adam(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True if device.type == "cuda" else None
+    )
     n_seq = max(1, args.tokens // args.length)
     src = torch.randint(4, args.vocab, (n_seq, args.length), device=device)
     tgt = torch.randint(4, args.vocab, (n_seq, args.length + 1), device=device)
@@ -145,13 +170,23 @@ def run_one(args) -> dict:
     tokens = n_seq * args.length
     flops = flops_per_update(m, n_seq, args.length, args.length, args.vocab)
     if device.type == "cuda":
-        peak_mem = torch.cuda.max_memory_allocated() / 2 ** 30
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30
     else:
         import resource
-        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB, whole process
-    return {"impl": args.impl, "compiled": compiled, "step_s_median": median, "step_s_all": times, "tgt_tokens_per_s": tokens / median,
-            "tokens_per_s": 2 * tokens / median, "tflops_per_s": flops / median / 1e12, "peak_mem_gib": peak_mem,
-            "params": sum(p.numel() for p in model.parameters()), "sentences": n_seq}
+
+        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB, whole process
+    return {
+        "impl": args.impl,
+        "compiled": compiled,
+        "step_s_median": median,
+        "step_s_all": times,
+        "tgt_tokens_per_s": tokens / median,
+        "tokens_per_s": 2 * tokens / median,
+        "tflops_per_s": flops / median / 1e12,
+        "peak_mem_gib": peak_mem,
+        "params": sum(p.numel() for p in model.parameters()),
+        "sentences": n_seq,
+    }
 
 
 def main() -> None:
@@ -163,13 +198,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed updates; the median is reported")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None,
-                        help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument(
+        "--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on CPU"
+    )
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak; default: measured matmul")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ", ".join(IMPLS))
-    parser.add_argument("--compile", choices=("none", "ours", "all"), default="none",
-                        help="run the forward pass of ours, or of every implementation, through torch.compile "
-                             "(compilation happens in the warm-up updates)")
+    parser.add_argument(
+        "--compile",
+        choices=("none", "ours", "all"),
+        default="none",
+        help="run the forward pass of ours, or of every implementation, through torch.compile "
+        "(compilation happens in the warm-up updates)",
+    )
     parser.add_argument("--json", default="bench_train.json")
     parser.add_argument("--impl", help=argparse.SUPPRESS)  # internal: run one implementation and print JSON
     args = parser.parse_args()
@@ -186,8 +226,10 @@ def main() -> None:
     results, failed = [], []
     for impl in args.impls.split(","):
         command = [sys.executable, __file__, "--impl", impl] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k not in ("impl", "impls", "json", "peak_tflops") and v is not None]
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(args).items()
+            if k not in ("impl", "impls", "json", "peak_tflops") and v is not None
+        ]
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
             reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
@@ -199,22 +241,44 @@ def main() -> None:
         results.append(result)
     ours = next((r for r in results if r["impl"] == "ours"), None)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"device {device} ({device_name}), "
-          f"torch {torch.__version__}, {args.precision}, {args.tokens} target tokens/update, "
-          f"MFU against {found.describe()}")
-    print(f"{'impl':14} {'step s':>8} {'tgt tok/s':>10} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'ours x':>7}")
+    print(
+        f"device {device} ({device_name}), "
+        f"torch {torch.__version__}, {args.precision}, {args.tokens} target tokens/update, "
+        f"MFU against {found.describe()}"
+    )
+    print(
+        f"{'impl':14} {'step s':>8} {'tgt tok/s':>10} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'ours x':>7}"
+    )
     for r in results:
         ratio = ours["tgt_tokens_per_s"] / r["tgt_tokens_per_s"] if ours else float("nan")
         r["ours_speedup"] = ratio
         name = r["impl"] + ("+compile" if r["compiled"] else "")
-        print(f"{name:14} {r['step_s_median']:8.3f} {r['tgt_tokens_per_s']:10.0f} {r['tokens_per_s']:10.0f} "
-              f"{r['tflops_per_s']:8.2f} {r['mfu']:6.1%} {r['peak_mem_gib']:8.2f} {ratio:7.2f}")
-    Path(args.json).write_text(json.dumps({
-        "device": str(device), "device_name": device_name, "cpu": cpu_description(), "torch": torch.__version__,
-        "precision": args.precision,
-        "peak_flops": peak, "peak_source": found.source, "peak_measured": found.measure is not None,
-        "config": args.config, "compile": args.compile, "vocab": args.vocab, "tokens": args.tokens, "length": args.length,
-        "results": results, "failed": failed}, indent=2))
+        print(
+            f"{name:14} {r['step_s_median']:8.3f} {r['tgt_tokens_per_s']:10.0f} {r['tokens_per_s']:10.0f} "
+            f"{r['tflops_per_s']:8.2f} {r['mfu']:6.1%} {r['peak_mem_gib']:8.2f} {ratio:7.2f}"
+        )
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "device": str(device),
+                "device_name": device_name,
+                "cpu": cpu_description(),
+                "torch": torch.__version__,
+                "precision": args.precision,
+                "peak_flops": peak,
+                "peak_source": found.source,
+                "peak_measured": found.measure is not None,
+                "config": args.config,
+                "compile": args.compile,
+                "vocab": args.vocab,
+                "tokens": args.tokens,
+                "length": args.length,
+                "results": results,
+                "failed": failed,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.json}")
 
 

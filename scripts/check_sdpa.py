@@ -30,8 +30,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformer.data.batch import CAUSAL, attention_bias, padding_mask, target_mask
 from transformer.data.vocab import PAD_ID
 
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 KERNEL_NAMES = {int(value): name.lower() for name, value in SDPBackend.__members__.items()}
 TRAIN_DROPOUT = 0.1
 
@@ -51,8 +55,9 @@ def timed(fn, device, reps: int) -> float:
 def sdpa(q, k, v, mask, dropout: float):
     """The call as the model makes it: CAUSAL -> is_causal with no mask tensor."""
     causal = mask is CAUSAL
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, dropout_p=dropout,
-                                          is_causal=causal)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if causal else mask, dropout_p=dropout, is_causal=causal
+    )
 
 
 def kernel(q, k, v, mask, dropout: float) -> str:
@@ -73,6 +78,7 @@ def forward_backward(q, k, v, mask, dropout: float, grad_out: torch.Tensor):
 def calls(b: int, h: int, t: int, s: int, d: int, device, dtype) -> list[dict]:
     """The model's attention calls with their masks in every form: q/k/v, the masks, and the query positions
     that are real (the rest are padding, never scored)."""
+
     def qkv(tq: int, tk: int):
         return [torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for n in (tq, tk, tk)]
 
@@ -85,11 +91,19 @@ def calls(b: int, h: int, t: int, s: int, d: int, device, dtype) -> list[dict]:
     real_src, real_tgt = (src != PAD_ID)[:, None, :, None], (tgt != PAD_ID)[:, None, :, None]  # (B, 1, T, 1)
     return [
         {"call": "encoder self-attention", "qkv": qkv(s, s), "masks": src_forms, "real": real_src},
-        {"call": "decoder self-attention", "qkv": qkv(t, t), "real": real_tgt,
-         "masks": {"boolean": tgt_mask, "additive": attention_bias(tgt_mask, dtype), "is_causal": CAUSAL}},
+        {
+            "call": "decoder self-attention",
+            "qkv": qkv(t, t),
+            "real": real_tgt,
+            "masks": {"boolean": tgt_mask, "additive": attention_bias(tgt_mask, dtype), "is_causal": CAUSAL},
+        },
         {"call": "cross-attention", "qkv": qkv(t, s), "masks": src_forms, "real": real_tgt},
-        {"call": "decoding step, cross-attention", "qkv": qkv(1, s), "masks": src_forms,
-         "real": torch.ones(b, 1, 1, 1, dtype=torch.bool, device=device)},
+        {
+            "call": "decoding step, cross-attention",
+            "qkv": qkv(1, s),
+            "masks": src_forms,
+            "real": torch.ones(b, 1, 1, 1, dtype=torch.bool, device=device),
+        },
     ]
 
 
@@ -103,16 +117,22 @@ def measure(call: dict, device, reps: int) -> list[dict]:
     for form, mask in call["masks"].items():
         out, grads = forward_backward(q, k, v, mask, 0.0, grad_out)
         real = call["real"].expand_as(out)
-        row = {"call": call["call"], "mask": form,
-               "kernel_train": kernel(q, k, v, mask, TRAIN_DROPOUT), "kernel_eval": kernel(q, k, v, mask, 0.0),
-               "ms": timed(lambda: forward_backward(q, k, v, mask, TRAIN_DROPOUT, grad_out), device, reps) * 1e3,
-               "max_diff_out": float((out - ref_out)[real].abs().max()),
-               "max_diff_grad": max(float((g - r).abs().max()) for g, r in zip(grads, ref_grads)), "backends": {}}
+        row = {
+            "call": call["call"],
+            "mask": form,
+            "kernel_train": kernel(q, k, v, mask, TRAIN_DROPOUT),
+            "kernel_eval": kernel(q, k, v, mask, 0.0),
+            "ms": timed(lambda: forward_backward(q, k, v, mask, TRAIN_DROPOUT, grad_out), device, reps) * 1e3,
+            "max_diff_out": float((out - ref_out)[real].abs().max()),
+            "max_diff_grad": max(float((g - r).abs().max()) for g, r in zip(grads, ref_grads)),
+            "backends": {},
+        }
         for name, backend in BACKENDS.items():
             try:
                 with sdpa_kernel([backend]):
-                    row["backends"][name] = timed(lambda: forward_backward(q, k, v, mask, 0.0, grad_out), device,
-                                                  reps) * 1e3
+                    row["backends"][name] = (
+                        timed(lambda: forward_backward(q, k, v, mask, 0.0, grad_out), device, reps) * 1e3
+                    )
             except RuntimeError:  # this backend cannot serve the call
                 row["backends"][name] = None
         rows.append(row)
@@ -139,22 +159,35 @@ def main() -> None:
     b, h, t, d = args.batch, args.heads, args.length, args.head_dim
     s = args.src_length or t + 5
     print(f"device {device}, {name}, B {b}, H {h}, T {t}, S {s}, Dh {d}, torch {torch.__version__}")
-    print(f"{'call':32} {'mask':10} {'kernel (train)':>15} {'(eval)':>10} {'fwd+bwd ms':>11} {'|out-math|':>11} "
-          f"{'|grad-math|':>12}  forced backends, ms")
+    print(
+        f"{'call':32} {'mask':10} {'kernel (train)':>15} {'(eval)':>10} {'fwd+bwd ms':>11} {'|out-math|':>11} "
+        f"{'|grad-math|':>12}  forced backends, ms"
+    )
     rows = []
     for call in calls(b, h, t, s, d, device, dtype):
         for row in measure(call, device, args.reps):
             rows.append(row)
             forced = ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in row["backends"].items())
-            print(f"{row['call']:32} {row['mask']:10} {row['kernel_train']:>15} {row['kernel_eval']:>10} "
-                  f"{row['ms']:11.3f} {row['max_diff_out']:11.2e} {row['max_diff_grad']:12.2e}  {forced}")
+            print(
+                f"{row['call']:32} {row['mask']:10} {row['kernel_train']:>15} {row['kernel_eval']:>10} "
+                f"{row['ms']:11.3f} {row['max_diff_out']:11.2e} {row['max_diff_grad']:12.2e}  {forced}"
+            )
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "dtype": name, "shape": {"batch": b, "heads": h, "tgt_len": t, "src_len": s,
-                                                                "head_dim": d},
-            "dropout_train": TRAIN_DROPOUT, "reps": args.reps, "rows": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": str(device),
+                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__,
+                    "dtype": name,
+                    "shape": {"batch": b, "heads": h, "tgt_len": t, "src_len": s, "head_dim": d},
+                    "dropout_train": TRAIN_DROPOUT,
+                    "reps": args.reps,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

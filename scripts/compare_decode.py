@@ -63,10 +63,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "int8"))
     ap.add_argument("--lenpen", type=float, default=None, help="default: the checkpoint's decode.lenpen")
     ap.add_argument("--limit", type=int, default=500, help="first N sentences (0 = all)")
-    ap.add_argument("--max-tokens", type=int, default=0,
-                    help="source tokens per batch (default: decode.max_tokens; 1: one sentence at a time, for latency)")
-    ap.add_argument("--workers", type=int, default=1,
-                    help="searches side by side (decode.workers; revisions from a38a639 on); default 1")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="source tokens per batch (default: decode.max_tokens; 1: one sentence at a time, for latency)",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="searches side by side (decode.workers; revisions from a38a639 on); default 1",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="timed passes per revision, interleaved")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
@@ -98,18 +106,35 @@ def main() -> None:
 
             max_tokens = args.max_tokens or dec.max_tokens
             if settings is not None:
-                chosen = settings.SearchSettings(beam=args.beam, lenpen=lenpen, stop=args.stop,
-                                                 max_len_offset=dec.max_len_offset, max_tokens=max_tokens,
-                                                 workers=args.workers)
+                chosen = settings.SearchSettings(
+                    beam=args.beam,
+                    lenpen=lenpen,
+                    stop=args.stop,
+                    max_len_offset=dec.max_len_offset,
+                    max_tokens=max_tokens,
+                    workers=args.workers,
+                )
 
                 def run(translate=translate, tr=tr, src=src, chosen=chosen):
                     return translate.search_ids(tr.model, src, chosen, torch.device("cpu"))
             else:
+
                 def run(translate=translate, tr=tr, src=src, lenpen=lenpen, dec=dec, max_tokens=max_tokens):
                     # workers only when asked: revisions before decode.workers (a38a639) do not take it
                     side_by_side = {"workers": args.workers} if args.workers > 1 else {}
-                    return translate.search_ids(tr.model, src, args.beam, lenpen, dec.max_len_offset, max_tokens,
-                                                torch.device("cpu"), 1, args.stop, **side_by_side)
+                    return translate.search_ids(
+                        tr.model,
+                        src,
+                        args.beam,
+                        lenpen,
+                        dec.max_len_offset,
+                        max_tokens,
+                        torch.device("cpu"),
+                        1,
+                        args.stop,
+                        **side_by_side,
+                    )
+
             outputs.append([hyps[0].tokens for hyps in run()])  # untimed: warms up, and the outputs to compare
             runs.append(run)
         times: list[list[float]] = [[] for _ in runs]
@@ -120,21 +145,46 @@ def main() -> None:
                 times[i].append(time.perf_counter() - start)
 
     rows = []
-    print(f"{len(lines)} sentences, beam {args.beam}, stop {args.stop}, {args.dtype}, {args.rounds} rounds, "
-          f"max tokens {args.max_tokens or 'decode.max_tokens'}, {args.workers} worker(s)")
+    print(
+        f"{len(lines)} sentences, beam {args.beam}, stop {args.stop}, {args.dtype}, {args.rounds} rounds, "
+        f"max tokens {args.max_tokens or 'decode.max_tokens'}, {args.workers} worker(s)"
+    )
     print(f"{'revision':>12} {'min s':>7} {'median s':>9} {'time / first':>13} {'same outputs':>13}")
     for rev, ts, out in zip(args.rev, times, outputs):
         ratio = statistics.median(a / b for a, b in zip(ts, times[0]))
         same = sum(a == b for a, b in zip(out, outputs[0])) / len(out) if out else 1.0
-        rows.append({"rev": rev, "times_s": ts, "min_s": min(ts), "median_s": statistics.median(ts),
-                     "time_vs_first": ratio, "same_outputs_as_first": same})
+        rows.append(
+            {
+                "rev": rev,
+                "times_s": ts,
+                "min_s": min(ts),
+                "median_s": statistics.median(ts),
+                "time_vs_first": ratio,
+                "same_outputs_as_first": same,
+            }
+        )
         print(f"{rev:>12} {min(ts):7.3f} {statistics.median(ts):9.3f} {ratio:12.3f}x {same:12.1%}")
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "test_set": args.test_set, "checkpoint": args.checkpoint, "beam": args.beam, "stop": args.stop,
-            "dtype": args.dtype, "sentences": len(lines), "max_tokens": args.max_tokens or None, "workers": args.workers,
-            "threads": args.threads, "torch": torch.__version__, "cpu": cpu_description(), "results": rows},
-            indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "test_set": args.test_set,
+                    "checkpoint": args.checkpoint,
+                    "beam": args.beam,
+                    "stop": args.stop,
+                    "dtype": args.dtype,
+                    "sentences": len(lines),
+                    "max_tokens": args.max_tokens or None,
+                    "workers": args.workers,
+                    "threads": args.threads,
+                    "torch": torch.__version__,
+                    "cpu": cpu_description(),
+                    "results": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         print(f"wrote {args.json}")
 
 

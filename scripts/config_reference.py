@@ -63,9 +63,9 @@ def render(text: str) -> str:
         start, stop = text.find(begin), text.find(end)
         if start < 0 or stop < start:
             raise SystemExit(f"{DOC}: no {begin} ... {end} block for section {section!r}: add the two markers")
-        old = text[start + len(begin):stop]
+        old = text[start + len(begin) : stop]
         meanings = {m.group(1): m.group(3) for m in map(ROW.match, old.splitlines()) if m}
-        text = text[:start + len(begin)] + "\n" + table(section, cls, meanings) + "\n" + text[stop:]
+        text = text[: start + len(begin)] + "\n" + table(section, cls, meanings) + "\n" + text[stop:]
     return text
 
 

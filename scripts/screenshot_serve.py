@@ -21,17 +21,27 @@ from pathlib import Path
 
 from transformer.serve.app import spawn
 
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-         "--hide-scrollbars", "--force-device-scale-factor=1")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+    "--force-device-scale-factor=1",
+)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="run directory or .pt file")
     ap.add_argument("out", help="PNG file to write")
-    ap.add_argument("--text", default="Ein Mann fährt mit dem Fahrrad die Straße entlang.",
-                    help="the sentence typed into the page")
+    ap.add_argument(
+        "--text", default="Ein Mann fährt mit dem Fahrrad die Straße entlang.", help="the sentence typed into the page"
+    )
     ap.add_argument("--size", default="1280x900", help="browser window WIDTHxHEIGHT (default 1280x900)")
     ap.add_argument("--full-page", action="store_true", help="grow the window to the whole page's height")
     ap.add_argument("--kind", choices=("encoder", "decoder", "cross"), default="cross", help="attention tab to show")
@@ -71,7 +81,9 @@ def main() -> None:
         wait.until(lambda d: state(d) in ("ready", "error"))
         if state(driver) == "error":
             sys.exit(f"error: the page says: {driver.find_element(By.ID, 'error').text}")
-        driver.find_element(By.XPATH, f"//div[@id='kinds']/button[{('encoder', 'decoder', 'cross').index(args.kind) + 1}]").click()
+        driver.find_element(
+            By.XPATH, f"//div[@id='kinds']/button[{('encoder', 'decoder', 'cross').index(args.kind) + 1}]"
+        ).click()
         layers = max(int(t.get_attribute("data-layer")) for t in driver.find_elements(By.CSS_SELECTOR, "#grid canvas"))
         layer = layers if args.layer is None else args.layer - 1
         driver.find_element(By.CSS_SELECTOR, f"#grid canvas[data-layer='{layer}'][data-head='{args.head - 1}']").click()
@@ -81,8 +93,10 @@ def main() -> None:
             driver.find_element(By.ID, "step-next").click()
         if args.full_page:  # a viewport as tall as the page (a window that tall may be clamped to the screen)
             total = driver.execute_script("return document.documentElement.scrollHeight")
-            driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                                   {"width": width, "height": total, "deviceScaleFactor": 1, "mobile": False})
+            driver.execute_cdp_cmd(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": width, "height": total, "deviceScaleFactor": 1, "mobile": False},
+            )
         if args.hover is not None:
             target = driver.find_element(By.CSS_SELECTOR, f"#lines text[data-query='{args.hover}']")
             ActionChains(driver).move_to_element(target).perform()

@@ -13,23 +13,25 @@ import random
 import struct
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import pytest
 import torch
 import yaml
 
 from transformer import cli as cli_module
-from transformer.data.batch import Batch
-from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import from_dict, to_dict
-from transformer.model.transformer import Transformer
+from transformer.data.batch import Batch
 from transformer.data.vocab import PAD_ID, train_vocab
+from transformer.model.checkpoint import load_checkpoint, save_checkpoint
+from transformer.model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = ("der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
-         "the a man woman child dog cat house on in plays runs sits red blue green big small").split()
+WORDS = (
+    "der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
+    "the a man woman child dog cat house on in plays runs sits red blue green big small"
+).split()
 
 
 # --------------------------------------------------------------------------- training stand-ins
@@ -86,14 +88,22 @@ def subprocess_env(**extra: str) -> dict:
 
 def cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     """`python -m transformer ARGS` in a child process (each costs ~2 s of importing torch: prefer `call`)."""
-    return subprocess.run([sys.executable, "-m", "transformer", *args], capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env(), cwd=ROOT, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "transformer", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(),
+        cwd=ROOT,
+        **kwargs,
+    )
 
 
 @pytest.fixture
 def call(capsys, monkeypatch):
     """`transformer ARGV` in this process -> (exit status, stdout, stderr); stdin="..." feeds standard input."""
-    def run(*argv, stdin: Optional[str] = None) -> tuple[int, str, str]:
+
+    def run(*argv, stdin: str | None = None) -> tuple[int, str, str]:
         if stdin is not None:
             monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
         status = 0
@@ -103,6 +113,7 @@ def call(capsys, monkeypatch):
             status = e.code
         out, err = capsys.readouterr()
         return status, out, err
+
     return run
 
 
@@ -110,7 +121,7 @@ def call(capsys, monkeypatch):
 def random_seed() -> int:
     """A new seed every run, for a test meant to explore (a kill at any step). It is printed, so a failure's
     report shows it; TEST_SEED=N gives it again."""
-    seed = int(os.environ.get("TEST_SEED") or random.SystemRandom().randrange(2 ** 32))
+    seed = int(os.environ.get("TEST_SEED") or random.SystemRandom().randrange(2**32))
     print(f"random seed {seed}: TEST_SEED={seed} repeats this run")
     return seed
 
@@ -124,8 +135,9 @@ def sentences(rng: random.Random | int, n: int, lo: int = 2, hi: int = 8) -> lis
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
 
 
-def random_pairs(n: int = 0, seed: int = 0, max_len: int = 30, vocab: int = 100,
-                 lengths: Optional[Sequence[tuple[int, int]]] = None) -> list[tuple[list[int], list[int]]]:
+def random_pairs(
+    n: int = 0, seed: int = 0, max_len: int = 30, vocab: int = 100, lengths: Sequence[tuple[int, int]] | None = None
+) -> list[tuple[list[int], list[int]]]:
     """Pairs of random ids in [4, vocab) (never a special id): n pairs of 1..max_len ids a side, or one pair per
     (source, target) length given in `lengths`."""
     rng = random.Random(seed)
@@ -149,8 +161,9 @@ def write_corpus(directory: Path, n_train: int = 200, n_valid: int = 20, seed: i
     for split, n in (("train", n_train), ("valid", n_valid)):
         src = sentences(rng, n)
         (directory / f"{split}.de").write_text("".join(s + "\n" for s in src), encoding="utf-8")
-        (directory / f"{split}.en").write_text("".join(" ".join(reversed(s.split())) + "\n" for s in src),
-                                               encoding="utf-8")
+        (directory / f"{split}.en").write_text(
+            "".join(" ".join(reversed(s.split())) + "\n" for s in src), encoding="utf-8"
+        )
     return directory
 
 
@@ -170,8 +183,9 @@ def offline_hub(monkeypatch, tmp_path):
     return tmp_path
 
 
-def write_hub_folder(directory: Path, layout: str, pairs: dict[str, list[tuple[str, str]]],
-                     languages: tuple[str, str] = ("de", "en")) -> Path:
+def write_hub_folder(
+    directory: Path, layout: str, pairs: dict[str, list[tuple[str, str]]], languages: tuple[str, str] = ("de", "en")
+) -> Path:
     """A folder that `datasets.load_dataset` reads as a dataset: {split}.jsonl with rows {"de": .., "en": ..}
     (layout "columns") or {"translation": {"de": .., "en": ..}} (layout "translation")."""
     directory.mkdir()
@@ -180,8 +194,9 @@ def write_hub_folder(directory: Path, layout: str, pairs: dict[str, list[tuple[s
             lines = [dict(zip(languages, pair)) for pair in rows]
         else:
             lines = [{"translation": dict(zip(languages, pair))} for pair in rows]
-        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines),
-                                                 encoding="utf-8")
+        (directory / f"{name}.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines), encoding="utf-8"
+        )
     return directory
 
 
@@ -191,13 +206,32 @@ def write_hub_folder(directory: Path, layout: str, pairs: dict[str, list[tuple[s
 def tiny_config(tmp_path: Path, run: str = "run", data_dir: Path | None = None, **sections) -> dict:
     """A model of a few thousand parameters that trains in seconds; sections override key by key."""
     cfg = {
-        "model": {"d_model": 32, "n_heads": 2, "n_encoder_layers": 1, "n_decoder_layers": 1, "d_ff": 64,
-                  "dropout": 0.1, "max_positions": 64},
-        "data": {"dir": str(data_dir or write_corpus(tmp_path / "corpus")), "vocab_size": 64, "max_len": 20,
-                 "max_tokens": 200},
-        "train": {"run_dir": str(tmp_path / run), "max_steps": 12, "lr_schedule": "noam", "lr": 2.0,
-                  "warmup_steps": 10, "log_every": 1, "valid_every": 4, "seed": 3,
-                  "finish": False},  # the end-of-training summary has tests of its own (test_finish.py)
+        "model": {
+            "d_model": 32,
+            "n_heads": 2,
+            "n_encoder_layers": 1,
+            "n_decoder_layers": 1,
+            "d_ff": 64,
+            "dropout": 0.1,
+            "max_positions": 64,
+        },
+        "data": {
+            "dir": str(data_dir or write_corpus(tmp_path / "corpus")),
+            "vocab_size": 64,
+            "max_len": 20,
+            "max_tokens": 200,
+        },
+        "train": {
+            "run_dir": str(tmp_path / run),
+            "max_steps": 12,
+            "lr_schedule": "noam",
+            "lr": 2.0,
+            "warmup_steps": 10,
+            "log_every": 1,
+            "valid_every": 4,
+            "seed": 3,
+            "finish": False,
+        },  # the end-of-training summary has tests of its own (test_finish.py)
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
@@ -218,8 +252,9 @@ def assert_same_training_state(a_path: Path, b_path: Path) -> None:
     weights, and the optimizer's state where they have one."""
     a, b = load_checkpoint(a_path), load_checkpoint(b_path)
     wall_clock = {"elapsed"}  # the one thing two runs never share
-    assert {k: v for k, v in a["run"].items() if k not in wall_clock} == \
-        {k: v for k, v in b["run"].items() if k not in wall_clock}, (a_path, a["run"], b["run"])
+    assert {k: v for k, v in a["run"].items() if k not in wall_clock} == {
+        k: v for k, v in b["run"].items() if k not in wall_clock
+    }, (a_path, a["run"], b["run"])
     assert a["model"].keys() == b["model"].keys()
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), f"{a_path}: {key} differs"
@@ -246,10 +281,23 @@ LINES = sentences(random.Random(5), 40)
 def translation_config(data_dir: Path, run_dir: Path, d_ff: int = 64) -> dict:
     """The config of the translation tests' checkpoints: a tiny model, short outputs (max_len_offset 4)."""
     return {
-        "model": {"d_model": 32, "n_heads": 4, "n_encoder_layers": 1, "n_decoder_layers": 2, "d_ff": d_ff,
-                  "dropout": 0.0, "max_positions": 40},
-        "data": {"dir": str(data_dir), "src_lang": "de", "tgt_lang": "en", "vocab_size": 80,
-                 "max_len": 30, "max_tokens": 64},
+        "model": {
+            "d_model": 32,
+            "n_heads": 4,
+            "n_encoder_layers": 1,
+            "n_decoder_layers": 2,
+            "d_ff": d_ff,
+            "dropout": 0.0,
+            "max_positions": 40,
+        },
+        "data": {
+            "dir": str(data_dir),
+            "src_lang": "de",
+            "tgt_lang": "en",
+            "vocab_size": 80,
+            "max_len": 30,
+            "max_tokens": 64,
+        },
         "train": {"run_dir": str(run_dir)},
         "decode": {"beam": 3, "lenpen": 0.6, "max_len_offset": 4, "max_tokens": 64},
     }
@@ -303,7 +351,7 @@ def copy_model(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = Transformer(cfg.model, len(vocab))
     data = vocab.encode(sentences(2, 3200))
-    train_copy_task(model, (data[step * 32: step * 32 + 32] for step in range(100)), lr=5e-3)
+    train_copy_task(model, (data[step * 32 : step * 32 + 32] for step in range(100)), lr=5e-3)
     save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, root / "model.pt")
     return root / "model.pt"
 

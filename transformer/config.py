@@ -10,12 +10,12 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Tuple
+from typing import Any, Literal
 
 import yaml
 
-from transformer.files import atomic_write
 from transformer.errors import UserError
+from transformer.files import atomic_write
 
 
 def round_up(n, multiple: int):
@@ -25,71 +25,71 @@ def round_up(n, multiple: int):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    d_model: int = 512                 # width of every residual stream
+    d_model: int = 512  # width of every residual stream
     n_heads: int = 8
     n_encoder_layers: int = 6
     n_decoder_layers: int = 6
-    d_ff: int = 2048                   # inner width of the position-wise feed-forward
-    dropout: float = 0.1               # on embeddings+positions and on each sub-layer output
-    attention_dropout: float = 0.0     # on the attention probabilities
-    activation_dropout: float = 0.0    # after the ReLU inside the feed-forward
-    max_positions: int = 1024          # longest sequence the model accepts (and the sinusoid table's length)
+    d_ff: int = 2048  # inner width of the position-wise feed-forward
+    dropout: float = 0.1  # on embeddings+positions and on each sub-layer output
+    attention_dropout: float = 0.0  # on the attention probabilities
+    activation_dropout: float = 0.0  # after the ReLU inside the feed-forward
+    max_positions: int = 1024  # longest sequence the model accepts (and the sinusoid table's length)
     positions: Literal["sinusoidal"] = "sinusoidal"  # how positions are told apart: model/positions.py
     norm: Literal["post", "pre"] = "post"  # post: the paper's Add&Norm; pre: LayerNorm before each sub-layer
-    share_embeddings: bool = True      # one embedding matrix for source and target (joint vocabulary)
-    tie_output: bool = True            # output projection reuses the target embedding matrix
+    share_embeddings: bool = True  # one embedding matrix for source and target (joint vocabulary)
+    tie_output: bool = True  # output projection reuses the target embedding matrix
 
 
 @dataclass(frozen=True)
 class DataConfig:
     source: Literal["local", "hub"] = "local"
-    dir: str = "data/multi30k"         # local: files {dir}/{split}.{lang}
+    dir: str = "data/multi30k"  # local: files {dir}/{split}.{lang}
     hub_name: str = "bentrevett/multi30k"  # hub: datasets.load_dataset(hub_name, hub_config)
-    hub_config: Optional[str] = None
+    hub_config: str | None = None
     src_lang: str = "de"
     tgt_lang: str = "en"
     train_split: str = "train"
-    valid_split: str = "valid"         # also finds a split named "validation", "dev" or "val"
+    valid_split: str = "valid"  # also finds a split named "validation", "dev" or "val"
     test_split: str = "test"
-    vocab_size: int = 8000             # joint SentencePiece vocabulary, special tokens included
+    vocab_size: int = 8000  # joint SentencePiece vocabulary, special tokens included
     spm_model_type: Literal["bpe", "unigram"] = "bpe"
     spm_character_coverage: float = 1.0
     spm_max_sentences: int = 2_000_000  # sentences sampled to train SentencePiece
-    max_len: int = 128                 # training pairs with a side longer than this (subwords) are dropped
-    max_tokens: int = 4096             # per batch: batch size x longest padded sequence (src or tgt)
-    pad_to_multiple: int = 1           # pad lengths up to a multiple (8 helps tensor cores)
-    max_train_pairs: int = 0           # use only the first N training pairs (0 = all)
-    max_valid_pairs: int = 0           # use only the first N validation pairs (0 = all)
+    max_len: int = 128  # training pairs with a side longer than this (subwords) are dropped
+    max_tokens: int = 4096  # per batch: batch size x longest padded sequence (src or tgt)
+    pad_to_multiple: int = 1  # pad lengths up to a multiple (8 helps tensor cores)
+    max_train_pairs: int = 0  # use only the first N training pairs (0 = all)
+    max_valid_pairs: int = 0  # use only the first N validation pairs (0 = all)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    run_dir: str = "runs/default"      # config, tokenizer, checkpoints and logs go here
+    run_dir: str = "runs/default"  # config, tokenizer, checkpoints and logs go here
     seed: int = 1
-    max_steps: int = 100_000           # optimizer updates
-    max_epochs: int = 0                # 0 = no limit
-    update_freq: int = 1               # micro-batches accumulated per update
+    max_steps: int = 100_000  # optimizer updates
+    max_epochs: int = 0  # 0 = no limit
+    update_freq: int = 1  # micro-batches accumulated per update
     lr_schedule: Literal["noam", "inverse_sqrt", "constant"] = "noam"
-    lr: float = 1.0                    # noam: the factor; inverse_sqrt and constant: the peak rate
+    lr: float = 1.0  # noam: the factor; inverse_sqrt and constant: the peak rate
     warmup_steps: int = 4000
     label_smoothing: float = 0.1
-    adam_betas: Tuple[float, float] = (0.9, 0.98)
+    adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
-    clip_norm: float = 0.0             # max gradient norm; 0 = no clipping
+    clip_norm: float = 0.0  # max gradient norm; 0 = no clipping
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 where the hardware has it, else fp32
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    compile: bool = False              # torch.compile the model
-    log_every: int = 100               # steps between training-metric lines in metrics.jsonl
-    valid_every: int = 1000            # steps between validations and checkpoints
-    keep_last: int = 0                 # also keep this many step checkpoints (for averaging)
-    valid_bleu: bool = False           # also translate the validation set and score BLEU at each validation
-    valid_bleu_beam: int = 1           # 1 = greedy (fast); the paper's 4 for the real score
-    valid_bleu_pairs: int = 0          # translate only the first N validation pairs (0 = all)
-    patience: int = 0                  # stop after this many validations without improvement (0 = never)
-    finish: bool = True                # at the end: average, choose checkpoint and lenpen on valid, score test
-    tensorboard: bool = False          # also log to run_dir/tensorboard (needs the tensorboard extra)
-    peak_tflops: float = 0.0           # the device's peak for MFU; 0 = measure it with a short matmul probe
+    compile: bool = False  # torch.compile the model
+    log_every: int = 100  # steps between training-metric lines in metrics.jsonl
+    valid_every: int = 1000  # steps between validations and checkpoints
+    keep_last: int = 0  # also keep this many step checkpoints (for averaging)
+    valid_bleu: bool = False  # also translate the validation set and score BLEU at each validation
+    valid_bleu_beam: int = 1  # 1 = greedy (fast); the paper's 4 for the real score
+    valid_bleu_pairs: int = 0  # translate only the first N validation pairs (0 = all)
+    patience: int = 0  # stop after this many validations without improvement (0 = never)
+    finish: bool = True  # at the end: average, choose checkpoint and lenpen on valid, score test
+    tensorboard: bool = False  # also log to run_dir/tensorboard (needs the tensorboard extra)
+    peak_tflops: float = 0.0  # the device's peak for MFU; 0 = measure it with a short matmul probe
     # A new run from a trained model (fine-tuning): its weights and vocabulary, from a run directory (its final.pt,
     # else best.pt, else last.pt) or a checkpoint file; step, optimizer, schedule and data start afresh. The model
     # and vocabulary settings must be the checkpoint's. "" = a model of its own.
@@ -109,9 +109,9 @@ STOP_RULES: tuple[str, ...] = typing.get_args(StopRule)
 @dataclass(frozen=True)
 class DecodeConfig:
     beam: int = 4
-    lenpen: float = 0.6                # GNMT length penalty alpha
-    max_len_offset: int = 50           # output may be source length + this many tokens
-    max_tokens: int = 8192             # source tokens per translation batch
+    lenpen: float = 0.6  # GNMT length penalty alpha
+    max_len_offset: int = 50  # output may be source length + this many tokens
+    max_tokens: int = 8192  # source tokens per translation batch
     # When beam search ends a sentence (search.py): "exact" (no live hypothesis can still win) or "early"
     # (fairseq's: once `beam` hypotheses have finished; faster). Exact stays the default: early scored 0.26
     # test BLEU below it on Multi30k, more than the 0.1 allowed for a default (docs/benchmarks/log.md).
@@ -135,10 +135,10 @@ class Config:
 # resolved once, here.
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 
-INT64 = 2 ** 63
-SEED_LIMIT = 2 ** 32          # SentencePiece and NumPy take 32-bit unsigned seeds (torch takes 64-bit)
-SPM_INT32 = 2 ** 31           # SentencePiece's vocab_size is a signed 32-bit integer
-MAX_YAML_NODES = 10_000       # values a config may expand to through YAML aliases; a real one has < 200
+INT64 = 2**63
+SEED_LIMIT = 2**32  # SentencePiece and NumPy take 32-bit unsigned seeds (torch takes 64-bit)
+SPM_INT32 = 2**31  # SentencePiece's vocab_size is a signed 32-bit integer
+MAX_YAML_NODES = 10_000  # values a config may expand to through YAML aliases; a real one has < 200
 MAX_CONFIG_BYTES = 1 << 20
 
 # The most decode.lenpen / --lenpen may be: the GNMT length penalty's alpha. Wu et al. (2016) tuned it in [0, 1] (0.6
@@ -166,7 +166,7 @@ def _check_value(section: str, key: str, hint: Any, value: Any) -> Any:
             return None
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return _check_value(section, key, inner, value)
-    if origin in (tuple, Tuple):
+    if origin in (tuple, tuple):
         args = typing.get_args(hint)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise UserError(f"config: {where} must be a list of {len(args)} numbers, got {value!r}")
@@ -212,24 +212,29 @@ def _build_section(section: str, cls: type, values: Any):
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise UserError(
-                f"config: unknown key '{key}' in section '{section}' "
-                f"({hint}known keys: {', '.join(sorted(known))})"
+                f"config: unknown key '{key}' in section '{section}' ({hint}known keys: {', '.join(sorted(known))})"
             )
     kwargs = {k: _check_value(section, k, hints[k], v) for k, v in values.items()}
     return cls(**kwargs)
 
 
-def lenpen_problem(value: float, name: str) -> Optional[str]:
+def lenpen_problem(value: float, name: str) -> str | None:
     """Why `value` cannot be the length penalty's alpha (`name` is how the user gave it), or None: the one check
     that decode.lenpen, --lenpen and a Translator's lenpen all go through."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
-            0 <= value <= MAX_LENPEN:
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= MAX_LENPEN
+    ):
         return None
-    return (f"{name} must be a number from 0 to {MAX_LENPEN:g} (the GNMT length penalty's alpha; the paper's is 0.6), "
-            f"got {value}")
+    return (
+        f"{name} must be a number from 0 to {MAX_LENPEN:g} (the GNMT length penalty's alpha; the paper's is 0.6), "
+        f"got {value}"
+    )
 
 
-def split_name_problem(value: str, name: str) -> Optional[str]:
+def split_name_problem(value: str, name: str) -> str | None:
     """Why `value` cannot name a split (`name` is how the user gave it), or None. A split names files in data.dir
     ({split}.{lang}) and results in the run's eval/: a path (../x, a/b) would read and write outside them."""
     if value and value not in (".", "..") and not any(c in value for c in ("/", "\\", "\0", os.sep)):
@@ -242,8 +247,10 @@ def validate(cfg: Config) -> None:
     m, d, t, dec = cfg.model, cfg.data, cfg.train, cfg.decode
     splits = [split_name_problem(getattr(d, f"{s}_split"), f"data.{s}_split") for s in ("train", "valid", "test")]
     checks = [
-        (m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads == 0,
-         f"model.d_model ({m.d_model}) must be a positive multiple of model.n_heads ({m.n_heads})"),
+        (
+            m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads == 0,
+            f"model.d_model ({m.d_model}) must be a positive multiple of model.n_heads ({m.n_heads})",
+        ),
         (m.d_model % 2 == 0, f"model.d_model ({m.d_model}) must be even for the sinusoidal positions"),
         (m.n_encoder_layers >= 1 and m.n_decoder_layers >= 1, "model needs at least one encoder and one decoder layer"),
         (m.d_ff >= 1, "model.d_ff must be positive"),
@@ -251,27 +258,37 @@ def validate(cfg: Config) -> None:
         (8 <= d.vocab_size < SPM_INT32, f"data.vocab_size must be in [8, {SPM_INT32 - 1}] (SentencePiece's range)"),
         (d.spm_max_sentences >= 0, "data.spm_max_sentences must not be negative (0 = every sentence)"),
         (d.max_len >= 1, "data.max_len must be positive"),
-        (d.max_len + 2 <= m.max_positions,
-         f"data.max_len ({d.max_len}) + 2 special tokens exceeds model.max_positions ({m.max_positions})"),
-        (d.pad_to_multiple < 1 or round_up(d.max_len + 1, d.pad_to_multiple) <= m.max_positions,
-         f"data.max_len ({d.max_len}) + 1, padded to a multiple of data.pad_to_multiple ({d.pad_to_multiple}), "
-         f"exceeds model.max_positions ({m.max_positions})"),
-        (d.max_tokens >= d.max_len + 2,
-         f"data.max_tokens ({d.max_tokens}) must hold at least one pair of max_len ({d.max_len}) + 2"),
+        (
+            d.max_len + 2 <= m.max_positions,
+            f"data.max_len ({d.max_len}) + 2 special tokens exceeds model.max_positions ({m.max_positions})",
+        ),
+        (
+            d.pad_to_multiple < 1 or round_up(d.max_len + 1, d.pad_to_multiple) <= m.max_positions,
+            f"data.max_len ({d.max_len}) + 1, padded to a multiple of data.pad_to_multiple ({d.pad_to_multiple}), "
+            f"exceeds model.max_positions ({m.max_positions})",
+        ),
+        (
+            d.max_tokens >= d.max_len + 2,
+            f"data.max_tokens ({d.max_tokens}) must hold at least one pair of max_len ({d.max_len}) + 2",
+        ),
         (d.pad_to_multiple >= 1, "data.pad_to_multiple must be at least 1"),
         (0 < d.spm_character_coverage <= 1, "data.spm_character_coverage must be in (0, 1]"),
         (d.max_train_pairs >= 0 and d.max_valid_pairs >= 0, "data.max_*_pairs must not be negative"),
         (d.src_lang != d.tgt_lang, "data.src_lang and data.tgt_lang must differ"),
         (t.run_dir.strip() != "", "train.run_dir must name a directory for the run (it is empty)"),
-        (0 <= t.seed < SEED_LIMIT, f"train.seed must be in [0, {SEED_LIMIT - 1}] (SentencePiece and NumPy take "
-                                   f"32-bit seeds), got {t.seed}"),
+        (
+            0 <= t.seed < SEED_LIMIT,
+            f"train.seed must be in [0, {SEED_LIMIT - 1}] (SentencePiece and NumPy take 32-bit seeds), got {t.seed}",
+        ),
         (t.max_steps >= 1, "train.max_steps must be at least 1"),
         (t.max_epochs >= 0, "train.max_epochs must not be negative"),
         (t.update_freq >= 1, "train.update_freq must be at least 1"),
         (t.lr > 0, "train.lr must be positive"),
         (t.warmup_steps >= 0, "train.warmup_steps must not be negative"),
-        (t.lr_schedule == "constant" or t.warmup_steps > 0,
-         f"train.warmup_steps must be positive with lr_schedule '{t.lr_schedule}'"),
+        (
+            t.lr_schedule == "constant" or t.warmup_steps > 0,
+            f"train.warmup_steps must be positive with lr_schedule '{t.lr_schedule}'",
+        ),
         (0 <= t.label_smoothing < 1, "train.label_smoothing must be in [0, 1)"),
         (all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas must be in [0, 1)"),
         (t.adam_eps > 0, "train.adam_eps must be positive"),
@@ -282,10 +299,14 @@ def validate(cfg: Config) -> None:
         (t.valid_bleu_beam >= 1, "train.valid_bleu_beam must be at least 1"),
         (t.valid_bleu_pairs >= 0 and t.patience >= 0, "train.valid_bleu_pairs and train.patience must not be negative"),
         (t.peak_tflops >= 0, "train.peak_tflops must not be negative (0 = measure it)"),
-        (not t.init_from_sha256 or re.fullmatch(r"[0-9a-f]{64}", t.init_from_sha256) is not None,
-         f"train.init_from_sha256 must be 64 lowercase hexadecimal digits or empty, got {t.init_from_sha256!r}"),
-        (not t.init_from_sha256 or t.init_from.strip() != "",
-         "train.init_from_sha256 is set but train.init_from is empty: name the checkpoint it is the hash of"),
+        (
+            not t.init_from_sha256 or re.fullmatch(r"[0-9a-f]{64}", t.init_from_sha256) is not None,
+            f"train.init_from_sha256 must be 64 lowercase hexadecimal digits or empty, got {t.init_from_sha256!r}",
+        ),
+        (
+            not t.init_from_sha256 or t.init_from.strip() != "",
+            "train.init_from_sha256 is set but train.init_from is empty: name the checkpoint it is the hash of",
+        ),
         (dec.beam >= 1, "decode.beam must be at least 1"),
         (lenpen_problem(dec.lenpen, "decode.lenpen") is None, lenpen_problem(dec.lenpen, "decode.lenpen")),
         *((problem is None, problem) for problem in splits),
@@ -312,9 +333,13 @@ def from_dict(raw: Any) -> Config:
     cfg = Config(**{name: _build_section(name, cls, raw.get(name)) for name, cls in SECTIONS.items()})
     validate(cfg)
     # The shell expands ~ only at the start of a word, never in `--set train.run_dir=~/runs/x`.
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=os.path.expanduser(cfg.data.dir)),
-                               train=dataclasses.replace(cfg.train, run_dir=os.path.expanduser(cfg.train.run_dir),
-                                                         init_from=os.path.expanduser(cfg.train.init_from)))
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, dir=os.path.expanduser(cfg.data.dir)),
+        train=dataclasses.replace(
+            cfg.train, run_dir=os.path.expanduser(cfg.train.run_dir), init_from=os.path.expanduser(cfg.train.init_from)
+        ),
+    )
 
 
 def to_dict(cfg: Config) -> dict:
@@ -373,8 +398,10 @@ def parse_yaml(text: str, where: str) -> Any:
             return None
         size = _expanded_size(node, where, {}, set())
         if size > MAX_YAML_NODES:
-            raise UserError(f"config: {where}: YAML aliases expand it to {size:,} values (at most "
-                            f"{MAX_YAML_NODES:,}); write the values out instead of nesting aliases")
+            raise UserError(
+                f"config: {where}: YAML aliases expand it to {size:,} values (at most "
+                f"{MAX_YAML_NODES:,}); write the values out instead of nesting aliases"
+            )
         return loader.construct_document(node)
     except RecursionError:
         raise UserError(f"config: {where} is nested too deeply") from None
@@ -407,7 +434,7 @@ def read_yaml(path: str | Path) -> Any:
         raise UserError(f"config: {path} is not UTF-8 text") from None
 
 
-def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     return from_dict(apply_overrides(read_yaml(path), overrides or []))
 
 
@@ -416,13 +443,15 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Conf
 SAVED_HEADER = "# The effective config of the run in this directory (file + --set), written by transformer train."
 
 
-def save_config(cfg: Config, path: str | Path, pieces: Optional[int] = None) -> None:
+def save_config(cfg: Config, path: str | Path, pieces: int | None = None) -> None:
     """config.yaml of a run; pieces: the vocabulary's size, noted when SentencePiece made fewer than asked (the
     setting stays as asked: a resume compares it)."""
     comments = [SAVED_HEADER]
     if pieces is not None and pieces != cfg.data.vocab_size:
-        comments.append(f"# The vocabulary has {pieces} pieces (data.vocab_size {cfg.data.vocab_size} is an upper "
-                        "bound; train.log says why).")
+        comments.append(
+            f"# The vocabulary has {pieces} pieces (data.vocab_size {cfg.data.vocab_size} is an upper "
+            "bound; train.log says why)."
+        )
     text = "\n".join(comments) + "\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False)
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 

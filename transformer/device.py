@@ -8,9 +8,9 @@ import contextlib
 import os
 import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -80,9 +80,14 @@ def cpu_description(cpuinfo: str | Path = "/proc/cpuinfo") -> dict:
     if not fields.get("flags"):
         return {}
     flags = set(fields["flags"].split())
-    return {"model_name": fields.get("model name"), "family": fields.get("cpu family"), "model": fields.get("model"),
-            "processors": int(fields["processors"]), "cache_size": fields.get("cache size"),
-            "flags": [f for f in ("avx2", "avx512f", *NATIVE_BF16_FLAGS) if f in flags]}
+    return {
+        "model_name": fields.get("model name"),
+        "family": fields.get("cpu family"),
+        "model": fields.get("model"),
+        "processors": int(fields["processors"]),
+        "cache_size": fields.get("cache size"),
+        "flags": [f for f in ("avx2", "avx512f", *NATIVE_BF16_FLAGS) if f in flags],
+    }
 
 
 def native_bf16(device: torch.device) -> tuple[bool, str]:
@@ -126,7 +131,7 @@ ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the 
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 
-def default_cuda_allocator(environ: Optional[dict] = None) -> bool:
+def default_cuda_allocator(environ: dict | None = None) -> bool:
     """Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set either allocator variable, or CUDA
     has allocated already (the allocator reads it once, at its first allocation). Every training batch has another
     shape: with fixed-size segments the cached blocks fragment and reserved memory climbs far above what is in use
@@ -146,11 +151,13 @@ def default_cuda_allocator(environ: Optional[dict] = None) -> bool:
 # batch shape adds primitives that are rarely used again: `make train` in bf16 grew to 3.5 GB where fp32 (MKL)
 # stays near 1.8 GB. 64 entries hold every shape of one update and of a decoder step.
 ONEDNN_CACHE_CAPACITY = 64
-ONEDNN_CACHE_VARIABLES = (("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),  # oneDNN's, old name
-                          ("LRU_CACHE_CAPACITY",))                                              # ideep's (torch)
+ONEDNN_CACHE_VARIABLES = (
+    ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),  # oneDNN's, old name
+    ("LRU_CACHE_CAPACITY",),
+)  # ideep's (torch)
 
 
-def bounded_onednn_caches(environ: Optional[dict] = None) -> list[str]:
+def bounded_onednn_caches(environ: dict | None = None) -> list[str]:
     """Set each oneDNN primitive cache's capacity to ONEDNN_CACHE_CAPACITY unless the user set it (by either of
     its names): each is read once, when the first primitive is built, so this must run before any CPU work (torch
     may be imported already). Returns the variables it set. Called first thing by the command line, by train()
@@ -193,8 +200,10 @@ def cuda_memory_peaks(device: torch.device) -> dict:
     from the GPU (reserved, what nvidia-smi shows and what runs out); empty on a CPU."""
     if device.type != "cuda":
         return {}
-    return {"peak_cuda_allocated_mib": round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1),
-            "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved(device) / 2 ** 20, 1)}
+    return {
+        "peak_cuda_allocated_mib": round(torch.cuda.max_memory_allocated(device) / 2**20, 1),
+        "peak_cuda_reserved_mib": round(torch.cuda.max_memory_reserved(device) / 2**20, 1),
+    }
 
 
 # --------------------------------------------------------------------------- the peak MFU divides by
@@ -216,7 +225,7 @@ DATASHEET_TFLOPS = (
 )
 
 
-def datasheet_tflops(device_name: str, precision: str) -> Optional[tuple[float, str]]:
+def datasheet_tflops(device_name: str, precision: str) -> tuple[float, str] | None:
     """(dense peak TFLOP/s, which datasheet figure) for a GPU by its name, in bf16/fp16 or, for fp32 (which runs
     in TF32 where training enables it), TF32; None for a device not in the table."""
     for pattern, name, half, tf32 in DATASHEET_TFLOPS:
@@ -227,8 +236,7 @@ def datasheet_tflops(device_name: str, precision: str) -> Optional[tuple[float, 
     return None
 
 
-def matmul_tflops(device: torch.device, precision: str, size: int = 0, repeats: int = 3,
-                  seconds: float = 0.5) -> float:
+def matmul_tflops(device: torch.device, precision: str, size: int = 0, repeats: int = 3, seconds: float = 0.5) -> float:
     """The dense matmul rate this device reaches in `precision` (TFLOP/s), measured with square matmuls: the best
     of rounds of `repeats` products over about `seconds` (at least three rounds). The best round, because another
     process (or a busy moment) can only slow a round down: a single short probe at start-up on a busy 2-core CPU
@@ -250,7 +258,7 @@ def matmul_tflops(device: torch.device, precision: str, size: int = 0, repeats: 
                 a @ b
             _synchronize(device)
             best, rounds = min(best, time.perf_counter() - start), rounds + 1
-    return 2 * n ** 3 * repeats / best / 1e12
+    return 2 * n**3 * repeats / best / 1e12
 
 
 def _synchronize(device: torch.device) -> None:
@@ -265,14 +273,14 @@ class Peak:
     training reached (a datasheet's is then wrong for this device, or train.peak_tflops is set too low)."""
 
     tflops: float
-    source: str                                    # where the first figure came from
-    measure: Optional[Callable[[], float]] = None  # the probe, for a measured peak
-    changed: str = ""                              # how it has changed since, if it has
+    source: str  # where the first figure came from
+    measure: Callable[[], float] | None = None  # the probe, for a measured peak
+    changed: str = ""  # how it has changed since, if it has
 
     def describe(self) -> str:
         return f"{self.tflops:.3g} TFLOP/s ({self.source}{'; ' + self.changed if self.changed else ''})"
 
-    def utilisation(self, achieved_tflops: float) -> tuple[float, Optional[str]]:
+    def utilisation(self, achieved_tflops: float) -> tuple[float, str | None]:
         """-> (MFU of `achieved_tflops`, at most 1; what changed in the peak, for the log, or None)."""
         if achieved_tflops <= self.tflops:
             return achieved_tflops / self.tflops, None
@@ -283,8 +291,10 @@ class Peak:
         if achieved_tflops > self.tflops:
             self.tflops = achieved_tflops
             self.changed = "raised to the rate training reached"
-        return achieved_tflops / self.tflops, (f"training reached {achieved_tflops:.3g} TFLOP/s, above the peak of "
-                                               f"{before:.3g}: MFU from here is against {self.describe()}")
+        return achieved_tflops / self.tflops, (
+            f"training reached {achieved_tflops:.3g} TFLOP/s, above the peak of "
+            f"{before:.3g}: MFU from here is against {self.describe()}"
+        )
 
 
 def mfu_peak(device: torch.device, precision: str, configured: float = 0.0) -> Peak:

@@ -9,8 +9,8 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,8 +56,11 @@ def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
         timeout = datetime.timedelta(seconds=int(os.environ.get("TRANSFORMER_DIST_TIMEOUT", "1800")))
         # device_id binds the NCCL communicator to this rank's GPU at once (torch >= 2.3), instead of guessing
         # it at the first collective; barrier() then knows its device too.
-        bound = {"device_id": device} if use_cuda and "device_id" in inspect.signature(
-            dist.init_process_group).parameters else {}
+        bound = (
+            {"device_id": device}
+            if use_cuda and "device_id" in inspect.signature(dist.init_process_group).parameters
+            else {}
+        )
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **bound)
     return info, device
 
@@ -67,8 +70,12 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataPar
     gradient_as_bucket_view: the gradients are views of the buckets, so DDP neither copies them in and out of the
     buckets nor keeps a second copy (a model's gradient size less memory). broadcast_buffers=False: the only
     buffer is the constant sinusoid table."""
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   broadcast_buffers=False, gradient_as_bucket_view=True)
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False,
+        gradient_as_bucket_view=True,
+    )
 
 
 def shutdown_distributed() -> None:
@@ -89,12 +96,17 @@ def peer_failure_explained(info: DistInfo) -> Iterator[None]:
         yield
     except RuntimeError as e:
         text = str(e).lower()
-        if not info.enabled or is_out_of_memory(e) or not (
-                isinstance(e, dist.DistError) or "peer" in text or "nccl" in text or "gloo" in text):
+        if (
+            not info.enabled
+            or is_out_of_memory(e)
+            or not (isinstance(e, dist.DistError) or "peer" in text or "nccl" in text or "gloo" in text)
+        ):
             raise
         set_stop_handlers(signal.SIG_IGN)
-        raise UserError(f"rank {info.rank}: distributed training stopped, most likely because another rank "
-                        f"crashed or was killed ({first_line(e)[:300]}); continue from last.pt with --resume") from None
+        raise UserError(
+            f"rank {info.rank}: distributed training stopped, most likely because another rank "
+            f"crashed or was killed ({first_line(e)[:300]}); continue from last.pt with --resume"
+        ) from None
 
 
 def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional
 
 
 class UserError(Exception):
@@ -16,8 +16,15 @@ class UserError(Exception):
 
 
 # How torch and Python report an allocation that cannot be made (CPU, CUDA, or a size past int64).
-_OUT_OF_MEMORY = ("not enough memory", "can't allocate memory", "cannot allocate memory", "out of memory",
-                  "defaultcpuallocator", "overflow", "too large")
+_OUT_OF_MEMORY = (
+    "not enough memory",
+    "can't allocate memory",
+    "cannot allocate memory",
+    "out of memory",
+    "defaultcpuallocator",
+    "overflow",
+    "too large",
+)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -27,7 +34,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, (RuntimeError, ValueError, OverflowError)) and any(k in text for k in _OUT_OF_MEMORY)
 
 
-def first_line(error: BaseException, limit: Optional[int] = 200) -> str:
+def first_line(error: BaseException, limit: int | None = 200) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:limit] if text else type(error).__name__
 

@@ -6,8 +6,9 @@ import os
 import re
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Optional
+from typing import BinaryIO
 
 from transformer.errors import UserError
 from transformer.run_dir import RunDir
@@ -16,6 +17,7 @@ from transformer.run_dir import RunDir
 # after a kill removes only files that atomic_write made, never a user's own *.tmp.
 TEMP_SUFFIX = ".transformer-tmp"
 _TEMP_NAME = re.compile(r"\..+\.[A-Za-z0-9_]{8}" + re.escape(TEMP_SUFFIX))
+
 
 def current_umask() -> int:
     """The process's umask (reading it means setting it; it is put back at once)."""
@@ -63,7 +65,7 @@ def remove_stale_temporaries(directory: str | Path) -> None:
             stale.unlink(missing_ok=True)
 
 
-def _checkpoint_keys(path: Path) -> Optional[frozenset]:
+def _checkpoint_keys(path: Path) -> frozenset | None:
     """The top-level keys of a PyTorch file (an empty set when it cannot be read); None if it is no PyTorch file."""
     if not path.is_file():  # a device (/dev/full reads zeros for ever), a pipe: no checkpoint
         return None
@@ -92,8 +94,9 @@ def refuse_directory(output: str | Path, command: str) -> Path:
     return out
 
 
-def check_output_path(output: str | Path, inputs: Iterable[Optional[str | Path]] = (), *, command: str,
-                      may_replace_weights: bool = False) -> Path:
+def check_output_path(
+    output: str | Path, inputs: Iterable[str | Path | None] = (), *, command: str, may_replace_weights: bool = False
+) -> Path:
     """Refuse, in one line, an output path whose writing would destroy something: one of the command's
     inputs, a file of a training run (RunDir.owning: its config, vocabulary, logs, lock, checkpoints, store,
     end-of-training outputs), or a checkpoint holding training state. A weights-only checkpoint (an earlier
@@ -106,8 +109,9 @@ def check_output_path(output: str | Path, inputs: Iterable[Optional[str | Path]]
             raise UserError(f"{command}: the output {out} is also an input ({given}); write to another file")
     run = RunDir.owning(out)
     if run is not None:
-        raise UserError(f"{command}: refusing to overwrite {out}: it belongs to the training run in {run}; "
-                        "write to another file")
+        raise UserError(
+            f"{command}: refusing to overwrite {out}: it belongs to the training run in {run}; write to another file"
+        )
     keys = _checkpoint_keys(out)
     if keys is not None:
         training = "optimizer" in keys

@@ -5,27 +5,25 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
-
 
 
 class RunDir:
     """The files of the run in `path`; the names are the class's, the paths the instance's."""
 
-    CONFIG = "config.yaml"        # the effective config (file + --set), written by train
-    VOCAB = "spm.model"           # the SentencePiece model (from `prepare` on)
-    STORE = "store"               # the prepared, encoded corpus (data/store.py owns what lies inside)
-    METRICS = "metrics.jsonl"     # one JSON record per log line and validation
+    CONFIG = "config.yaml"  # the effective config (file + --set), written by train
+    VOCAB = "spm.model"  # the SentencePiece model (from `prepare` on)
+    STORE = "store"  # the prepared, encoded corpus (data/store.py owns what lies inside)
+    METRICS = "metrics.jsonl"  # one JSON record per log line and validation
     LOG = "train.log"
-    LOCK = "train.lock"           # held by the process training there (training/lock.py)
-    LAST = "last.pt"              # the latest resumable checkpoint
-    BEST = "best.pt"              # the best validation so far, resumable too
-    FINAL = "final.pt"            # what the end of training chose, with its tuned search settings
-    AVERAGED = "averaged.pt"      # the end of training's (or `average`'s) average of the last step checkpoints
-    SUMMARY = "summary.json"      # the end of training's record
-    EVAL = "eval"                 # test translations and `evaluate`'s results
+    LOCK = "train.lock"  # held by the process training there (training/lock.py)
+    LAST = "last.pt"  # the latest resumable checkpoint
+    BEST = "best.pt"  # the best validation so far, resumable too
+    FINAL = "final.pt"  # what the end of training chose, with its tuned search settings
+    AVERAGED = "averaged.pt"  # the end of training's (or `average`'s) average of the last step checkpoints
+    SUMMARY = "summary.json"  # the end of training's record
+    EVAL = "eval"  # test translations and `evaluate`'s results
     TENSORBOARD = "tensorboard"
-    CT2 = "ct2"                   # CTranslate2 conversions, one folder per checkpoint
+    CT2 = "ct2"  # CTranslate2 conversions, one folder per checkpoint
     STEP = re.compile(r"step_(\d+)\.pt")  # step_XXXXXXXX.pt, kept when train.keep_last > 0
     FINAL_HYP = re.compile(r".+\.final\.hyp")  # eval/SPLIT.final.hyp, the end of training's test translations
 
@@ -70,11 +68,10 @@ class RunDir:
 
     def step_checkpoints(self) -> list[Path]:
         """Every step_XXXXXXXX.pt, oldest first (by step: names outgrow 8 digits)."""
-        found = sorted((int(m.group(1)), p) for p in self.path.glob("step_*.pt")
-                       if (m := self.STEP.fullmatch(p.name)))
+        found = sorted((int(m.group(1)), p) for p in self.path.glob("step_*.pt") if (m := self.STEP.fullmatch(p.name)))
         return [p for _, p in found]
 
-    def newest_resumable(self) -> Optional[Path]:
+    def newest_resumable(self) -> Path | None:
         """The checkpoint with training state to continue from when last.pt is gone or torn: the newer of the
         newest step checkpoint and best.pt (both written with the optimizer and RNG state, before last.pt)."""
         candidates = self.step_checkpoints()[-1:] + [p for p in [self.best] if p.is_file()]
@@ -90,7 +87,7 @@ class RunDir:
         return name in (cls.BEST, cls.FINAL, cls.AVERAGED) or bool(cls.STEP.fullmatch(name))
 
     @classmethod
-    def owning(cls, path: str | Path) -> Optional[Path]:
+    def owning(cls, path: str | Path) -> Path | None:
         """The training run directory that `path` is one of the files of (is_run_file, SUBDIRS, FINAL_HYP), if any."""
         path = Path(path).resolve()
         candidates = [d.parent for d in path.parents if d.name in cls.SUBDIRS]
@@ -99,4 +96,3 @@ class RunDir:
         if path.parent.name == cls.EVAL and cls.FINAL_HYP.fullmatch(path.name):
             candidates.append(path.parent.parent)
         return next((c for c in candidates if any((c / name).exists() for name in cls.MARKERS)), None)
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger("transformer")
 
@@ -14,6 +14,7 @@ log = logging.getLogger("transformer")
 def stop_at_once(message: Callable[[str], str]) -> Iterator[None]:
     """Outside the update loop (set-up, the end), SIGINT/SIGTERM stop at once with a message: no update
     has happened since the last checkpoint, so there is nothing to save."""
+
     def handle(signum, frame):
         log.warning(message(signal.Signals(signum).name))
         raise SystemExit(130 if signum == signal.SIGINT else 143)
@@ -48,7 +49,7 @@ class StopRequested:
     """Turns SIGINT/SIGTERM into a flag checked between updates, so the loop can save and exit."""
 
     def __init__(self):
-        self.signal_name: Optional[str] = None
+        self.signal_name: str | None = None
         self._previous = {}
 
     def __enter__(self):

@@ -10,8 +10,19 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from transformer.config import (SECTIONS, Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig,
-                                apply_overrides, from_dict, load_config, save_config, to_dict)
+from transformer.config import (
+    SECTIONS,
+    Config,
+    DataConfig,
+    DecodeConfig,
+    ModelConfig,
+    TrainConfig,
+    apply_overrides,
+    from_dict,
+    load_config,
+    save_config,
+    to_dict,
+)
 from transformer.errors import UserError
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -87,18 +98,21 @@ def test_top_level_and_section_must_be_mappings(tmp_path):
         load_config(write(tmp_path, "model: 5\n"))
 
 
-@pytest.mark.parametrize("text, where", [
-    ('model:\n  d_model: "big"\n', "model.d_model"),
-    ("model:\n  d_model: 64.0\n", "model.d_model"),
-    ("model:\n  n_heads: true\n", "model.n_heads"),
-    ("model:\n  dropout: high\n", "model.dropout"),
-    ("model:\n  share_embeddings: 1\n", "model.share_embeddings"),
-    ("model:\n  norm: middle\n", "model.norm"),
-    ("data:\n  dir: 3\n", "data.dir"),
-    ("train:\n  adam_betas: [0.9]\n", "train.adam_betas"),
-    ("train:\n  adam_betas: [0.9, fast]\n", "train.adam_betas"),
-    ("train:\n  lr_schedule: cosine\n", "train.lr_schedule"),
-])
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ('model:\n  d_model: "big"\n', "model.d_model"),
+        ("model:\n  d_model: 64.0\n", "model.d_model"),
+        ("model:\n  n_heads: true\n", "model.n_heads"),
+        ("model:\n  dropout: high\n", "model.dropout"),
+        ("model:\n  share_embeddings: 1\n", "model.share_embeddings"),
+        ("model:\n  norm: middle\n", "model.norm"),
+        ("data:\n  dir: 3\n", "data.dir"),
+        ("train:\n  adam_betas: [0.9]\n", "train.adam_betas"),
+        ("train:\n  adam_betas: [0.9, fast]\n", "train.adam_betas"),
+        ("train:\n  lr_schedule: cosine\n", "train.lr_schedule"),
+    ],
+)
 def test_wrong_type_names_key(tmp_path, text, where):
     with pytest.raises(UserError) as e:
         load_config(write(tmp_path, text))
@@ -106,35 +120,43 @@ def test_wrong_type_names_key(tmp_path, text, where):
 
 
 def test_types_are_converted(tmp_path):
-    cfg = load_config(write(tmp_path, "model:\n  dropout: 0\ntrain:\n  adam_betas: [0.9, 0.99]\n"
-                                      "  adam_eps: 1e-8\n  lr: 5e-4\ndata:\n  hub_config: null\n"))
+    cfg = load_config(
+        write(
+            tmp_path,
+            "model:\n  dropout: 0\ntrain:\n  adam_betas: [0.9, 0.99]\n"
+            "  adam_eps: 1e-8\n  lr: 5e-4\ndata:\n  hub_config: null\n",
+        )
+    )
     assert isinstance(cfg.model.dropout, float) and cfg.model.dropout == 0.0
     assert cfg.train.adam_betas == (0.9, 0.99) and isinstance(cfg.train.adam_betas, tuple)
     assert cfg.train.adam_eps == 1e-8 and cfg.train.lr == 5e-4
     assert cfg.data.hub_config is None
 
 
-@pytest.mark.parametrize("raw, needle", [
-    ({"model": {"d_model": 30, "n_heads": 4}}, "n_heads"),
-    ({"model": {"d_model": 0}}, "d_model"),
-    ({"model": {"d_model": 6, "n_heads": 2}}, None),  # valid: 6 is a multiple of 2 and even
-    ({"model": {"d_model": 9, "n_heads": 3}}, "even"),
-    ({"model": {"dropout": -0.1}}, "model.dropout"),
-    ({"model": {"attention_dropout": 1.0}}, "model.attention_dropout"),
-    ({"model": {"n_encoder_layers": 0}}, "layer"),
-    ({"train": {"warmup_steps": 0, "lr_schedule": "noam"}}, "warmup_steps"),
-    ({"train": {"warmup_steps": 0, "lr_schedule": "inverse_sqrt"}}, "warmup_steps"),
-    ({"train": {"warmup_steps": 0, "lr_schedule": "constant"}}, None),
-    ({"train": {"lr": 0.0}}, "train.lr"),
-    ({"train": {"label_smoothing": 1.0}}, "label_smoothing"),
-    ({"train": {"adam_betas": [0.9, 1.0]}}, "adam_betas"),
-    ({"train": {"update_freq": 0}}, "update_freq"),
-    ({"data": {"src_lang": "en", "tgt_lang": "en"}}, "src_lang"),
-    ({"data": {"max_len": 300}, "model": {"max_positions": 256}}, "max_positions"),
-    ({"data": {"max_tokens": 10}}, "max_tokens"),
-    ({"decode": {"beam": 0}}, "beam"),
-    ({"decode": {"workers": 0}}, "decode.workers"),
-])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"model": {"d_model": 30, "n_heads": 4}}, "n_heads"),
+        ({"model": {"d_model": 0}}, "d_model"),
+        ({"model": {"d_model": 6, "n_heads": 2}}, None),  # valid: 6 is a multiple of 2 and even
+        ({"model": {"d_model": 9, "n_heads": 3}}, "even"),
+        ({"model": {"dropout": -0.1}}, "model.dropout"),
+        ({"model": {"attention_dropout": 1.0}}, "model.attention_dropout"),
+        ({"model": {"n_encoder_layers": 0}}, "layer"),
+        ({"train": {"warmup_steps": 0, "lr_schedule": "noam"}}, "warmup_steps"),
+        ({"train": {"warmup_steps": 0, "lr_schedule": "inverse_sqrt"}}, "warmup_steps"),
+        ({"train": {"warmup_steps": 0, "lr_schedule": "constant"}}, None),
+        ({"train": {"lr": 0.0}}, "train.lr"),
+        ({"train": {"label_smoothing": 1.0}}, "label_smoothing"),
+        ({"train": {"adam_betas": [0.9, 1.0]}}, "adam_betas"),
+        ({"train": {"update_freq": 0}}, "update_freq"),
+        ({"data": {"src_lang": "en", "tgt_lang": "en"}}, "src_lang"),
+        ({"data": {"max_len": 300}, "model": {"max_positions": 256}}, "max_positions"),
+        ({"data": {"max_tokens": 10}}, "max_tokens"),
+        ({"decode": {"beam": 0}}, "beam"),
+        ({"decode": {"workers": 0}}, "decode.workers"),
+    ],
+)
 def test_impossible_values(raw, needle):
     if needle is None:
         from_dict(raw)
@@ -146,9 +168,19 @@ def test_impossible_values(raw, needle):
 
 def test_overrides_parse_values_as_yaml(tmp_path):
     path = write(tmp_path, "model:\n  d_model: 64\n  n_heads: 4\ntrain:\n  max_steps: 10\n")
-    cfg = load_config(path, ["train.max_steps=500", "model.dropout=0.25", "model.norm=pre",
-                             "train.adam_betas=[0.8, 0.9]", "model.tie_output=false", "train.lr=3e-4",
-                             "data.dir=some/where=odd", "data.hub_config=null"])
+    cfg = load_config(
+        path,
+        [
+            "train.max_steps=500",
+            "model.dropout=0.25",
+            "model.norm=pre",
+            "train.adam_betas=[0.8, 0.9]",
+            "model.tie_output=false",
+            "train.lr=3e-4",
+            "data.dir=some/where=odd",
+            "data.hub_config=null",
+        ],
+    )
     assert cfg.train.max_steps == 500
     assert cfg.model.dropout == 0.25 and cfg.model.norm == "pre"
     assert cfg.train.adam_betas == (0.8, 0.9)
@@ -249,8 +281,11 @@ def test_a_missing_relative_data_dir_says_where_it_was_looked_for(monkeypatch, t
     from transformer.data.corpus import resolve_split
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserError, match=r"^data: no such file: data/multi30k/train.de \(split 'train' in data.dir "
-                                        rf"'data/multi30k', relative to {tmp_path}, where this runs\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^data: no such file: data/multi30k/train.de \(split 'train' in data.dir "
+        rf"'data/multi30k', relative to {tmp_path}, where this runs\)$",
+    ):
         resolve_split(from_dict({"data": {"dir": "data/multi30k"}}).data, "train")
 
 

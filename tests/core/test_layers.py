@@ -44,7 +44,7 @@ def imported(module: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             # `from P import m` imports module P.m when there is one, else a name from P
             names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
@@ -70,9 +70,12 @@ def graph() -> dict[str, list[tuple[str, int]]]:
 
 
 def test_no_module_imports_a_higher_layer():
-    upward = [f"{module}:{line} imports {target}"
-              for module, targets in graph().items() for target, line in targets
-              if layer(target) > layer(module)]
+    upward = [
+        f"{module}:{line} imports {target}"
+        for module, targets in graph().items()
+        for target, line in targets
+        if layer(target) > layer(module)
+    ]
     assert not upward, "imports of a higher layer (docs/architecture.md):\n" + "\n".join(upward)
 
 
@@ -85,8 +88,11 @@ def test_the_import_graph_has_no_circle():
         state[module] = "open"
         for target in edges[module]:
             if state.get(target) == "open":
-                circles.append(" -> ".join(path[path.index(target):] + [module, target]) if target in path
-                               else f"{module} -> {target}")
+                circles.append(
+                    " -> ".join(path[path.index(target) :] + [module, target])
+                    if target in path
+                    else f"{module} -> {target}"
+                )
             elif target not in state:
                 visit(target, path + [module])
         state[module] = "done"
@@ -101,14 +107,26 @@ def test_the_checks_see_every_kind_of_import(tmp_path):
     """The parser itself: function-level, relative and absolute imports are all found, so a violation cannot hide."""
     source = tmp_path / "transformer" / "data" / "probe.py"
     source.parent.mkdir(parents=True)
-    source.write_text("import transformer.model.transformer\n"
-                      "def f():\n    from ..training import loop\n    from . import batch\n"
-                      "    from transformer.cli.commands import x\n", encoding="utf-8")
-    known = {"transformer.model.transformer", "transformer.training.loop", "transformer.data.batch",
-             "transformer.cli.commands", "transformer.data.probe"}
+    source.write_text(
+        "import transformer.model.transformer\n"
+        "def f():\n    from ..training import loop\n    from . import batch\n"
+        "    from transformer.cli.commands import x\n",
+        encoding="utf-8",
+    )
+    known = {
+        "transformer.model.transformer",
+        "transformer.training.loop",
+        "transformer.data.batch",
+        "transformer.cli.commands",
+        "transformer.data.probe",
+    }
     names = sorted(name for name, _ in imported("transformer.data.probe", source, known))
-    assert names == ["transformer.cli.commands", "transformer.data.batch", "transformer.model.transformer",
-                     "transformer.training.loop"]
+    assert names == [
+        "transformer.cli.commands",
+        "transformer.data.batch",
+        "transformer.model.transformer",
+        "transformer.training.loop",
+    ]
     assert [layer(n) for n in names] == [6, 1, 2, 4]
 
 
@@ -117,12 +135,15 @@ def test_config_loads_without_torch(tmp_path):
     does not pay for importing torch."""
     path = tmp_path / "c.yaml"
     path.write_text("model: {d_model: 32, n_heads: 2}\ntrain: {max_steps: 5}\n", encoding="utf-8")
-    code = ("import sys\nfrom transformer.config import load_config\n"
-            f"cfg = load_config({str(path)!r})\nassert cfg.model.d_model == 32 and cfg.train.max_steps == 5\n"
-            "heavy = sorted(m for m in ('torch', 'numpy', 'sentencepiece') if m in sys.modules)\n"
-            "print(' '.join(heavy))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
-                          cwd=ROOT, timeout=120)
+    code = (
+        "import sys\nfrom transformer.config import load_config\n"
+        f"cfg = load_config({str(path)!r})\nassert cfg.model.d_model == 32 and cfg.train.max_steps == 5\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'sentencepiece') if m in sys.modules)\n"
+        "print(' '.join(heavy))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "torch" not in done.stdout.split(), f"importing transformer.config loaded: {done.stdout}"
 
@@ -135,10 +156,13 @@ def test_subpackages_say_what_they_are_and_import_nothing_heavy():
     for path in inits:
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
         assert doc and "\n" not in doc, path
-    code = ("import sys\nimport transformer.data, transformer.model, transformer.inference, transformer.training, "
-            "transformer.serve, transformer.visualize, transformer.cli\nprint('torch' in sys.modules)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
-                          cwd=ROOT, timeout=120)
+    code = (
+        "import sys\nimport transformer.data, transformer.model, transformer.inference, transformer.training, "
+        "transformer.serve, transformer.visualize, transformer.cli\nprint('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=120
+    )
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 
 

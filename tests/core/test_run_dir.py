@@ -17,7 +17,8 @@ from transformer.run_dir import RunDir
 def test_paths_and_step_checkpoints_in_step_order(tmp_path):
     run = RunDir(tmp_path)
     assert (run.last, run.best, run.final, run.config, run.vocab) == tuple(
-        tmp_path / n for n in ("last.pt", "best.pt", "final.pt", "config.yaml", "spm.model"))
+        tmp_path / n for n in ("last.pt", "best.pt", "final.pt", "config.yaml", "spm.model")
+    )
     assert run.step(120) == tmp_path / "step_00000120.pt"
     assert run.final_hyp("test") == tmp_path / "eval" / "test.final.hyp"
     for step in (100_000_000, 5, 40):  # names outgrow 8 digits: order by step, not by name
@@ -73,9 +74,16 @@ def test_no_other_module_spells_a_run_file_name():
         if path.name == "run_dir.py":
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and n.body and isinstance(n.body[0], ast.Expr)}
-        offenders += [f"{path.relative_to(ROOT)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
-                      if isinstance(n, ast.Constant) and n.value in names and id(n) not in docstrings]
+        docstrings = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+        }
+        offenders += [
+            f"{path.relative_to(ROOT)}:{n.lineno}: {n.value!r}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and n.value in names and id(n) not in docstrings
+        ]
     assert not offenders, offenders

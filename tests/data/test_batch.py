@@ -7,13 +7,21 @@ import pytest
 import torch
 
 from tests.conftest import batches_equal, random_pairs
-from transformer.data.batch import (CAUSAL, Batch, attention_bias, causal_mask, pad_sequences, padding_mask,
-                               prepare_sources, source_limit, target_mask)
-from transformer.config import round_up
-from transformer.config import from_dict
-from transformer.errors import UserError
+from transformer.config import from_dict, round_up
+from transformer.data.batch import (
+    CAUSAL,
+    Batch,
+    attention_bias,
+    causal_mask,
+    pad_sequences,
+    padding_mask,
+    prepare_sources,
+    source_limit,
+    target_mask,
+)
 from transformer.data.store import Corpus
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.errors import UserError
 
 
 def test_batch_from_pairs_shift_and_counts():
@@ -28,7 +36,7 @@ def test_batch_from_pairs_shift_and_counts():
         assert b.tgt_out[row, :n].tolist() == t + [EOS_ID] and b.tgt_out[row, n - 1] == EOS_ID
         assert b.tgt_in[row, 1:n].tolist() == b.tgt_out[row, : n - 1].tolist()  # shifted by one
         assert torch.all(b.tgt_in[row, n:] == PAD_ID) and torch.all(b.tgt_out[row, n:] == PAD_ID)
-        assert torch.all(b.src[row, len(s) + 1:] == PAD_ID)
+        assert torch.all(b.src[row, len(s) + 1 :] == PAD_ID)
     assert b.n_src_tokens == int((b.src != PAD_ID).sum())
     assert b.n_tgt_tokens == int((b.tgt_out != PAD_ID).sum()) == int((b.tgt_in != PAD_ID).sum())
 

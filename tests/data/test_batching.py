@@ -9,23 +9,21 @@ import numpy as np
 import pytest
 
 from tests.conftest import batches_equal, random_pairs, write_hub_folder
-from transformer.data.batch import Batch
 from transformer.config import DataConfig
 from transformer.data import batching as data_module
-from transformer.data.corpus import (chain_lines, load_split, read_lines, read_parallel, resolve_split,
-                                split_paths)
+from transformer.data.batch import Batch
 from transformer.data.batching import BatchStream, Prefetcher, eval_batches, make_batches, pack_by_size
-from transformer.errors import UserError
-from transformer.data.vocab import PAD_ID
+from transformer.data.corpus import chain_lines, load_split, read_lines, read_parallel, resolve_split, split_paths
 from transformer.data.store import Corpus
-
+from transformer.data.vocab import PAD_ID
+from transformer.errors import UserError
 
 # --------------------------------------------------------------------------- reading
 
 
 def test_read_lines_basic(tmp_path):
     path = tmp_path / "a.txt"
-    path.write_bytes("eins\nzwei\n\ndrei\n".encode())
+    path.write_bytes(b"eins\nzwei\n\ndrei\n")
     assert read_lines(path) == ["eins", "zwei", "", "drei"]
     path.write_bytes(b"no final newline")
     assert read_lines(path) == ["no final newline"]
@@ -164,8 +162,9 @@ def test_make_batches_covers_every_index_within_budget(max_tokens, pad_to_multip
         assert batch.src.size(1) % pad_to_multiple == 0
         assert batch.tgt_in.size(1) % pad_to_multiple == 0 and batch.tgt_out.shape == batch.tgt_in.shape
     # Greedy packing over the size-sorted order: each batch is cut exactly where pack_by_size would cut it.
-    unshuffled = make_batches(*lengths(pairs), max_tokens, seed=1, epoch=0, shuffle=False,
-                              pad_to_multiple=pad_to_multiple)
+    unshuffled = make_batches(
+        *lengths(pairs), max_tokens, seed=1, epoch=0, shuffle=False, pad_to_multiple=pad_to_multiple
+    )
     sizes = [-(-(max(len(s), len(t)) + 1) // pad_to_multiple) * pad_to_multiple for s, t in pairs]
     assert as_lists(unshuffled) == pack_by_size(unshuffled.order.tolist(), sizes, max_tokens)
 
@@ -177,8 +176,9 @@ def test_make_batches_deterministic_and_epoch_dependent():
     assert a != as_lists(make_batches(src_len, tgt_len, 256, seed=3, epoch=3))
     assert a != as_lists(make_batches(src_len, tgt_len, 256, seed=4, epoch=2))
     # Unshuffled batches do not depend on seed or epoch.
-    assert as_lists(make_batches(src_len, tgt_len, 256, 1, 0, shuffle=False)) == \
-        as_lists(make_batches(src_len, tgt_len, 256, 9, 5, shuffle=False))
+    assert as_lists(make_batches(src_len, tgt_len, 256, 1, 0, shuffle=False)) == as_lists(
+        make_batches(src_len, tgt_len, 256, 9, 5, shuffle=False)
+    )
 
 
 def test_make_batches_buckets_similar_lengths():
@@ -262,8 +262,11 @@ def test_prefetcher_yields_the_stream_updates_in_order_with_their_positions():
         for want in expected:
             got = prefetch.next()
             assert all(batches_equal(a, b) for a, b in zip(got.batches, want.batches))
-            assert (got.n_tgt_tokens, got.data_state, got.epochs_done) == \
-                (want.n_tgt_tokens, want.data_state, want.epochs_done)
+            assert (got.n_tgt_tokens, got.data_state, got.epochs_done) == (
+                want.n_tgt_tokens,
+                want.data_state,
+                want.epochs_done,
+            )
             assert prefetch.epochs_done == want.epochs_done
     finally:
         prefetch.close()
@@ -293,7 +296,7 @@ def test_batch_stream_rank_sharding_partitions_epoch():
         batches = [next(stream) for _ in range(stream.batches_per_epoch)]
         seen.append([(int(row[0]) - 10) * 90 + int(row[1]) - 10 for b in batches for row in b.src])
         # rank r takes batches r, r + 2, r + 4, ... of the epoch's order
-        assert seen[-1] == [i for b in all_batches[rank: 2 * len(batches): 2] for i in b]
+        assert seen[-1] == [i for b in all_batches[rank : 2 * len(batches) : 2] for i in b]
     assert not set(seen[0]) & set(seen[1])  # disjoint
     covered = set(seen[0]) | set(seen[1])
     left_out = [b for b in all_batches if not set(b) <= covered]
@@ -316,8 +319,9 @@ HUB_VALID = [("Ein Kind spielt.", "A child plays."), ("Ein Haus.", "A house.")]
 @pytest.mark.parametrize("layout", ["columns", "translation"])
 def test_hub_split_from_local_files(offline_hub, layout):
     data = write_hub_folder(offline_hub / f"hub-{layout}", layout, {"train": HUB_TRAIN, "validation": HUB_VALID})
-    cfg = DataConfig(source="hub", hub_name=str(data), hub_config=None, src_lang="de", tgt_lang="en",
-                     valid_split="validation")
+    cfg = DataConfig(
+        source="hub", hub_name=str(data), hub_config=None, src_lang="de", tgt_lang="en", valid_split="validation"
+    )
     src, tgt = load_split(cfg, "train")
     assert list(src) == [de for de, _ in HUB_TRAIN] and list(tgt) == [en for _, en in HUB_TRAIN]
     src, tgt = load_split(cfg, cfg.valid_split)
@@ -333,8 +337,9 @@ def test_hub_split_from_local_files(offline_hub, layout):
 
 
 def test_hub_split_wrong_columns(offline_hub):
-    data = write_hub_folder(offline_hub / "hub-fr", "columns", {"train": [("Un chien.", "A dog.")]},
-                            languages=("fr", "en"))
+    data = write_hub_folder(
+        offline_hub / "hub-fr", "columns", {"train": [("Un chien.", "A dog.")]}, languages=("fr", "en")
+    )
     cfg = DataConfig(source="hub", hub_name=str(data), src_lang="de", tgt_lang="en")
     with pytest.raises(UserError, match="columns"):
         load_split(cfg, "train")
@@ -356,15 +361,19 @@ def test_an_update_counts_the_tokens_of_every_ranks_batches_eos_included():
 
 # ----------------------------------------------------------------------------- what mutation testing found unchecked
 
+
 def test_an_epochs_batches_come_in_random_order_not_by_length():
     """Batches are cut from a length-sorted order; without the shuffle every epoch would run from the shortest
     batches to the longest."""
     src_len, tgt_len = lengths(random_pairs(400, max_len=40))
-    widths = [int(np.max(np.maximum(src_len[b], tgt_len[b])))
-              for b in as_lists(make_batches(src_len, tgt_len, 200, 1, 0))]
+    widths = [
+        int(np.max(np.maximum(src_len[b], tgt_len[b]))) for b in as_lists(make_batches(src_len, tgt_len, 200, 1, 0))
+    ]
     assert widths != sorted(widths) and widths != sorted(widths, reverse=True)
-    unshuffled = [int(np.max(np.maximum(src_len[b], tgt_len[b])))
-                  for b in as_lists(make_batches(src_len, tgt_len, 200, 1, 0, shuffle=False))]
+    unshuffled = [
+        int(np.max(np.maximum(src_len[b], tgt_len[b])))
+        for b in as_lists(make_batches(src_len, tgt_len, 200, 1, 0, shuffle=False))
+    ]
     assert unshuffled == sorted(unshuffled)
 
 
@@ -377,8 +386,10 @@ def test_long_pairs_are_sorted_like_lexsort_and_batched_within_budget():
     src_len[20:40], tgt_len[20:40] = 1, 2050  # ... against size 2051
     size = np.maximum(src_len, tgt_len) + 1
     tie = rng.permutation(len(size))
-    assert np.array_equal(data_module._length_sorted(size, src_len, tgt_len, tie),
-                          tie[np.lexsort((tgt_len[tie], src_len[tie], size[tie]))])
+    assert np.array_equal(
+        data_module._length_sorted(size, src_len, tgt_len, tie),
+        tie[np.lexsort((tgt_len[tie], src_len[tie], size[tie]))],
+    )
     batches = make_batches(src_len, tgt_len, 8192, seed=0, epoch=0)
     for b in as_lists(batches):
         assert len(b) * int(size[b].max()) <= 8192 or len(b) == 1

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from tests.conftest import cli, tiny_config, write_corpus, write_hub_folder
+from transformer.config import from_dict
 from transformer.data import corpus as corpus_module
 from transformer.data import store as store_module
-from transformer.config import from_dict
 from transformer.data.corpus import count_lines, iter_lines, open_split, read_lines
-from transformer.errors import UserError
 from transformer.data.store import Store, prepare, problem
 from transformer.data.vocab import Vocab
+from transformer.errors import UserError
 
 
 def config(tmp_path: Path, corpus: Path, **data):
@@ -30,7 +30,7 @@ def encoded_pairs(vocab: Vocab, corpus: Path, split: str, max_len: int) -> tuple
     """What the store should hold: the encoded pairs that pass the filter, the counts, the kept raw targets."""
     src, tgt = read_lines(corpus / f"{split}.de"), read_lines(corpus / f"{split}.en")
     kept, refs, counts = [], [], {"dropped_long": 0, "dropped_blank": 0}
-    for s_text, t_text, s, t in zip(src, tgt, vocab.encode(src), vocab.encode(tgt)):
+    for _s_text, t_text, s, t in zip(src, tgt, vocab.encode(src), vocab.encode(tgt)):
         if not s or not t:
             counts["dropped_blank"] += 1
         elif len(s) > max_len or len(t) > max_len:
@@ -71,8 +71,11 @@ def test_round_trip_equals_the_encoded_and_filtered_pairs(tmp_path, corpus, monk
         assert corpus_arrays.src_tokens.dtype == np.dtype(dtype)
         assert [corpus_arrays.pair(i) for i in range(len(corpus_arrays))] == pairs
         stats = store.stats(split)
-        assert (stats["pairs"], stats["dropped_long"], stats["dropped_blank"]) == \
-            (len(pairs), counts["dropped_long"], counts["dropped_blank"])
+        assert (stats["pairs"], stats["dropped_long"], stats["dropped_blank"]) == (
+            len(pairs),
+            counts["dropped_long"],
+            counts["dropped_blank"],
+        )
         assert stats["read"] == len(read_lines(corpus / f"{split}.de"))
     assert store.references("valid") == encoded_pairs(vocab, corpus, "valid", 6)[2]
 
@@ -108,8 +111,9 @@ def test_reused_when_unchanged_and_rebuilt_with_the_reason_when_an_input_changes
     other_vocab = Vocab.load(Path(other.train.run_dir) / "spm.model")
     assert "the vocabulary changed" in rebuilt(config(tmp_path, corpus, max_len=8), other_vocab)
 
-    assert "data.max_train_pairs changed (0 -> 100)" in rebuilt(config(tmp_path, corpus, max_len=8,
-                                                                        max_train_pairs=100))
+    assert "data.max_train_pairs changed (0 -> 100)" in rebuilt(
+        config(tmp_path, corpus, max_len=8, max_train_pairs=100)
+    )
     assert Store(run_dir / "store").stats("train")["read"] == 100
 
 
@@ -211,8 +215,9 @@ def test_mismatched_sides_fail_before_any_encoding(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("damage", ["uneven", "empty"])
-def test_a_bad_validation_split_fails_before_the_vocabulary_or_the_training_split_is_built(tmp_path, corpus,
-                                                                                          damage, monkeypatch):
+def test_a_bad_validation_split_fails_before_the_vocabulary_or_the_training_split_is_built(
+    tmp_path, corpus, damage, monkeypatch
+):
     """It used to be found only after SentencePiece training and encoding the whole training split (minutes
     at WMT sizes), and the encoded training split was then thrown away."""
     if damage == "uneven":
@@ -221,8 +226,9 @@ def test_a_bad_validation_split_fails_before_the_vocabulary_or_the_training_spli
     else:
         for side in ("de", "en"):
             (corpus / f"valid.{side}").write_text("", encoding="utf-8")
-    message = ("valid.de has 34 lines but .*valid.en has 33" if damage == "uneven" else
-               "valid.de and .*valid.en are empty")
+    message = (
+        "valid.de has 34 lines but .*valid.en has 33" if damage == "uneven" else "valid.de and .*valid.en are empty"
+    )
     cfg = config(tmp_path, corpus)
     run_dir = Path(cfg.train.run_dir)
     with pytest.raises(UserError, match=message):
@@ -241,20 +247,26 @@ def test_a_bad_validation_split_fails_before_the_vocabulary_or_the_training_spli
 
 # --------------------------------------------------------------------------- the hub source, offline
 
+
 @pytest.mark.parametrize("layout", ["columns", "translation"])
-def test_hub_source_goes_through_the_same_store_with_default_split_names(offline_hub, tmp_path, corpus, layout,
-                                                                         caplog):
+def test_hub_source_goes_through_the_same_store_with_default_split_names(offline_hub, tmp_path, corpus, layout, caplog):
     # The same sentences as the local corpus, as `datasets` sees a folder of jsonl files: train, validation, test.
     splits = {"train": "train", "validation": "valid", "test": "valid"}
-    folder = write_hub_folder(tmp_path / f"hub-{layout}", layout, {
-        name: list(zip(read_lines(corpus / f"{local}.de"), read_lines(corpus / f"{local}.en")))
-        for name, local in splits.items()})
+    folder = write_hub_folder(
+        tmp_path / f"hub-{layout}",
+        layout,
+        {
+            name: list(zip(read_lines(corpus / f"{local}.de"), read_lines(corpus / f"{local}.en")))
+            for name, local in splits.items()
+        },
+    )
     local_cfg = config(tmp_path, corpus)
     local = prepare(local_cfg, Path(local_cfg.train.run_dir), quiet=True)
     vocab = Vocab.load(Path(local_cfg.train.run_dir) / "spm.model")
 
-    hub_cfg = from_dict(tiny_config(tmp_path, f"hub-run-{layout}", data={
-        "source": "hub", "hub_name": str(folder), "max_len": 6}))  # valid_split keeps its default, "valid"
+    hub_cfg = from_dict(
+        tiny_config(tmp_path, f"hub-run-{layout}", data={"source": "hub", "hub_name": str(folder), "max_len": 6})
+    )  # valid_split keeps its default, "valid"
     assert hub_cfg.data.valid_split == "valid"
     caplog.set_level(logging.INFO, logger="transformer")
     hub = prepare(hub_cfg, Path(hub_cfg.train.run_dir), vocab, quiet=True)
@@ -270,8 +282,9 @@ def test_hub_source_goes_through_the_same_store_with_default_split_names(offline
 
 
 def test_hub_wrong_split_name_fails_before_any_expensive_work(offline_hub, tmp_path):
-    folder = write_hub_folder(tmp_path / "hub", "columns", {"train": [("Ein Hund.", "A dog.")] * 5,
-                                                            "validation": [("Eine Katze.", "A cat.")]})
+    folder = write_hub_folder(
+        tmp_path / "hub", "columns", {"train": [("Ein Hund.", "A dog.")] * 5, "validation": [("Eine Katze.", "A cat.")]}
+    )
     cfg = from_dict(tiny_config(tmp_path, data={"source": "hub", "hub_name": str(folder), "valid_split": "dev2"}))
     with pytest.raises(UserError, match=r"has no split 'dev2' \(its splits: train, validation\)"):
         prepare(cfg, Path(cfg.train.run_dir), quiet=True)
@@ -281,11 +294,25 @@ def test_hub_wrong_split_name_fails_before_any_expensive_work(offline_hub, tmp_p
 
 def test_why_a_store_is_rebuilt_names_every_split_that_changed():
     def manifest(train_size: int, valid_rows: int) -> dict:
-        return {"inputs": {"train": {"source": "local", "limit": 0,
-                                     "files": [{"path": "/d/train.de", "size": train_size, "mtime_ns": 1}]},
-                           "valid": {"source": "hub", "limit": 0, "rows": valid_rows,
-                                     "files": [{"path": "/cache/v.arrow", "size": 9, "mtime_ns": 1}]}},
-                "vocab_sha256": "v", "src_lang": "de", "tgt_lang": "en", "max_len": 100}
+        return {
+            "inputs": {
+                "train": {
+                    "source": "local",
+                    "limit": 0,
+                    "files": [{"path": "/d/train.de", "size": train_size, "mtime_ns": 1}],
+                },
+                "valid": {
+                    "source": "hub",
+                    "limit": 0,
+                    "rows": valid_rows,
+                    "files": [{"path": "/cache/v.arrow", "size": 9, "mtime_ns": 1}],
+                },
+            },
+            "vocab_sha256": "v",
+            "src_lang": "de",
+            "tgt_lang": "en",
+            "max_len": 100,
+        }
 
     reasons = store_module._differences(manifest(10, 5), manifest(11, 6))
     assert reasons == ["/d/train.de changed (size or modification time)", "the valid corpus changed"]
@@ -322,8 +349,9 @@ def test_every_store_file_is_synced_before_the_manifest(tmp_path, corpus, monkey
     prepare(cfg, Path(cfg.train.run_dir), quiet=True)
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("needs /proc to name the synced files")
-    data = {f"{split}.{side}.{kind}" for split in ("train", "valid") for side in ("src", "tgt")
-            for kind in ("bin", "idx")}
+    data = {
+        f"{split}.{side}.{kind}" for split in ("train", "valid") for side in ("src", "tgt") for kind in ("bin", "idx")
+    }
     manifest_at = next(i for i, name in enumerate(events) if name.lstrip(".").startswith("manifest.json"))
     assert data <= set(events[:manifest_at]), events
 
@@ -373,7 +401,9 @@ def test_encoding_logs_how_far_it_is_when_no_progress_bar_shows(tmp_path, corpus
     assert not [r for r in caplog.records if "pairs encoded" in r.getMessage()]
 
 
-@pytest.mark.parametrize("spm_max_sentences, said", [(0, "on the 606 training"), (200, "on a sample of 200 of the 606")])
+@pytest.mark.parametrize(
+    "spm_max_sentences, said", [(0, "on the 606 training"), (200, "on a sample of 200 of the 606")]
+)
 def test_the_vocabulary_log_says_whether_it_trains_on_a_sample(tmp_path, corpus, caplog, spm_max_sentences, said):
     caplog.set_level(logging.INFO, logger="transformer")
     cfg = config(tmp_path, corpus, spm_max_sentences=spm_max_sentences)
@@ -389,6 +419,7 @@ def test_a_sample_sentencepiece_refuses_is_a_clear_error_only_where_a_vocabulary
     prepare(reused, Path(reused.train.run_dir), quiet=True)
     prepare(cfg, Path(cfg.train.run_dir), quiet=True)  # the vocabulary is reused: the setting plays no part
 
+
 def test_half_a_test_split_is_refused_at_the_start_when_training_will_score_it(tmp_path):
     """The end of training scores the test split; one side's file missing is said before the vocabulary and
     store are built, not when training ends. With train.finish off nothing reads it."""
@@ -401,6 +432,7 @@ def test_half_a_test_split_is_refused_at_the_start_when_training_will_score_it(t
 
 
 # --------------------------------------------------------------------------- whose store it is, and what it holds
+
 
 def tree(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
@@ -433,8 +465,11 @@ def test_a_users_own_store_directory_is_never_taken_for_a_run(tmp_path, corpus, 
     prepare(cfg, tmp_path / "other-run", quiet=True)
     (run_dir / "spm.model").write_bytes((tmp_path / "other-run" / "spm.model").read_bytes())
     before = tree(run_dir)
-    with pytest.raises(UserError, match=rf"store: {own} holds files that `transformer prepare` did not write .*"
-                                        "it is never deleted: move it away"):
+    with pytest.raises(
+        UserError,
+        match=rf"store: {own} holds files that `transformer prepare` did not write .*"
+        "it is never deleted: move it away",
+    ):
         prepare(cfg, run_dir, quiet=True)
     assert tree(run_dir) == before
 
@@ -449,14 +484,19 @@ def test_a_store_of_ours_is_rebuilt_by_name_and_a_file_of_the_users_in_it_stays(
     assert Store(run_dir / "store").manifest["fingerprint"]["max_len"] == 8
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda m: [], r"not a store manifest this version reads \(it holds list, not a JSON object\)"),
-    (lambda m: None, r"not a store manifest this version reads \(it holds null, not a JSON object\)"),
-    (lambda m: {k: v for k, v in m.items() if k != "fingerprint"}, "it has no fingerprint of its inputs"),
-    (lambda m: {**m, "fingerprint": {k: v for k, v in m["fingerprint"].items() if k != "inputs"}},
-     "it has no fingerprint of its inputs"),
-    (lambda m: {**m, "splits": {"train": m["splits"]["train"]}}, "its split counts are missing or wrong"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda m: [], r"not a store manifest this version reads \(it holds list, not a JSON object\)"),
+        (lambda m: None, r"not a store manifest this version reads \(it holds null, not a JSON object\)"),
+        (lambda m: {k: v for k, v in m.items() if k != "fingerprint"}, "it has no fingerprint of its inputs"),
+        (
+            lambda m: {**m, "fingerprint": {k: v for k, v in m["fingerprint"].items() if k != "inputs"}},
+            "it has no fingerprint of its inputs",
+        ),
+        (lambda m: {**m, "splits": {"train": m["splits"]["train"]}}, "its split counts are missing or wrong"),
+    ],
+)
 def test_a_malformed_manifest_is_a_reason_not_a_traceback(tmp_path, corpus, caplog, damage, reason):
     cfg = config(tmp_path, corpus)
     run_dir = Path(cfg.train.run_dir)
@@ -488,19 +528,29 @@ def _poke(path: Path, dtype, index: int, value: int) -> None:
     del array
 
 
-@pytest.mark.parametrize("file, dtype, index, value, reason", [
-    ("train.tgt.bin", np.uint16, 5, 60_000, r"train.tgt.bin: it holds id 60000, outside the vocabulary's 0..\d+"),
-    ("train.src.idx", np.int64, 3, 1, r"train.src.idx: sentence 2 spans offsets \d+..1, not 1 to 6 tokens"),
-    ("train.tgt.idx", np.int64, -1, 7, r"train.tgt.idx: sentence \d+ spans offsets \d+..7, not 1 to 6 tokens"),
-    ("train.tgt.idx", np.int64, 0, 1, r"train.tgt.idx: its offsets run from 1 to \d+, not from 0 to its \d+ tokens"),
-    ("valid.src.idx", np.int64, 1, 0, r"valid.src.idx: sentence 0 spans offsets 0..0, not 1 to 6 tokens"),
-])
+@pytest.mark.parametrize(
+    "file, dtype, index, value, reason",
+    [
+        ("train.tgt.bin", np.uint16, 5, 60_000, r"train.tgt.bin: it holds id 60000, outside the vocabulary's 0..\d+"),
+        ("train.src.idx", np.int64, 3, 1, r"train.src.idx: sentence 2 spans offsets \d+..1, not 1 to 6 tokens"),
+        ("train.tgt.idx", np.int64, -1, 7, r"train.tgt.idx: sentence \d+ spans offsets \d+..7, not 1 to 6 tokens"),
+        (
+            "train.tgt.idx",
+            np.int64,
+            0,
+            1,
+            r"train.tgt.idx: its offsets run from 1 to \d+, not from 0 to its \d+ tokens",
+        ),
+        ("valid.src.idx", np.int64, 1, 0, r"valid.src.idx: sentence 0 spans offsets 0..0, not 1 to 6 tokens"),
+    ],
+)
 def test_store_contents_are_checked_before_reusing(tmp_path, corpus, caplog, file, dtype, index, value, reason):
     """Files of the right size with wrong contents used to be reused, until an IndexError in training (or a CUDA
     assert): out-of-range ids, offsets out of order or past the tokens. Checked in one numpy pass, and rebuilt."""
     cfg = config(tmp_path, corpus)
     run_dir = Path(cfg.train.run_dir)
     prepare(cfg, run_dir, quiet=True)
+
     def pairs() -> list:
         store = Store(run_dir / "store")
         return [store.corpus(s).pair(i) for s in ("train", "valid") for i in range(len(store.corpus(s)))]
@@ -518,6 +568,7 @@ def test_store_contents_are_checked_before_reusing(tmp_path, corpus, caplog, fil
 
 # --------------------------------------------------------------------------- hub rows that are not text
 
+
 def _write_jsonl(directory: Path, splits: dict[str, list]) -> Path:
     directory.mkdir()
     for name, rows in splits.items():
@@ -528,11 +579,15 @@ def _write_jsonl(directory: Path, splits: dict[str, list]) -> Path:
 GOOD_ROWS = [{"de": "ein hund", "en": "a dog"}, {"de": "eine katze", "en": "a cat"}] * 4
 
 
-@pytest.mark.parametrize("rows, dropped", [
-    ([{"de": None, "en": "a dog"}, {"de": "ein hund", "en": None}] + GOOD_ROWS, 2),       # null
-    ([{"de": "ein hund"}, {"en": "a dog"}] + GOOD_ROWS, 2),                               # a language missing
-    ([{"translation": None}, {"translation": {"de": "ein hund"}}] + [{"translation": r} for r in GOOD_ROWS], 2),
-], ids=["null", "columns lacking a language", "translation null or lacking a language"])
+@pytest.mark.parametrize(
+    "rows, dropped",
+    [
+        ([{"de": None, "en": "a dog"}, {"de": "ein hund", "en": None}] + GOOD_ROWS, 2),  # null
+        ([{"de": "ein hund"}, {"en": "a dog"}] + GOOD_ROWS, 2),  # a language missing
+        ([{"translation": None}, {"translation": {"de": "ein hund"}}] + [{"translation": r} for r in GOOD_ROWS], 2),
+    ],
+    ids=["null", "columns lacking a language", "translation null or lacking a language"],
+)
 def test_hub_rows_without_a_side_count_as_blank(offline_hub, tmp_path, rows, dropped):
     """A null translation, or one whose first row lacks a language, used to end in a TypeError or KeyError."""
     valid = [{"translation": r} for r in GOOD_ROWS] if "translation" in rows[0] else GOOD_ROWS
@@ -555,14 +610,17 @@ def test_hub_values_that_are_not_text_are_one_line_errors(offline_hub, tmp_path,
     folder = _write_jsonl(tmp_path / "hub", {"train": rows, "validation": valid})
     cfg = from_dict(tiny_config(tmp_path, data={"source": "hub", "hub_name": str(folder), "vocab_size": 24}))
     row, value = (3, 5) if layout == "translation" else (0, 0)
-    with pytest.raises(UserError, match=rf"data: '{re.escape(str(folder))}' split 'train' row {row}: 'de' holds "
-                                        rf"{value} \(int\), not text; check data.src_lang and data.tgt_lang"):
+    with pytest.raises(
+        UserError,
+        match=rf"data: '{re.escape(str(folder))}' split 'train' row {row}: 'de' holds "
+        rf"{value} \(int\), not text; check data.src_lang and data.tgt_lang",
+    ):
         prepare(cfg, Path(cfg.train.run_dir), quiet=True)
 
 
 def test_an_encoding_check_refuses_utf16_and_keeps_a_stray_nul(tmp_path):
     path = tmp_path / "f.txt"
-    path.write_bytes("ein\x00 hund\nzwei katzen\n".encode("utf-8"))  # one NUL in text: still text
+    path.write_bytes(b"ein\x00 hund\nzwei katzen\n")  # one NUL in text: still text
     assert count_lines(path) == 2 and read_lines(path) == ["ein\x00 hund", "zwei katzen"]
     for encoding, said in (("utf-16-le", "NUL bytes"), ("utf-16", "UTF-16 text"), ("utf-32", "UTF-32 text")):
         path.write_bytes("ein hund\nzwei katzen\n".encode(encoding))

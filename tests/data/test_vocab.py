@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from tests.conftest import sentences, subprocess_env
-from transformer.errors import UserError
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, sample_sentences, train_vocab
+from transformer.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,7 @@ def test_text_that_is_not_unicode_encodes_as_the_replacement_character(vocab):
     "M\\udce4dchen"), as does a JSON "\\ud800": each encodes like U+FFFD, what a stream's bad byte becomes."""
     texts = sentences(3, 4, hi=12)
     bad = [texts[0][:3] + "\udce4" + texts[0][3:], "\ud800" + texts[1], texts[2]]
-    assert vocab.encode(bad) == vocab.encode([t.replace("\udce4", "\ufffd").replace("\ud800", "\ufffd")
-                                             for t in bad])
+    assert vocab.encode(bad) == vocab.encode([t.replace("\udce4", "\ufffd").replace("\ud800", "\ufffd") for t in bad])
     assert vocab.encode(texts[:1]) != vocab.encode(bad[:1])  # the bad character is kept as one (unknown) piece
     with pytest.raises(TypeError):  # not text at all stays an error
         vocab.encode([texts[0], 5])
@@ -73,9 +72,15 @@ def test_a_sampled_vocabulary_is_the_same_in_every_process(tmp_path):
     the same corpus, size and seed must give the same vocabulary in two runs of a config."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(sentences(5, 3000, hi=12)) + "\n", encoding="utf-8")
-    script = ("import hashlib, sys\nfrom transformer.data.vocab import train_vocab\n"
-              f"lines = open({str(corpus)!r}, encoding='utf-8').read().splitlines()\n"
-              "print(hashlib.sha256(train_vocab(lines, 150, max_sentences=1000, seed=7).proto).hexdigest())\n")
-    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                              env=subprocess_env()).stdout for _ in range(3)}
+    script = (
+        "import hashlib, sys\nfrom transformer.data.vocab import train_vocab\n"
+        f"lines = open({str(corpus)!r}, encoding='utf-8').read().splitlines()\n"
+        "print(hashlib.sha256(train_vocab(lines, 150, max_sentences=1000, seed=7).proto).hexdigest())\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=subprocess_env()
+        ).stdout
+        for _ in range(3)
+    }
     assert len(digests) == 1

@@ -10,23 +10,27 @@ import pytest
 import torch
 
 from tests.conftest import tiny_config
-from transformer.data.batch import pad_sequences, padding_mask, prepare_sources, target_mask
-from transformer.model.checkpoint import load_model
 from transformer.config import from_dict
+from transformer.data.batch import pad_sequences, padding_mask, prepare_sources, target_mask
+from transformer.data.vocab import BOS_ID, EOS_ID
 from transformer.inference.ctranslate2_engine import export_ctranslate2
 from transformer.inference.search import search
+from transformer.model.checkpoint import load_model
 from transformer.training.loop import train
-from transformer.data.vocab import BOS_ID, EOS_ID
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 SOURCES = ["der mann sitzt auf dem haus", "eine katze", "ein kind spielt im haus mit dem hund", "rot"]
 
 
-@pytest.mark.parametrize("model_overrides", [
-    {},                                                                          # post-norm, all shared
-    {"norm": "pre", "share_embeddings": False, "tie_output": False},
-], ids=["post_shared", "pre_unshared"])
+@pytest.mark.parametrize(
+    "model_overrides",
+    [
+        {},  # post-norm, all shared
+        {"norm": "pre", "share_embeddings": False, "tie_output": False},
+    ],
+    ids=["post_shared", "pre_unshared"],
+)
 def test_exported_model_scores_and_translates_like_ours(tmp_path, model_overrides):
     raw = tiny_config(tmp_path, model=model_overrides, train={"max_steps": 30, "valid_every": 100})
     run_dir = train(from_dict(raw), quiet=True)
@@ -115,6 +119,7 @@ def test_export_force_replaces_an_export_only_and_keeps_it_when_conversion_fails
 
 # --------------------------------------------------------------------------- only what we wrote is replaced
 
+
 def _tree(directory) -> dict:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
@@ -122,8 +127,12 @@ def _tree(directory) -> dict:
 def _users_model(directory) -> None:
     """A CTranslate2 model folder of the user's own (another toolkit's), with a note: nothing of ours."""
     directory.mkdir(parents=True)
-    for name, data in (("model.bin", b"their weights"), ("shared_vocabulary.json", b'["<s>"]'),
-                       ("config.json", b"{}"), ("spm.model", b"their pieces")):
+    for name, data in (
+        ("model.bin", b"their weights"),
+        ("shared_vocabulary.json", b'["<s>"]'),
+        ("config.json", b"{}"),
+        ("spm.model", b"their pieces"),
+    ):
         (directory / name).write_bytes(data)
 
 
@@ -133,10 +142,13 @@ def test_export_force_replaces_only_a_folder_its_record_says_it_wrote(tmp_path, 
     _users_model(theirs)
     before = _tree(theirs)
     status, _, err = call("export", "ctranslate2", copy_model, theirs, "--force")
-    assert (status, err) == (2, f"error: export: {theirs} exists and is not a directory this program wrote (no "
-                                "transformer-export.json of ours listing every file in it); it is never replaced: "
-                                "move it away or choose another directory (an export or conversion by an earlier "
-                                "version has no such record: delete it yourself)\n")
+    assert (status, err) == (
+        2,
+        f"error: export: {theirs} exists and is not a directory this program wrote (no "
+        "transformer-export.json of ours listing every file in it); it is never replaced: "
+        "move it away or choose another directory (an export or conversion by an earlier "
+        "version has no such record: delete it yourself)\n",
+    )
     assert _tree(theirs) == before
 
     out = tmp_path / "ours"
@@ -157,8 +169,14 @@ def test_the_engines_conversion_never_empties_a_folder_it_did_not_write(tmp_path
     _users_model(theirs)
     before = _tree(theirs)
     status, _, err = call("translate", checkpoint, "--engine", "ctranslate2", "--dtype", "fp32", "ein hund")
-    assert status == 2 and err.startswith(f"error: --engine ctranslate2: {theirs} exists and is not a directory this "
-                                          "program wrote (no source.json of ours") and err.count("\n") == 1, err
+    assert (
+        status == 2
+        and err.startswith(
+            f"error: --engine ctranslate2: {theirs} exists and is not a directory this "
+            "program wrote (no source.json of ours"
+        )
+        and err.count("\n") == 1
+    ), err
     assert _tree(theirs) == before
     # An export of ours is not the engine's conversion either: kept, it may be the only int8 copy.
     for p in theirs.iterdir():
@@ -181,8 +199,11 @@ def test_a_damaged_conversion_is_converted_again(tmp_path, copy_model, call):
     assert status == 0 and "converting" in err
     cache = tmp_path / "ct2" / "model"
     vocabulary = next(p for p in cache.iterdir() if "vocabulary" in p.name)
-    for damage in (lambda: (cache / "config.json").unlink(), lambda: vocabulary.write_text("[]"),
-                   lambda: (cache / "config.json").write_text((cache / "config.json").read_text() + " ")):
+    for damage in (
+        lambda: (cache / "config.json").unlink(),
+        lambda: vocabulary.write_text("[]"),
+        lambda: (cache / "config.json").write_text((cache / "config.json").read_text() + " "),
+    ):
         damage()
         status, out, err = call("translate", checkpoint, "--engine", "ctranslate2", "--dtype", "fp32", "ein hund")
         assert (status, out) == (0, first) and "converting" in err, err

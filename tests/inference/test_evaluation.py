@@ -45,8 +45,9 @@ def test_evaluate_src_from_a_pipe_names_its_results_pipe(run, tmp_path, call):
     fifo = tmp_path / "63"  # what `--src <(zcat test.de.gz)` hands over: /dev/fd/63
     os.mkfifo(fifo)
     # A daemon: if evaluate failed before opening the FIFO, the writer would block for ever in open().
-    writer = threading.Thread(target=lambda: fifo.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8"),
-                              daemon=True)
+    writer = threading.Thread(
+        target=lambda: fifo.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8"), daemon=True
+    )
     writer.start()
     (tmp_path / "a.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
     status, out, err = call("evaluate", run, "--src", fifo, "--ref", tmp_path / "a.en", "--beam", "1", *FP32)
@@ -67,9 +68,11 @@ def test_results_that_cannot_be_written_fail_before_translating(run, tmp_path, c
     monkeypatch.setattr(Translator, "translate", lambda self, lines: translated.append(lines) or list(lines))
     status, out, err = call("evaluate", tmp_path / "model.pt", "--src", tmp_path / "a.de", "--ref", tmp_path / "a.en")
     assert status == 2 and out == "" and translated == []
-    assert err.splitlines()[-1] == (f"error: evaluate: cannot write the results to {tmp_path / 'eval'} (it is a file, "
-                                    "not a directory); evaluate a copy of the run or checkpoint in a directory you "
-                                    "can write to")
+    assert err.splitlines()[-1] == (
+        f"error: evaluate: cannot write the results to {tmp_path / 'eval'} (it is a file, "
+        "not a directory); evaluate a copy of the run or checkpoint in a directory you "
+        "can write to"
+    )
     (tmp_path / "eval").unlink()
     (tmp_path / "eval").symlink_to(tmp_path / "gone")  # e.g. results kept on a disk that is not mounted
     status, _, err = call("evaluate", tmp_path / "model.pt", "--src", tmp_path / "a.de", "--ref", tmp_path / "a.en")
@@ -108,8 +111,10 @@ def test_a_broken_split_is_reported_as_such_not_as_unknown(run, call):
     (data / "uneven.de").write_text("ein hund\nzwei katzen\n", encoding="utf-8")
     (data / "uneven.en").write_text("a dog\n", encoding="utf-8")
     status, _, err = call("evaluate", run, "--split", "uneven")
-    assert status == 2 and err == (f"error: data: {data}/uneven.de has 2 lines but {data}/uneven.en has 1; "
-                                   "line N of one side must translate line N of the other\n")
+    assert status == 2 and err == (
+        f"error: data: {data}/uneven.de has 2 lines but {data}/uneven.en has 1; "
+        "line N of one side must translate line N of the other\n"
+    )
 
 
 def test_bleu_chrf_identity_is_perfect():
@@ -119,8 +124,7 @@ def test_bleu_chrf_identity_is_perfect():
 
 
 def test_evaluate_with_ctranslate2(ctranslate2, run, call):
-    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "2", "--engine", "ctranslate2",
-                        "--dtype", "int8")
+    status, _, _ = call("evaluate", run, "--split", "test", "--beam", "2", "--engine", "ctranslate2", "--dtype", "int8")
     record = json.loads((run / "eval" / "test.beam2.lp0.6.int8.ct2.json").read_text())
     assert status == 0 and record["engine"] == "ctranslate2" and record["dtype"] == "int8" and record["stop"] is None
 
@@ -131,15 +135,16 @@ def test_validation_loss_nll_and_perplexity_per_target_token():
     import torch.nn.functional as F
 
     from tests.conftest import random_pairs
-    from transformer.data.batch import Batch
     from transformer.config import ModelConfig
-    from transformer.training.validation import evaluate_loss
-    from transformer.model.transformer import Transformer
+    from transformer.data.batch import Batch
     from transformer.data.vocab import PAD_ID
+    from transformer.model.transformer import Transformer
+    from transformer.training.validation import evaluate_loss
 
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(d_model=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=32,
-                                    max_positions=64), 100)
+    model = Transformer(
+        ModelConfig(d_model=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=32, max_positions=64), 100
+    )
     pairs = random_pairs(12, seed=3, max_len=10, vocab=100)
     batches = [Batch.from_pairs(pairs[:5]), Batch.from_pairs(pairs[5:])]
     result = evaluate_loss(model, batches, torch.device("cpu"), "fp32", 0.1)
@@ -177,8 +182,17 @@ def test_other_sentences_under_the_same_file_name_do_not_overwrite_results(run, 
         (tmp_path / corpus / "newstest.en").write_text("a dog\ntwo cats\na man\n", encoding="utf-8")
     evaluated = []
     for corpus in ("wmt14", "wmt17", "wmt14"):
-        status, _, err = call("evaluate", run, "--src", tmp_path / corpus / "newstest.de",
-                              "--ref", tmp_path / corpus / "newstest.en", "--beam", "1", *FP32)
+        status, _, err = call(
+            "evaluate",
+            run,
+            "--src",
+            tmp_path / corpus / "newstest.de",
+            "--ref",
+            tmp_path / corpus / "newstest.en",
+            "--beam",
+            "1",
+            *FP32,
+        )
         assert status == 0, err
         evaluated.append(err)
     results = sorted((run / "eval").glob("newstest.de*.beam1.lp0.6.json"))
@@ -190,8 +204,17 @@ def test_other_sentences_under_the_same_file_name_do_not_overwrite_results(run, 
     # The same files edited, the plain name's and the digest name's: their results are replaced, not kept beside.
     for corpus, edited in (("wmt14", SENTENCES[1:3] + SENTENCES[:1]), ("wmt17", SENTENCES[2:0:-1] + SENTENCES[:1])):
         (tmp_path / corpus / "newstest.de").write_text("\n".join(edited) + "\n", encoding="utf-8")
-        status, _, err = call("evaluate", run, "--src", tmp_path / corpus / "newstest.de",
-                              "--ref", tmp_path / corpus / "newstest.en", "--beam", "1", *FP32)
+        status, _, err = call(
+            "evaluate",
+            run,
+            "--src",
+            tmp_path / corpus / "newstest.de",
+            "--ref",
+            tmp_path / corpus / "newstest.en",
+            "--beam",
+            "1",
+            *FP32,
+        )
         assert status == 0 and "other sentences" not in err, err
     assert sorted(p.name for p in (run / "eval").glob("newstest.de*.beam1.lp0.6.json")) == sorted(by_src.values())
 

@@ -12,19 +12,19 @@ import pytest
 import torch
 
 from tests.conftest import sentences, translation_config
-from transformer.data.batch import Batch, prepare_sources
-from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
 from transformer.config import from_dict, to_dict
-from transformer.inference.hf_export import export_hf, residual_permutation
-from transformer.model.transformer import Transformer
-from transformer.inference.search import length_penalty, search
+from transformer.data.batch import Batch, prepare_sources
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, train_vocab
+from transformer.inference.hf_export import export_hf, residual_permutation
+from transformer.inference.search import length_penalty, search
+from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
+from transformer.model.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 LINES = sentences(7, 24)  # the source sentences every comparison translates
-OFFSET = 4                # translation_config's decode.max_len_offset
+OFFSET = 4  # translation_config's decode.max_len_offset
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def train_copy_model(path: Path, **model) -> Path:
     opt = torch.optim.Adam(net.parameters(), lr=5e-3)
     data = vocab.encode(sentences(2, 3200))
     for step in range(100):
-        batch = Batch.from_pairs([(s, s) for s in data[step * 32: step * 32 + 32]])
+        batch = Batch.from_pairs([(s, s) for s in data[step * 32 : step * 32 + 32]])
         logits = net(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
         loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=PAD_ID)
         opt.zero_grad()
@@ -77,8 +77,15 @@ def generate(hf, source_ids: list[int], beam: int, lenpen: float, **kwargs):
     """generate() for one source with our search's limits: source + EOS, at most source length + OFFSET tokens
     before the EOS that is forced there (max_length counts the start token and EOS)."""
     src, _ = prepare_sources([source_ids], 40)
-    return hf.generate(input_ids=src, attention_mask=torch.ones_like(src), num_beams=beam, length_penalty=lenpen,
-                       max_length=src.size(1) + OFFSET + 2, do_sample=False, **kwargs)
+    return hf.generate(
+        input_ids=src,
+        attention_mask=torch.ones_like(src),
+        num_beams=beam,
+        length_penalty=lenpen,
+        max_length=src.size(1) + OFFSET + 2,
+        do_sample=False,
+        **kwargs,
+    )
 
 
 def tokens(sequence) -> list[int]:
@@ -93,10 +100,19 @@ def test_the_permutation_is_marians_sinusoid_layout():
     from transformer.model.positions import PositionalEncoding
 
     for d_model in (32, 512):
-        config = transformers.MarianConfig(vocab_size=8, d_model=d_model, encoder_layers=1, decoder_layers=1,
-                                           encoder_ffn_dim=8, decoder_ffn_dim=8, encoder_attention_heads=1,
-                                           decoder_attention_heads=1, max_position_embeddings=64, pad_token_id=0,
-                                           decoder_start_token_id=2)
+        config = transformers.MarianConfig(
+            vocab_size=8,
+            d_model=d_model,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_ffn_dim=8,
+            decoder_ffn_dim=8,
+            encoder_attention_heads=1,
+            decoder_attention_heads=1,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            decoder_start_token_id=2,
+        )
         theirs = transformers.MarianMTModel(config).model.encoder.embed_positions.weight.detach()
         ours = PositionalEncoding(d_model, 64).table[:, residual_permutation(d_model)]
         assert torch.allclose(ours, theirs, atol=2e-5), (ours - theirs).abs().max()
@@ -111,8 +127,9 @@ def test_the_export_computes_our_function(exported):
     batch = Batch.from_pairs(pairs)
     with torch.no_grad():
         ours = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-        theirs = hf(input_ids=batch.src, attention_mask=(batch.src != PAD_ID).long(),
-                    decoder_input_ids=batch.tgt_in).logits
+        theirs = hf(
+            input_ids=batch.src, attention_mask=(batch.src != PAD_ID).long(), decoder_input_ids=batch.tgt_in
+        ).logits
     real = batch.tgt_out != PAD_ID  # Marian attends to padded decoder positions' own keys; ours are never read
     assert (ours - theirs)[real].abs().max() < 1e-4
 
@@ -176,10 +193,14 @@ def test_beam_scores_differ_only_by_the_length_normalisation(copy_model, tmp_pat
         ours = search(model, src, beam=4, lenpen=0.6, max_len_offset=OFFSET).best()[0]
         out = generate(hf, source, 4, 0.6, early_stopping="never", output_scores=True, return_dict_in_generate=True)
         theirs = tokens(out.sequences[0])
-        assert math.isclose(out.sequences_scores.item(),
-                            generate_summed(model, source, theirs) / (len(theirs) + 1) ** 0.6, rel_tol=1e-4)
-        assert math.isclose(ours.score, sum(token_log_probs(model, source, ours.tokens)) /
-                            length_penalty(len(ours.tokens) + 1, 0.6), rel_tol=1e-4)
+        assert math.isclose(
+            out.sequences_scores.item(), generate_summed(model, source, theirs) / (len(theirs) + 1) ** 0.6, rel_tol=1e-4
+        )
+        assert math.isclose(
+            ours.score,
+            sum(token_log_probs(model, source, ours.tokens)) / length_penalty(len(ours.tokens) + 1, 0.6),
+            rel_tol=1e-4,
+        )
         differ += theirs != ours.tokens
     print(f"beam 4, lenpen 0.6: {differ} of 10 outputs differ")
 
@@ -193,7 +214,7 @@ def test_the_tokenizer_gives_our_pieces_and_ids(copy_model, tmp_path):
         ids = vocab.encode([text])[0]
         assert tokenizer(text).input_ids == ids + [EOS_ID]  # Marian's source ends with EOS, as ours
         if UNK_ID in ids:  # an unknown character: its piece is the character there, <unk> here, the id the same;
-            continue       # decoded, it is dropped as a special token there and " ⁇ " here
+            continue  # decoded, it is dropped as a special token there and " ⁇ " here
         assert tokenizer.tokenize(text) == vocab.pieces(ids)
         assert tokenizer.decode(ids + [EOS_ID], skip_special_tokens=True) == vocab.decode([ids])[0]
         known += 1
@@ -208,15 +229,20 @@ def test_the_files_say_what_transformers_needs(copy_model, tmp_path):
     assert generation["decoder_start_token_id"] == BOS_ID and generation["max_length"] == cfg.model.max_positions + 1
     config = json.loads((directory / "config.json").read_text())
     assert (config["activation_function"], config["scale_embedding"]) == ("relu", True)
-    assert (directory / "source.spm").read_bytes() == (directory / "target.spm").read_bytes() == \
-        load_checkpoint(copy_model)["vocab"]
+    assert (
+        (directory / "source.spm").read_bytes()
+        == (directory / "target.spm").read_bytes()
+        == load_checkpoint(copy_model)["vocab"]
+    )
     assert transformers.GenerationConfig.from_pretrained(directory).num_beams == cfg.decode.beam
     modes = {p.name: p.stat().st_mode & 0o777 for p in directory.iterdir()}
     assert len(set(modes.values())) == 1, modes  # every file as readable as the others (none private)
 
 
-@pytest.mark.skipif(TRANSFORMERS_MAJOR >= 5, reason="transformers 5 removed the translation pipeline "
-                                                    "(tokenizer + generate is the way there)")
+@pytest.mark.skipif(
+    TRANSFORMERS_MAJOR >= 5,
+    reason="transformers 5 removed the translation pipeline (tokenizer + generate is the way there)",
+)
 def test_the_translation_pipeline_translates(copy_model, tmp_path):
     model, vocab, cfg = load_model(copy_model)
     directory = export_hf(copy_model, tmp_path / "hf")
@@ -234,8 +260,10 @@ def test_a_pre_norm_model_is_refused_naming_the_setting(tmp_path, call):
     raw = translation_config(tmp_path, tmp_path)
     raw["model"]["norm"] = "pre"
     cfg = from_dict(raw)
-    save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": Transformer(cfg.model, 80).state_dict()},
-                    tmp_path / "pre.pt")
+    save_checkpoint(
+        {"config": to_dict(cfg), "vocab": vocab.proto, "model": Transformer(cfg.model, 80).state_dict()},
+        tmp_path / "pre.pt",
+    )
     status, out, err = call("export", "hf", tmp_path / "pre.pt", tmp_path / "hf")
     assert status == 2 and "model.norm is 'pre'" in err and "post-norm" in err
     assert not (tmp_path / "hf").exists()
@@ -245,8 +273,15 @@ def test_the_command_writes_replaces_only_its_own_and_refuses_the_rest(copy_mode
     out = tmp_path / "hf"
     status, stdout, err = call("export", "hf", copy_model, out)
     assert status == 0 and stdout.strip() == f"wrote {out}"
-    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "vocab.json", "source.spm",
-                                                "target.spm", "generation_config.json", "transformer-export.json"}
+    assert {p.name for p in out.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "vocab.json",
+        "source.spm",
+        "target.spm",
+        "generation_config.json",
+        "transformer-export.json",
+    }
     status, _, err = call("export", "hf", copy_model, out)
     assert status == 2 and "add --force" in err
     assert call("export", "hf", copy_model, out, "--force")[0] == 0

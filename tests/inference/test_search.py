@@ -5,16 +5,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer.data.batch import causal_mask, pad_sequences, padding_mask
-from transformer.config import ModelConfig
-from transformer.model.transformer import Transformer
-from transformer.inference.search import Hypothesis, SearchResult, _beam_search, length_penalty, search
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from tests.conftest import train_copy_task
+from transformer.config import ModelConfig
+from transformer.data.batch import causal_mask, pad_sequences, padding_mask
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.inference.search import Hypothesis, SearchResult, _beam_search, length_penalty, search
+from transformer.model.transformer import Transformer
 
 VOCAB = 24
-CFG = ModelConfig(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64,
-                  dropout=0.0, max_positions=64)
+CFG = ModelConfig(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64, dropout=0.0, max_positions=64)
 
 
 def make_sources(seed: int, n: int = 6, lo: int = 2, hi: int = 9) -> list[list[int]]:
@@ -65,8 +64,9 @@ def model(request):
     return request.getfixturevalue(request.param)
 
 
-def reference_search(model, source: list[int], beam: int, lenpen: float, offset: int, nbest: int,
-                     stop: str, keep_all: bool = False) -> list[Hypothesis]:
+def reference_search(
+    model, source: list[int], beam: int, lenpen: float, offset: int, nbest: int, stop: str, keep_all: bool = False
+) -> list[Hypothesis]:
     """The stop rules written plainly: one sentence, every hypothesis's prefix decoded from scratch each step.
 
     Each step ranks the 2*beam best (hypothesis, token) extensions; an EOS among the first `beam` finishes,
@@ -84,15 +84,17 @@ def reference_search(model, source: list[int], beam: int, lenpen: float, offset:
     finished: list[Hypothesis] = []
     for t in range(max_len + 1):
         prefixes = torch.tensor([[BOS_ID] + tokens for tokens, _ in live])  # (k, t+1)
-        logits = model.decode(prefixes, memory.expand(len(live), -1, -1), mask.expand(len(live), -1, -1, -1),
-                              causal_mask(t + 1))
+        logits = model.decode(
+            prefixes, memory.expand(len(live), -1, -1), mask.expand(len(live), -1, -1, -1), causal_mask(t + 1)
+        )
         lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)
         lprobs[:, [PAD_ID, BOS_ID]] = float("-inf")
         if t == max_len:
             lprobs[:, [i for i in range(vocab) if i != EOS_ID]] = float("-inf")
-        candidates = [(total + lprobs[b, tok], tokens, tok) for b, (tokens, total) in enumerate(live)
-                      for tok in range(vocab)]
-        candidates = sorted(candidates, key=lambda c: -c[0].item())[:2 * beam]
+        candidates = [
+            (total + lprobs[b, tok], tokens, tok) for b, (tokens, total) in enumerate(live) for tok in range(vocab)
+        ]
+        candidates = sorted(candidates, key=lambda c: -c[0].item())[: 2 * beam]
         for score, tokens, tok in candidates[:beam]:
             if stop == "early" and not keep_all and len(finished) >= beam:
                 break
@@ -139,8 +141,10 @@ def test_the_rules_disagree_somewhere_so_the_reference_tests_tell_them_apart(tra
 
 def test_greedy_equals_the_reference(model):
     sources = make_sources(11)
-    assert_same([[h] for h in greedy(model, as_batch(sources), 10)],
-                [reference_search(model, s, 1, 0.0, 10, 1, "early") for s in sources])
+    assert_same(
+        [[h] for h in greedy(model, as_batch(sources), 10)],
+        [reference_search(model, s, 1, 0.0, 10, 1, "early") for s in sources],
+    )
 
 
 @pytest.mark.parametrize("lenpen", [0.0, 0.6])
@@ -158,9 +162,16 @@ def random_model(seed: int) -> Transformer:
     sentences finish at varied steps, several at once, or only at the length limit."""
     g = torch.Generator().manual_seed(seed)
     pick = lambda *options: options[torch.randint(len(options), (1,), generator=g).item()]  # noqa: E731
-    cfg = ModelConfig(d_model=pick(16, 32), n_heads=pick(2, 4), n_encoder_layers=pick(1, 2),
-                      n_decoder_layers=pick(1, 2), d_ff=pick(32, 64), dropout=0.0, max_positions=pick(12, 64),
-                      norm=pick("pre", "post"))
+    cfg = ModelConfig(
+        d_model=pick(16, 32),
+        n_heads=pick(2, 4),
+        n_encoder_layers=pick(1, 2),
+        n_decoder_layers=pick(1, 2),
+        d_ff=pick(32, 64),
+        dropout=0.0,
+        max_positions=pick(12, 64),
+        norm=pick("pre", "post"),
+    )
     torch.manual_seed(seed)
     model = Transformer(cfg, pick(12, 24, 40))
     with torch.no_grad():
@@ -172,8 +183,10 @@ def random_model(seed: int) -> Transformer:
 
 def random_sources(seed: int, vocab: int, n: int = 5) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, vocab, (int(length),), generator=g).tolist() + [EOS_ID]
-            for length in torch.randint(1, 9, (n,), generator=g)]
+    return [
+        torch.randint(4, vocab, (int(length),), generator=g).tolist() + [EOS_ID]
+        for length in torch.randint(1, 9, (n,), generator=g)
+    ]
 
 
 def test_early_rule_keeps_at_most_beam_finished_and_equals_the_reference(random_seed):
@@ -225,7 +238,9 @@ def test_cached_equals_uncached(model, beam, stop):
 
 def test_larger_length_penalty_never_shortens(trained):
     src = as_batch(make_sources(13, n=10))
-    lengths = [[len(hs[0].tokens) for hs in nbest_lists(trained, src, 4, alpha, 15)] for alpha in (0.0, 0.3, 0.6, 1.0, 2.0)]
+    lengths = [
+        [len(hs[0].tokens) for hs in nbest_lists(trained, src, 4, alpha, 15)] for alpha in (0.0, 0.3, 0.6, 1.0, 2.0)
+    ]
     for shorter_alpha, longer_alpha in zip(lengths, lengths[1:]):
         assert all(a <= b for a, b in zip(shorter_alpha, longer_alpha))
     assert lengths[0] != lengths[-1]  # the penalty did change some choice: the check above was not vacuous
@@ -258,7 +273,7 @@ def test_score_is_sum_over_gnmt_penalty(trained):
     for row, hyps in enumerate(nbest_lists(trained, src, 3, 0.6, 10, nbest=3)):
         for h in hyps:
             tgt_in = torch.tensor([[BOS_ID] + h.tokens])
-            logits = trained(src[row: row + 1], tgt_in, padding_mask(src[row: row + 1]), causal_mask(tgt_in.size(1)))
+            logits = trained(src[row : row + 1], tgt_in, padding_mask(src[row : row + 1]), causal_mask(tgt_in.size(1)))
             lprobs = F.log_softmax(logits[0].float(), dim=-1)
             total = lprobs[torch.arange(len(h.tokens) + 1), torch.tensor(h.tokens + [EOS_ID])].sum().item()
             assert h.score == pytest.approx(total / length_penalty(len(h.tokens) + 1, 0.6), abs=1e-4)
@@ -389,6 +404,7 @@ def test_length_penalty_is_gnmt():
 
 # ----------------------------------------------------------------------------- trace
 
+
 @pytest.mark.parametrize("stop", ["exact", "early"])
 @pytest.mark.parametrize("beam,nbest", [(1, 1), (3, 2), (4, 4)])
 def test_trace_leaves_outputs_alone_and_ends_in_the_nbest(model, beam, nbest, stop):
@@ -407,7 +423,7 @@ def test_trace_leaves_outputs_alone_and_ends_in_the_nbest(model, beam, nbest, st
         last = plain.sentence_steps[row]
         assert not any(step.alive[row] or step.finished[row] for step in trace[last:])
         assert not trace[last - 1].alive[row]
-        for t, step in enumerate(trace[:last - 1]):
+        for t, step in enumerate(trace[: last - 1]):
             assert 1 <= len(step.alive[row]) <= beam
             assert all(len(h.tokens) == t + 1 for h in step.alive[row])
             scores = [h.score for h in step.alive[row]]

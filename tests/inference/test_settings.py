@@ -19,8 +19,15 @@ from transformer.cli.parser import build_parser
 from transformer.config import DecodeConfig, from_dict
 from transformer.errors import UserError
 from transformer.inference import settings as settings_module
-from transformer.inference.settings import (DTYPES, ENGINES, FLAGS, STOP_RULES, SearchFlags, SearchSettings,
-                                            search_settings)
+from transformer.inference.settings import (
+    DTYPES,
+    ENGINES,
+    FLAGS,
+    STOP_RULES,
+    SearchFlags,
+    SearchSettings,
+    search_settings,
+)
 from transformer.inference.translator import Translator
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 
@@ -51,13 +58,23 @@ def subparser(verb: str):
 def search_options(verb: str) -> dict[str, dict]:
     """The options of a verb's "search options" group, each as what argparse does with it."""
     group = next(g for g in subparser(verb)._action_groups if g.title == "search options")
-    return {a.option_strings[0]: {"options": tuple(a.option_strings), "dest": a.dest, "type": a.type,
-                                  "choices": a.choices, "default": a.default, "nargs": a.nargs, "const": a.const,
-                                  "action": type(a).__name__}
-            for a in group._group_actions}
+    return {
+        a.option_strings[0]: {
+            "options": tuple(a.option_strings),
+            "dest": a.dest,
+            "type": a.type,
+            "choices": a.choices,
+            "default": a.default,
+            "nargs": a.nargs,
+            "const": a.const,
+            "action": type(a).__name__,
+        }
+        for a in group._group_actions
+    }
 
 
 # ----------------------------------------------------------------------------- where a setting comes from
+
 
 def test_flags_win_over_the_checkpoints_decode_section_which_wins_over_the_config_defaults():
     # A decode section that sets the beam and the length penalty (as final.pt's tuned ones) and nothing else.
@@ -65,8 +82,12 @@ def test_flags_win_over_the_checkpoints_decode_section_which_wins_over_the_confi
     found = search_settings(decode)
     assert (found.beam, found.lenpen) == (6, 1.2)  # the checkpoint's
     defaults = SearchSettings()
-    assert (found.stop, found.max_len_offset, found.max_tokens, found.workers) == \
-        (DecodeConfig.stop, DecodeConfig.max_len_offset, DecodeConfig.max_tokens, DecodeConfig.workers)
+    assert (found.stop, found.max_len_offset, found.max_tokens, found.workers) == (
+        DecodeConfig.stop,
+        DecodeConfig.max_len_offset,
+        DecodeConfig.max_tokens,
+        DecodeConfig.workers,
+    )
     assert (found.dtype, found.engine, found.nbest) == (defaults.dtype, defaults.engine, defaults.nbest)
     flags = SearchFlags(beam=2, stop="early", workers=1, dtype="int8", nbest=2)
     chosen = search_settings(decode, flags)
@@ -82,11 +103,19 @@ def test_a_checkpoints_decode_section_reaches_the_translator_under_the_flags(run
     state["config"]["decode"] = {"beam": 2, "lenpen": 1.4, "max_len_offset": 4, "max_tokens": 64}
     save_checkpoint(state, tmp_path / "final.pt")
     settings = Translator(tmp_path / "final.pt", "cpu").settings
-    assert settings == SearchSettings(beam=2, lenpen=1.4, max_len_offset=4, max_tokens=64, stop=DecodeConfig.stop,
-                                      workers=DecodeConfig.workers, dtype="fp32")
+    assert settings == SearchSettings(
+        beam=2,
+        lenpen=1.4,
+        max_len_offset=4,
+        max_tokens=64,
+        stop=DecodeConfig.stop,
+        workers=DecodeConfig.workers,
+        dtype="fp32",
+    )
     flags = SearchFlags(beam=1, lenpen=0.0, stop="early", max_tokens=16, workers=1, nbest=1)
-    assert Translator(tmp_path / "final.pt", "cpu", flags).settings == \
-        SearchSettings(beam=1, lenpen=0.0, stop="early", max_len_offset=4, max_tokens=16, workers=1, dtype="fp32")
+    assert Translator(tmp_path / "final.pt", "cpu", flags).settings == SearchSettings(
+        beam=1, lenpen=0.0, stop="early", max_len_offset=4, max_tokens=16, workers=1, dtype="fp32"
+    )
 
 
 def test_the_command_line_resolves_nbest_against_the_checkpoints_beam(run, call):
@@ -105,6 +134,7 @@ def test_the_translator_holds_the_dtype_it_picked_never_auto(run):
 
 
 # ----------------------------------------------------------------------------- each bad value refused once
+
 
 @pytest.mark.parametrize("field, value, message", BAD, ids=[f"{f}={v}" for f, v, _ in BAD])
 def test_each_bad_value_is_refused_in_one_line_naming_its_flag(field, value, message):
@@ -129,10 +159,12 @@ def test_what_only_the_combination_or_the_model_can_tell():
     assert search_settings(DecodeConfig(), SearchFlags(beam=80), vocab_size=80).beam == 80
 
 
-CLI_BAD = [("--beam", "0", "--beam must be at least 1 (1 = greedy), got 0"),
-           ("--lenpen", "11", "--lenpen must be a number from 0 to 10"),
-           ("--max-tokens", "0", "--max-tokens must be at least 1, got 0"),
-           ("--workers", "0", "--workers must be at least 1, got 0")]
+CLI_BAD = [
+    ("--beam", "0", "--beam must be at least 1 (1 = greedy), got 0"),
+    ("--lenpen", "11", "--lenpen must be a number from 0 to 10"),
+    ("--max-tokens", "0", "--max-tokens must be at least 1, got 0"),
+    ("--workers", "0", "--workers must be at least 1, got 0"),
+]
 
 
 @pytest.mark.parametrize("verb", SEARCH_VERBS)
@@ -148,17 +180,34 @@ def test_every_verb_refuses_a_bad_flag_before_it_reads_the_checkpoint(verb, flag
 
 # ----------------------------------------------------------------------------- one definition of the values
 
+
 def test_translate_evaluate_and_serve_take_exactly_the_same_search_options():
     options = {verb: search_options(verb) for verb in SEARCH_VERBS}
     assert options["translate"] == options["evaluate"] == options["serve"]
     flags = {flag for field, flag in FLAGS.items() if field not in ("max_len_offset", "nbest")}
     assert set(options["translate"]) == flags | {"--device", "--int8"}
     # And they reach SearchFlags on each verb: a flag each verb parses into the same value.
-    argv = ["--beam", "2", "--lenpen", "1", "--stop", "early", "--max-tokens", "9", "--workers", "1",
-            "--dtype", "int8", "--engine", "ours"]
+    argv = [
+        "--beam",
+        "2",
+        "--lenpen",
+        "1",
+        "--stop",
+        "early",
+        "--max-tokens",
+        "9",
+        "--workers",
+        "1",
+        "--dtype",
+        "int8",
+        "--engine",
+        "ours",
+    ]
     dests = {o["dest"] for o in options["translate"].values()}
-    parsed = [{k: v for k, v in vars(subparser(verb).parse_args(["CKPT", *argv])).items() if k in dests}
-              for verb in SEARCH_VERBS]
+    parsed = [
+        {k: v for k, v in vars(subparser(verb).parse_args(["CKPT", *argv])).items() if k in dests}
+        for verb in SEARCH_VERBS
+    ]
     assert parsed[0] == parsed[1] == parsed[2] and parsed[0]["stop"] == "early" and parsed[0]["beam"] == 2
 
 
@@ -178,8 +227,11 @@ def test_no_module_writes_the_allowed_values_out_again():
     copies = []
     for path in sorted((ROOT / "transformer").rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        definitions = {id(node.slice) for node in ast.walk(tree) if isinstance(node, ast.Subscript)
-                       and isinstance(node.value, ast.Name) and node.value.id == "Literal"}
+        definitions = {
+            id(node.slice)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "Literal"
+        }
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Tuple, ast.List, ast.Set)) or id(node) in definitions:
                 continue
@@ -201,10 +253,13 @@ def test_the_settings_types_agree_with_each_other_and_with_the_decode_section():
 
 def test_the_settings_and_the_parser_import_no_torch():
     """--help reads the choices from settings.py: neither it nor the parser may pull in torch."""
-    code = ("import sys\nfrom transformer.cli.parser import build_parser\nbuild_parser()\n"
-            "import transformer.inference.settings\nprint('torch' in sys.modules)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
-                          cwd=ROOT, timeout=120)
+    code = (
+        "import sys\nfrom transformer.cli.parser import build_parser\nbuild_parser()\n"
+        "import transformer.inference.settings\nprint('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=120
+    )
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 
 

@@ -13,15 +13,20 @@ import pytest
 import torch
 
 from tests.conftest import LINES, SENTENCES, sentences, subprocess_env
-from transformer.model.checkpoint import load_model, save_checkpoint
 from transformer import device as device_module
-from transformer.device import (ONEDNN_CACHE_CAPACITY, ONEDNN_CACHE_VARIABLES, bounded_onednn_caches,
-                                cpu_bf16_flags, cpu_description)
-from transformer.inference.weight_formats import InputMajorLinear
 from transformer.cli import translate_io
+from transformer.data.vocab import BOS_ID, PAD_ID
+from transformer.device import (
+    ONEDNN_CACHE_CAPACITY,
+    ONEDNN_CACHE_VARIABLES,
+    bounded_onednn_caches,
+    cpu_bf16_flags,
+    cpu_description,
+)
 from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator, pick_dtype, search_ids, translate_ids
-from transformer.data.vocab import BOS_ID, PAD_ID
+from transformer.inference.weight_formats import InputMajorLinear
+from transformer.model.checkpoint import load_model, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,8 @@ def test_a_checkpoint_with_nan_weights_is_refused_on_load(run, tmp_path, call):
         assert (status, out) == (2, "") and err == (
             "error: checkpoint: 1 weight tensor(s) hold NaN or infinite values "
             "(decoder_layers.0.ffn.fc1.weight): the file is corrupt or its run diverged; use another "
-            "checkpoint (step_*.pt, last.pt)\n")
+            "checkpoint (step_*.pt, last.pt)\n"
+        )
 
 
 @pytest.mark.parametrize("beam, nbest", [(1, 1), (3, 1), (3, 2)])
@@ -129,7 +135,7 @@ def test_stdin_lines_do_not_depend_on_how_the_pipe_delivers_them(seed):
             at = 0
             while at < len(data):
                 size = rng.choice([1, 7, 4096, 70_000, 200_000])
-                f.write(data[at:at + size])
+                f.write(data[at : at + size])
                 at += size
 
     writer = threading.Thread(target=write)
@@ -147,9 +153,14 @@ def test_stdin_lines_do_not_depend_on_how_the_pipe_delivers_them(seed):
 
 def test_translate_stdin_subprocess_streams_line_by_line(run, singles):
     """A real pipe: the first line's translation arrives before the second line is written."""
-    proc = subprocess.Popen([sys.executable, "-m", "transformer", "translate", str(run), "--device", "cpu"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8",
-                            env=subprocess_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transformer", "translate", str(run), "--device", "cpu"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        env=subprocess_env(),
+    )
     try:
         proc.stdin.write(SENTENCES[0] + "\n")
         proc.stdin.flush()
@@ -195,8 +206,7 @@ def test_translate_ids_keeps_order_and_matches_translator(run):
     reordered = vocab.encode(lines)
     settings = SearchSettings(beam=2, lenpen=0.6, max_len_offset=4, max_tokens=16, workers=1)
     out = translate_ids(model, reordered, settings, device="cpu")
-    alone = [translate_ids(model, [s], settings, device="cpu")[0]
-             for s in reordered]
+    alone = [translate_ids(model, [s], settings, device="cpu")[0] for s in reordered]
     assert out == alone and out[1] == []
     assert len({tuple(o) for o in out}) > 2  # different translations: a mix-up of the order would show
     # The Translator (the decode settings of the checkpoint: max_len_offset 4) finds the same, as ids and as text.
@@ -212,7 +222,7 @@ def test_int8_translation_runs_and_mostly_agrees(run, call):
     a, b = fp32.translate(lines), int8.translate(lines)
     assert len(b) == len(lines) and b[-1] == ""
     assert isinstance(int8.model.output, torch.ao.nn.quantized.dynamic.Linear)  # really the int8 path
-    assert isinstance(fp32.model.output, InputMajorLinear)                       # and the float model as it was
+    assert isinstance(fp32.model.output, InputMajorLinear)  # and the float model as it was
     assert sum(x == y for x, y in zip(a, b)) >= len(lines) // 2  # quantization noise flips few argmaxes
     assert call("translate", str(run), "ein hund", "--int8", "--device", "cpu")[0] == 0
 
@@ -231,12 +241,24 @@ def test_cpu_bf16_flags_reads_cpuinfo(tmp_path):
 
 def test_cpu_description_names_the_generation_and_vector_units(tmp_path):
     info = tmp_path / "cpuinfo"
-    core = ("vendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
-            "cache size\t: 512 KB\nflags\t\t: fpu sse2 avx2 {extra}\n\n")
-    info.write_text("processor\t: 0\n" + core.format(family=25, extra="avx512f avx512_bf16") +
-                    "processor\t: 1\n" + core.format(family=99, extra=""))
-    assert cpu_description(info) == {"model_name": "AMD EPYC", "family": "25", "model": "1", "processors": 2,
-                                     "cache_size": "512 KB", "flags": ["avx2", "avx512f", "avx512_bf16"]}
+    core = (
+        "vendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+        "cache size\t: 512 KB\nflags\t\t: fpu sse2 avx2 {extra}\n\n"
+    )
+    info.write_text(
+        "processor\t: 0\n"
+        + core.format(family=25, extra="avx512f avx512_bf16")
+        + "processor\t: 1\n"
+        + core.format(family=99, extra="")
+    )
+    assert cpu_description(info) == {
+        "model_name": "AMD EPYC",
+        "family": "25",
+        "model": "1",
+        "processors": 2,
+        "cache_size": "512 KB",
+        "flags": ["avx2", "avx512f", "avx512_bf16"],
+    }
     assert cpu_description(tmp_path / "missing") == {}
 
 
@@ -255,7 +277,9 @@ def test_auto_dtype_is_bf16_only_where_native(monkeypatch):
 def test_translate_says_which_dtype_auto_picked(run, monkeypatch, call):
     monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
     status, out, err = call("translate", run, "--device", "cpu", SENTENCES[0])
-    assert status == 0 and err.splitlines() == ["dtype: fp32 (auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16))"]
+    assert status == 0 and err.splitlines() == [
+        "dtype: fp32 (auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16))"
+    ]
     monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["avx512_bf16"])
     translator = Translator(run, "cpu", SearchFlags(dtype="auto"))
     assert translator.settings.dtype == "bf16" and next(translator.model.parameters()).dtype == torch.bfloat16
@@ -296,8 +320,11 @@ def test_stop_rule_setting(run, call):
 
 def test_missing_ctranslate2_is_a_one_line_error(run, monkeypatch, call):
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import ctranslate2 now raises ImportError
-    for argv in (("translate", run, "--engine", "ctranslate2", "x"), ("evaluate", run, "--engine", "ctranslate2"),
-                 ("export", "ctranslate2", run, run.parent / "ct2_out")):
+    for argv in (
+        ("translate", run, "--engine", "ctranslate2", "x"),
+        ("evaluate", run, "--engine", "ctranslate2"),
+        ("export", "ctranslate2", run, run.parent / "ct2_out"),
+    ):
         status, _, err = call(*argv)
         assert status == 2 and len(err.splitlines()) == 1 and "transformer[ctranslate2]" in err, (argv, err)
 
@@ -309,8 +336,9 @@ def test_ctranslate2_engine_greedy_equals_ours(ctranslate2, copy_model, capsys, 
     assert ours[-1] == "" and len(set(ours)) > len(LINES) // 2
     # Through the command, with the conversion reused.
     capsys.readouterr()
-    status, out, err = call("translate", copy_model, "--beam", "1", "--engine", "ctranslate2", "--dtype", "fp32",
-                            *LINES[:5])
+    status, out, err = call(
+        "translate", copy_model, "--beam", "1", "--engine", "ctranslate2", "--dtype", "fp32", *LINES[:5]
+    )
     assert status == 0 and out.splitlines() == ours[:5] and "converting" not in err
 
 
@@ -369,7 +397,9 @@ def test_ctranslate2_beam_outputs_are_ours_where_the_rules_agree(ctranslate2, co
     the engines' kernels agree to ~1e-5 a token, hence 1e-3."""
     for beam, lenpen, stop in ((3, 0.6, "early"), (4, 1.0, "early"), (3, 0.0, "exact")):
         ours = Translator(copy_model, "cpu", SearchFlags(beam=beam, lenpen=lenpen, stop=stop)).translate_nbest(LINES)
-        theirs = Translator(copy_model, "cpu", SearchFlags(beam=beam, lenpen=lenpen, engine="ctranslate2")).translate_nbest(LINES)
+        theirs = Translator(
+            copy_model, "cpu", SearchFlags(beam=beam, lenpen=lenpen, engine="ctranslate2")
+        ).translate_nbest(LINES)
         same = sum(a[0][1] == b[0][1] for a, b in zip(ours, theirs))
         assert same >= len(LINES) - 1, (beam, lenpen, same)  # measured: 40, 39 (its penalty) and 40 of 40
         for a, b in zip(ours, theirs):
@@ -393,8 +423,9 @@ def test_ctranslate2_engine_auto_dtype_is_one_ctranslate2_computes(ctranslate2, 
 
 
 def test_ctranslate2_engine_says_it_ignores_an_exact_stop(ctranslate2, copy_model, call):
-    status, out, err = call("translate", copy_model, "--engine", "ctranslate2", "--stop", "exact", "--dtype", "fp32",
-                            LINES[0])
+    status, out, err = call(
+        "translate", copy_model, "--engine", "ctranslate2", "--stop", "exact", "--dtype", "fp32", LINES[0]
+    )
     assert status == 0 and len(out.splitlines()) == 1
     assert "--stop exact does not apply to --engine ctranslate2" in err
     for flags in (("--stop", "early"), ()):  # early is what it does; no flag: the checkpoint's default, unasked
@@ -553,5 +584,7 @@ def test_every_entry_bounds_onednn_caches_before_its_work(run, call, monkeypatch
     # The library entries, without the command line.
     _no_cache_settings(monkeypatch)
     with pytest.raises(Stop):
-        transformer.training.loop.train(from_dict(tiny_config(tmp_path)), quiet=True) if verb == "train" else Translator(run)
+        transformer.training.loop.train(
+            from_dict(tiny_config(tmp_path)), quiet=True
+        ) if verb == "train" else Translator(run)
     assert seen == {**bounded, "LRU_CACHE_CAPACITY": "64"}

@@ -11,11 +11,17 @@ from torch import nn
 
 from tests.conftest import LINES
 from transformer.data.batch import prepare_sources
-from transformer.model.checkpoint import load_model
-from transformer.inference.weight_formats import InputMajorLinear, PackedBF16Linear, can_pack_bf16, input_major, pack_bf16
 from transformer.inference.search import search
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
+from transformer.inference.weight_formats import (
+    InputMajorLinear,
+    PackedBF16Linear,
+    can_pack_bf16,
+    input_major,
+    pack_bf16,
+)
+from transformer.model.checkpoint import load_model
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -46,10 +52,14 @@ def test_input_major_model_searches_the_same(copy_model):
         with torch.inference_mode():
             a = search(model, src, beam=beam, nbest=beam)
             b = search(converted, src, beam=beam, nbest=beam)
-        assert [[h.tokens for h in hyps] for hyps in a.hypotheses] == [[h.tokens for h in hyps] for hyps in b.hypotheses]
+        assert [[h.tokens for h in hyps] for hyps in a.hypotheses] == [
+            [h.tokens for h in hyps] for hyps in b.hypotheses
+        ]
         for x, y in zip(a.hypotheses, b.hypotheses):
             assert [h.score for h in x] == pytest.approx([h.score for h in y], abs=1e-4)
-    assert len({tuple(h[0].tokens) for h in a.hypotheses}) > len(LINES) // 2  # varied outputs: the check means something
+    assert (
+        len({tuple(h[0].tokens) for h in a.hypotheses}) > len(LINES) // 2
+    )  # varied outputs: the check means something
 
 
 def test_translator_uses_input_major_weights_for_fp32_and_packed_ones_for_bf16_on_a_cpu(run, monkeypatch):
@@ -76,8 +86,9 @@ def test_packed_bf16_search_equals_the_plain_bf16_one(copy_model):
             a = search(plain, src, beam=beam, nbest=beam)
             b = search(packed, src, beam=beam, nbest=beam)
         # The same oneDNN product, only without the per-call weight reorder: the same numbers, not merely close.
-        assert [[(h.tokens, h.score) for h in hyps] for hyps in a.hypotheses] == \
-            [[(h.tokens, h.score) for h in hyps] for hyps in b.hypotheses]
+        assert [[(h.tokens, h.score) for h in hyps] for hyps in a.hypotheses] == [
+            [(h.tokens, h.score) for h in hyps] for hyps in b.hypotheses
+        ]
     assert len({tuple(h[0].tokens) for h in a.hypotheses}) > len(LINES) // 2
 
 

@@ -9,9 +9,9 @@ import torch
 
 from tests.conftest import LINES
 from transformer.inference import translator as translate
-from transformer.model.checkpoint import load_model
 from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator, search_ids, search_workers, source_batches
+from transformer.model.checkpoint import load_model
 
 MAX_TOKENS = 64  # several batches for LINES with one worker, more with two
 
@@ -53,7 +53,7 @@ def test_two_workers_find_what_one_search_finds_in_input_order(run, two_threads,
     calls.clear()
     two = search_ids(model, src_ids, replace(settings, workers=2), "cpu")
     assert all(name.startswith("search") for name, _, _ in calls)  # every batch ran on a worker
-    assert {threads for _, threads, _ in calls} == {1}             # each on half of the two threads
+    assert {threads for _, threads, _ in calls} == {1}  # each on half of the two threads
     assert len(calls) == len(source_batches(src_ids, model.cfg.max_positions, MAX_TOKENS // 2)) > 2
     assert [[h.tokens for h in hyps] for hyps in two] == [[h.tokens for h in hyps] for hyps in one]
     for hyps_two, hyps_one in zip(two, one):

@@ -11,18 +11,45 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, sentences, subprocess_env
-from transformer.data.batch import source_limit
 from transformer.config import load_config
+from transformer.data.batch import source_limit
 from transformer.device import cpu_description
 from transformer.model.transformer import Transformer, count_parameters
 
 
 def test_bench_train_runs_and_writes_json(tmp_path):
     out = tmp_path / "train.json"
-    result = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/tiny.yaml", "--vocab", "100",
-                             "--tokens", "64", "--length", "8", "--steps", "2", "--warmup", "1", "--device", "cpu",
-                             "--impls", "ours,torch", "--peak-tflops", "0.1", "--json", str(out)],
-                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_train.py",
+            "--config",
+            "configs/tiny.yaml",
+            "--vocab",
+            "100",
+            "--tokens",
+            "64",
+            "--length",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--device",
+            "cpu",
+            "--impls",
+            "ours,torch",
+            "--peak-tflops",
+            "0.1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["peak_flops"] == 0.1e12 and report["tokens"] == 64 and report["length"] == 8
@@ -35,12 +62,14 @@ def test_bench_train_runs_and_writes_json(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(2 * r["tgt_tokens_per_s"])  # source tokens as many as target
         assert r["mfu"] == pytest.approx(r["tflops_per_s"] / 0.1)
     # The same work per update for both (FLOPs depend on the dimensions only); ours is the package's model.
-    assert rows["ours"]["tflops_per_s"] * rows["ours"]["step_s_median"] == \
-        pytest.approx(rows["torch"]["tflops_per_s"] * rows["torch"]["step_s_median"])
+    assert rows["ours"]["tflops_per_s"] * rows["ours"]["step_s_median"] == pytest.approx(
+        rows["torch"]["tflops_per_s"] * rows["torch"]["step_s_median"]
+    )
     assert rows["ours"]["params"] == count_parameters(Transformer(load_config(ROOT / "configs/tiny.yaml").model, 100))
     assert rows["ours"]["ours_speedup"] == 1.0
-    assert rows["torch"]["ours_speedup"] == pytest.approx(rows["ours"]["tgt_tokens_per_s"] /
-                                                          rows["torch"]["tgt_tokens_per_s"])
+    assert rows["torch"]["ours_speedup"] == pytest.approx(
+        rows["ours"]["tgt_tokens_per_s"] / rows["torch"]["tgt_tokens_per_s"]
+    )
     table = result.stdout.splitlines()
     assert any(line.startswith("ours ") for line in table) and any(line.startswith("torch ") for line in table)
     assert "MFU" in result.stdout
@@ -48,17 +77,48 @@ def test_bench_train_runs_and_writes_json(tmp_path):
 
 def test_bench_memory_runs_both_precisions_and_probes_both_cache_settings(tmp_path):
     out = tmp_path / "memory.json"
-    result = subprocess.run([sys.executable, "scripts/bench_memory.py", "--config", "configs/tiny.yaml", "--vocab",
-                             "100", "--set", "data.max_tokens=96", "--updates", "4", "--every", "2", "--probe-shapes", "40",
-                             "--probe-width", "32", "--json", str(out)],
-                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_memory.py",
+            "--config",
+            "configs/tiny.yaml",
+            "--vocab",
+            "100",
+            "--set",
+            "data.max_tokens=96",
+            "--updates",
+            "4",
+            "--every",
+            "2",
+            "--probe-shapes",
+            "40",
+            "--probe-width",
+            "32",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["cpu"] == cpu_description() and report["bounded_capacity"] == 64
-    settings = {"default": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": None, "DNNL_PRIMITIVE_CACHE_CAPACITY": None,
-                            "LRU_CACHE_CAPACITY": None},
-                "bounded": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "DNNL_PRIMITIVE_CACHE_CAPACITY": None,
-                            "LRU_CACHE_CAPACITY": "64"}}
+    settings = {
+        "default": {
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": None,
+            "DNNL_PRIMITIVE_CACHE_CAPACITY": None,
+            "LRU_CACHE_CAPACITY": None,
+        },
+        "bounded": {
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64",
+            "DNNL_PRIMITIVE_CACHE_CAPACITY": None,
+            "LRU_CACHE_CAPACITY": "64",
+        },
+    }
     runs = [(r["precision"], r["caches"]) for r in report["training"]]
     assert runs == [("fp32", "bounded"), ("bf16", "bounded")]  # the probe runs both settings
     for r in report["training"]:
@@ -73,15 +133,37 @@ def test_bench_memory_runs_both_precisions_and_probes_both_cache_settings(tmp_pa
     assert sum(line.startswith(("fp32 ", "bf16 ")) for line in lines) == 2 and "wrote" in lines[-1]
 
 
-def _run_bench_decode(checkpoint, tmp_path, *options: str, repeats: int = 1) -> tuple[subprocess.CompletedProcess, dict]:
+def _run_bench_decode(
+    checkpoint, tmp_path, *options: str, repeats: int = 1
+) -> tuple[subprocess.CompletedProcess, dict]:
     """bench_decode.py on a 12-sentence toy set with an untrained toy model; -> (process, its JSON)."""
     (tmp_path / "test.de").write_text("\n".join(sentences(1, 12)) + "\n", encoding="utf-8")
     (tmp_path / "test.en").write_text("\n".join(sentences(2, 12)) + "\n", encoding="utf-8")
     out = tmp_path / "decode.json"
-    result = subprocess.run([sys.executable, "scripts/bench_decode.py", str(tmp_path / "test.de"), "--checkpoint",
-                             str(checkpoint), "--ref", str(tmp_path / "test.en"), "--device", "cpu",
-                             "--repeats", str(repeats), "--no-hf", *options, "--json", str(out)],
-                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_decode.py",
+            str(tmp_path / "test.de"),
+            "--checkpoint",
+            str(checkpoint),
+            "--ref",
+            str(tmp_path / "test.en"),
+            "--device",
+            "cpu",
+            "--repeats",
+            str(repeats),
+            "--no-hf",
+            *options,
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     return result, json.loads(out.read_text())
 
@@ -97,16 +179,29 @@ def _check_rates(row: dict) -> None:
 
 
 def test_bench_decode_grid_of_stop_rules_and_dtypes(untrained_checkpoint, tmp_path):
-    _, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "3", "--stop", "exact", "early",
-                                  "--dtype", "fp32", "int8", repeats=2)
+    _, report = _run_bench_decode(
+        untrained_checkpoint,
+        tmp_path,
+        "--beam",
+        "1",
+        "3",
+        "--stop",
+        "exact",
+        "early",
+        "--dtype",
+        "fp32",
+        "int8",
+        repeats=2,
+    )
     rows = {(r["beam"], r["stop"], r["dtype"]): r for r in report["results"]}
     assert report["cpu"] == cpu_description()
     for beam in (1, 3):
         _check_rounds([r for r in report["results"] if r["beam"] == beam], 2)
     # Greedy has no stop rule to vary; beam 3 runs the whole grid.
-    assert sorted(rows) == sorted([(1, "exact", "fp32"), (1, "exact", "int8")] +
-                                  [(3, s, d) for s in ("exact", "early") for d in ("fp32", "int8")])
-    for (beam, stop, dtype), r in rows.items():
+    assert sorted(rows) == sorted(
+        [(1, "exact", "fp32"), (1, "exact", "int8")] + [(3, s, d) for s in ("exact", "early") for d in ("fp32", "int8")]
+    )
+    for r in rows.values():
         assert r["impl"] == "ours" and r["sentences"] == 12
         _check_rates(r)
         # A batch runs as long as its longest sentence: the steps of all batches are at least one sentence's.
@@ -127,8 +222,9 @@ def _check_rounds(rows: list[dict], repeats: int) -> None:
 
 
 def test_bench_decode_times_ctranslate2_on_our_weights(ctranslate2, untrained_checkpoint, tmp_path):
-    result, report = _run_bench_decode(untrained_checkpoint, tmp_path, "--beam", "1", "2", "--stop", "early",
-                                       "--ctranslate2", repeats=3)
+    result, report = _run_bench_decode(
+        untrained_checkpoint, tmp_path, "--beam", "1", "2", "--stop", "early", "--ctranslate2", repeats=3
+    )
     assert report["ctranslate2"] == ctranslate2.__version__
     for beam in (1, 2):
         rows = {(r["impl"], r["dtype"]): r for r in report["results"] if r["beam"] == beam}
@@ -139,7 +235,8 @@ def test_bench_decode_times_ctranslate2_on_our_weights(ctranslate2, untrained_ch
             for dtype in ("fp32", "int8"):  # paired: the median of the per-round speed ratios
                 base = rows["ctranslate2", dtype]["times_s"]
                 assert row[f"vs_ct2_{dtype}"] == pytest.approx(
-                    statistics.median(b / t for t, b in zip(row["times_s"], base)))
+                    statistics.median(b / t for t, b in zip(row["times_s"], base))
+                )
         assert rows["ctranslate2", "fp32"]["vs_ct2_fp32"] == 1.0
     greedy = {r["dtype"]: r for r in report["results"] if r["beam"] == 1 and r["impl"] == "ctranslate2"}
     assert greedy["fp32"]["same_as_first"] == 1.0  # greedy outputs agree with ours, limits included
@@ -152,11 +249,37 @@ def test_compare_decode_runs_revisions_side_by_side(untrained_checkpoint, tmp_pa
     test_set = tmp_path / "test.txt"
     test_set.write_text("\n".join(sentences(5, 6)) + "\n")
     out = tmp_path / "compare.json"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_decode.py"), str(test_set),
-                             "--checkpoint", str(untrained_checkpoint), "--rev", ".", "--rev", ".", "--rev", "HEAD",
-                             "--beam", "2", "--rounds", "2", "--threads", "1", "--max-tokens", "1", "--workers", "2",
-                             "--json", str(out)],
-                            capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "compare_decode.py"),
+            str(test_set),
+            "--checkpoint",
+            str(untrained_checkpoint),
+            "--rev",
+            ".",
+            "--rev",
+            ".",
+            "--rev",
+            "HEAD",
+            "--beam",
+            "2",
+            "--rounds",
+            "2",
+            "--threads",
+            "1",
+            "--max-tokens",
+            "1",
+            "--workers",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     rows = report["results"]
@@ -174,16 +297,33 @@ def test_bench_phases_splits_encoder_from_decoder(untrained_checkpoint, tmp_path
         request.getfixturevalue("ctranslate2")
     (tmp_path / "test.de").write_text("\n".join(sentences(1, 12)) + "\n", encoding="utf-8")
     out = tmp_path / "phases.json"
-    result = subprocess.run([sys.executable, "scripts/bench_phases.py", str(tmp_path / "test.de"), "--checkpoint",
-                             str(untrained_checkpoint), "--beam", "2", "--rounds", "3", "--json", str(out),
-                             *(["--no-ctranslate2", "--profile", "4"] if engines == "ours" else [])],
-                            capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_phases.py",
+            str(tmp_path / "test.de"),
+            "--checkpoint",
+            str(untrained_checkpoint),
+            "--beam",
+            "2",
+            "--rounds",
+            "3",
+            "--json",
+            str(out),
+            *(["--no-ctranslate2", "--profile", "4"] if engines == "ours" else []),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["sentences"] == 12 and report["beam"] == 2 and report["cpu"] == cpu_description()
     expected = {"ours"} | ({"CTranslate2"} if engines == "both" else set())
     assert set(report["split"]) == expected and len(report["times_s"]) == 2 * len(expected)
-    for name, times in report["times_s"].items():
+    for _name, times in report["times_s"].items():
         assert len(times) == 3 and all(t > 0 for t in times)
     for engine, split in report["split"].items():
         first, whole = (statistics.median(t) for name, t in report["times_s"].items() if name.startswith(engine))

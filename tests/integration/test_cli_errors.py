@@ -11,19 +11,19 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import pytest
 import torch
 import yaml
 
 from tests.conftest import cli, subprocess_env, tiny_config, write_config
-from transformer.training.average import average_checkpoints
-from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import from_dict
 from transformer.errors import UserError
+from transformer.model.checkpoint import load_checkpoint, save_checkpoint
+from transformer.training.average import average_checkpoints
 from transformer.training.loop import train
 
 
@@ -85,9 +85,9 @@ def env(tmp_path_factory) -> dict:
 class Case:
     name: str
     argv: Callable[[Path, Path], list]  # (root, run) -> arguments
-    message: str                        # in the one line, after "error: "; {root} and {run} filled in
+    message: str  # in the one line, after "error: "; {root} and {run} filled in
     status: int = 2
-    after: Optional[Callable[[Path, Path], None]] = None  # what must still hold afterwards
+    after: Callable[[Path, Path], None] | None = None  # what must still hold afterwards
 
 
 def _untouched(root: Path, run: Path) -> None:
@@ -128,170 +128,346 @@ def _no_run_started(run_dir: Path) -> None:
 
 
 def _train(*sets: str, config: str = "{tiny}"):
-    return lambda root, run: ["train", config.format(tiny=root / "tiny.yaml"),
-                              *[w for s in sets for w in ("--set", s.format(root=root))]]
+    return lambda root, run: [
+        "train",
+        config.format(tiny=root / "tiny.yaml"),
+        *[w for s in sets for w in ("--set", s.format(root=root))],
+    ]
 
 
-BIG = 10 ** 14
+BIG = 10**14
 CASES = [
     # Outputs never overwrite an input or a checkpoint (issue 11, items 1-3).
-    Case("translate output is its input", lambda r, run: ["translate", run, "--input", r / "same.txt", "--output",
-                                                           r / "same.txt"],
-         "translate: the output {root}/same.txt is also an input ({root}/same.txt); write to another file"),
-    Case("translate over its own checkpoint", lambda r, run: ["translate", run / "best.pt", "Ein Hund.", "--output",
-                                                               run / "best.pt"],
-         "translate: the output {run}/best.pt is also an input"),
-    Case("translate over a run's last.pt", lambda r, run: ["translate", run, "x", "--output", run / "last.pt"],
-         "translate: refusing to overwrite {run}/last.pt: it belongs to the training run in {run}"),
-    Case("translate over a training checkpoint", lambda r, run: ["translate", run, "x", "--output", r / "copy.pt"],
-         "translate: refusing to overwrite {root}/copy.pt: it is a training checkpoint (what --resume needs)"),
-    Case("translate over an averaged checkpoint", lambda r, run: ["translate", run, "x", "--output", r / "avg.pt"],
-         "translate: refusing to overwrite {root}/avg.pt: it is a checkpoint; write to another file"),
-    Case("average over last.pt", lambda r, run: ["average", run / "step_00000001.pt", run / "step_00000002.pt",
-                                                 "--output", run / "last.pt"],
-         "average: refusing to overwrite {run}/last.pt: it belongs to the training run in {run}"),
-    Case("average over a training checkpoint", lambda r, run: ["average", run / "step_00000001.pt",
-                                                               run / "step_00000002.pt", "--output", r / "copy.pt"],
-         "average: refusing to overwrite {root}/copy.pt: it is a training checkpoint"),
+    Case(
+        "translate output is its input",
+        lambda r, run: ["translate", run, "--input", r / "same.txt", "--output", r / "same.txt"],
+        "translate: the output {root}/same.txt is also an input ({root}/same.txt); write to another file",
+    ),
+    Case(
+        "translate over its own checkpoint",
+        lambda r, run: ["translate", run / "best.pt", "Ein Hund.", "--output", run / "best.pt"],
+        "translate: the output {run}/best.pt is also an input",
+    ),
+    Case(
+        "translate over a run's last.pt",
+        lambda r, run: ["translate", run, "x", "--output", run / "last.pt"],
+        "translate: refusing to overwrite {run}/last.pt: it belongs to the training run in {run}",
+    ),
+    Case(
+        "translate over a training checkpoint",
+        lambda r, run: ["translate", run, "x", "--output", r / "copy.pt"],
+        "translate: refusing to overwrite {root}/copy.pt: it is a training checkpoint (what --resume needs)",
+    ),
+    Case(
+        "translate over an averaged checkpoint",
+        lambda r, run: ["translate", run, "x", "--output", r / "avg.pt"],
+        "translate: refusing to overwrite {root}/avg.pt: it is a checkpoint; write to another file",
+    ),
+    Case(
+        "average over last.pt",
+        lambda r, run: ["average", run / "step_00000001.pt", run / "step_00000002.pt", "--output", run / "last.pt"],
+        "average: refusing to overwrite {run}/last.pt: it belongs to the training run in {run}",
+    ),
+    Case(
+        "average over a training checkpoint",
+        lambda r, run: ["average", run / "step_00000001.pt", run / "step_00000002.pt", "--output", r / "copy.pt"],
+        "average: refusing to overwrite {root}/copy.pt: it is a training checkpoint",
+    ),
     # An image path that is a directory is no file name: never a sibling DIR.png instead.
-    Case("plot into a directory", lambda r, run: ["plot", run, "--out", f"{r}/user/"],
-         "plot: the output {root}/user/ is a directory; give a file name", after=lambda r, run: _no_image_beside(r)),
-    Case("plot into a new directory", lambda r, run: ["plot", run, "--out", f"{r}/newdir/"],
-         "plot: the output {root}/newdir/ names a directory; give a file name",
-         after=lambda r, run: _no_image_beside(r)),
-    Case("plot-positions into a directory", lambda r, run: ["plot-positions", "--out", r / "user"],
-         "plot-positions: the output {root}/user is a directory", after=lambda r, run: _no_image_beside(r)),
-    Case("attention into a directory", lambda r, run: ["attention", run, "x", "--out", r / "user"],
-         "attention: the output {root}/user is a directory", after=lambda r, run: _no_image_beside(r)),
+    Case(
+        "plot into a directory",
+        lambda r, run: ["plot", run, "--out", f"{r}/user/"],
+        "plot: the output {root}/user/ is a directory; give a file name",
+        after=lambda r, run: _no_image_beside(r),
+    ),
+    Case(
+        "plot into a new directory",
+        lambda r, run: ["plot", run, "--out", f"{r}/newdir/"],
+        "plot: the output {root}/newdir/ names a directory; give a file name",
+        after=lambda r, run: _no_image_beside(r),
+    ),
+    Case(
+        "plot-positions into a directory",
+        lambda r, run: ["plot-positions", "--out", r / "user"],
+        "plot-positions: the output {root}/user is a directory",
+        after=lambda r, run: _no_image_beside(r),
+    ),
+    Case(
+        "attention into a directory",
+        lambda r, run: ["attention", run, "x", "--out", r / "user"],
+        "attention: the output {root}/user is a directory",
+        after=lambda r, run: _no_image_beside(r),
+    ),
     # Nor any file of a run below its top level: the store, the end of training's test translations.
-    Case("average over the store's manifest", lambda r, run: ["average", run, "--last", "2", "--output",
-                                                              run / "store" / "manifest.json"],
-         "average: refusing to overwrite {run}/store/manifest.json: it belongs to the training run in {run}",
-         after=lambda r, run: json.loads((run / "store" / "manifest.json").read_text())),
-    Case("translate over the final test translations", lambda r, run: ["translate", run, "--input", r / "same.txt",
-                                                                       "--output", run / "eval" / "test.final.hyp"],
-         "translate: refusing to overwrite {run}/eval/test.final.hyp: it belongs to the training run in {run}",
-         after=lambda r, run: _final_hyp_kept(run)),
+    Case(
+        "average over the store's manifest",
+        lambda r, run: ["average", run, "--last", "2", "--output", run / "store" / "manifest.json"],
+        "average: refusing to overwrite {run}/store/manifest.json: it belongs to the training run in {run}",
+        after=lambda r, run: json.loads((run / "store" / "manifest.json").read_text()),
+    ),
+    Case(
+        "translate over the final test translations",
+        lambda r, run: ["translate", run, "--input", r / "same.txt", "--output", run / "eval" / "test.final.hyp"],
+        "translate: refusing to overwrite {run}/eval/test.final.hyp: it belongs to the training run in {run}",
+        after=lambda r, run: _final_hyp_kept(run),
+    ),
     # The run directory (item 4) and resume (items 8, 9).
-    Case("run_dir empty", _train('train.run_dir=""'),
-         "config: train.run_dir must name a directory for the run (it is empty)"),
-    Case("run_dir someone's directory", _train("train.run_dir={root}/user"),
-         "train.run_dir {root}/user holds files that are not a run's (config.yaml, notes.txt); a new run needs a "
-         "new or empty directory: set train.run_dir"),
-    Case("fp16 on a CPU", _train("train.precision=fp16", "train.run_dir={root}/fp16", "train.device=cpu"),
-         "train.precision 'fp16' needs CUDA; use 'bf16' or 'fp32' on CPU",
-         after=lambda r, run: _no_run_started(r / "fp16")),  # refused before a vocabulary or a store is built
-    Case("run_dir a file", _train("train.run_dir={root}/afile"), "train.run_dir {root}/afile is a file, not a directory"),
-    Case("run_dir inside a file", _train("train.run_dir={root}/afile/run"),
-         "train.run_dir {root}/afile/run: cannot create it (Not a directory)"),
-    Case("new run over a run without last.pt", _train("train.run_dir={root}/lost_last"),
-         "train.run_dir {root}/lost_last holds checkpoints (averaged.pt, best.pt, step_00000001.pt and 1 more) but "
-         "no last.pt; add --resume to continue from step_00000002.pt; to start a new run, set train.run_dir to a "
-         "new directory", after=lambda r, run: _checkpoints_kept(r / "lost_last")),
-    Case("resume with only an average", lambda r, run: ["train", "--resume", r / "only_average"],
-         "train.run_dir {root}/only_average holds checkpoints (averaged.pt, final.pt) but no last.pt; to start a new "
-         "run, set train.run_dir to a new directory"),
-    Case("resume a torn last.pt", lambda r, run: ["train", "--resume", r / "torn_last"],
-         "checkpoint: {root}/torn_last/last.pt is not a checkpoint, or is truncated or corrupt; to continue from "
-         "step_00000002.pt instead: cp {root}/torn_last/step_00000002.pt {root}/torn_last/last.pt",
-         after=lambda r, run: _checkpoints_kept(r / "torn_last")),
-    Case("resume weights only", lambda r, run: ["train", "--resume", r / "weights_run"],
-         "resume: {root}/weights_run/last.pt cannot be resumed: it holds weights only, as `transformer average` "
-         "writes (no optimizer, scaler, rng, run); put the run's own last.pt back, or start a new run "
-         "in another train.run_dir", after=lambda r, run: _nothing_started(r / "weights_run")),
-    Case("resume another version's checkpoint", lambda r, run: ["train", "--resume", r / "other_version"],
-         "resume: {root}/other_version/last.pt cannot be resumed by this version of transformer: its run "
-         "counters differ (unknown: ema_decay; missing: tokens); resume with the version that wrote it, or start "
-         "a new run in another train.run_dir", after=lambda r, run: _left_as_it_was(r / "other_version")),
-    Case("resume a directory that is no run", lambda r, run: ["train", "--resume", r],
-         "train --resume: {root} holds no config.yaml, so it is not a run directory (start a run there with: "
-         "transformer train CONFIG --set train.run_dir={root})"),
-    Case("resume someone's directory", lambda r, run: ["train", "--resume", r / "user"],
-         "train.run_dir {root}/user holds files that are not a run's (config.yaml, notes.txt)"),
-    Case("resume a missing directory", lambda r, run: ["train", "--resume", r / "nowhere"],
-         "train --resume: no such run directory: {root}/nowhere"),
-    Case("resume moved by --set", lambda r, run: ["train", "--resume", run, "--set", "train.run_dir=x"],
-         "train: --resume {run} continues the run in {run}; --set train.run_dir cannot move it"),
-    Case("config and run directory", lambda r, run: ["train", r / "tiny.yaml", "--resume", run],
-         "train: give CONFIG --resume (the run in the config's train.run_dir) or --resume RUN_DIR"),
+    Case(
+        "run_dir empty",
+        _train('train.run_dir=""'),
+        "config: train.run_dir must name a directory for the run (it is empty)",
+    ),
+    Case(
+        "run_dir someone's directory",
+        _train("train.run_dir={root}/user"),
+        "train.run_dir {root}/user holds files that are not a run's (config.yaml, notes.txt); a new run needs a "
+        "new or empty directory: set train.run_dir",
+    ),
+    Case(
+        "fp16 on a CPU",
+        _train("train.precision=fp16", "train.run_dir={root}/fp16", "train.device=cpu"),
+        "train.precision 'fp16' needs CUDA; use 'bf16' or 'fp32' on CPU",
+        after=lambda r, run: _no_run_started(r / "fp16"),
+    ),  # refused before a vocabulary or a store is built
+    Case(
+        "run_dir a file", _train("train.run_dir={root}/afile"), "train.run_dir {root}/afile is a file, not a directory"
+    ),
+    Case(
+        "run_dir inside a file",
+        _train("train.run_dir={root}/afile/run"),
+        "train.run_dir {root}/afile/run: cannot create it (Not a directory)",
+    ),
+    Case(
+        "new run over a run without last.pt",
+        _train("train.run_dir={root}/lost_last"),
+        "train.run_dir {root}/lost_last holds checkpoints (averaged.pt, best.pt, step_00000001.pt and 1 more) but "
+        "no last.pt; add --resume to continue from step_00000002.pt; to start a new run, set train.run_dir to a "
+        "new directory",
+        after=lambda r, run: _checkpoints_kept(r / "lost_last"),
+    ),
+    Case(
+        "resume with only an average",
+        lambda r, run: ["train", "--resume", r / "only_average"],
+        "train.run_dir {root}/only_average holds checkpoints (averaged.pt, final.pt) but no last.pt; to start a new "
+        "run, set train.run_dir to a new directory",
+    ),
+    Case(
+        "resume a torn last.pt",
+        lambda r, run: ["train", "--resume", r / "torn_last"],
+        "checkpoint: {root}/torn_last/last.pt is not a checkpoint, or is truncated or corrupt; to continue from "
+        "step_00000002.pt instead: cp {root}/torn_last/step_00000002.pt {root}/torn_last/last.pt",
+        after=lambda r, run: _checkpoints_kept(r / "torn_last"),
+    ),
+    Case(
+        "resume weights only",
+        lambda r, run: ["train", "--resume", r / "weights_run"],
+        "resume: {root}/weights_run/last.pt cannot be resumed: it holds weights only, as `transformer average` "
+        "writes (no optimizer, scaler, rng, run); put the run's own last.pt back, or start a new run "
+        "in another train.run_dir",
+        after=lambda r, run: _nothing_started(r / "weights_run"),
+    ),
+    Case(
+        "resume another version's checkpoint",
+        lambda r, run: ["train", "--resume", r / "other_version"],
+        "resume: {root}/other_version/last.pt cannot be resumed by this version of transformer: its run "
+        "counters differ (unknown: ema_decay; missing: tokens); resume with the version that wrote it, or start "
+        "a new run in another train.run_dir",
+        after=lambda r, run: _left_as_it_was(r / "other_version"),
+    ),
+    Case(
+        "resume a directory that is no run",
+        lambda r, run: ["train", "--resume", r],
+        "train --resume: {root} holds no config.yaml, so it is not a run directory (start a run there with: "
+        "transformer train CONFIG --set train.run_dir={root})",
+    ),
+    Case(
+        "resume someone's directory",
+        lambda r, run: ["train", "--resume", r / "user"],
+        "train.run_dir {root}/user holds files that are not a run's (config.yaml, notes.txt)",
+    ),
+    Case(
+        "resume a missing directory",
+        lambda r, run: ["train", "--resume", r / "nowhere"],
+        "train --resume: no such run directory: {root}/nowhere",
+    ),
+    Case(
+        "resume moved by --set",
+        lambda r, run: ["train", "--resume", run, "--set", "train.run_dir=x"],
+        "train: --resume {run} continues the run in {run}; --set train.run_dir cannot move it",
+    ),
+    Case(
+        "config and run directory",
+        lambda r, run: ["train", r / "tiny.yaml", "--resume", run],
+        "train: give CONFIG --resume (the run in the config's train.run_dir) or --resume RUN_DIR",
+    ),
     Case("no config", lambda r, run: ["train"], "train: give a config file, or --resume RUN_DIR to continue a run"),
     # Numbers the libraries below cannot take.
-    Case("seed negative", _train("train.seed=-1"),
-         "config: train.seed must be in [0, 4294967295] (SentencePiece and NumPy take 32-bit seeds), got -1"),
+    Case(
+        "seed negative",
+        _train("train.seed=-1"),
+        "config: train.seed must be in [0, 4294967295] (SentencePiece and NumPy take 32-bit seeds), got -1",
+    ),
     Case("seed 2^32", _train("train.seed=4294967296"), "config: train.seed must be in [0, 4294967295]"),
-    Case("seed past int64", _train("train.seed=18446744073709551616"),
-         "config: train.seed is out of range: 18446744073709551616 (at most 2^63 - 1 in size)"),
-    Case("spm_max_sentences negative", _train("data.spm_max_sentences=-1"),
-         "config: data.spm_max_sentences must not be negative (0 = every sentence)"),
-    Case("vocab_size past int32", _train("data.vocab_size=2147483648"),
-         "config: data.vocab_size must be in [8, 2147483647] (SentencePiece's range)"),
-    Case("d_model in the trillions", _train("model.d_model=1000000000000", "model.n_heads=1",
-                                            "train.run_dir={root}/r_dmodel"),
-         "GiB of weights do not fit in this machine's"),
-    Case("max_positions in the trillions", _train(f"model.max_positions={BIG}", "train.run_dir={root}/r_maxpos"),
-         f"the largest part is the positions table (model.max_positions {BIG} x model.d_model 32)"),
+    Case(
+        "seed past int64",
+        _train("train.seed=18446744073709551616"),
+        "config: train.seed is out of range: 18446744073709551616 (at most 2^63 - 1 in size)",
+    ),
+    Case(
+        "spm_max_sentences negative",
+        _train("data.spm_max_sentences=-1"),
+        "config: data.spm_max_sentences must not be negative (0 = every sentence)",
+    ),
+    Case(
+        "vocab_size past int32",
+        _train("data.vocab_size=2147483648"),
+        "config: data.vocab_size must be in [8, 2147483647] (SentencePiece's range)",
+    ),
+    Case(
+        "d_model in the trillions",
+        _train("model.d_model=1000000000000", "model.n_heads=1", "train.run_dir={root}/r_dmodel"),
+        "GiB of weights do not fit in this machine's",
+    ),
+    Case(
+        "max_positions in the trillions",
+        _train(f"model.max_positions={BIG}", "train.run_dir={root}/r_maxpos"),
+        f"the largest part is the positions table (model.max_positions {BIG} x model.d_model 32)",
+    ),
     Case("d_model past int64", _train("model.d_model=100000000000000000000"), "config: model.d_model is out of range"),
-    Case("lenpen nan in a config", lambda r, run: ["train", r / "nan.yaml"],
-         "config: decode.lenpen must be a finite number, got nan"),
+    Case(
+        "lenpen nan in a config",
+        lambda r, run: ["train", r / "nan.yaml"],
+        "config: decode.lenpen must be a finite number, got nan",
+    ),
     # A beam wider than the vocabulary is refused before searching: one in the millions took all memory.
-    Case("beam in the trillions", lambda r, run: ["translate", run, "ein hund", "--beam", BIG],
-         "beam must be at most the vocabulary size ("),
-    Case("beam above the vocabulary", lambda r, run: ["translate", run, "ein hund", "--beam", 2_000_000],
-         "pieces), got 2000000"),
-    Case("attention beam above the vocabulary",
-         lambda r, run: ["attention", run, "ein hund", "--beam", 2_000_000, "--out", r / "a.png"],
-         "attention: beam must be at most the vocabulary size ("),
-    Case("lenpen nan", lambda r, run: ["translate", run, "x", "--lenpen", "nan"],
-         "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got nan"),
-    Case("evaluate lenpen -inf", lambda r, run: ["evaluate", run, "--lenpen=-inf"],
-         "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got -inf"),
+    Case(
+        "beam in the trillions",
+        lambda r, run: ["translate", run, "ein hund", "--beam", BIG],
+        "beam must be at most the vocabulary size (",
+    ),
+    Case(
+        "beam above the vocabulary",
+        lambda r, run: ["translate", run, "ein hund", "--beam", 2_000_000],
+        "pieces), got 2000000",
+    ),
+    Case(
+        "attention beam above the vocabulary",
+        lambda r, run: ["attention", run, "ein hund", "--beam", 2_000_000, "--out", r / "a.png"],
+        "attention: beam must be at most the vocabulary size (",
+    ),
+    Case(
+        "lenpen nan",
+        lambda r, run: ["translate", run, "x", "--lenpen", "nan"],
+        "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got nan",
+    ),
+    Case(
+        "evaluate lenpen -inf",
+        lambda r, run: ["evaluate", run, "--lenpen=-inf"],
+        "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got -inf",
+    ),
     # A length penalty of 400 overflowed a float (OverflowError) from about 30 tokens on: bounded everywhere.
-    Case("lenpen 400", lambda r, run: ["translate", run, "ein hund " * 20, "--lenpen", "400", "--beam", "2"],
-         "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got 400.0"),
-    Case("evaluate lenpen 400", lambda r, run: ["evaluate", run, "--lenpen", "400"],
-         "--lenpen must be a number from 0 to 10"),
-    Case("serve lenpen 400", lambda r, run: ["serve", run, "--lenpen", "400", "--port", "0"],
-         "--lenpen must be a number from 0 to 10"),
-    Case("lenpen 400 in a config", _train("decode.lenpen=400"),
-         "config: decode.lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), "
-         "got 400"),
-    Case("a split that is a path in a config", _train("data.test_split=../x"),
-         "config: data.test_split must be a split's name, such as test or newstest2014 (no path, no '/'), got '../x'"),
-    Case("max-tokens 0", lambda r, run: ["translate", run, "x", "--max-tokens", "0"],
-         "--max-tokens must be at least 1, got 0"),
+    Case(
+        "lenpen 400",
+        lambda r, run: ["translate", run, "ein hund " * 20, "--lenpen", "400", "--beam", "2"],
+        "--lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), got 400.0",
+    ),
+    Case(
+        "evaluate lenpen 400",
+        lambda r, run: ["evaluate", run, "--lenpen", "400"],
+        "--lenpen must be a number from 0 to 10",
+    ),
+    Case(
+        "serve lenpen 400",
+        lambda r, run: ["serve", run, "--lenpen", "400", "--port", "0"],
+        "--lenpen must be a number from 0 to 10",
+    ),
+    Case(
+        "lenpen 400 in a config",
+        _train("decode.lenpen=400"),
+        "config: decode.lenpen must be a number from 0 to 10 (the GNMT length penalty's alpha; the paper's is 0.6), "
+        "got 400",
+    ),
+    Case(
+        "a split that is a path in a config",
+        _train("data.test_split=../x"),
+        "config: data.test_split must be a split's name, such as test or newstest2014 (no path, no '/'), got '../x'",
+    ),
+    Case(
+        "max-tokens 0",
+        lambda r, run: ["translate", run, "x", "--max-tokens", "0"],
+        "--max-tokens must be at least 1, got 0",
+    ),
     Case("workers 0", lambda r, run: ["evaluate", run, "--workers", "0"], "--workers must be at least 1, got 0"),
     Case("serve workers -1", lambda r, run: ["serve", run, "--workers=-1"], "--workers must be at least 1, got -1"),
-    Case("attention beam 0", lambda r, run: ["attention", run, "x", "--beam", "0", "--out", r / "a.png"],
-         "--beam must be at least 1 (1 = greedy), got 0"),
-    Case("plot-positions length", lambda r, run: ["plot-positions", "--length", BIG, "--out", r / "p.png"],
-         f"--length x --d-model is {BIG:,} x 512; the plotted table may hold at most 50,000,000 values"),
-    Case("plot-positions d-model", lambda r, run: ["plot-positions", "--d-model", BIG, "--out", r / "p.png"],
-         f"--length x --d-model is 100 x {BIG:,}"),
+    Case(
+        "attention beam 0",
+        lambda r, run: ["attention", run, "x", "--beam", "0", "--out", r / "a.png"],
+        "--beam must be at least 1 (1 = greedy), got 0",
+    ),
+    Case(
+        "plot-positions length",
+        lambda r, run: ["plot-positions", "--length", BIG, "--out", r / "p.png"],
+        f"--length x --d-model is {BIG:,} x 512; the plotted table may hold at most 50,000,000 values",
+    ),
+    Case(
+        "plot-positions d-model",
+        lambda r, run: ["plot-positions", "--d-model", BIG, "--out", r / "p.png"],
+        f"--length x --d-model is 100 x {BIG:,}",
+    ),
     # Options that contradict each other: neither wins.
-    Case("int8 and dtype fp32", lambda r, run: ["translate", run, "x", "--int8", "--dtype", "fp32"],
-         "--int8 means --dtype int8; it cannot go with --dtype fp32"),
-    Case("dtype bf16 and int8", lambda r, run: ["evaluate", run, "--dtype", "bf16", "--int8"],
-         "--int8 means --dtype int8; it cannot go with --dtype bf16"),
+    Case(
+        "int8 and dtype fp32",
+        lambda r, run: ["translate", run, "x", "--int8", "--dtype", "fp32"],
+        "--int8 means --dtype int8; it cannot go with --dtype fp32",
+    ),
+    Case(
+        "dtype bf16 and int8",
+        lambda r, run: ["evaluate", run, "--dtype", "bf16", "--int8"],
+        "--int8 means --dtype int8; it cannot go with --dtype bf16",
+    ),
     # Configs that are not files, or are bombs.
-    Case("alias bomb", lambda r, run: ["train", r / "bomb.yaml"],
-         "config: {root}/bomb.yaml: YAML aliases expand it to 926,177,115 values (at most 10,000); write the "
-         "values out instead of nesting aliases"),
-    Case("alias bomb in --set", _train("model.d_model=[&a [1,1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a],"
-                                       " &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]]"),
-         "config: --set model.d_model: YAML aliases expand it to"),
-    Case("alias to itself", lambda r, run: ["train", r / "self.yaml"],
-         "config: {root}/self.yaml: a YAML alias refers to the value that contains it"),
+    Case(
+        "alias bomb",
+        lambda r, run: ["train", r / "bomb.yaml"],
+        "config: {root}/bomb.yaml: YAML aliases expand it to 926,177,115 values (at most 10,000); write the "
+        "values out instead of nesting aliases",
+    ),
+    Case(
+        "alias bomb in --set",
+        _train(
+            "model.d_model=[&a [1,1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a],"
+            " &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]]"
+        ),
+        "config: --set model.d_model: YAML aliases expand it to",
+    ),
+    Case(
+        "alias to itself",
+        lambda r, run: ["train", r / "self.yaml"],
+        "config: {root}/self.yaml: a YAML alias refers to the value that contains it",
+    ),
     Case("config a directory", lambda r, run: ["train", r], "config: {root} is a directory, not a YAML file"),
-    Case("config endless", lambda r, run: ["train", "/dev/zero"],
-         "config: /dev/zero is larger than 1 MiB; that is not a config"),
+    Case(
+        "config endless",
+        lambda r, run: ["train", "/dev/zero"],
+        "config: /dev/zero is larger than 1 MiB; that is not a config",
+    ),
     # The vocabulary and the disk.
-    Case("corrupt spm.model", _train("train.run_dir={root}/spm_corrupt"),
-         "vocab: {root}/spm_corrupt/spm.model: not a valid SentencePiece model ("),
-    Case("reused spm.model larger than vocab_size", _train("train.run_dir={root}/spm_big", "data.vocab_size=32"),
-         "vocab: {root}/spm_big/spm.model has 64 pieces but data.vocab_size is 32; delete it to train a new "
-         "vocabulary, or set data.vocab_size to 64"),
-    Case("full disk", lambda r, run: ["translate", run, "ein hund", "--output", "/dev/full"],
-         "/dev/full: No space left on device"),
+    Case(
+        "corrupt spm.model",
+        _train("train.run_dir={root}/spm_corrupt"),
+        "vocab: {root}/spm_corrupt/spm.model: not a valid SentencePiece model (",
+    ),
+    Case(
+        "reused spm.model larger than vocab_size",
+        _train("train.run_dir={root}/spm_big", "data.vocab_size=32"),
+        "vocab: {root}/spm_big/spm.model has 64 pieces but data.vocab_size is 32; delete it to train a new "
+        "vocabulary, or set data.vocab_size to 64",
+    ),
+    Case(
+        "full disk",
+        lambda r, run: ["translate", run, "ein hund", "--output", "/dev/full"],
+        "/dev/full: No space left on device",
+    ),
 ]
 
 
@@ -387,8 +563,9 @@ def test_closed_standard_streams_for_real(env):
     environ = subprocess_env()
     shell = f"{sys.executable} -m transformer translate {run} <&- ; echo status $? >&2"
     result = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, env=environ, timeout=120)
-    assert result.stderr == ("error: translate: standard input is closed; give sentences as arguments or "
-                             "--input FILE\nstatus 2\n")
+    assert result.stderr == (
+        "error: translate: standard input is closed; give sentences as arguments or --input FILE\nstatus 2\n"
+    )
     shell = f"{sys.executable} -m transformer translate {run} 'ein hund' >&- ; echo status $? >&2"
     result = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, env=environ, timeout=120)
     assert result.stderr == "error: translate: standard output is closed; give --output FILE\nstatus 2\n"
@@ -435,6 +612,7 @@ def test_translate_that_fails_keeps_the_previous_output(env, monkeypatch, tmp_pa
 
     output = tmp_path / "out.txt"
     output.write_text("yesterday's translations\n", encoding="utf-8")
+
     def fail(*args, **kwargs):  # after the output was opened: the model is loaded, the input read
         raise failure
 
@@ -449,8 +627,9 @@ def test_translate_that_fails_keeps_the_previous_output(env, monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env, monkeypatch, tmp_path, call,
-                                                                           signal_name, status):
+def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(
+    env, monkeypatch, tmp_path, call, signal_name, status
+):
     """Ctrl-C, or SIGTERM (kill, a job scheduler), mid-file: FILE unchanged, FILE.partial named."""
     from transformer.cli import translate_io
     from transformer.inference.translator import Translator
@@ -482,9 +661,12 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(env,
     monkeypatch.setattr(Translator, "translate_nbest", real)
     kept = partial.read_text(encoding="utf-8")  # the lines done: never written over by the next run
     status, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
-    assert (status, err) == (2, f"error: translate: {partial} exists (what a stopped translation kept, or a file of "
-                                f"yours); it is never written over: move it away or delete it, then translate into "
-                                f"{output} again\n")
+    assert (status, err) == (
+        2,
+        f"error: translate: {partial} exists (what a stopped translation kept, or a file of "
+        f"yours); it is never written over: move it away or delete it, then translate into "
+        f"{output} again\n",
+    )
     assert partial.read_text(encoding="utf-8") == kept
     partial.rename(tmp_path / "kept.txt")
     assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == 0
@@ -512,15 +694,28 @@ def _blank(corpus: Path) -> None:
         (corpus / f"train.{side}").write_text(" \n\n  \n", encoding="utf-8")
 
 
-@pytest.mark.parametrize("damage, message", [
-    (_utf16, "data: {corpus}/train.de is not UTF-8: it holds UTF-16 text (it starts with a UTF-16 byte-order mark); "
-             "convert it, e.g. iconv -f UTF-16 -t UTF-8 {corpus}/train.de > train.de.utf8, and use that"),
-    (_fifo, "data: {corpus}/train.de is not a regular file (a pipe or a device); a corpus is read more than once "
-            "(counted, then encoded), so give a file"),
-    (_directory, "data: {corpus}/train.de is a directory, not a file (split 'train' in data.dir '{corpus}')"),
-    (_blank, "vocab: every training sentence is blank (or only spaces): there is no text to train a SentencePiece "
-             "model on; check the training split's files (data.dir, data.train_split)"),
-], ids=["utf-16", "fifo", "directory", "blank"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            _utf16,
+            "data: {corpus}/train.de is not UTF-8: it holds UTF-16 text (it starts with a UTF-16 byte-order mark); "
+            "convert it, e.g. iconv -f UTF-16 -t UTF-8 {corpus}/train.de > train.de.utf8, and use that",
+        ),
+        (
+            _fifo,
+            "data: {corpus}/train.de is not a regular file (a pipe or a device); a corpus is read more than once "
+            "(counted, then encoded), so give a file",
+        ),
+        (_directory, "data: {corpus}/train.de is a directory, not a file (split 'train' in data.dir '{corpus}')"),
+        (
+            _blank,
+            "vocab: every training sentence is blank (or only spaces): there is no text to train a SentencePiece "
+            "model on; check the training split's files (data.dir, data.train_split)",
+        ),
+    ],
+    ids=["utf-16", "fifo", "directory", "blank"],
+)
 def test_a_corpus_that_is_not_what_it_should_be_is_named_for_what_it_is(tmp_path, call, damage, message):
     """Were: a line-count mismatch (UTF-16), "no such file" (a directory or a FIFO that is there), SentencePiece's
     INTERNAL error (blank-only sides)."""
@@ -541,10 +736,13 @@ def test_resume_with_an_empty_config_yaml_is_refused_not_compared_with_defaults(
     for text in ("", "# nothing but a comment\n", "{}\n"):
         (run_dir / "config.yaml").write_text(text, encoding="utf-8")
         status, _, err = call("train", "--resume", run_dir)
-        assert (status, err) == (2, f"error: train --resume: {run_dir}/config.yaml is empty, so the run's settings "
-                                    "are not known; restore it (transformer train writes it), or resume with the "
-                                    "config the run was started with: transformer train CONFIG --set "
-                                    f"train.run_dir={run_dir} --resume\n")
+        assert (status, err) == (
+            2,
+            f"error: train --resume: {run_dir}/config.yaml is empty, so the run's settings "
+            "are not known; restore it (transformer train writes it), or resume with the "
+            "config the run was started with: transformer train CONFIG --set "
+            f"train.run_dir={run_dir} --resume\n",
+        )
 
 
 def test_evaluate_split_never_reads_or_writes_outside_the_run(env, call):
@@ -557,9 +755,12 @@ def test_evaluate_split_never_reads_or_writes_outside_the_run(env, call):
     try:
         for split in ("../outside", "a/b", ".."):
             status, _, err = call("evaluate", run, "--split", split)
-            assert (status, err) == (2, f"error: evaluate: --split must be a split's name, such as test or "
-                                        f"newstest2014 (no path, no '/'), got {split!r}; for other files pass --src "
-                                        "FILE --ref FILE\n")
+            assert (status, err) == (
+                2,
+                f"error: evaluate: --split must be a split's name, such as test or "
+                f"newstest2014 (no path, no '/'), got {split!r}; for other files pass --src "
+                "FILE --ref FILE\n",
+            )
         assert sorted(p.name for p in run.rglob("*")) == before
     finally:
         for side in ("de", "en"):
@@ -582,8 +783,10 @@ def test_translate_never_writes_over_or_removes_a_partial_it_did_not_create(env,
     status, _, err = call("translate", env["run"], *given, "--output", output)
     assert status == 2 and err.count("\n") == 1, err
     if case == "input":
-        assert err == (f"error: translate: --input {partial} is {partial}, where --output {output} is written as "
-                       "lines are translated; rename the input, or write to another file\n")
+        assert err == (
+            f"error: translate: --input {partial} is {partial}, where --output {output} is written as "
+            "lines are translated; rename the input, or write to another file\n"
+        )
     else:
         assert f"error: translate: {partial} exists" in err
     assert {p.name: (p.is_symlink(), p.read_bytes()) for p in tmp_path.iterdir()} == before
@@ -612,18 +815,48 @@ def test_translate_output_dev_stdout_appended_to_a_log(env, tmp_path):
     log = tmp_path / "log"
     log.write_text("earlier\n")
     with log.open("a") as stdout:
-        result = subprocess.run([sys.executable, "-m", "transformer", "translate", env["run"], "--input",
-                                 env["root"] / "same.txt", "--output", "/dev/stdout"], stdout=stdout,
-                                stderr=subprocess.PIPE, text=True, env=subprocess_env(), timeout=120)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "transformer",
+                "translate",
+                env["run"],
+                "--input",
+                env["root"] / "same.txt",
+                "--output",
+                "/dev/stdout",
+            ],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+            timeout=120,
+        )
     assert result.returncode == 0, result.stderr
     lines = log.read_text().splitlines()
     assert lines[0] == "earlier" and len(lines) == 3
     # The same through a link to it: still the shell's file, in place, though it is a regular file.
     (tmp_path / "link").symlink_to(log)
     with log.open("a") as stdout:
-        result = subprocess.run([sys.executable, "-m", "transformer", "translate", env["run"], "--input",
-                                 env["root"] / "same.txt", "--output", tmp_path / "link"], stdout=stdout,
-                                stderr=subprocess.PIPE, text=True, env=subprocess_env(), timeout=120)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "transformer",
+                "translate",
+                env["run"],
+                "--input",
+                env["root"] / "same.txt",
+                "--output",
+                tmp_path / "link",
+            ],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+            timeout=120,
+        )
     assert result.returncode == 0, result.stderr
     lines = log.read_text().splitlines()
     assert lines[0] == "earlier" and len(lines) == 5 and (tmp_path / "link").is_symlink()
@@ -661,8 +894,10 @@ def test_run_directory_lock(env, tmp_path, call):
     with RunLock(run_dir):  # a live training process owns it
         status, _, err = call("train", config)
     assert status == 2
-    assert err == (f"error: train: {run_dir} is in use by pid {os.getpid()} on host {host} (lock file "
-                   f"{run_dir}/train.lock); wait for that run to end, or stop it\n")
+    assert err == (
+        f"error: train: {run_dir} is in use by pid {os.getpid()} on host {host} (lock file "
+        f"{run_dir}/train.lock); wait for that run to end, or stop it\n"
+    )
     assert sorted(p.name for p in run_dir.iterdir()) == []  # released, and nothing written
     finished = tmp_path / "finished"  # a copy: were the refusal to regress, finish would write into it
     shutil.copytree(env["run"], finished)
@@ -673,16 +908,21 @@ def test_run_directory_lock(env, tmp_path, call):
 
     (run_dir / "train.lock").write_text('{"pid": 1, "host": "elsewhere"}\n')
     status, _, err = call("train", config)
-    assert (status, err) == (2, f"error: train: {run_dir} is in use by pid 1 on host elsewhere (lock file "
-                                f"{run_dir}/train.lock); if no run is going on there any more, delete the lock "
-                                "file\n")
+    assert (status, err) == (
+        2,
+        f"error: train: {run_dir} is in use by pid 1 on host elsewhere (lock file "
+        f"{run_dir}/train.lock); if no run is going on there any more, delete the lock "
+        "file\n",
+    )
 
     dead = _dead_pid()  # a killed run's lock: taken over, with a log line
     (run_dir / "train.lock").write_text(f'{{"pid": {dead}, "host": "{host}"}}\n')
     status, _, err = call("train", config)
     assert status == 0, err
-    assert (f"lock: {run_dir}/train.lock was left by pid {dead} on {host}, which is gone; taking it over"
-            in (run_dir / "train.log").read_text())
+    assert (
+        f"lock: {run_dir}/train.lock was left by pid {dead} on {host}, which is gone; taking it over"
+        in (run_dir / "train.log").read_text()
+    )
     assert not (run_dir / "train.lock").exists()  # removed when the run ends
 
     # Its pid taken by another process since (pid 1 lives as long as the machine): nobody holds the file's
@@ -693,8 +933,9 @@ def test_run_directory_lock(env, tmp_path, call):
     assert "was left by pid 1 on" in (run_dir / "train.log").read_text()
 
 
-@pytest.mark.parametrize("kind", ["link to a file", "link to an empty file", "dangling link", "hard link", "fifo",
-                                  "directory"])
+@pytest.mark.parametrize(
+    "kind", ["link to a file", "link to an empty file", "dangling link", "hard link", "fifo", "directory"]
+)
 def test_the_lock_is_never_written_through_a_link_or_into_another_file(tmp_path, kind):
     """train.lock used to be opened with O_CREAT and followed links: the pid overwrote a victim file, and a dangling
     link's target was created. Now: O_CREAT|O_EXCL|O_NOFOLLOW, and only a regular file with one name is taken."""
@@ -714,10 +955,14 @@ def test_the_lock_is_never_written_through_a_link_or_into_another_file(tmp_path,
         os.mkfifo(lock)
     else:
         lock.mkdir()
-    said = {"link to a file": "is a symbolic link", "link to an empty file": "is a symbolic link",
-            "dangling link": "is a symbolic link",
-            "hard link": "has other names (hard links)", "fifo": "is not a regular file",
-            "directory": "is not a regular file"}[kind]
+    said = {
+        "link to a file": "is a symbolic link",
+        "link to an empty file": "is a symbolic link",
+        "dangling link": "is a symbolic link",
+        "hard link": "has other names (hard links)",
+        "fifo": "is not a regular file",
+        "directory": "is not a regular file",
+    }[kind]
     with pytest.raises(UserError, match=f"^train: {re.escape(str(lock))} {re.escape(said)}; .*delete"):
         with RunLock(run_dir):
             pass
@@ -729,7 +974,7 @@ def test_the_lock_is_never_written_through_a_link_or_into_another_file(tmp_path,
 
     # A plain lock file nobody holds (a killed run's) is still taken over, and a new one is created as before.
     shutil.rmtree(lock) if kind == "directory" else lock.unlink()
-    lock.write_text('{"pid": 999999999, "host": "%s"}\n' % socket.gethostname())
+    lock.write_text(json.dumps({"pid": 999999999, "host": socket.gethostname()}) + "\n")
     with RunLock(run_dir) as held:
         assert held.took_over and json.loads(lock.read_text())["pid"] == os.getpid()
     assert not lock.exists()
@@ -740,14 +985,18 @@ def test_the_lock_is_never_written_through_a_link_or_into_another_file(tmp_path,
 def test_a_vocabulary_smaller_than_asked_is_logged_and_noted_in_config_yaml(env, capsys, tmp_path):
     from transformer.data.vocab import Vocab
 
-    cfg = tiny_config(tmp_path, "run", data_dir=env["root"] / "corpus",
-                      data={"vocab_size": 3000}, train={"max_steps": 1, "valid_every": 1, "finish": True},
-                      decode={"max_len_offset": 2})
+    cfg = tiny_config(
+        tmp_path,
+        "run",
+        data_dir=env["root"] / "corpus",
+        data={"vocab_size": 3000},
+        train={"max_steps": 1, "valid_every": 1, "finish": True},
+        decode={"max_len_offset": 2},
+    )
     run_dir = train(from_dict(cfg), quiet=True)  # the end of training writes config.yaml again: the note stays
     pieces = len(Vocab.load(run_dir / "spm.model"))
     assert pieces < 3000
-    assert (f"the training data gives only {pieces} pieces, fewer than data.vocab_size 3000"
-            in capsys.readouterr().err)
+    assert f"the training data gives only {pieces} pieces, fewer than data.vocab_size 3000" in capsys.readouterr().err
     text = (run_dir / "config.yaml").read_text()
     assert (run_dir / "final.pt").is_file()
     assert f"# The vocabulary has {pieces} pieces (data.vocab_size 3000 is an upper bound" in text
@@ -765,13 +1014,16 @@ def test_a_reused_smaller_spm_model_is_a_warning(env, caplog):
 
 
 def test_allocation_failure_names_the_setting(monkeypatch):
-    from transformer.model import transformer as model_module
     from transformer.config import ModelConfig
     from transformer.errors import UserError
+    from transformer.model import transformer as model_module
 
     monkeypatch.setattr(model_module, "_physical_memory", lambda: None)  # only the allocator can say no
-    with pytest.raises(UserError, match=r"not enough memory for the positions table \(model.max_positions "
-                                        r"100000000000000 x model.d_model 32\) \("):
+    with pytest.raises(
+        UserError,
+        match=r"not enough memory for the positions table \(model.max_positions "
+        r"100000000000000 x model.d_model 32\) \(",
+    ):
         model_module.build_model(ModelConfig(d_model=32, n_heads=2, max_positions=BIG), 64)
 
 
@@ -787,12 +1039,17 @@ def test_torchrun_failure_summary_shows_our_line(env, monkeypatch, tmp_path, cal
     assert failure.message == err.strip() == f"error: train.run_dir {env['root']}/afile is a file, not a directory"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["train", "no/such.yaml"], "error: config: no such file: no/such.yaml"),
-    (["train", "configs/tiny.yaml", "--set", "model.d_modle=3"],
-     "unknown key 'd_modle' in section 'model' (did you mean 'd_model'?"),
-    (["train", "configs/tiny.yaml", "--set", "model.d_model=big"], "model.d_model must be an integer"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "no/such.yaml"], "error: config: no such file: no/such.yaml"),
+        (
+            ["train", "configs/tiny.yaml", "--set", "model.d_modle=3"],
+            "unknown key 'd_modle' in section 'model' (did you mean 'd_model'?",
+        ),
+        (["train", "configs/tiny.yaml", "--set", "model.d_model=big"], "model.d_model must be an integer"),
+    ],
+)
 def test_cli_errors_are_one_line(args, message):
     result = cli(*args)
     assert result.returncode == 2
@@ -818,8 +1075,10 @@ def test_unreadable_checkpoints_in_translate_evaluate_and_average(run, tmp_path,
         (("evaluate", truncated), "truncated"),
         (("average", run / "best.pt", tmp_path / "missing.pt", "--output", tmp_path / "o.pt"), "no such file"),
         (("average", run / "best.pt", corrupt, "--output", tmp_path / "o.pt"), "not a checkpoint"),
-        (("average", run / "best.pt", run.parent / "other_shape.pt", "--output", tmp_path / "o.pt"),
-         "different model configs (differing: d_ff)"),
+        (
+            ("average", run / "best.pt", run.parent / "other_shape.pt", "--output", tmp_path / "o.pt"),
+            "different model configs (differing: d_ff)",
+        ),
     ]
     for argv, message in cases:
         status, _, err = call(*argv)

@@ -12,15 +12,30 @@ import time
 import pytest
 import torch
 
-from tests.conftest import (ROOT, assert_same_training_state, change_training_loss, cli, read_metrics, subprocess_env, tiny_config,
-                            write_config, write_corpus)
+from tests.conftest import (
+    ROOT,
+    assert_same_training_state,
+    change_training_loss,
+    cli,
+    read_metrics,
+    subprocess_env,
+    tiny_config,
+    write_config,
+    write_corpus,
+)
 from transformer.files import remove_stale_temporaries
 from transformer.model.checkpoint import load_checkpoint
 
 
 def _start_training(config, *extra):
-    return subprocess.Popen([sys.executable, "-m", "transformer", "train", str(config), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "transformer", "train", str(config), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
 
 
 def _wait_for_step(proc, run_dir, step, timeout=120):
@@ -38,6 +53,7 @@ def _wait_for_step(proc, run_dir, step, timeout=120):
 
 def _metrics_so_far(path):
     import json
+
     out = []
     for line in path.read_text().splitlines():
         try:
@@ -83,9 +99,11 @@ def test_sigterm_saves_last_and_tells_how_to_resume(tmp_path, capsys):
     with pytest.raises(SystemExit) as second:  # a second training process on the same directory is refused
         main(["train", str(config), "--resume"])
     assert second.value.code == 2
-    assert capsys.readouterr().err == (f"error: train: {tmp_path / 'run'} is in use by pid {proc.pid} on host "
-                                       f"{socket.gethostname()} (lock file {tmp_path / 'run' / 'train.lock'}); "
-                                       "wait for that run to end, or stop it\n")
+    assert capsys.readouterr().err == (
+        f"error: train: {tmp_path / 'run'} is in use by pid {proc.pid} on host "
+        f"{socket.gethostname()} (lock file {tmp_path / 'run' / 'train.lock'}); "
+        "wait for that run to end, or stop it\n"
+    )
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143
@@ -108,8 +126,7 @@ for i in itertools.count():
     last_seen = -1
     rng = random.Random(random_seed)
     for attempt in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                                env=subprocess_env())
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=subprocess_env())
         proc.stdout.readline()  # at least one complete write
         wait = rng.uniform(0.0, 0.3)
         time.sleep(wait)  # then die somewhere inside a later write
@@ -131,9 +148,10 @@ for i in itertools.count():
 
 
 def test_bad_checkpoints_are_one_line_errors(tmp_path):
-    from transformer.model.checkpoint import save_checkpoint
-    from transformer.errors import UserError
     import pytest
+
+    from transformer.errors import UserError
+    from transformer.model.checkpoint import save_checkpoint
 
     good = tmp_path / "good.pt"
     save_checkpoint({"run": {"step": 1}, "model": {"w": torch.zeros(100_000)}}, good)
@@ -179,8 +197,10 @@ def test_sigkill_between_the_checkpoint_writes_of_a_validation_step(tmp_path):
     """Killed after best.pt of the last validation (before last.pt), and after step_8 (before best.pt and
     last.pt): --resume redoes the step, and every file ends as in a run that was never killed."""
     corpus = write_corpus(tmp_path / "c")
-    common = {"train": {"max_steps": 10, "valid_every": 4, "keep_last": 2, "device": "cpu"},  # bit-identical
-              "data": {"max_tokens": 120}}
+    common = {
+        "train": {"max_steps": 10, "valid_every": 4, "keep_last": 2, "device": "cpu"},  # bit-identical
+        "data": {"max_tokens": 120},
+    }
     straight = tiny_config(tmp_path, "straight", corpus, **common)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the killed child (OMP_NUM_THREADS=1): bit-identical sums
@@ -203,8 +223,14 @@ def _kill_between_writes_then_resume(tmp_path, corpus, common, straight):
     for name, step in (("best.pt", 10), ("step_00000008.pt", 8)):
         run = f"killed_{step}"
         config = write_config(tmp_path / f"{run}.yaml", tiny_config(tmp_path, run, corpus, **common))
-        child = subprocess.run([sys.executable, "-c", KILL_AFTER_WRITE, name, str(step), "train", str(config)],
-                               capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        child = subprocess.run(
+            [sys.executable, "-c", KILL_AFTER_WRITE, name, str(step), "train", str(config)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=300,
+        )
         assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
         killed = tmp_path / run
         assert load_checkpoint(killed / name)["run"]["step"] == step  # the window: written, and last.pt older
@@ -218,9 +244,9 @@ def _kill_between_writes_then_resume(tmp_path, corpus, common, straight):
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_during_the_final_validation_saves_and_says_so(tmp_path, monkeypatch, sig, status):
     """In-process: the process signals itself while the last validation runs (validations at 2, 4, then 5)."""
-    from transformer.training import loop as train_module
     from transformer.cli import main
     from transformer.config import from_dict
+    from transformer.training import loop as train_module
 
     real, calls = train_module.evaluate_loss, []
 
@@ -237,16 +263,18 @@ def test_a_signal_during_the_final_validation_saves_and_says_so(tmp_path, monkey
     assert stopped.value.code == status
     assert load_checkpoint(run / "last.pt")["run"]["step"] == 5
     name = signal.Signals(sig).name
-    assert (f"{name}: saved {run}/last.pt at step 5; continue with: transformer train --resume {run}"
-            in (run / "train.log").read_text())
+    assert (
+        f"{name}: saved {run}/last.pt at step 5; continue with: transformer train --resume {run}"
+        in (run / "train.log").read_text()
+    )
     monkeypatch.undo()
     main(["train", "--resume", str(run)])  # the run is complete: nothing to do, and no second last validation
     assert [m["step"] for m in read_metrics(run) if m.get("split") == "valid"] == [2, 4, 5]
 
 
 def test_sigterm_before_training_starts_says_so(tmp_path, monkeypatch, capsys):
-    from transformer.training import loop as train_module
     from transformer.config import from_dict
+    from transformer.training import loop as train_module
 
     real = train_module.prepare
 
@@ -259,7 +287,10 @@ def test_sigterm_before_training_starts_says_so(tmp_path, monkeypatch, capsys):
         train_module.train(from_dict(tiny_config(tmp_path)), quiet=True)
     assert stopped.value.code == 143
     run = tmp_path / "run"
-    assert f"SIGTERM: stopped (no checkpoint yet); continue with: transformer train --resume {run}" in capsys.readouterr().err
+    assert (
+        f"SIGTERM: stopped (no checkpoint yet); continue with: transformer train --resume {run}"
+        in capsys.readouterr().err
+    )
     assert not (run / "train.lock").exists()
 
 
@@ -285,8 +316,9 @@ def test_printed_resume_command_keeps_the_overrides_and_continues_the_same_run(t
     monkeypatch.undo()
     line = next(x for x in (run / "train.log").read_text().splitlines() if "continue with: " in x)
     command = line.split("continue with: ", 1)[1]
-    assert command == shlex.join(["transformer", "train", str(config), "--set", f"train.run_dir={run}", "--set",
-                                  "train.max_steps=6", "--resume"])
+    assert command == shlex.join(
+        ["transformer", "train", str(config), "--set", f"train.run_dir={run}", "--set", "train.max_steps=6", "--resume"]
+    )
     main(shlex.split(command)[1:])
     metrics = read_metrics(run)
     assert any(m.get("event") == "resume" and m["step"] == 3 for m in metrics)

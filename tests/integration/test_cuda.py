@@ -15,24 +15,24 @@ import pytest
 import torch
 
 from tests.conftest import LINES, change_training_loss, random_pairs, read_metrics, subprocess_env, tiny_config
-from transformer.training import validation as validation_module
-from transformer.model import transformer as model_module
-from transformer.training import loop as train_module
-from transformer.data.batch import Batch, prepare_sources
-from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.config import DataConfig, ModelConfig, from_dict
+from transformer.data.batch import Batch, prepare_sources
 from transformer.data.batching import BatchStream, Prefetcher
+from transformer.data.store import Corpus, open_prepared
+from transformer.data.vocab import Vocab
 from transformer.device import autocast_context, datasheet_tflops
 from transformer.distributed import DistInfo, init_distributed
 from transformer.errors import UserError
-from transformer.model.transformer import Transformer
-from transformer.signals import StopRequested
 from transformer.inference.search import search
-from transformer.data.store import Corpus, open_prepared
-from transformer.training.loop import TrainingLoss, train
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
-from transformer.data.vocab import Vocab
+from transformer.model import transformer as model_module
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.model.transformer import Transformer
+from transformer.signals import StopRequested
+from transformer.training import loop as train_module
+from transformer.training import validation as validation_module
+from transformer.training.loop import TrainingLoss, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MATH = 0  # torch._fused_sdp_choice's number for the math kernel (SDPBackend.MATH)
@@ -62,15 +62,21 @@ def test_fp16_overflow_lowers_the_loss_scale_and_skips_the_update(tmp_path, monk
     run_dir = train(from_dict(cuda_config(tmp_path, max_steps=8, valid_every=100, precision="fp16")), quiet=True)
     state = load_checkpoint(run_dir / "last.pt")
     assert state["run"]["step"] == 8
-    assert state["scaler"]["scale"] < 2.0 ** 7  # lowered from the initial 128 (fairseq's and NVIDIA's)
+    assert state["scaler"]["scale"] < 2.0**7  # lowered from the initial 128 (fairseq's and NVIDIA's)
     assert "non-finite loss or gradient; skipped" in (run_dir / "train.log").read_text()
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_cuda_training_learns_and_logs_gpu_memory_and_mfu(tmp_path, precision):
-    run_dir = train(from_dict(cuda_config(tmp_path, max_steps=30, valid_every=10, precision=precision,
-                                          lr_schedule="inverse_sqrt", lr=3e-3)), quiet=True)
+    run_dir = train(
+        from_dict(
+            cuda_config(
+                tmp_path, max_steps=30, valid_every=10, precision=precision, lr_schedule="inverse_sqrt", lr=3e-3
+            )
+        ),
+        quiet=True,
+    )
     metrics = read_metrics(run_dir)
     valid = [m["loss"] for m in metrics if m.get("split") == "valid"]
     assert valid[-1] < valid[0]
@@ -99,9 +105,11 @@ def test_tf32_is_on_while_training_in_fp32_and_off_after(tmp_path, monkeypatch):
 
 
 def test_the_allocator_uses_expandable_segments_unless_told_otherwise():
-    code = ("from transformer.device import default_cuda_allocator\ndefault_cuda_allocator()\nimport torch\n"
-            "x = torch.zeros(1 << 20, device='cuda')\n"
-            "print(all(s.get('is_expandable', False) for s in torch.cuda.memory._snapshot()['segments']))\n")
+    code = (
+        "from transformer.device import default_cuda_allocator\ndefault_cuda_allocator()\nimport torch\n"
+        "x = torch.zeros(1 << 20, device='cuda')\n"
+        "print(all(s.get('is_expandable', False) for s in torch.cuda.memory._snapshot()['segments']))\n"
+    )
     env = {k: v for k, v in subprocess_env().items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0 and result.stdout.split() == ["True"], result.stderr
@@ -141,8 +149,7 @@ def test_a_cuda_trained_run_translates_and_resumes_on_a_cpu_and_back(tmp_path, m
 
 def test_resume_on_cuda_continues_the_run_within_tolerance(tmp_path):
     # GPU kernels (atomics in the embedding's backward) are not bit-reproducible: close, not equal.
-    whole = train(from_dict(cuda_config(tmp_path, "whole", max_steps=8, valid_every=4, precision="fp32")),
-                  quiet=True)
+    whole = train(from_dict(cuda_config(tmp_path, "whole", max_steps=8, valid_every=4, precision="fp32")), quiet=True)
     raw = cuda_config(tmp_path, "split", max_steps=4, valid_every=4, precision="fp32")
     train(from_dict(raw), quiet=True)
     raw["train"]["max_steps"] = 8
@@ -174,20 +181,30 @@ def test_the_models_masks_never_get_the_math_kernel(monkeypatch, precision):
     real = torch.nn.functional.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-        chosen.append((tuple(q.shape), attn_mask is not None, is_causal, dropout_p,
-                       int(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal))))
+        chosen.append(
+            (
+                tuple(q.shape),
+                attn_mask is not None,
+                is_causal,
+                dropout_p,
+                int(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal)),
+            )
+        )
         return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
 
     monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", spy)
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     # Multi30k's dimensions: heads of 64, attention dropout 0.1; lengths not multiples of 8.
-    model = Transformer(ModelConfig(d_model=256, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=512,
-                                    attention_dropout=0.1), 300).to(device)
+    model = Transformer(
+        ModelConfig(d_model=256, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=512, attention_dropout=0.1),
+        300,
+    ).to(device)
     batch = Batch.from_pairs([([5] * 13, [6] * 11), ([7] * 5, [8] * 17), ([9] * 9, [4] * 3)]).to(device)
     with autocast_context(device, precision):
-        TrainingLoss(model.train(), 0.1)(batch.src, batch.tgt_in, batch.tgt_out, batch.src_mask,
-                                         batch.tgt_mask).backward()
+        TrainingLoss(model.train(), 0.1)(
+            batch.src, batch.tgt_in, batch.tgt_out, batch.src_mask, batch.tgt_mask
+        ).backward()
         with torch.no_grad():
             model.eval()(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)  # validation
     src, _ = prepare_sources([[5] * 13, [7] * 5, [9] * 9], model.cfg.max_positions)

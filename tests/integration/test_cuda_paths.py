@@ -24,27 +24,37 @@ import torch.nn.functional as F
 
 from tests.conftest import LINES, ROOT, random_pairs, read_metrics, subprocess_env, tiny_config
 from transformer import device as device_module
-from transformer.training import validation as validation_module
-from transformer.training import end_of_training as finish_module
-from transformer.model import transformer as model_module
-from transformer.inference import search as search_module
-from transformer.training import loop as train_module
-from transformer.data.batch import CAUSAL, Batch, prepare_sources, target_mask
-from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.config import DataConfig, ModelConfig, from_dict
+from transformer.data.batch import CAUSAL, Batch, prepare_sources, target_mask
 from transformer.data.batching import BatchStream, Prefetcher
-from transformer.device import (ALLOC_CONF_VARIABLES, DEFAULT_ALLOC_CONF, Peak, autocast_context, cuda_memory_peaks,
-                                datasheet_tflops, default_cuda_allocator, mfu_peak, pick_device, tf32_matmuls)
+from transformer.data.store import Corpus, open_prepared
+from transformer.data.vocab import PAD_ID, Vocab
+from transformer.device import (
+    ALLOC_CONF_VARIABLES,
+    DEFAULT_ALLOC_CONF,
+    Peak,
+    autocast_context,
+    cuda_memory_peaks,
+    datasheet_tflops,
+    default_cuda_allocator,
+    mfu_peak,
+    pick_device,
+    tf32_matmuls,
+)
 from transformer.distributed import DistInfo, init_distributed, wrap_ddp
 from transformer.errors import UserError
-from transformer.model.transformer import TokenPacking, Transformer
-from transformer.training.optim import build_optimizer
-from transformer.signals import StopRequested
-from transformer.training.run_state import restore_training, rng_state, set_rng_state
+from transformer.inference import search as search_module
 from transformer.inference.search import search
-from transformer.data.store import Corpus, open_prepared
+from transformer.model import transformer as model_module
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.model.transformer import TokenPacking, Transformer
+from transformer.signals import StopRequested
+from transformer.training import end_of_training as finish_module
+from transformer.training import loop as train_module
+from transformer.training import validation as validation_module
 from transformer.training.loop import TrainingLoss, check_compile, make_grad_scaler, train
-from transformer.data.vocab import PAD_ID, Vocab
+from transformer.training.optim import build_optimizer
+from transformer.training.run_state import restore_training, rng_state, set_rng_state
 
 
 class FakeCuda:
@@ -73,8 +83,7 @@ def fake_cuda(monkeypatch) -> FakeCuda:
 
 
 @pytest.mark.parametrize("device, index", [(torch.device("cuda"), 1), (torch.device("cuda", 0), 0)])
-def test_the_batch_thread_gets_the_gpu_as_an_index_resolved_in_the_main_thread(fake_cuda, monkeypatch, device,
-                                                                               index):
+def test_the_batch_thread_gets_the_gpu_as_an_index_resolved_in_the_main_thread(fake_cuda, monkeypatch, device, index):
     # Every single-GPU run stopped here: init_distributed gave torch.device("cuda") and the thread's
     # set_device refused it ("Expected a torch.device with a specified index").
     fake_cuda.current = 1
@@ -126,8 +135,12 @@ def test_no_cuda_device_without_an_index_is_built_anywhere_in_the_package():
     found = []
     for path in sorted((ROOT / "transformer").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.device" and len(node.args) == 1
-                    and "'cuda'" in ast.unparse(node.args[0])):
+            if (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func) == "torch.device"
+                and len(node.args) == 1
+                and "'cuda'" in ast.unparse(node.args[0])
+            ):
                 found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert not found
 
@@ -150,11 +163,14 @@ def test_tf32_is_on_inside_the_block_on_cuda_and_put_back_after():
 
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="torch < 2.9")
 def test_tf32_leaves_a_choice_made_through_torchs_newer_setting_alone():
-    code = ("import torch\nfrom transformer.device import tf32_matmuls\nm = torch.backends.cuda.matmul\n"
-            "m.allow_tf32 = True\nm.fp32_precision = 'ieee'\n"  # the user's choice, in the newer setting
-            "with tf32_matmuls(torch.device('cuda', 0)):\n    print(m.fp32_precision)\nprint(m.fp32_precision)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
-                            timeout=120)
+    code = (
+        "import torch\nfrom transformer.device import tf32_matmuls\nm = torch.backends.cuda.matmul\n"
+        "m.allow_tf32 = True\nm.fp32_precision = 'ieee'\n"  # the user's choice, in the newer setting
+        "with tf32_matmuls(torch.device('cuda', 0)):\n    print(m.fp32_precision)\nprint(m.fp32_precision)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ieee", "ieee"]
 
@@ -170,6 +186,7 @@ def test_training_validation_and_the_end_of_training_compute_with_tf32_on(tmp_pa
         def wrapped(*args, **kwargs):
             seen[where].add(torch.backends.cuda.matmul.allow_tf32)
             return fn(*args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(train_module, "label_smoothed_loss", spy("train", train_module.label_smoothed_loss))
@@ -220,8 +237,9 @@ def test_gpu_peak_memory_goes_to_metrics_the_log_and_the_summary(tmp_path, monke
     assert cuda_memory_peaks(torch.device("cpu")) == {}
     peaks = {"peak_cuda_allocated_mib": 1234.4, "peak_cuda_reserved_mib": 2048.0}
     monkeypatch.setattr(train_module, "cuda_memory_peaks", lambda device: peaks)
-    run_dir = train(from_dict(tiny_config(tmp_path, train={"max_steps": 2, "valid_every": 2, "finish": True})),
-                    quiet=True)
+    run_dir = train(
+        from_dict(tiny_config(tmp_path, train={"max_steps": 2, "valid_every": 2, "finish": True})), quiet=True
+    )
     done = [m for m in read_metrics(run_dir) if m.get("event") == "done"][-1]
     assert done["peak_cuda_allocated_mib"] == [1234.4] and done["peak_cuda_reserved_mib"] == [2048.0]
     assert done["peak_rss_mib"][0] > 0
@@ -249,15 +267,16 @@ def test_the_kernels_get_one_additive_mask_per_forward_in_the_queries_dtype_and_
 
     monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", spy)
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(d_model=32, n_heads=2, n_encoder_layers=2, n_decoder_layers=2, d_ff=64,
-                                    attention_dropout=0.1), 50).train()
+    model = Transformer(
+        ModelConfig(d_model=32, n_heads=2, n_encoder_layers=2, n_decoder_layers=2, d_ff=64, attention_dropout=0.1), 50
+    ).train()
     batch = padded_batch()
     with autocast_context(torch.device("cpu"), precision):
         loss = TrainingLoss(model, 0.1)(batch.src, batch.tgt_in, batch.tgt_out, batch.src_mask, batch.tgt_mask)
     loss.backward()
     assert len(calls) == 6 and all(dropout == 0.1 for *_, dropout in calls)
     encoder, decoder_self, cross = calls[:2], calls[2::2], calls[3::2]
-    for dtype, mask, is_causal, _ in decoder_self:
+    for _, mask, is_causal, _ in decoder_self:
         assert mask is None and is_causal  # no mask tensor: the flash kernel may run
     masks = [mask for _, mask, _, _ in encoder + cross]
     assert all(mask is masks[0] for mask in masks)  # built once for the forward pass
@@ -308,6 +327,7 @@ class HostReads:
             if not self.paused:
                 self.reads.append(name)
             return real(tensor, *args, **kwargs)
+
         return method
 
     @contextlib.contextmanager
@@ -326,14 +346,16 @@ def as_on_cuda(monkeypatch):
 
 
 def test_an_update_reads_the_device_once_and_copies_nothing_from_pageable_memory(tmp_path, monkeypatch, as_on_cuda):
-    cfg = from_dict(tiny_config(tmp_path, train={"update_freq": 2, "clip_norm": 1.0, "peak_tflops": 1.0,
-                                                 "precision": "fp32"}))
+    cfg = from_dict(
+        tiny_config(tmp_path, train={"update_freq": 2, "clip_norm": 1.0, "peak_tflops": 1.0, "precision": "fp32"})
+    )
     train_module.prepare_only(cfg)
     run_dir = tmp_path / "run"
     vocab = Vocab.load(run_dir / "spm.model")
     store = open_prepared(cfg, run_dir, vocab)
-    run = train_module.build(cfg, DistInfo(), torch.device("cpu"), run_dir, "resume", vocab, store, None,
-                             time.perf_counter())
+    run = train_module.build(
+        cfg, DistInfo(), torch.device("cpu"), run_dir, "resume", vocab, store, None, time.perf_counter()
+    )
     # The optimizer as on CUDA: fused (the CPU's default per-tensor Adam reads its step counts on the host).
     run.optimizer = torch.optim.Adam(run.model.parameters(), lr=1e-4, fused=True)
     stream = BatchStream(store.corpus("train"), cfg.data, seed=1, update_freq=2)
@@ -370,13 +392,25 @@ def test_a_decoder_step_reads_the_device_once(copy_model, monkeypatch, as_on_cud
 # --------------------------------------------------------------------------- the peak MFU divides by
 
 
-@pytest.mark.parametrize("name, precision, tflops", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 80GB HBM3", "fp32", 494.7),
-    ("NVIDIA H100 PCIe", "bf16", 756.5), ("NVIDIA H100 NVL", "fp16", 835.5), ("NVIDIA H200", "bf16", 989.4),
-    ("NVIDIA H200 NVL", "fp32", 417.5), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
-    ("NVIDIA A100 80GB PCIe", "fp32", 156.0), ("NVIDIA L40S", "bf16", 362.05), ("NVIDIA L4", "bf16", 121.0),
-    ("NVIDIA A10", "fp32", 62.5), ("NVIDIA A10G", "bf16", None), ("NVIDIA GeForce RTX 4090", "bf16", None),
-    ("NVIDIA H100", "bf16", None)])  # a variant the table cannot tell apart: measured instead
+@pytest.mark.parametrize(
+    "name, precision, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 80GB HBM3", "fp32", 494.7),
+        ("NVIDIA H100 PCIe", "bf16", 756.5),
+        ("NVIDIA H100 NVL", "fp16", 835.5),
+        ("NVIDIA H200", "bf16", 989.4),
+        ("NVIDIA H200 NVL", "fp32", 417.5),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100 80GB PCIe", "fp32", 156.0),
+        ("NVIDIA L40S", "bf16", 362.05),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA A10", "fp32", 62.5),
+        ("NVIDIA A10G", "bf16", None),
+        ("NVIDIA GeForce RTX 4090", "bf16", None),
+        ("NVIDIA H100", "bf16", None),
+    ],
+)  # a variant the table cannot tell apart: measured instead
 def test_the_datasheet_peak_of_known_gpus(name, precision, tflops):
     found = datasheet_tflops(name, precision)
     assert (found[0] if found else None) == tflops
@@ -480,8 +514,9 @@ def test_a_resumed_optimizer_keeps_the_implementation_of_the_device_it_runs_on(t
     fresh = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fresh_fused)
     restore_training(saved, model, fresh, make_grad_scaler(torch.device("cpu"), "fp32"))
     assert fresh.param_groups[0]["fused"] == fresh_fused
-    assert fresh.param_groups[0]["foreach"] == torch.optim.Adam(model.parameters(), fused=fresh_fused).defaults[
-        "foreach"]
+    assert (
+        fresh.param_groups[0]["foreach"] == torch.optim.Adam(model.parameters(), fused=fresh_fused).defaults["foreach"]
+    )
     state = next(iter(fresh.state.values()))
     assert float(state["step"]) == 2.0
     TrainingLoss(model, 0.1)(batch.src, batch.tgt_in, batch.tgt_out, batch.src_mask, batch.tgt_mask).backward()
@@ -496,7 +531,7 @@ def test_build_optimizer_asks_for_fused_kernels_only_on_cuda():
 
 def test_the_fp16_loss_scale_starts_at_2_to_the_7():
     scaler = make_grad_scaler(torch.device("cpu"), "fp16")
-    assert scaler.is_enabled() and scaler.get_scale() == 2.0 ** 7
+    assert scaler.is_enabled() and scaler.get_scale() == 2.0**7
     assert not make_grad_scaler(torch.device("cpu"), "bf16").is_enabled()
 
 
@@ -519,8 +554,11 @@ def test_ddp_hands_the_gradients_over_as_views_of_its_buckets(tmp_path):
 def test_compile_on_cuda_needs_lengths_padded_to_a_multiple_of_8(tmp_path, monkeypatch):
     raw = tiny_config(tmp_path, train={"compile": True, "precision": "fp32"})
     gpu = torch.device("cuda", 0)
-    with pytest.raises(UserError, match=r"needs data.pad_to_multiple to be a multiple of 8 \(it is 1\): add --set "
-                                        r"data.pad_to_multiple=8"):
+    with pytest.raises(
+        UserError,
+        match=r"needs data.pad_to_multiple to be a multiple of 8 \(it is 1\): add --set "
+        r"data.pad_to_multiple=8",
+    ):
         check_compile(from_dict(raw), gpu)
     check_compile(from_dict({**raw, "data": {**raw["data"], "pad_to_multiple": 16}}), gpu)
     check_compile(from_dict(raw), torch.device("cpu"))

@@ -13,18 +13,26 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, cli, read_metrics, subprocess_env, tiny_config, write_config, write_corpus
-from transformer.model.checkpoint import load_checkpoint
 from transformer.config import from_dict
 from transformer.distributed import DistInfo, peer_failure_explained
 from transformer.errors import UserError
+from transformer.model.checkpoint import load_checkpoint
 from transformer.signals import StopRequested, stop_at_once
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "transformer", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "transformer",
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=ROOT)
 
 
@@ -37,15 +45,27 @@ main(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("argv, status, out, err", [
-    (["train", "--help"], 0, "usage: transformer train", ""),
-    (["train", "/nonexistent.yaml"], 2, "", "error: config: no such file"),
-])
+@pytest.mark.parametrize(
+    "argv, status, out, err",
+    [
+        (["train", "--help"], 0, "usage: transformer train", ""),
+        (["train", "/nonexistent.yaml"], 2, "", "error: config: no such file"),
+    ],
+)
 def test_a_torchrun_worker_ends_without_finalizing_and_keeps_its_output(argv, status, out, err):
     """Under torchrun (WORLD_SIZE > 1) a command ends through os._exit: gloo's threads, which outlive the process
     group, get no chance to abort the interpreter's finalization. The exit status and output stay the same."""
-    runs = {world: subprocess.run([sys.executable, "-c", WORKER, *argv], capture_output=True, text=True, timeout=120,
-                                  env=subprocess_env(WORLD_SIZE=world), cwd=ROOT) for world in ("1", "2")}
+    runs = {
+        world: subprocess.run(
+            [sys.executable, "-c", WORKER, *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=subprocess_env(WORLD_SIZE=world),
+            cwd=ROOT,
+        )
+        for world in ("1", "2")
+    }
     for world, run in runs.items():
         assert run.returncode == status, (world, run.stderr[-2000:])
         assert out in run.stdout and err in run.stderr
@@ -105,10 +125,24 @@ def start_long_ddp_run(tmp_path):
     """A 2-rank torchrun training that would run for ever; returns (launcher, config) once 3 updates are logged."""
     raw = tiny_config(tmp_path, train={"max_steps": 100000, "valid_every": 100000, "log_every": 1})
     config = write_config(tmp_path / "c.yaml", raw)
-    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                 "-m", "transformer", "train", str(config)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                                cwd=ROOT)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "transformer",
+            "train",
+            str(config),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -131,8 +165,9 @@ def test_a_killed_rank_ends_the_run_with_a_message_not_a_hang(tmp_path):
     os.kill(next(pid for pid, rank in rank_of.items() if rank == "1"), signal.SIGKILL)
     _, stderr = launcher.communicate(timeout=120)  # no hang
     assert launcher.returncode != 0
-    assert "error: rank 0: distributed training stopped, most likely because another rank crashed" in stderr, \
-        stderr[-3000:]
+    assert "error: rank 0: distributed training stopped, most likely because another rank crashed" in stderr, stderr[
+        -3000:
+    ]
     assert "exitcode  : -9" in stderr
 
 
@@ -166,25 +201,34 @@ def sigterm_on_the_way_out():
 
 def test_a_sigterm_while_a_failed_collective_unwinds_does_not_replace_its_message(signal_handlers):
     # Without the ignoring, the SIGTERM finds resume.stop_at_once's handler, which raises SystemExit(143).
-    with pytest.raises(UserError, match="rank 1: distributed training stopped, most likely because another rank "
-                                        r"crashed .*Connection closed by peer"):
-        with stop_at_once(lambda name: f"{name}: stopped"), sigterm_on_the_way_out(), StopRequested(), \
-                peer_failure_explained(DistInfo(rank=1, world_size=2)):
+    with pytest.raises(
+        UserError,
+        match="rank 1: distributed training stopped, most likely because another rank "
+        r"crashed .*Connection closed by peer",
+    ):
+        with (
+            stop_at_once(lambda name: f"{name}: stopped"),
+            sigterm_on_the_way_out(),
+            StopRequested(),
+            peer_failure_explained(DistInfo(rank=1, world_size=2)),
+        ):
             raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # to the end of the process
 
 
-@pytest.mark.parametrize("info, error", [
-    (DistInfo(rank=0, world_size=2), RuntimeError("mat1 and mat2 shapes cannot be multiplied")),
-    (DistInfo(), RuntimeError("Connection closed by peer")),  # no torchrun, no peers: not ours to explain
-])
+@pytest.mark.parametrize(
+    "info, error",
+    [
+        (DistInfo(rank=0, world_size=2), RuntimeError("mat1 and mat2 shapes cannot be multiplied")),
+        (DistInfo(), RuntimeError("Connection closed by peer")),  # no torchrun, no peers: not ours to explain
+    ],
+)
 def test_other_errors_pass_through_and_the_handlers_come_back(signal_handlers, info, error):
     with pytest.raises(RuntimeError) as raised:
         with stop_at_once(lambda name: f"{name}: stopped"), StopRequested(), peer_failure_explained(info):
             raise error
     assert raised.value is error
     assert {sig: signal.getsignal(sig) for sig in signal_handlers} == signal_handlers
-
 
 
 @pytest.mark.parametrize("fails", [False, True])

@@ -56,6 +56,7 @@ def make_targets() -> set[str]:
 
 # --------------------------------------------------------------------------- reading the docs
 
+
 def shell_lines(text: str) -> list[str]:
     """The command lines of a document's shell blocks, continuation lines joined; in a console block only the
     lines after a `$ ` prompt."""
@@ -109,7 +110,7 @@ def transformer_args(words: list[str]) -> list[str] | None:
         return words[1:]
     for i in range(len(words) - 1):
         if words[i] == "-m" and words[i + 1] == "transformer":
-            return words[i + 2:]
+            return words[i + 2 :]
     return None
 
 
@@ -158,9 +159,10 @@ def script_problems(words: list[str]) -> list[str]:
     if not path.is_file():
         return [f"no such script: {script}"]
     source = path.read_text(encoding="utf-8")
-    flags = [w.split("=", 1)[0] for w in words[words.index(script) + 1:] if w.startswith("--")]
-    return [f"{script} has no option {flag}" for flag in flags
-            if f'"{flag}"' not in source and f"'{flag}'" not in source]
+    flags = [w.split("=", 1)[0] for w in words[words.index(script) + 1 :] if w.startswith("--")]
+    return [
+        f"{script} has no option {flag}" for flag in flags if f'"{flag}"' not in source and f"'{flag}'" not in source
+    ]
 
 
 def command_problems(text: str, parser: argparse.ArgumentParser, targets: set[str]) -> tuple[list[str], int]:
@@ -174,8 +176,11 @@ def command_problems(text: str, parser: argparse.ArgumentParser, targets: set[st
                 found = [parse_problem(parser, args), *set_key_problems(args)]
                 problems += [f"{line.strip()}\n    {p}" for p in found if p]
             elif words[0] == "make":
-                problems += [f"{line.strip()}\n    no make target {t!r}" for t in words[1:]
-                             if not t.startswith("-") and "=" not in t and t not in targets]
+                problems += [
+                    f"{line.strip()}\n    no make target {t!r}"
+                    for t in words[1:]
+                    if not t.startswith("-") and "=" not in t and t not in targets
+                ]
             else:
                 problems += [f"{line.strip()}\n    {p}" for p in script_problems(words)]
     return problems, seen
@@ -208,13 +213,17 @@ def link_problems(doc: Path, text: str) -> list[str]:
         if path and not file.exists():
             problems.append(f"{target}: no such file {file.relative_to(ROOT) if ROOT in file.parents else file}")
             continue
-        if anchor and file.suffix == ".md" and \
-                anchor not in anchors(text if file == doc else file.read_text(encoding="utf-8")):
+        if (
+            anchor
+            and file.suffix == ".md"
+            and anchor not in anchors(text if file == doc else file.read_text(encoding="utf-8"))
+        ):
             problems.append(f"{target}: no heading with the anchor #{anchor} in {file.name}")
     return problems
 
 
 # --------------------------------------------------------------------------- the checks
+
 
 def name(doc: Path) -> str:
     return str(doc.relative_to(ROOT))
@@ -252,21 +261,30 @@ def test_the_docs_show_every_verb(parser):
 
 def test_the_checker_finds_a_wrong_flag_key_target_script_option_and_link(parser, tmp_path):
     doc = tmp_path / "guide.md"
-    text = ("# Guide\n\n```sh\n"
-            "transformer translate runs/x --beam 4 --no-such-flag\n"
-            "transformer evaluate runs/x --stop sometimes\n"
-            "transformer train configs/tiny.yaml \\\n    --set train.no_such_key=1\n"
-            "echo hi | transformer frobnicate\n"
-            "nice -n 10 make no-such-target\n"
-            "python scripts/bench_decode.py x --no-such-option 1\n"
-            "transformer translate runs/x --beam 4 \"fine\"   # --not-a-flag in a comment\n"
-            "transformer average runs/x --las 5\n"
-            "```\n\n[gone](missing.md) [here](#guide) [there](#nowhere)\n")
+    text = (
+        "# Guide\n\n```sh\n"
+        "transformer translate runs/x --beam 4 --no-such-flag\n"
+        "transformer evaluate runs/x --stop sometimes\n"
+        "transformer train configs/tiny.yaml \\\n    --set train.no_such_key=1\n"
+        "echo hi | transformer frobnicate\n"
+        "nice -n 10 make no-such-target\n"
+        "python scripts/bench_decode.py x --no-such-option 1\n"
+        'transformer translate runs/x --beam 4 "fine"   # --not-a-flag in a comment\n'
+        "transformer average runs/x --las 5\n"
+        "```\n\n[gone](missing.md) [here](#guide) [there](#nowhere)\n"
+    )
     problems, seen = command_problems(text, parser, make_targets())
     assert seen == 6
     assert len(problems) == 7, "\n".join(problems)
-    for expected in ("--no-such-flag", "sometimes", "no key 'no_such_key'", "frobnicate", "no-such-target",
-                     "--no-such-option", "has no option --las"):
+    for expected in (
+        "--no-such-flag",
+        "sometimes",
+        "no key 'no_such_key'",
+        "frobnicate",
+        "no-such-target",
+        "--no-such-option",
+        "has no option --las",
+    ):
         assert any(expected in p for p in problems), (expected, problems)
     links = link_problems(doc, text)
     assert len(links) == 2 and "missing.md" in links[0] and "#nowhere" in links[1], links
@@ -292,8 +310,9 @@ def test_the_configuration_reference_lists_every_key_with_its_default():
         assert block, f"docs/configuration.md has no table for section {section!r}"
         rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \| (.*) \|$", block.group(1), re.M)
         fields = dataclasses.fields(cls)
-        assert [key for key, _, _ in rows] == [f.name for f in fields], \
+        assert [key for key, _, _ in rows] == [f.name for f in fields], (
             f"{section}: run scripts/config_reference.py to list the keys of {cls.__name__}"
+        )
         for (key, default, meaning), f in zip(rows, fields):
             expected = f.default_factory() if f.default is dataclasses.MISSING else f.default
             written = yaml.safe_load(default)
@@ -306,6 +325,12 @@ def test_the_configuration_reference_lists_every_key_with_its_default():
 
 
 def test_the_generator_of_the_configuration_tables_agrees_with_them():
-    result = subprocess.run([sys.executable, "scripts/config_reference.py", "--check"], cwd=ROOT, capture_output=True,
-                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "scripts/config_reference.py", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr

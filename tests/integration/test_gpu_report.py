@@ -23,8 +23,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["cuda_tests", "check_sdpa", "bench_train", "recipe", "bench_decode", "bench_train_compile"]
-WORDS = ("der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
-         "the a man woman child dog cat house on in plays runs sits red blue green big small").split()
+WORDS = (
+    "der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
+    "the a man woman child dog cat house on in plays runs sits red blue green big small"
+).split()
 OLD_BLOCK = "<!-- gpu_report:begin -->\nan earlier report\n<!-- gpu_report:end -->"
 
 
@@ -43,11 +45,19 @@ def gpu_report(tmp: Path, *options: str) -> subprocess.CompletedProcess:
     """The script in a subprocess, single-threaded, with a `datasets` on the path that records any import of it."""
     shadow = tmp / "shadow" / "datasets"
     shadow.mkdir(parents=True, exist_ok=True)
-    (shadow / "__init__.py").write_text(f"open({str(tmp / 'datasets_imported')!r}, 'a').write('imported\\n')\n"
-                                        "raise ImportError('the GPU machine has no datasets package')\n")
+    (shadow / "__init__.py").write_text(
+        f"open({str(tmp / 'datasets_imported')!r}, 'a').write('imported\\n')\n"
+        "raise ImportError('the GPU machine has no datasets package')\n"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp / "shadow")}
-    return subprocess.run([sys.executable, "scripts/gpu_report.py", *options], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "scripts/gpu_report.py", *options],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +67,21 @@ def dry_run(tmp_path_factory):
     md = tmp / "docs/benchmarks/log.md"
     md.parent.mkdir(parents=True)
     md.write_text(f"# Performance\n\nhand-written text\n\n{OLD_BLOCK}\n\n## After\n", encoding="utf-8")
-    result = gpu_report(tmp, "--device", "cpu", "--data", str(data), "--out-dir", str(tmp / "out"),
-                        "--json", str(tmp / "report.json"), "--out-md", str(md), "--skip", "bench_train_compile")
+    result = gpu_report(
+        tmp,
+        "--device",
+        "cpu",
+        "--data",
+        str(data),
+        "--out-dir",
+        str(tmp / "out"),
+        "--json",
+        str(tmp / "report.json"),
+        "--out-md",
+        str(md),
+        "--skip",
+        "bench_train_compile",
+    )
     return tmp, result, json.loads((tmp / "report.json").read_text()), md.read_text(encoding="utf-8")
 
 
@@ -85,9 +108,10 @@ def test_dry_run_records_every_step_with_status_command_and_figures(dry_run):
 
     sdpa = steps["check_sdpa"]["figures"]
     assert {(r["call"], r["mask"]) for r in sdpa["rows"]} == {
-        (call, mask) for call in ("encoder self-attention", "cross-attention", "decoding step, cross-attention")
-        for mask in ("boolean", "additive")} | {("decoder self-attention", m) for m in ("boolean", "additive",
-                                                                                       "is_causal")}
+        (call, mask)
+        for call in ("encoder self-attention", "cross-attention", "decoding step, cross-attention")
+        for mask in ("boolean", "additive")
+    } | {("decoder self-attention", m) for m in ("boolean", "additive", "is_causal")}
     for row in sdpa["rows"]:
         assert row["ms"] > 0 and row["backends"]["math"] > 0 and row["kernel_eval"] in ("math", "flash_attention")
         assert row["max_diff_out"] < 1e-4 and row["max_diff_grad"] < 1e-4  # the same attention as the math kernel
@@ -137,10 +161,27 @@ def test_the_generated_block_replaces_only_the_old_one(dry_run):
 def test_a_step_past_its_limit_is_stopped_the_recipe_finished_and_decoded_and_reports_merge(dry_run):
     tmp, _, first, _ = dry_run
     out = tmp / "capped"
-    result = gpu_report(tmp, "--device", "cpu", "--data", str(tmp / "corpus"), "--out-dir", str(out),
-                        "--steps", "check_sdpa,recipe,bench_decode", "--limit", "check_sdpa=0.5", "--limit",
-                        "recipe=25", "--recipe-set", "train.max_steps=1000000", "--recipe-set", "train.valid_every=1",
-                        "--budget", "300")
+    result = gpu_report(
+        tmp,
+        "--device",
+        "cpu",
+        "--data",
+        str(tmp / "corpus"),
+        "--out-dir",
+        str(out),
+        "--steps",
+        "check_sdpa,recipe,bench_decode",
+        "--limit",
+        "check_sdpa=0.5",
+        "--limit",
+        "recipe=25",
+        "--recipe-set",
+        "train.max_steps=1000000",
+        "--recipe-set",
+        "train.valid_every=1",
+        "--budget",
+        "300",
+    )
     assert result.returncode == 1, result.stderr[-3000:]  # a step timed out
     report = json.loads((out / "gpu_report.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
@@ -155,9 +196,23 @@ def test_a_step_past_its_limit_is_stopped_the_recipe_finished_and_decoded_and_re
     assert not (tmp / "datasets_imported").exists()
 
     md = tmp / "merged.md"
-    merged = subprocess.run([sys.executable, "scripts/gpu_report.py", "--render", str(tmp / "report.json"),
-                             str(out / "gpu_report.json"), "--out-md", str(md), "--json", str(tmp / "merged.json")],
-                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    merged = subprocess.run(
+        [
+            sys.executable,
+            "scripts/gpu_report.py",
+            "--render",
+            str(tmp / "report.json"),
+            str(out / "gpu_report.json"),
+            "--out-md",
+            str(md),
+            "--json",
+            str(tmp / "merged.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert merged.returncode == 0, merged.stderr
     steps = {s["name"]: s for s in json.loads((tmp / "merged.json").read_text())["steps"]}
     assert steps["check_sdpa"]["status"] == "timeout"  # the later report wins for a step both ran
@@ -167,8 +222,19 @@ def test_a_step_past_its_limit_is_stopped_the_recipe_finished_and_decoded_and_re
 
 def test_a_spent_budget_skips_the_steps_left_and_says_so(tmp_path):
     data = write_corpus(tmp_path / "corpus")
-    result = gpu_report(tmp_path, "--device", "cpu", "--data", str(data), "--out-dir", str(tmp_path / "out"),
-                        "--steps", "check_sdpa,recipe", "--budget", "1")
+    result = gpu_report(
+        tmp_path,
+        "--device",
+        "cpu",
+        "--data",
+        str(data),
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--steps",
+        "check_sdpa,recipe",
+        "--budget",
+        "1",
+    )
     assert result.returncode == 1  # something to run again
     steps = {s["name"]: s for s in json.loads((tmp_path / "out" / "gpu_report.json").read_text())["steps"]}
     for name in ("check_sdpa", "recipe"):
@@ -181,9 +247,11 @@ def test_prepare_data_writes_the_corpus_and_a_vocabulary_inside_the_repository_l
     data, vocab = tmp_path / "gpu" / "multi30k", tmp_path / "gpu" / "vocab" / "spm.model"
     result = gpu_report(tmp_path, "--prepare-data", str(source), "--data", str(data), "--vocab", str(vocab))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(p.name for p in data.iterdir()) == sorted(f"{s}.{l}" for s in ("train", "valid", "test")
-                                                            for l in ("de", "en"))
+    assert sorted(p.name for p in data.iterdir()) == sorted(
+        f"{s}.{lang}" for s in ("train", "valid", "test") for lang in ("de", "en")
+    )
     assert (data / "train.de").read_bytes() == (source / "train.de").read_bytes()
     assert vocab.is_file() and sorted(p.name for p in vocab.parent.iterdir()) == ["spm.model"]
     from transformer.data.vocab import Vocab
+
     assert len(Vocab.load(vocab)) > 10

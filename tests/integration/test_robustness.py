@@ -17,12 +17,29 @@ def translator(untrained_checkpoint):
 
 # Any Unicode text a file line can hold: every code point but the line break, surrogates excluded.
 line_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n"), max_size=60)
-odd_lines = st.sampled_from(["", " ", "\t \u00a0", "\u2028", "\x00\x07\x1b[31m", "🙂🐕‍🦺", "日本語のテキスト",
-                             "مرحبا بالعالم", "a" * 500, " ".join(["Hund"] * 200)])
+odd_lines = st.sampled_from(
+    [
+        "",
+        " ",
+        "\t \u00a0",
+        "\u2028",
+        "\x00\x07\x1b[31m",
+        "🙂🐕‍🦺",
+        "日本語のテキスト",
+        "مرحبا بالعالم",
+        "a" * 500,
+        " ".join(["Hund"] * 200),
+    ]
+)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(lines=st.lists(st.one_of(line_text, odd_lines), min_size=1, max_size=6))
 def test_translate_returns_one_line_per_input_line(translator, lines):
     out = translator.translate(lines)
@@ -33,8 +50,13 @@ def test_translate_returns_one_line_per_input_line(translator, lines):
             assert target == ""  # blank in, blank out
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(lines=st.lists(line_text, min_size=1, max_size=4), nbest=st.integers(1, 2))
 def test_nbest_gives_exactly_n_candidates_per_line(translator, lines, nbest):
     out = translator.translate_nbest(lines, nbest)
@@ -45,6 +67,7 @@ def test_nbest_gives_exactly_n_candidates_per_line(translator, lines, nbest):
 
 
 # --------------------------------------------------------------------------- one very long line
+
 
 def test_a_stdin_line_is_kept_only_up_to_its_bound():
     """Of each stdin line only its first line_bytes are kept, whatever the pipe's pieces; the lines around a long one
@@ -63,7 +86,7 @@ def test_a_stdin_line_is_kept_only_up_to_its_bound():
     def write():
         with os.fdopen(write_end, "wb", buffering=0) as f:
             for at in range(0, len(data), 333):
-                f.write(data[at:at + 333])
+                f.write(data[at : at + 333])
 
     writer = threading.Thread(target=write)
     writer.start()
@@ -86,8 +109,12 @@ def test_a_line_over_the_bound_is_read_up_to_it_with_a_warning(untrained_checkpo
     ids = translator.encode(lines)
     assert ids == translator.vocab.encode(["ein hund", ("der mann " * 30)[:100], "zwei katzen"])
     err = capsys.readouterr().err
-    assert f"warning: input line {translator.lines_seen - 1} has over 100 characters (only those are read); " \
-           "truncated to the first" in err and err.count("warning") == 1
+    assert (
+        f"warning: input line {translator.lines_seen - 1} has over 100 characters (only those are read); "
+        "truncated to the first"
+        in err
+        and err.count("warning") == 1
+    )
 
 
 def test_one_long_stdin_line_costs_bounded_memory(untrained_checkpoint, tmp_path):
@@ -98,16 +125,33 @@ def test_one_long_stdin_line_costs_bounded_memory(untrained_checkpoint, tmp_path
 
     from tests.conftest import subprocess_env
 
-    wrapper = ("import atexit, resource, sys\n"
-               "atexit.register(lambda: print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
-               "file=sys.stderr))\n"
-               "from transformer import cli\n"
-               "cli.main(sys.argv[1:])\n")
+    wrapper = (
+        "import atexit, resource, sys\n"
+        "atexit.register(lambda: print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+        "file=sys.stderr))\n"
+        "from transformer import cli\n"
+        "cli.main(sys.argv[1:])\n"
+    )
 
     def peak_kib(line: str) -> int:
-        done = subprocess.run([sys.executable, "-c", wrapper, "translate", str(untrained_checkpoint), "--dtype",
-                               "fp32", "--device", "cpu"], input=line + "\n", capture_output=True, text=True,
-                              env=subprocess_env(), timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                wrapper,
+                "translate",
+                str(untrained_checkpoint),
+                "--dtype",
+                "fp32",
+                "--device",
+                "cpu",
+            ],
+            input=line + "\n",
+            capture_output=True,
+            text=True,
+            env=subprocess_env(),
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr
         return int(done.stderr.rsplit("maxrss", 1)[1])
 

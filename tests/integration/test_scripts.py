@@ -10,13 +10,24 @@ from transformer.data.corpus import read_parallel
 
 
 def test_fetch_multi30k_writes_plain_text_splits(tmp_path):
-    hub = write_hub_folder(tmp_path / "hub", "columns", {
-        "train": [("Ein Hund.", "A dog."), ("Zwei\nKatzen.", "Two cats.")],
-        "validation": [("Ein Mann.", "A man.")], "test": [("Eine Frau.", "A woman.")]})
+    hub = write_hub_folder(
+        tmp_path / "hub",
+        "columns",
+        {
+            "train": [("Ein Hund.", "A dog."), ("Zwei\nKatzen.", "Two cats.")],
+            "validation": [("Ein Mann.", "A man.")],
+            "test": [("Eine Frau.", "A woman.")],
+        },
+    )
     env = subprocess_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_multi30k.py"), str(out),
-                             "--name", str(hub)], capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "fetch_multi30k.py"), str(out), "--name", str(hub)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     src, tgt = read_parallel(out / "train.de", out / "train.en")
     assert src == ["Ein Hund.", "Zwei Katzen."] and tgt == ["A dog.", "Two cats."]

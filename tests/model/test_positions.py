@@ -67,8 +67,11 @@ def test_only_positions_py_builds_or_reads_the_table():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
             if name in ("sinusoid_table", "PositionalEncoding") or (
-                    isinstance(node, ast.Attribute) and node.attr == "table"
-                    and isinstance(node.value, ast.Attribute) and node.value.attr == "positions"):
+                isinstance(node, ast.Attribute)
+                and node.attr == "table"
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "positions"
+            ):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
 
@@ -80,8 +83,9 @@ def test_a_checkpoint_holds_no_class_paths(old_checkpoint):
     ops = list(pickletools.genops(pickle))
     globals_ = {arg for op, arg, _ in ops if op.name in ("GLOBAL", "INST")}
     globals_ |= {f"{ops[k - 2][1]} {ops[k - 1][1]}" for k, (op, _, _) in enumerate(ops) if op.name == "STACK_GLOBAL"}
-    assert globals_ and all(g.split()[0] in ("torch", "torch._utils", "collections", "_codecs") for g in globals_), \
+    assert globals_ and all(g.split()[0] in ("torch", "torch._utils", "collections", "_codecs") for g in globals_), (
         globals_
+    )
     torch.load(old_checkpoint, weights_only=True)
 
 
@@ -91,9 +95,22 @@ def test_a_checkpoint_from_before_the_layout_loads_resumes_and_translates_as_the
     model, vocab, cfg = model_from_checkpoint(state)
     assert cfg.model.positions == "sinusoidal" and to_dict(cfg)["model"]["positions"] == "sinusoidal"
     assert load_resumable(old_checkpoint)["run"]["step"] == 4
-    status, out, err = call("translate", old_checkpoint, "--beam", "3", "--nbest", "2", "--dtype", "fp32",
-                            "--device", "cpu", stdin="der mann hund\ndie frau\n")
+    status, out, err = call(
+        "translate",
+        old_checkpoint,
+        "--beam",
+        "3",
+        "--nbest",
+        "2",
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        stdin="der mann hund\ndie frau\n",
+    )
     assert status == 0, err
     # What the code before the relayout printed for the same command (scores to 4 decimals).
-    assert out == ("-25.3851\tooooooooooooooooooooooooooooooo\n-25.4802\to chooooooooooooooooooooooooooooo\n"
-                   "-25.3854\tooooooooooooooooooooooooooooooo\n-25.4805\to chooooooooooooooooooooooooooooo\n")
+    assert out == (
+        "-25.3851\tooooooooooooooooooooooooooooooo\n-25.4802\to chooooooooooooooooooooooooooooo\n"
+        "-25.3854\tooooooooooooooooooooooooooooooo\n-25.4805\to chooooooooooooooooooooooooooooo\n"
+    )

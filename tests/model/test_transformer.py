@@ -8,20 +8,28 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, random_pairs
-from transformer.data.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.config import ModelConfig, load_config
-from transformer.model.positions import PositionalEncoding
-from transformer.model.transformer import (MultiHeadAttention, TokenPacking, Transformer, count_parameters,
-                               evaluating)
+from transformer.data.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.data.vocab import PAD_ID
+from transformer.model.positions import PositionalEncoding
+from transformer.model.transformer import MultiHeadAttention, TokenPacking, Transformer, count_parameters, evaluating
 
 VOCAB = 50
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def small_cfg(**kw) -> ModelConfig:
-    base = dict(d_model=32, n_heads=2, n_encoder_layers=2, n_decoder_layers=2, d_ff=64,
-                dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, max_positions=64)
+    base = dict(
+        d_model=32,
+        n_heads=2,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        d_ff=64,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_dropout=0.1,
+        max_positions=64,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -72,12 +80,12 @@ def test_decoder_is_causal(norm):
     before = model.decode(tgt, memory, src_mask, mask)
     for k in (0, 3, 6):
         changed = tgt.clone()
-        changed[:, k + 1:] = random_ids(2, 8 - k - 1)
-        assert not torch.equal(changed[:, k + 1:], tgt[:, k + 1:])
+        changed[:, k + 1 :] = random_ids(2, 8 - k - 1)
+        assert not torch.equal(changed[:, k + 1 :], tgt[:, k + 1 :])
         after = model.decode(changed, memory, src_mask, mask)
         torch.testing.assert_close(after[:, : k + 1], before[:, : k + 1], **TOL)
         # ... and the future positions do see the change.
-        assert not torch.allclose(after[:, k + 1:], before[:, k + 1:])
+        assert not torch.allclose(after[:, k + 1 :], before[:, k + 1 :])
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
@@ -96,8 +104,8 @@ def test_padding_invariance(norm):
         assert s == len(pair[0]) + 1 and t == len(pair[1]) + 1
         mem_alone = model.encode(alone.src, alone.src_mask)
         logits_alone = model(alone.src, alone.tgt_in, alone.src_mask, alone.tgt_mask)
-        torch.testing.assert_close(memory[i: i + 1, :s], mem_alone, **TOL)
-        torch.testing.assert_close(logits[i: i + 1, :t], logits_alone, **TOL)
+        torch.testing.assert_close(memory[i : i + 1, :s], mem_alone, **TOL)
+        torch.testing.assert_close(logits[i : i + 1, :t], logits_alone, **TOL)
 
 
 def test_encoder_skips_padding_with_the_same_result(monkeypatch):
@@ -212,7 +220,7 @@ def test_cached_decoding_matches_full(norm):
     assert cache.cross_attn[0].k.shape == (3, 2, batch.src.size(1), 16)
     steps = []
     for t in range(batch.tgt_in.size(1)):
-        steps.append(model.decode(batch.tgt_in[:, t: t + 1], cache=cache))
+        steps.append(model.decode(batch.tgt_in[:, t : t + 1], cache=cache))
         assert cache.length == t + 1
     incremental = torch.cat(steps, dim=1)
     real = batch.tgt_in != PAD_ID  # right padding: real positions never see a pad key in either path
@@ -342,15 +350,16 @@ def test_weight_sharing(share, tie):
 
 def expected_parameter_count(cfg: ModelConfig, vocab: int) -> int:
     d, f = cfg.d_model, cfg.d_ff
-    attention = 4 * (d * d + d)            # Q, K, V, output projections with biases
-    ffn = d * f + f + f * d + d            # two linears with biases
-    layer_norm = 2 * d                     # gain and bias
+    attention = 4 * (d * d + d)  # Q, K, V, output projections with biases
+    ffn = d * f + f + f * d + d  # two linears with biases
+    layer_norm = 2 * d  # gain and bias
     encoder_layer = attention + ffn + 2 * layer_norm
     decoder_layer = 2 * attention + ffn + 3 * layer_norm
     matrices = 1 if cfg.share_embeddings and cfg.tie_output else (3 - cfg.share_embeddings - cfg.tie_output)
     final_norms = 2 * layer_norm if cfg.norm == "pre" else 0
-    return (vocab * d * matrices + cfg.n_encoder_layers * encoder_layer
-            + cfg.n_decoder_layers * decoder_layer + final_norms)
+    return (
+        vocab * d * matrices + cfg.n_encoder_layers * encoder_layer + cfg.n_decoder_layers * decoder_layer + final_norms
+    )
 
 
 def test_base_config_parameter_count():
@@ -363,8 +372,15 @@ def test_base_config_parameter_count():
     assert 62e6 < n < 64e6
 
 
-@pytest.mark.parametrize("kw", [dict(norm="pre"), dict(share_embeddings=False), dict(tie_output=False),
-                                dict(share_embeddings=False, tie_output=False, n_decoder_layers=3)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(norm="pre"),
+        dict(share_embeddings=False),
+        dict(tie_output=False),
+        dict(share_embeddings=False, tie_output=False, n_decoder_layers=3),
+    ],
+)
 def test_small_parameter_count_formula(kw):
     cfg = small_cfg(**kw)
     assert count_parameters(Transformer(cfg, VOCAB)) == expected_parameter_count(cfg, VOCAB)

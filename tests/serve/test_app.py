@@ -19,15 +19,15 @@ import torch
 
 from tests.conftest import LINES
 from transformer import cli
-from transformer.inference import translator as translate_module
-from transformer.model.checkpoint import load_model, save_checkpoint
 from transformer.config import from_dict, to_dict
+from transformer.data.vocab import train_vocab
 from transformer.device import cpu_description
-from transformer.model.positions import PositionalEncoding
-from transformer.model.transformer import Transformer, count_parameters
+from transformer.inference import translator as translate_module
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
-from transformer.data.vocab import train_vocab
+from transformer.model.checkpoint import load_model, save_checkpoint
+from transformer.model.positions import PositionalEncoding
+from transformer.model.transformer import Transformer, count_parameters
 
 pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")
 pytest.importorskip("httpx", reason="FastAPI's test client needs httpx")
@@ -35,12 +35,21 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from transformer.serve.app import ServeSettings, Service, create_app, listen, make_server  # noqa: E402
 
-WORDS = ("ein zwei drei hund katze mann frau kind spielt läuft auf der die das im park mit einem ball "
-         "sitzt steht vor haus baum wasser rot blau grün").split()
-SENTENCES = ["ein hund spielt im park", "zwei katzen", "der mann sitzt auf einem roten haus vor dem baum",
-             "eine frau mit einem ball", "das kind läuft", "drei hunde im wasser"]
-SETTINGS = ServeSettings(batch_window_ms=2, max_sentences=8, max_chars=400, max_beam=5, max_pending=16,
-                         max_position_values=4096)
+WORDS = (
+    "ein zwei drei hund katze mann frau kind spielt läuft auf der die das im park mit einem ball "
+    "sitzt steht vor haus baum wasser rot blau grün"
+).split()
+SENTENCES = [
+    "ein hund spielt im park",
+    "zwei katzen",
+    "der mann sitzt auf einem roten haus vor dem baum",
+    "eine frau mit einem ball",
+    "das kind läuft",
+    "drei hunde im wasser",
+]
+SETTINGS = ServeSettings(
+    batch_window_ms=2, max_sentences=8, max_chars=400, max_beam=5, max_pending=16, max_position_values=4096
+)
 
 
 def synthetic(rng: random.Random, n: int) -> list[str]:
@@ -64,22 +73,40 @@ def tiny_run(run_dir: Path) -> Path:
     """A run directory with a random (peaky) model, a step and a validation row, as training leaves them."""
     run_dir.mkdir()
     vocab = train_vocab(synthetic(random.Random(0), 300), vocab_size=80)
-    cfg = from_dict({
-        "model": {"d_model": 32, "n_heads": 4, "n_encoder_layers": 1, "n_decoder_layers": 2, "d_ff": 64,
-                  "dropout": 0.0, "max_positions": 40},
-        "data": {"dir": str(run_dir), "src_lang": "de", "tgt_lang": "en", "vocab_size": 80, "max_len": 30},
-        "train": {"run_dir": str(run_dir)},
-        "decode": {"beam": 3, "lenpen": 0.6, "max_len_offset": 6, "max_tokens": 64},
-    })
+    cfg = from_dict(
+        {
+            "model": {
+                "d_model": 32,
+                "n_heads": 4,
+                "n_encoder_layers": 1,
+                "n_decoder_layers": 2,
+                "d_ff": 64,
+                "dropout": 0.0,
+                "max_positions": 40,
+            },
+            "data": {"dir": str(run_dir), "src_lang": "de", "tgt_lang": "en", "vocab_size": 80, "max_len": 30},
+            "train": {"run_dir": str(run_dir)},
+            "decode": {"beam": 3, "lenpen": 0.6, "max_len_offset": 6, "max_tokens": 64},
+        }
+    )
     torch.manual_seed(1)
     model = Transformer(cfg.model, len(vocab))
     with torch.no_grad():
         model.output.weight.mul_(3.0)  # peaky, so that sentences get different translations
-    save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict(),
-                     "run": {"step": 120, "best": 3.25, "best_metric": "loss"}}, run_dir / "best.pt")
-    rows = [{"step": 100, "split": "valid", "loss": 3.5, "ppl": 33.1},
-            {"step": 120, "split": "valid", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5},
-            {"step": 120, "split": "train", "loss": 3.0}]
+    save_checkpoint(
+        {
+            "config": to_dict(cfg),
+            "vocab": vocab.proto,
+            "model": model.state_dict(),
+            "run": {"step": 120, "best": 3.25, "best_metric": "loss"},
+        },
+        run_dir / "best.pt",
+    )
+    rows = [
+        {"step": 100, "split": "valid", "loss": 3.5, "ppl": 33.1},
+        {"step": 120, "split": "valid", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5},
+        {"step": 120, "split": "train", "loss": 3.0},
+    ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return run_dir
 
@@ -102,6 +129,7 @@ def post(client, path: str, body) -> dict:
 
 
 # ----------------------------------------------------------------------------- translate
+
 
 @pytest.mark.parametrize("beam,nbest", [(1, 1), (3, 1), (4, 3)])
 def test_translate_equals_the_translator(client, translator, beam, nbest):
@@ -140,11 +168,14 @@ def test_a_source_longer_than_the_model_takes_is_flagged_in_the_answer_not_only_
 def test_concurrent_requests_are_batched_and_match_one_by_one(run, translator):
     """A wide window: requests sent together share searches (per beam), with the outputs of each alone."""
     settings = ServeSettings(batch_window_ms=1500, max_sentences=8, max_chars=400, max_beam=5)
-    requests = [({"text": [s], "beam": 3} if i % 3 else {"text": [s, SENTENCES[0]], "beam": 1, "nbest": 1})
-                for i, s in enumerate(SENTENCES)]
+    requests = [
+        ({"text": [s], "beam": 3} if i % 3 else {"text": [s, SENTENCES[0]], "beam": 1, "nbest": 1})
+        for i, s in enumerate(SENTENCES)
+    ]
     results = [None] * len(requests)
     # max_tokens far above these sources: only the window decides what merges.
     with TestClient(create_app(Service(run, settings, "cpu", SearchFlags(dtype="fp32", max_tokens=4096)))) as c:
+
         def send(i):
             results[i] = c.post("/translate", json=requests[i])
 
@@ -176,11 +207,10 @@ def test_a_full_batch_does_not_wait_for_the_window(run):
 
 def test_a_beam_wider_than_the_vocabulary_is_refused_whatever_max_beam_allows(run):
     """A beam in the millions held millions of scores per sentence until the server ran out of memory."""
-    settings = ServeSettings(batch_window_ms=2, max_sentences=8, max_chars=400, max_beam=10 ** 9)
+    settings = ServeSettings(batch_window_ms=2, max_sentences=8, max_chars=400, max_beam=10**9)
     with TestClient(create_app(Service(run, settings, "cpu", SearchFlags(dtype="fp32")))) as c:
         for path in ("/translate", "/beam"):
-            response = c.post(path, json={"text": SENTENCES[0] if path == "/beam" else [SENTENCES[0]],
-                                          "beam": 10 ** 8})
+            response = c.post(path, json={"text": SENTENCES[0] if path == "/beam" else [SENTENCES[0]], "beam": 10**8})
             assert response.status_code == 422 and "beam must be between 1 and 80" in response.text, response.text
         assert c.post("/translate", json={"text": [SENTENCES[0]], "beam": 80}).status_code == 200
         assert c.get("/info").json()["limits"]["max_beam"] == 80  # what the page's beam input may offer
@@ -188,11 +218,15 @@ def test_a_beam_wider_than_the_vocabulary_is_refused_whatever_max_beam_allows(ru
 
 def test_a_lone_surrogate_in_the_json_translates_as_the_replacement_character(client):
     """JSON may spell "\\ud800", which no UTF-8 encodes; it was a 500."""
+
     def send(path: str, body: dict):  # json.dumps writes the surrogate as the escape "\\ud800"
         return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
 
-    for path, body in (("/translate", {"text": [SENTENCES[0] + "\ud800"]}), ("/beam", {"text": SENTENCES[0] + "\ud800"}),
-                       ("/attention", {"text": SENTENCES[0], "target": "a \udcf6"})):
+    for path, body in (
+        ("/translate", {"text": [SENTENCES[0] + "\ud800"]}),
+        ("/beam", {"text": SENTENCES[0] + "\ud800"}),
+        ("/attention", {"text": SENTENCES[0], "target": "a \udcf6"}),
+    ):
         response = send(path, body)
         assert response.status_code == 200, (path, response.text)
     same = post(client, "/translate", {"text": [SENTENCES[0] + "\ufffd"]})
@@ -201,17 +235,30 @@ def test_a_lone_surrogate_in_the_json_translates_as_the_replacement_character(cl
 
 # ----------------------------------------------------------------------------- refusals
 
+
 def chunked(size: int):
     """A body sent with Transfer-Encoding: chunked (no Content-Length), 64 KiB at a time."""
     body = b'{"text": ["' + b"x" * size + b'"]}'
     for i in range(0, len(body), 65536):
-        yield body[i:i + 65536]
+        yield body[i : i + 65536]
 
 
 BAD = [
-    ("post", "/translate", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "not valid JSON"),
+    (
+        "post",
+        "/translate",
+        {"content": b"{not json", "headers": {"content-type": "application/json"}},
+        400,
+        "not valid JSON",
+    ),
     ("post", "/translate", {"content": b"", "headers": {"content-type": "application/json"}}, 422, "JSON object"),
-    ("post", "/translate", {"content": b'{"text": ["a"]}', "headers": {"content-type": "text/plain"}}, 415, "application/json"),
+    (
+        "post",
+        "/translate",
+        {"content": b'{"text": ["a"]}', "headers": {"content-type": "text/plain"}},
+        415,
+        "application/json",
+    ),
     ("post", "/translate", {"json": ["ein hund"]}, 422, "JSON object"),
     ("post", "/translate", {"json": {"sentences": ["ein hund"]}}, 422, "text: Field required"),
     ("post", "/translate", {"json": {"text": 5}}, 422, "text"),
@@ -225,7 +272,13 @@ BAD = [
     ("post", "/translate", {"json": {"text": ["ein"] * 9}}, 413, "9 sentences"),
     ("post", "/translate", {"json": {"text": ["ein hund " * 30, "zwei " * 40]}}, 413, "characters"),
     ("post", "/translate", {"json": {"text": ["x" * 80_000]}}, 413, "bytes"),
-    ("post", "/translate", {"content": chunked(200_000), "headers": {"content-type": "application/json"}}, 413, "bytes"),
+    (
+        "post",
+        "/translate",
+        {"content": chunked(200_000), "headers": {"content-type": "application/json"}},
+        413,
+        "bytes",
+    ),
     ("post", "/attention", {"json": {"text": ""}}, 422, "empty"),
     ("post", "/attention", {"json": {"text": "   "}}, 422, "empty"),
     ("post", "/attention", {"json": {"text": " ".join(WORDS)}}, 422, "pieces long"),
@@ -262,6 +315,7 @@ def test_settings_are_checked():
 
 
 # ----------------------------------------------------------------------------- attention, beam, positions, info
+
 
 def test_attention_maps(client, run):
     got = post(client, "/attention", {"text": SENTENCES[2], "beam": 3})
@@ -323,15 +377,20 @@ def test_ctranslate2_engine_serves_translate_and_our_model_the_page(ctranslate2,
     calls = []
     real = translate_module.ctranslate2_search
     monkeypatch.setattr(translate_module, "ctranslate2_search", lambda *a, **k: calls.append(1) or real(*a, **k))
-    lines = LINES[:SETTINGS.max_sentences]
-    with TestClient(create_app(Service(copy_model, SETTINGS, "cpu", SearchFlags(dtype="fp32")))) as ours, \
-            TestClient(create_app(Service(copy_model, SETTINGS, "cpu",
-                                          SearchFlags(dtype="fp32", engine="ctranslate2")))) as theirs:
+    lines = LINES[: SETTINGS.max_sentences]
+    with (
+        TestClient(create_app(Service(copy_model, SETTINGS, "cpu", SearchFlags(dtype="fp32")))) as ours,
+        TestClient(
+            create_app(Service(copy_model, SETTINGS, "cpu", SearchFlags(dtype="fp32", engine="ctranslate2")))
+        ) as theirs,
+    ):
         assert ours.get("/info").json()["decode"]["engine"] == "ours"
         assert theirs.get("/info").json()["decode"]["engine"] == "ctranslate2"
         # /translate's stop rule: CTranslate2 stops once `beam` hypotheses have finished, whatever decode.stop says
-        assert (ours.get("/info").json()["decode"]["stop"], theirs.get("/info").json()["decode"]["stop"]) == \
-            ("exact", "early")
+        assert (ours.get("/info").json()["decode"]["stop"], theirs.get("/info").json()["decode"]["stop"]) == (
+            "exact",
+            "early",
+        )
         expected = post(ours, "/translate", {"text": lines, "beam": 1})["translations"]
         assert not calls
         got = post(theirs, "/translate", {"text": lines, "beam": 1})["translations"]
@@ -370,7 +429,9 @@ def test_serve_without_ctranslate2_is_one_line_naming_the_extra(run, monkeypatch
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
-        status, _ = run_cli("serve", run, "--device", "cpu", "--engine", "ctranslate2", "--port", taken.getsockname()[1])
+        status, _ = run_cli(
+            "serve", run, "--device", "cpu", "--engine", "ctranslate2", "--port", taken.getsockname()[1]
+        )
     finally:
         taken.close()
     err = capsys.readouterr().err
@@ -410,6 +471,7 @@ def test_page_is_self_contained(client):
 
 
 # ----------------------------------------------------------------------------- the command
+
 
 def run_cli(*argv) -> tuple[int, str]:
     try:
@@ -472,9 +534,11 @@ def server(run):
     sock.close()
 
 
-@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                    reason="no chromium and chromedriver: `make test` installs Debian's where apt-get can "
-                           "(or: apt-get install chromium chromium-driver)")
+@pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER),
+    reason="no chromium and chromedriver: `make test` installs Debian's where apt-get can "
+    "(or: apt-get install chromium chromium-driver)",
+)
 def test_page_in_headless_chromium(server, tmp_path):
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.common.by import By
@@ -484,9 +548,19 @@ def test_page_in_headless_chromium(server, tmp_path):
     options.binary_location = CHROMIUM
     # No network beyond the server: without the background-networking flags Chromium's own connections are
     # refused many at a time on a closed machine.
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-                 "--window-size=1280,900", f"--user-data-dir={tmp_path / 'profile'}"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,900",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
@@ -498,8 +572,9 @@ def test_page_in_headless_chromium(server, tmp_path):
         box.send_keys(SENTENCES[0])
         driver.find_element(By.ID, "go").click()
         wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") in ("ready", "error"))
-        assert driver.find_element(By.ID, "error").get_attribute("hidden") is not None, \
-            driver.find_element(By.ID, "error").text
+        assert driver.find_element(By.ID, "error").get_attribute("hidden") is not None, driver.find_element(
+            By.ID, "error"
+        ).text
         # The cross-attention grid is shown first: every decoder layer x head, one selected.
         thumbs = driver.find_elements(By.CSS_SELECTOR, "#grid canvas")
         assert len(thumbs) == 2 * 4 and len(driver.find_elements(By.CSS_SELECTOR, "#grid canvas.on")) == 1
@@ -513,7 +588,9 @@ def test_page_in_headless_chromium(server, tmp_path):
         assert len(driver.find_elements(By.CSS_SELECTOR, "#grid canvas")) == 1 * 4
         from selenium.webdriver.common.action_chains import ActionChains
 
-        ActionChains(driver).move_to_element(driver.find_element(By.CSS_SELECTOR, "#lines text[data-query='0']")).perform()
+        ActionChains(driver).move_to_element(
+            driver.find_element(By.CSS_SELECTOR, "#lines text[data-query='0']")
+        ).perform()
         assert driver.find_elements(By.CSS_SELECTOR, "#lines text.hot")
         assert driver.save_screenshot(str(tmp_path / "page.png"))
         assert (tmp_path / "page.png").stat().st_size > 10_000
@@ -525,6 +602,7 @@ def test_page_in_headless_chromium(server, tmp_path):
 
 # ----------------------------------------------------------------------------- scripts/bench_serve.py
 
+
 def test_bench_serve_runs_and_writes_json(run, tmp_path):
     """At toy size: both windows (and both engines where CTranslate2 is installed), every request answered,
     no error; no timing is asserted."""
@@ -532,11 +610,38 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
     engines = ["ours", "ctranslate2"] if importlib.util.find_spec("ctranslate2") else ["ours"]
     (tmp_path / "test.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "scripts/bench_serve.py", str(run), str(tmp_path / "test.de"),
-                             "--clients", "3", "--requests", "9", "--time-limit", "60", "--sentences", "2",
-                             "--beam", "2", "--windows", "5", "0", "--engines", *engines, "--stop", "early", "--json", str(out)],
-                            capture_output=True, text=True, cwd=root, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_serve.py",
+            str(run),
+            str(tmp_path / "test.de"),
+            "--clients",
+            "3",
+            "--requests",
+            "9",
+            "--time-limit",
+            "60",
+            "--sentences",
+            "2",
+            "--beam",
+            "2",
+            "--windows",
+            "5",
+            "0",
+            "--engines",
+            *engines,
+            "--stop",
+            "early",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["stop"] == "early" and report["machine"]["cpu"] == cpu_description()
@@ -554,10 +659,28 @@ def test_bench_serve_soak_reports_rss_over_time(run, tmp_path):
     root = Path(__file__).resolve().parents[2]
     (tmp_path / "test.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     out = tmp_path / "soak.json"
-    result = subprocess.run([sys.executable, "scripts/bench_serve.py", str(run), str(tmp_path / "test.de"), "--soak",
-                             "--minutes", "0.2", "--every", "4", "--clients", "3", "--json", str(out)],
-                            capture_output=True, text=True, cwd=root, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_serve.py",
+            str(run),
+            str(tmp_path / "test.de"),
+            "--soak",
+            "--minutes",
+            "0.2",
+            "--every",
+            "4",
+            "--clients",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     soak = json.loads(out.read_text())["soak"]
     assert soak["errors"] == 0 and len(soak["samples"]) >= 4 and soak["samples"][-1]["idle"]

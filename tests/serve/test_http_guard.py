@@ -13,8 +13,8 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,8 +33,17 @@ from transformer.serve import app as serve  # noqa: E402
 from transformer.serve import http_guard  # noqa: E402
 from transformer.serve.app import ServeSettings, Service, create_app, listen, make_server, spawn  # noqa: E402
 
-FAST = dict(batch_window_ms=2, max_sentences=8, max_chars=400, max_beam=5, max_pending=16, max_position_values=4096,
-            read_timeout_s=0.6, keep_alive_s=0.6, drain_s=2.0)
+FAST = dict(
+    batch_window_ms=2,
+    max_sentences=8,
+    max_chars=400,
+    max_beam=5,
+    max_pending=16,
+    max_position_values=4096,
+    read_timeout_s=0.6,
+    keep_alive_s=0.6,
+    drain_s=2.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +86,7 @@ def read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, bool]
     while time.monotonic() < deadline:
         try:
             chunk = sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionResetError:
             return data, True
@@ -99,9 +108,9 @@ def dribble_until_answered(sock: socket.socket, data: bytes) -> tuple[int, bytes
     sock.settimeout(0.05)
     for i in range(len(data)):
         try:
-            sock.sendall(data[i:i + 1])
+            sock.sendall(data[i : i + 1])
             return i + 1, sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             continue
         except OSError:
             break
@@ -118,6 +127,7 @@ def json_of(data: bytes) -> dict:
 
 # ----------------------------------------------------------------------------- 6: bodies are counted
 
+
 @pytest.mark.parametrize("lying_length", [False, True])
 def test_a_chunked_body_is_counted_and_refused_at_the_limit(run, lying_length):
     """A chunked body (with a Content-Length that lies, or none) was read whole, however large: 209 MB made the
@@ -125,8 +135,11 @@ def test_a_chunked_body_is_counted_and_refused_at_the_limit(run, lying_length):
     with real_server(run) as (port, service):
         limit = service.settings.max_body_bytes
         sock = connect(port)
-        sock.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     + (b"Content-Length: 20\r\n" if lying_length else b"") + b"Transfer-Encoding: chunked\r\n\r\n")
+        sock.sendall(
+            b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + (b"Content-Length: 20\r\n" if lying_length else b"")
+            + b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         chunk = b"x" * 65536
         sent, total = 0, 64 * 1024 * 1024  # far more than loopback buffers hold: the server must stop reading
         try:
@@ -146,15 +159,17 @@ def test_a_small_chunked_body_is_accepted(run):
     with real_server(run) as (port, _):
         sock = connect(port)
         body = json.dumps({"text": [SENTENCES[0]], "beam": 1}).encode()
-        sock.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-                     + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        sock.sendall(
+            b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        )
         data, closed = read_until_closed(sock, 30)
         sock.close()
     assert status_of(data) == 200 and len(json_of(data)["translations"]) == 1, data[:300]
 
 
 # ----------------------------------------------------------------------------- 7: slow and idle clients
+
 
 def test_slow_and_idle_connections_are_closed(run):
     """Each of these held a connection (and a file descriptor) for as long as the client liked."""
@@ -163,8 +178,10 @@ def test_slow_and_idle_connections_are_closed(run):
         half_head = connect(port)
         half_head.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         no_body = connect(port)
-        no_body.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: 50\r\n\r\n{\"text\"")
+        no_body.sendall(
+            b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 50\r\n\r\n{"text"'
+        )
         idle = connect(port)  # a kept-alive connection after one answer
         idle.sendall(request_bytes("GET", "/health"))
         next_half = connect(port)  # an answer, then half of the next request
@@ -175,10 +192,18 @@ def test_slow_and_idle_connections_are_closed(run):
         dribble = connect(port)
         line = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"y" * 30
         sent, dribbled = dribble_until_answered(dribble, line)
-        results = {name: read_until_closed(s, 4) for name, s in
-                   (("silent", silent), ("half_head", half_head), ("no_body", no_body), ("idle", idle),
-                    ("next_half", next_half), ("dribble", dribble))}
-    for name, (data, closed) in results.items():
+        results = {
+            name: read_until_closed(s, 4)
+            for name, s in (
+                ("silent", silent),
+                ("half_head", half_head),
+                ("no_body", no_body),
+                ("idle", idle),
+                ("next_half", next_half),
+                ("dribble", dribble),
+            )
+        }
+    for name, (_data, closed) in results.items():
         assert closed, f"{name}: still open"
     assert results["silent"][0] == b""
     assert sent < len(line) and status_of(dribbled) == 408, (sent, dribbled)
@@ -255,11 +280,18 @@ def test_running_out_of_file_descriptors_is_one_line_not_a_traceback_per_accept(
         "    used = len(os.listdir('/proc/self/fd'))\n"
         "    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 5, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
         "    await asyncio.sleep(3)\n"
-        "asyncio.run(main())\n", encoding="utf-8")
+        "asyncio.run(main())\n",
+        encoding="utf-8",
+    )
 
     def flood(mode: str) -> str:
-        proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=subprocess_env())
+        proc = subprocess.Popen(
+            [sys.executable, str(script), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+        )
         port = int(proc.stdout.readline())
         clients = []
         for _ in range(60):
@@ -292,12 +324,14 @@ def test_the_connection_cap_fits_the_open_file_limit():
 def test_serve_refuses_connections_past_a_low_file_limit_without_tracebacks(run):
     """The real command under `ulimit -n 200`: it caps connections to what fits, says so once, refuses the rest
     with 503 (no per-accept traceback) and serves again once the idle ones time out."""
+
     def low_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
 
     log: list[str] = []
-    proc, url = spawn(run, "--device", "cpu", "--read-timeout", "1.5", env=subprocess_env(), preexec_fn=low_limit,
-                      log=log)
+    proc, url = spawn(
+        run, "--device", "cpu", "--read-timeout", "1.5", env=subprocess_env(), preexec_fn=low_limit, log=log
+    )
     port = int(url.rsplit(":", 1)[1])
     try:
         clients, refused = [], 0
@@ -323,6 +357,7 @@ def test_serve_refuses_connections_past_a_low_file_limit_without_tracebacks(run)
 
 
 # ----------------------------------------------------------------------------- 8: inspections are bounded
+
 
 def test_attention_and_beam_answers_are_bounded_before_anything_runs(run, monkeypatch):
     """A 4,000-character /attention on a base-shaped model answered 1.04 GB; a /beam of 1,000 pieces at beam
@@ -356,9 +391,13 @@ def test_the_answer_bounds_hold_for_what_the_model_really_answers(run, beam):
         limits.clear()
         service.check_attention(ids, None)
         maps = service.attention(text, None, beam)
-        got = sum(len(maps["attention"][k]["weights"]) * len(maps["attention"][k]["weights"][0])
-                  * len(maps["attention"][k]["weights"][0][0]) * len(maps["attention"][k]["weights"][0][0][0])
-                  for k in maps["attention"])
+        got = sum(
+            len(maps["attention"][k]["weights"])
+            * len(maps["attention"][k]["weights"][0])
+            * len(maps["attention"][k]["weights"][0][0])
+            * len(maps["attention"][k]["weights"][0][0][0])
+            for k in maps["attention"]
+        )
         assert got <= limits[-1]
         service.check_trace(ids, beam)
         trace = service.beam_trace(ids, beam, 1)
@@ -403,8 +442,11 @@ def test_every_endpoint_counts_against_max_pending(run, monkeypatch):
         while service.batcher.pending_sentences() < 8 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert c.get("/health").json()["pending"] == 8
-        for path, body in (("/beam", {"text": "zwei"}), ("/attention", {"text": "zwei"}),
-                           ("/translate", {"text": ["zwei"]})):
+        for path, body in (
+            ("/beam", {"text": "zwei"}),
+            ("/attention", {"text": "zwei"}),
+            ("/translate", {"text": ["zwei"]}),
+        ):
             refused = c.post(path, json=body)
             assert refused.status_code == 503 and "waiting" in refused.json()["error"], (path, refused.text)
         assert c.get("/positions?length=5").status_code == 503
@@ -421,6 +463,7 @@ def test_translate_waits_for_at_most_one_inspection_and_health_for_none(run, mon
     service = Service(run, settings(), "cpu", SearchFlags(dtype="fp32"))
     done: list[str] = []
     with TestClient(create_app(service)) as c:
+
         def send(name, path, body):
             assert c.post(path, json=body).status_code == 200
             done.append(name)
@@ -428,8 +471,10 @@ def test_translate_waits_for_at_most_one_inspection_and_health_for_none(run, mon
         threads = [threading.Thread(target=send, args=("blocker", "/attention", {"text": "blocker"}))]
         threads[0].start()
         assert gate.started.wait(30)
-        threads += [threading.Thread(target=send, args=(f"attention{i}", "/attention", {"text": SENTENCES[i]}))
-                    for i in range(3)]
+        threads += [
+            threading.Thread(target=send, args=(f"attention{i}", "/attention", {"text": SENTENCES[i]}))
+            for i in range(3)
+        ]
         threads.append(threading.Thread(target=send, args=("translate", "/translate", {"text": [SENTENCES[4]]})))
         for t in threads[1:]:
             t.start()
@@ -475,8 +520,11 @@ def test_work_whose_client_hung_up_is_dropped_before_it_runs(run, monkeypatch):
         blocker.sendall(request_bytes("POST", "/attention", json.dumps({"text": "blocker"}).encode()))
         assert gate.started.wait(30)
         socks = []
-        for path, body in (("/attention", {"text": "zwei"}), ("/beam", {"text": "zwei", "beam": 2}),
-                           ("/translate", {"text": ["drei hunde"]})):
+        for path, body in (
+            ("/attention", {"text": "zwei"}),
+            ("/beam", {"text": "zwei", "beam": 2}),
+            ("/translate", {"text": ["drei hunde"]}),
+        ):
             s = connect(port)
             s.sendall(request_bytes("POST", path, json.dumps(body).encode()))
             socks.append(s)
@@ -492,15 +540,17 @@ def test_work_whose_client_hung_up_is_dropped_before_it_runs(run, monkeypatch):
         gate.set()
         assert status_of(read_until_closed(blocker, 2)[0]) == 200
         s = connect(port)  # and the server goes on
-        s.sendall(request_bytes("POST", "/translate", json.dumps({"text": ["zwei"]}).encode(),
-                                extra="Connection: close\r\n"))
+        s.sendall(
+            request_bytes("POST", "/translate", json.dumps({"text": ["zwei"]}).encode(), extra="Connection: close\r\n")
+        )
         assert status_of(read_until_closed(s, 30)[0]) == 200
-        for s in [blocker, s]:
-            s.close()
+        for sock in [blocker, s]:
+            sock.close()
     assert ran == ["translate"], ran  # only the last /translate ran
 
 
 # ----------------------------------------------------------------------------- 9: SIGTERM drains
+
 
 def _send_later(url: str, body: dict, results: list) -> threading.Thread:
     import http.client
@@ -532,8 +582,9 @@ def test_sigterm_answers_requests_in_flight_then_503_past_the_drain(run):
     """Requests in flight when SIGTERM comes are answered (they were closed without an answer); a request that
     would outlast --drain-timeout gets 503; the process exits 0."""
     log: list[str] = []
-    proc, url = spawn(run, "--device", "cpu", "--batch-window-ms", "1500", "--drain-timeout", "8",
-                      env=subprocess_env(), log=log)
+    proc, url = spawn(
+        run, "--device", "cpu", "--batch-window-ms", "1500", "--drain-timeout", "8", env=subprocess_env(), log=log
+    )
     results: list = []
     threads = [_send_later(url, {"text": [s]}, results) for s in SENTENCES[:2]]
     time.sleep(0.5)  # both wait in the batching window
@@ -544,8 +595,7 @@ def test_sigterm_answers_requests_in_flight_then_503_past_the_drain(run):
     assert [status for status, _ in results] == [200, 200], results
     assert any("stopping" in line for line in log), log
 
-    proc, url = spawn(run, "--device", "cpu", "--batch-window-ms", "9000", "--drain-timeout", "1",
-                      env=subprocess_env())
+    proc, url = spawn(run, "--device", "cpu", "--batch-window-ms", "9000", "--drain-timeout", "1", env=subprocess_env())
     results = []
     thread = _send_later(url, {"text": [SENTENCES[0]]}, results)
     time.sleep(0.5)
@@ -558,12 +608,20 @@ def test_sigterm_answers_requests_in_flight_then_503_past_the_drain(run):
 
 # ----------------------------------------------------------------------------- 10: Host names
 
+
 def test_only_the_host_names_served_are_answered(run):
     """A page elsewhere could read the API through DNS rebinding: its requests name its own host."""
     service = Service(run, settings(allow_hosts=("Example.org",)), "cpu", SearchFlags(dtype="fp32"))
     with TestClient(create_app(service, "127.0.0.1")) as c:
-        for host in ("localhost:8000", "127.0.0.1", "[::1]:8000", "LOCALHOST", "example.org", "example.org.:80",
-                     "testserver"):  # the last: the address the client reached (the test client's)
+        for host in (
+            "localhost:8000",
+            "127.0.0.1",
+            "[::1]:8000",
+            "LOCALHOST",
+            "example.org",
+            "example.org.:80",
+            "testserver",
+        ):  # the last: the address the client reached (the test client's)
             assert c.get("/health", headers={"host": host}).status_code == 200, host
         for host in ("evil.example", "localhost.evil.example", "127.0.0.1.nip.io", "example.org.evil"):
             response = c.get("/health", headers={"host": host})
@@ -588,6 +646,7 @@ def test_allowed_hosts_for_each_listening_address():
 
 
 # ----------------------------------------------------------------------------- 12: answers alone
+
 
 def test_fp32_translations_do_not_depend_on_the_other_requests_in_the_batch(run):
     """Measured on this CPU: each sentence searched alone and batched with strangers of other lengths (or with
@@ -626,6 +685,7 @@ def test_serve_defaults_to_fp32_where_translate_would_pick_bf16(run, monkeypatch
 
 
 # ----------------------------------------------------------------------------- the port, before the model
+
 
 def test_a_taken_port_is_reported_before_the_model_loads(run, monkeypatch, capsys):
     loads = []

@@ -54,6 +54,7 @@ def test_requests_beyond_max_tokens_wait_for_the_next_batch():
 def test_a_failed_search_while_a_client_has_gone_leaves_the_service_answering():
     """Two requests share a search that fails after one of their clients went away: the other gets the error,
     and the batcher goes on (setting an exception on the cancelled request's future would have stopped it)."""
+
     async def scenario():
         translator = StubTranslator(fail_first=True)
         with ThreadPoolExecutor(1) as worker:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.conftest import SENTENCES
-from transformer.training.average import average_checkpoints
-from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
 from transformer.errors import UserError
+from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
+from transformer.training.average import average_checkpoints
 
 
 def test_average_two_files_is_the_mean_and_loads(run, tmp_path, call):

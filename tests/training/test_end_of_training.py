@@ -14,15 +14,15 @@ import torch
 
 from tests.conftest import cli, read_metrics, tiny_config, write_config, write_corpus
 from transformer import device as device_module
-from transformer.training import metrics as runlog
-from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.config import ModelConfig, from_dict, load_config
+from transformer.data.store import Store
 from transformer.device import pick_precision
 from transformer.errors import UserError
 from transformer.inference.settings import search_settings
-from transformer.training.end_of_training import LENPENS, _tune
+from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.model.transformer import training_flops
-from transformer.data.store import Store
+from transformer.training import metrics as runlog
+from transformer.training.end_of_training import LENPENS, _tune
 from transformer.training.loop import train
 
 
@@ -38,9 +38,21 @@ def finished_run(tmp_path, **train_settings):
     corpus = write_corpus(tmp_path / "c", n_train=200, n_valid=12)
     shutil.copy(corpus / "valid.de", corpus / "test.de")
     shutil.copy(corpus / "valid.en", corpus / "test.en")
-    raw = tiny_config(tmp_path, data_dir=corpus, decode={"max_len_offset": 4, "beam": 2}, model={"dropout": 0.0},
-                      train={"max_steps": 60, "valid_every": 20, "lr_schedule": "constant", "lr": 3e-3,
-                             "keep_last": 2, "finish": True, **train_settings})
+    raw = tiny_config(
+        tmp_path,
+        data_dir=corpus,
+        decode={"max_len_offset": 4, "beam": 2},
+        model={"dropout": 0.0},
+        train={
+            "max_steps": 60,
+            "valid_every": 20,
+            "lr_schedule": "constant",
+            "lr": 3e-3,
+            "keep_last": 2,
+            "finish": True,
+            **train_settings,
+        },
+    )
     return train(from_dict(raw), quiet=True), raw
 
 
@@ -65,8 +77,10 @@ def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path,
         assert final["run"] == made_from["run"]
     else:  # an average has neither
         assert "run" not in final and "run" not in made_from
-    assert (final["config"]["decode"]["beam"], final["config"]["decode"]["lenpen"]) == \
-        (summary["decode"]["beam"], summary["decode"]["lenpen"])
+    assert (final["config"]["decode"]["beam"], final["config"]["decode"]["lenpen"]) == (
+        summary["decode"]["beam"],
+        summary["decode"]["lenpen"],
+    )
     assert load_config(run_dir / "config.yaml").decode.lenpen == summary["decode"]["lenpen"]
     err = capsys.readouterr().err
     assert "summary: test BLEU" in err and "summary: use" in err and "final.pt" in err
@@ -80,8 +94,11 @@ def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path,
     moved = tmp_path / "moved"
     shutil.copytree(run_dir, moved)  # copied with their times, as `cp -a` does
     written = {name: (moved / name).stat().st_mtime_ns for name in ("final.pt", "summary.json", "averaged.pt")}
-    other = {**raw, "decode": {**raw["decode"], "beam": 5, "lenpen": 0.9},
-             "train": {**raw["train"], "lr": 0.5, "run_dir": str(moved)}}
+    other = {
+        **raw,
+        "decode": {**raw["decode"], "beam": 5, "lenpen": 0.9},
+        "train": {**raw["train"], "lr": 0.5, "run_dir": str(moved)},
+    }
     train(from_dict(other), resume=True, quiet=True)
     assert {name: (moved / name).stat().st_mtime_ns for name in written} == written
     saved = load_config(moved / "config.yaml")
@@ -117,8 +134,9 @@ def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):
     summary = (run_dir / "summary.json").read_text()
     (tmp_path / "c").rename(tmp_path / "c_moved")
     result = cli("finish", str(run_dir), "--device", "cpu")
-    assert result.returncode == 2 and result.stderr == (f"error: finish: data.dir '{tmp_path}/c' is not a "
-                                                        "directory; put the corpus back there\n")
+    assert result.returncode == 2 and result.stderr == (
+        f"error: finish: data.dir '{tmp_path}/c' is not a directory; put the corpus back there\n"
+    )
     assert (run_dir / "summary.json").read_text() == summary
     (tmp_path / "c_moved").rename(tmp_path / "c")
     # Resumed with nothing left to train (and finish off): final.pt still describes the weights, and stays.
@@ -151,14 +169,20 @@ def test_precision_auto_is_bf16_only_where_the_hardware_has_it(monkeypatch):
 def test_without_a_terminal_progress_shows_early_and_at_least_every_30_seconds(tmp_path, capsys, monkeypatch):
     raw = tiny_config(tmp_path, train={"max_steps": 9, "log_every": 1000, "valid_every": 1000})
     train(from_dict(raw), quiet=True)  # quiet: no bar, as without a terminal
-    steps = [int(line.split()[1].rstrip(":")) for line in capsys.readouterr().err.splitlines()
-             if line.startswith("step ") and ": loss" in line]
+    steps = [
+        int(line.split()[1].rstrip(":"))
+        for line in capsys.readouterr().err.splitlines()
+        if line.startswith("step ") and ": loss" in line
+    ]
     assert steps == [5, 9]  # after the first few updates, and the last
     monkeypatch.setattr(runlog, "PROGRESS_SECONDS", 0.0)  # every update is "30 seconds later"
     raw = tiny_config(tmp_path, "timed", train={"max_steps": 4, "log_every": 1000, "valid_every": 1000})
     train(from_dict(raw), quiet=True)
-    steps = [int(line.split()[1].rstrip(":")) for line in capsys.readouterr().err.splitlines()
-             if line.startswith("step ") and ": loss" in line]
+    steps = [
+        int(line.split()[1].rstrip(":"))
+        for line in capsys.readouterr().err.splitlines()
+        if line.startswith("step ") and ": loss" in line
+    ]
     assert steps == [1, 2, 3, 4]
 
 
@@ -178,7 +202,7 @@ def test_training_lines_carry_mfu_against_the_configured_peak(tmp_path):
 
 def test_training_flops_count_the_matmuls():
     cfg = ModelConfig(d_model=8, n_heads=2, n_encoder_layers=1, n_decoder_layers=2, d_ff=16)
-    encoder = 4 * 64 + 2 * 8 * 16          # Q, K, V, O and the two feed-forward matrices
+    encoder = 4 * 64 + 2 * 8 * 16  # Q, K, V, O and the two feed-forward matrices
     decoder = 2 * (8 * 64 + 2 * 8 * 16) + 8 * 100  # self- and cross-attention, feed-forward; output projection
     dense = 6 * (encoder * 30 + decoder * 20)
     attention = 12 * 8 * 3 * (1 * 10 * 10 + 2 * (7 * 7 + 7 * 10))
@@ -222,10 +246,14 @@ def test_the_search_grid_skips_length_penalties_where_greedy_cannot_change(beam,
 
 # ----------------------------------------------------------------------------- what mutation testing found unchecked
 
-@pytest.mark.parametrize("valid_bleu, rows, best_step", [
-    (False, [(100, 3.0, 10.0), (200, 2.0, 12.0), (300, 2.5, 30.0)], 200),  # the lowest loss
-    (True, [(100, 3.0, 10.0), (200, 2.0, 12.0), (300, 2.5, 30.0)], 300),   # the highest BLEU
-])
+
+@pytest.mark.parametrize(
+    "valid_bleu, rows, best_step",
+    [
+        (False, [(100, 3.0, 10.0), (200, 2.0, 12.0), (300, 2.5, 30.0)], 200),  # the lowest loss
+        (True, [(100, 3.0, 10.0), (200, 2.0, 12.0), (300, 2.5, 30.0)], 300),  # the highest BLEU
+    ],
+)
 def test_the_summarys_best_step_is_the_best_validation(tmp_path, valid_bleu, rows, best_step):
     from transformer.training.end_of_training import _training_record
 
@@ -285,8 +313,11 @@ def test_the_chosen_search_settings_go_into_final_pt_and_config_yaml(tmp_path, m
     """Settings other than the config's (whatever validation found), so that their being written shows."""
     from transformer.training import end_of_training as finish_module
 
-    monkeypatch.setattr(finish_module, "_tune",
-                        lambda score, model, config, at: (replace(config, beam=3, lenpen=1.4), {"beam3_lp1.4": 1.0}))
+    monkeypatch.setattr(
+        finish_module,
+        "_tune",
+        lambda score, model, config, at: (replace(config, beam=3, lenpen=1.4), {"beam3_lp1.4": 1.0}),
+    )
     run_dir, raw = finished_run(tmp_path, max_steps=20)
     assert raw["decode"]["beam"] != 3
     decode = load_config(run_dir / "config.yaml").decode

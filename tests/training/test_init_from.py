@@ -14,17 +14,24 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import (WORDS, assert_same_training_state, read_metrics, sentences, tiny_config, write_config,
-                            write_corpus)
-from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
+from tests.conftest import (
+    WORDS,
+    assert_same_training_state,
+    read_metrics,
+    sentences,
+    tiny_config,
+    write_config,
+    write_corpus,
+)
 from transformer.config import from_dict
 from transformer.data.batching import eval_batches
-from transformer.errors import UserError
-from transformer.training.validation import evaluate_loss
-from transformer.training.init_from import measure
 from transformer.data.store import Store
-from transformer.training.loop import train
 from transformer.data.vocab import train_vocab
+from transformer.errors import UserError
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.training.init_from import measure
+from transformer.training.loop import train
+from transformer.training.validation import evaluate_loss
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +69,9 @@ def test_a_fine_tuning_run_starts_from_the_checkpoints_weights_and_vocabulary(ba
     origin = base / "best.pt"  # no final.pt (train.finish is off): best.pt is what the directory means
     expected = checkpoint_loss(origin, ft)
     assert first_validation(ft)["loss"] == expected
-    scratch = train(from_dict(tiny_config(tmp_path, "scratch", new_data, train={"max_steps": 8, "lr": 1e-30})),
-                    quiet=True)
+    scratch = train(
+        from_dict(tiny_config(tmp_path, "scratch", new_data, train={"max_steps": 8, "lr": 1e-30})), quiet=True
+    )
     assert first_validation(scratch)["loss"] > expected + 0.5  # the same run without init_from: an untrained model
 
     vocab = load_checkpoint(origin)["vocab"]
@@ -88,16 +96,21 @@ def test_fine_tuning_trains_on_and_the_summary_records_the_origin(base, new_data
     before, after = load_checkpoint(base / "last.pt")["model"], load_checkpoint(ft / "last.pt")["model"]
     assert not all(torch.equal(before[k], after[k]) for k in before)  # it trained on
     summary = json.loads((ft / "summary.json").read_text())
-    assert summary["init_from"] == {"path": str(base / "last.pt"),
-                                    "sha256": hashlib.sha256((base / "last.pt").read_bytes()).hexdigest()}
+    assert summary["init_from"] == {
+        "path": str(base / "last.pt"),
+        "sha256": hashlib.sha256((base / "last.pt").read_bytes()).hexdigest(),
+    }
 
 
 def test_model_and_vocabulary_settings_must_be_the_checkpoints(base, new_data, tmp_path, call):
     raw = tiny_config(tmp_path, "ft", new_data, model={"d_ff": 48, "n_heads": 4}, data={"vocab_size": 50})
     status, _, err = call("train", write_config(tmp_path / "ft.yaml", raw), "--set", f"train.init_from={base}")
     assert status == 2
-    for named in ("model.d_ff is 48 here but 64 there", "model.n_heads is 4 here but 2 there",
-                  "data.vocab_size is 50 here but 64 there"):
+    for named in (
+        "model.d_ff is 48 here but 64 there",
+        "model.n_heads is 4 here but 2 there",
+        "data.vocab_size is 50 here but 64 there",
+    ):
         assert named in err
     assert not (tmp_path / "ft" / "last.pt").exists()
 
@@ -167,10 +180,13 @@ def test_measure_counts_pieces_per_word_unknown_pieces_and_long_words():
     assert math.isclose(one["pieces_per_word"], len(vocab.encode([WORDS[0]])[0]))
 
 
-@pytest.mark.parametrize("keys, message", [
-    ({"init_from_sha256": "abc"}, "64 lowercase hexadecimal digits"),
-    ({"init_from": "", "init_from_sha256": "0" * 64}, "train.init_from is empty"),
-])
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"init_from_sha256": "abc"}, "64 lowercase hexadecimal digits"),
+        ({"init_from": "", "init_from_sha256": "0" * 64}, "train.init_from is empty"),
+    ],
+)
 def test_the_sha256_key_is_checked(tmp_path, keys, message):
     with pytest.raises(UserError, match=message):
         from_dict(tiny_config(tmp_path, train={"init_from": "x", **keys}))

@@ -13,29 +13,45 @@ import weakref
 import pytest
 import torch
 
-from tests.conftest import (assert_same_training_state, change_training_loss, cli, read_metrics, shared_data_dir, tiny_config,
-                            write_config, write_corpus)
-from transformer.inference import scoring
-from transformer.training import loop as train_module
-from transformer.files import TEMP_SUFFIX
-from transformer.data.batch import Batch
-from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
+from tests.conftest import (
+    assert_same_training_state,
+    change_training_loss,
+    cli,
+    read_metrics,
+    shared_data_dir,
+    tiny_config,
+    write_config,
+    write_corpus,
+)
 from transformer.config import from_dict, to_dict
-from transformer.errors import UserError
-from transformer.model.transformer import Transformer
-from transformer.training.loop import train
+from transformer.data.batch import Batch
 from transformer.data.vocab import Vocab, train_vocab
+from transformer.errors import UserError
+from transformer.files import TEMP_SUFFIX
+from transformer.inference import scoring
+from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
+from transformer.model.transformer import Transformer
+from transformer.training import loop as train_module
+from transformer.training.loop import train
 
 
 def test_tiny_model_overfits_a_handful_of_pairs(tmp_path):
     corpus = write_corpus(tmp_path / "c", n_train=8, n_valid=8)
     (corpus / "valid.de").write_text((corpus / "train.de").read_text())
     (corpus / "valid.en").write_text((corpus / "train.en").read_text())
-    raw = tiny_config(tmp_path, data_dir=corpus,
-                      model={"d_model": 64, "d_ff": 128, "n_heads": 4, "n_encoder_layers": 2,
-                             "n_decoder_layers": 2, "dropout": 0.0},
-                      train={"max_steps": 200, "lr_schedule": "constant", "lr": 3e-3, "label_smoothing": 0.0,
-                             "valid_every": 200, "log_every": 50})
+    raw = tiny_config(
+        tmp_path,
+        data_dir=corpus,
+        model={"d_model": 64, "d_ff": 128, "n_heads": 4, "n_encoder_layers": 2, "n_decoder_layers": 2, "dropout": 0.0},
+        train={
+            "max_steps": 200,
+            "lr_schedule": "constant",
+            "lr": 3e-3,
+            "label_smoothing": 0.0,
+            "valid_every": 200,
+            "log_every": 50,
+        },
+    )
     run_dir = train(from_dict(raw), quiet=True)
     valid = [m for m in read_metrics(run_dir) if m.get("split") == "valid"]
     assert valid[-1]["nll"] < 0.05, valid  # memorised: next-token probability ~1 everywhere
@@ -84,8 +100,7 @@ def test_resume_continues_at_saved_step_and_matches_uninterrupted_run(tmp_path):
 def test_resume_refuses_model_change_and_applies_lr_change(tmp_path, caplog):
     raw = tiny_config(tmp_path, train={"max_steps": 4})
     train(from_dict(raw), quiet=True)
-    changed = tiny_config(tmp_path, data_dir=tmp_path / "corpus", model={"d_model": 48},
-                          train={"max_steps": 8})
+    changed = tiny_config(tmp_path, data_dir=tmp_path / "corpus", model={"d_model": 48}, train={"max_steps": 8})
     with pytest.raises(UserError, match=r"model\.d_model was 32 in the checkpoint and is 48 now"):
         train(from_dict(changed), resume=True, quiet=True)
     more = tiny_config(tmp_path, data_dir=tmp_path / "corpus", train={"max_steps": 8, "lr": 1.0})
@@ -93,7 +108,7 @@ def test_resume_refuses_model_change_and_applies_lr_change(tmp_path, caplog):
     log_text = (tmp_path / "run" / "train.log").read_text()
     assert "config change applies: train.lr: 2.0 -> 1.0" in log_text
     lr_step5 = [m["lr"] for m in read_metrics(tmp_path / "run") if m.get("step") == 5 and "lr" in m][0]
-    assert lr_step5 == pytest.approx(1.0 * 32 ** -0.5 * min(5 ** -0.5, 5 * 10 ** -1.5))  # the rate update 5 used
+    assert lr_step5 == pytest.approx(1.0 * 32**-0.5 * min(5**-0.5, 5 * 10**-1.5))  # the rate update 5 used
 
 
 def test_existing_run_needs_resume_and_resume_without_a_checkpoint_starts_over(tmp_path):
@@ -107,8 +122,9 @@ def test_existing_run_needs_resume_and_resume_without_a_checkpoint_starts_over(t
     for name in ("last.pt", "best.pt"):
         (other / name).unlink()
     (other / f".spm.model.a1b2c3d4{TEMP_SUFFIX}").write_bytes(b"torn")  # named as atomic_write names them
-    train(from_dict(tiny_config(tmp_path, "other", tmp_path / "corpus", train={"max_steps": 3})),
-          resume=True, quiet=True)
+    train(
+        from_dict(tiny_config(tmp_path, "other", tmp_path / "corpus", train={"max_steps": 3})), resume=True, quiet=True
+    )
     assert "yet (the run stopped before its first save); starting from step 0" in (other / "train.log").read_text()
     assert not list(other.glob(".*" + TEMP_SUFFIX))
     assert _state(other / "last.pt")["run"]["step"] == 3
@@ -149,8 +165,8 @@ def test_cli_train_writes_the_run_directory(tmp_path):
 
 
 def test_lines_the_progress_bar_shows_stay_off_the_console(tmp_path, capsys):
-    from transformer.training.loop import log, setup_logging
     from transformer.distributed import DistInfo
+    from transformer.training.loop import log, setup_logging
 
     setup_logging(tmp_path, DistInfo())
     log.info("step 7: loss 1.0", extra={"console": False})
@@ -165,13 +181,27 @@ def test_short_run_on_real_multi30k_lowers_validation_loss(tmp_path):
     data = shared_data_dir() / "multi30k"
     if not (data / "train.de").is_file():
         pytest.skip(f"real corpus not found at {data} (set TRANSFORMER_DATA)")
-    raw = tiny_config(tmp_path, data_dir=data,
-                      model={"d_model": 64, "d_ff": 256, "n_heads": 4, "n_encoder_layers": 2,
-                             "n_decoder_layers": 2, "max_positions": 128},
-                      data={"vocab_size": 1000, "max_len": 60, "max_tokens": 1500, "max_train_pairs": 3000,
-                            "max_valid_pairs": 200},
-                      train={"max_steps": 150, "lr_schedule": "inverse_sqrt", "warmup_steps": 50, "lr": 3e-3, "valid_every": 50,
-                             "log_every": 25})
+    raw = tiny_config(
+        tmp_path,
+        data_dir=data,
+        model={
+            "d_model": 64,
+            "d_ff": 256,
+            "n_heads": 4,
+            "n_encoder_layers": 2,
+            "n_decoder_layers": 2,
+            "max_positions": 128,
+        },
+        data={"vocab_size": 1000, "max_len": 60, "max_tokens": 1500, "max_train_pairs": 3000, "max_valid_pairs": 200},
+        train={
+            "max_steps": 150,
+            "lr_schedule": "inverse_sqrt",
+            "warmup_steps": 50,
+            "lr": 3e-3,
+            "valid_every": 50,
+            "log_every": 25,
+        },
+    )
     run_dir = train(from_dict(raw), quiet=True)
     valid = [m for m in read_metrics(run_dir) if m.get("split") == "valid"]
     assert [m["step"] for m in valid] == [50, 100, 150]
@@ -190,8 +220,9 @@ def test_validation_bleu_picks_best_and_early_stopping_follows_patience(tmp_path
         return {**scores, "bleu": next(scripted)}
 
     monkeypatch.setattr(scoring, "bleu_chrf", scripted_bleu)
-    raw = tiny_config(tmp_path, train={"max_steps": 40, "valid_every": 2, "valid_bleu": True, "patience": 2,
-                                       "log_every": 2})
+    raw = tiny_config(
+        tmp_path, train={"max_steps": 40, "valid_every": 2, "valid_bleu": True, "patience": 2, "log_every": 2}
+    )
     run_dir = train(from_dict(raw), quiet=True)
     valid = [m for m in read_metrics(run_dir) if m.get("split") == "valid"]
     assert [(m["step"], m["bleu"]) for m in valid] == [(2, 10.0), (4, 12.0), (6, 11.0), (8, 12.0)]
@@ -218,9 +249,11 @@ def test_resume_with_other_update_freq_and_adam_settings(tmp_path):
     raw = tiny_config(tmp_path, train={"max_steps": 5, "valid_every": 5})
     train(from_dict(raw), quiet=True)
     assert _state(tmp_path / "run" / "last.pt")["run"]["data"] == {"epoch": 0, "batches_done": 5}
-    more = tiny_config(tmp_path, data_dir=tmp_path / "corpus",
-                       train={"max_steps": 8, "valid_every": 4, "update_freq": 2, "adam_eps": 1e-6,
-                              "adam_betas": [0.9, 0.99]})
+    more = tiny_config(
+        tmp_path,
+        data_dir=tmp_path / "corpus",
+        train={"max_steps": 8, "valid_every": 4, "update_freq": 2, "adam_eps": 1e-6, "adam_betas": [0.9, 0.99]},
+    )
     train(from_dict(more), resume=True, quiet=True)  # 5 batches done do not split into updates of 2
     state = _state(tmp_path / "run" / "last.pt")
     assert state["run"]["step"] == 8
@@ -245,28 +278,34 @@ def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipp
     import time
 
     from transformer.data.batching import BatchStream
-    from transformer.distributed import DistInfo
-    from transformer.training.optim import label_smoothed_loss
-    from transformer.signals import StopRequested
     from transformer.data.store import open_prepared
     from transformer.data.vocab import PAD_ID
+    from transformer.distributed import DistInfo
+    from transformer.signals import StopRequested
+    from transformer.training.optim import label_smoothed_loss
 
     # fp32: the reference below runs without autocast, which auto would turn on where the CPU has native bf16.
-    cfg = from_dict(tiny_config(tmp_path, model={"dropout": 0.0},
-                                train={"update_freq": 2, "clip_norm": clip_norm, "peak_tflops": 1.0,
-                                       "precision": "fp32"}))
+    cfg = from_dict(
+        tiny_config(
+            tmp_path,
+            model={"dropout": 0.0},
+            train={"update_freq": 2, "clip_norm": clip_norm, "peak_tflops": 1.0, "precision": "fp32"},
+        )
+    )
     train_module.prepare_only(cfg)
     run_dir = tmp_path / "run"
     vocab = Vocab.load(run_dir / "spm.model")
     store = open_prepared(cfg, run_dir, vocab)
-    run = train_module.build(cfg, DistInfo(), torch.device("cpu"), run_dir, "resume", vocab, store, None,
-                             time.perf_counter())
+    run = train_module.build(
+        cfg, DistInfo(), torch.device("cpu"), run_dir, "resume", vocab, store, None, time.perf_counter()
+    )
     update = BatchStream(store.corpus("train"), cfg.data, seed=1, update_freq=2).next_update()
     assert update.batches[0].n_tgt_tokens != update.batches[1].n_tgt_tokens
 
     reference = copy.deepcopy(run.model)
-    losses = [label_smoothed_loss(reference(b.src, b.tgt_in, b.src_mask, b.tgt_mask), b.tgt_out, 0.1)
-              for b in update.batches]
+    losses = [
+        label_smoothed_loss(reference(b.src, b.tgt_in, b.src_mask, b.tgt_mask), b.tgt_out, 0.1) for b in update.batches
+    ]
     tokens = sum(int((b.tgt_out != PAD_ID).sum()) for b in update.batches)
     (sum(losses) / tokens).backward()
     norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_norm or float("inf"))
@@ -274,8 +313,10 @@ def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipp
 
     stepped = []
     step = run.optimizer.step
-    run.optimizer.step = lambda *a, **k: (stepped.append([p.grad.clone() for p in run.model.parameters()]),
-                                          step(*a, **k))[1]
+    run.optimizer.step = lambda *a, **k: (
+        stepped.append([p.grad.clone() for p in run.model.parameters()]),
+        step(*a, **k),
+    )[1]
     result = train_module.train_update(run, update, StopRequested())
     assert result.loss == pytest.approx(float(sum(losses).detach()), rel=1e-5) and not result.nonfinite
     assert len(stepped) == 1
@@ -293,16 +334,26 @@ def test_best_pt_is_the_validation_with_the_lowest_loss(tmp_path):
     assert load_checkpoint(run_dir / "last.pt")["run"]["best"] == pytest.approx(lowest["loss"])
 
 
-@pytest.mark.parametrize("key, value", [("data.vocab_size", 48), ("data.src_lang", "fr"), ("data.tgt_lang", "fr"),
-                                        ("data.spm_model_type", "unigram"), ("model.d_ff", 128)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("data.vocab_size", 48),
+        ("data.src_lang", "fr"),
+        ("data.tgt_lang", "fr"),
+        ("data.spm_model_type", "unigram"),
+        ("model.d_ff", 128),
+    ],
+)
 def test_resume_refuses_a_change_to_the_model_or_its_vocabulary(tmp_path, key, value):
     from transformer.training.run_state import check_resume_config
 
     section, name = key.split(".")
     saved = from_dict(tiny_config(tmp_path, data_dir=tmp_path))
     changed = from_dict(tiny_config(tmp_path, data_dir=tmp_path, **{section: {name: value}}))
-    with pytest.raises(UserError, match=f"resume: {key} was .* in the checkpoint and is {value!r} now; the model "
-                                        "and vocabulary cannot change"):
+    with pytest.raises(
+        UserError,
+        match=f"resume: {key} was .* in the checkpoint and is {value!r} now; the model and vocabulary cannot change",
+    ):
         check_resume_config(saved, changed)
 
 
@@ -310,8 +361,9 @@ def test_resume_refuses_a_change_to_the_model_or_its_vocabulary(tmp_path, key, v
 def test_resume_refuses_switching_between_adam_and_adamw(tmp_path, before, after, allowed):
     from transformer.training.run_state import check_resume_config
 
-    saved, new = (from_dict(tiny_config(tmp_path, data_dir=tmp_path, train={"weight_decay": w}))
-                  for w in (before, after))
+    saved, new = (
+        from_dict(tiny_config(tmp_path, data_dir=tmp_path, train={"weight_decay": w})) for w in (before, after)
+    )
     if allowed:
         changes = check_resume_config(saved, new)
         assert [(c.key, c.before, c.after) for c in changes] == [("train.weight_decay", 0.01, 0.1)]
@@ -343,8 +395,10 @@ def test_resume_restarts_the_epoch_when_the_training_corpus_changed(tmp_path, ed
     assert _state(tmp_path / "run" / "last.pt")["run"]["data"]["batches_done"] == (2 if restarts else 6)
 
 
-@pytest.mark.parametrize("change, restarts", [({"train": {"seed": 4}}, True), ({"data": {"max_tokens": 150}}, True),
-                                              ({"train": {"lr": 1.0}}, False)])
+@pytest.mark.parametrize(
+    "change, restarts",
+    [({"train": {"seed": 4}}, True), ({"data": {"max_tokens": 150}}, True), ({"train": {"lr": 1.0}}, False)],
+)
 def test_resume_restarts_the_epoch_when_the_data_order_changes(tmp_path, change, restarts):
     train(from_dict(tiny_config(tmp_path, train={"max_steps": 4, "valid_every": 4})), quiet=True)
     assert _state(tmp_path / "run" / "last.pt")["run"]["data"] == {"epoch": 0, "batches_done": 4}
@@ -407,8 +461,11 @@ def test_training_time_adds_up_across_resumes(tmp_path):
 def test_a_run_resumes_from_its_store_when_the_corpus_is_gone(tmp_path):
     train(from_dict(tiny_config(tmp_path, train={"max_steps": 2, "valid_every": 2})), quiet=True)
     (tmp_path / "corpus").rename(tmp_path / "moved")
-    train(from_dict(tiny_config(tmp_path, data_dir=tmp_path / "corpus", train={"max_steps": 4, "valid_every": 2})),
-          resume=True, quiet=True)
+    train(
+        from_dict(tiny_config(tmp_path, data_dir=tmp_path / "corpus", train={"max_steps": 4, "valid_every": 2})),
+        resume=True,
+        quiet=True,
+    )
     assert _state(tmp_path / "run" / "last.pt")["run"]["step"] == 4
     assert "using the prepared store" in (tmp_path / "run" / "train.log").read_text()
 
@@ -441,8 +498,11 @@ def test_a_compiled_training_step_runs_on_a_cpu(tmp_path):
     # train.compile: the model and its loss compiled together (train.TrainingLoss), dynamic shapes, as one graph
     # (no token packing inside it); the tiniest model, since Inductor compiles C++ on a CPU. Lengths padded to 8, as
     # CUDA needs, so that one compilation serves every batch. tests/integration/test_cuda.py compiles one on a GPU.
-    raw = tiny_config(tmp_path, data={"pad_to_multiple": 8},
-                      train={"compile": True, "max_steps": 2, "valid_every": 2, "precision": "fp32"})
+    raw = tiny_config(
+        tmp_path,
+        data={"pad_to_multiple": 8},
+        train={"compile": True, "max_steps": 2, "valid_every": 2, "precision": "fp32"},
+    )
     run_dir = train(from_dict(raw), quiet=True)
     state = _state(run_dir / "last.pt")
     assert state["run"]["step"] == 2

@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from transformer.config import Config, TrainConfig, from_dict
-from transformer.training.optim import build_optimizer, inverse_sqrt, label_smoothed_loss, lr_at, noam, set_hyperparameters
 from transformer.data.vocab import PAD_ID
+from transformer.training.optim import (
+    build_optimizer,
+    inverse_sqrt,
+    label_smoothed_loss,
+    lr_at,
+    noam,
+    set_hyperparameters,
+)
 
 
 def hand_loss(logits: torch.Tensor, target: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,7 +75,7 @@ def test_label_smoothed_loss_is_a_sum_and_has_gradients():
 def test_noam_values():
     d, w = 512, 4000
     for step in (1, 10, 100, 3999, 4000, 4001, 10000, 100000):
-        expected = d ** -0.5 * min(step ** -0.5, step * w ** -1.5)
+        expected = d**-0.5 * min(step**-0.5, step * w**-1.5)
         assert noam(step, d, w) == pytest.approx(expected, rel=1e-12)
     # Linear during warmup ...
     assert noam(2000, d, w) == pytest.approx(2 * noam(1000, d, w))
@@ -82,7 +89,7 @@ def test_noam_peaks_at_warmup():
     d, w = 256, 100
     values = [noam(s, d, w) for s in range(1, 1000)]
     assert max(range(len(values)), key=values.__getitem__) + 1 == w
-    assert values[w - 1] == pytest.approx(d ** -0.5 * w ** -0.5)
+    assert values[w - 1] == pytest.approx(d**-0.5 * w**-0.5)
 
 
 def test_inverse_sqrt_values():
@@ -96,8 +103,10 @@ def test_inverse_sqrt_values():
 
 
 def cfg_with(**train) -> Config:
-    raw = {"model": {"d_model": 32, "n_heads": 2, "n_encoder_layers": 1, "n_decoder_layers": 1, "d_ff": 64},
-           "train": train}
+    raw = {
+        "model": {"d_model": 32, "n_heads": 2, "n_encoder_layers": 1, "n_decoder_layers": 1, "d_ff": 64},
+        "train": train,
+    }
     return from_dict(raw)
 
 
@@ -106,7 +115,7 @@ def test_lr_at(schedule, lr):
     cfg = cfg_with(lr_schedule=schedule, lr=lr, warmup_steps=10)
     for step in (1, 5, 10, 20, 1000):
         if schedule == "noam":
-            expected = lr * 32 ** -0.5 * min(step ** -0.5, step * 10 ** -1.5)
+            expected = lr * 32**-0.5 * min(step**-0.5, step * 10**-1.5)
         elif schedule == "inverse_sqrt":
             expected = lr * min(step / 10, math.sqrt(10 / step))
         else:

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from tests.conftest import png_size, sentences
-from transformer.visualize.attention import KINDS, collect_attention, inspect_attention, recording
-from transformer.data.batch import Batch, target_mask
-from transformer.model.checkpoint import save_checkpoint
 from transformer.cli import main
 from transformer.config import Config, DataConfig, ModelConfig, to_dict
+from transformer.data.batch import Batch, target_mask
+from transformer.data.vocab import PAD_ID, train_vocab
 from transformer.errors import UserError
 from transformer.inference.settings import SearchSettings
+from transformer.model.checkpoint import save_checkpoint
 from transformer.model.transformer import Transformer
-from transformer.data.vocab import PAD_ID, train_vocab
+from transformer.visualize.attention import KINDS, collect_attention, inspect_attention, recording
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,19 @@ def vocab():
 
 @pytest.fixture(scope="module")
 def cfg():
-    return Config(model=ModelConfig(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=3, d_ff=64,
-                                    dropout=0.1, attention_dropout=0.1, max_positions=64),
-                  data=DataConfig(max_len=40))
+    return Config(
+        model=ModelConfig(
+            d_model=32,
+            n_heads=4,
+            n_encoder_layers=2,
+            n_decoder_layers=3,
+            d_ff=64,
+            dropout=0.1,
+            attention_dropout=0.1,
+            max_positions=64,
+        ),
+        data=DataConfig(max_len=40),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +54,10 @@ def checkpoint(tmp_path_factory, model, vocab, cfg):
 
 
 def padded_batch(vocab) -> Batch:
-    pairs = [(vocab.encode(["the big dog runs on the house"])[0], vocab.encode(["der hund läuft"])[0]),
-             (vocab.encode(["a cat"])[0], vocab.encode(["die katze läuft auf dem haus"])[0])]
+    pairs = [
+        (vocab.encode(["the big dog runs on the house"])[0], vocab.encode(["der hund läuft"])[0]),
+        (vocab.encode(["a cat"])[0], vocab.encode(["die katze läuft auf dem haus"])[0]),
+    ]
     return Batch.from_pairs(pairs)
 
 
@@ -60,8 +72,8 @@ def test_weights_are_distributions_and_respect_masks(model, vocab):
         assert tuple(w.shape) == expected[kind]
         assert torch.isfinite(w).all() and (w >= 0).all()
         torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))
-    src_pad = batch.src == PAD_ID          # (B, S)
-    tgt_pad = batch.tgt_in == PAD_ID       # (B, T)
+    src_pad = batch.src == PAD_ID  # (B, S)
+    tgt_pad = batch.tgt_in == PAD_ID  # (B, T)
     assert src_pad.any() and tgt_pad.any(), "the batch must contain padding on both sides"
     for kind, pad in (("encoder", src_pad), ("cross", src_pad), ("decoder", tgt_pad)):
         keys = pad[None, :, None, None, :].expand_as(weights[kind])
@@ -81,10 +93,14 @@ def test_weights_reproduce_the_fast_path_output(model, vocab):
         def fn(module, args, kwargs, output):
             key_value = args[1] if len(args) > 1 else kwargs["key_value"]
             calls[name] = (key_value.detach(), output.detach(), kwargs.get("packing"))
+
         return fn
 
-    handles = [m.register_forward_hook(hook((kind, i)), with_kwargs=True)
-               for kind in KINDS for i, m in enumerate(modules[kind])]
+    handles = [
+        m.register_forward_hook(hook((kind, i)), with_kwargs=True)
+        for kind in KINDS
+        for i, m in enumerate(modules[kind])
+    ]
     try:
         with torch.no_grad():  # fast path: record is None; the explicit mask collect_attention uses
             fast_logits = model(batch.src, batch.tgt_in, batch.src_mask, target_mask(batch.tgt_in))
@@ -96,10 +112,10 @@ def test_weights_reproduce_the_fast_path_output(model, vocab):
     for (kind, i), (key_value, output, packing) in calls.items():
         m = modules[kind][i]
         with torch.no_grad():
-            v = m._project(m.v_proj, key_value, packing)                  # (B, H, Tk, Dh)
-            mixed = weights[kind][i] @ v                                  # (B, H, Tq, Dh)
+            v = m._project(m.v_proj, key_value, packing)  # (B, H, Tk, Dh)
+            mixed = weights[kind][i] @ v  # (B, H, Tq, Dh)
             b, _, tq, _ = mixed.shape
-            mixed = mixed.transpose(1, 2).reshape(b, tq, -1)              # (B, Tq, C)
+            mixed = mixed.transpose(1, 2).reshape(b, tq, -1)  # (B, Tq, C)
             rebuilt = m.out_proj(packing.pack(mixed) if packing is not None else mixed)
         torch.testing.assert_close(rebuilt, output, atol=1e-5, rtol=1e-4, msg=lambda m: f"{kind} {i}: {m}")
     assert len(calls) == 2 + 3 + 3
@@ -149,13 +165,39 @@ def test_attention_command_writes_pngs(checkpoint, tmp_path, capsys):
     assert all(w > 300 and h > 200 for w, h in sizes.values())
     # Grids grow with the sentence; a longer one must give a bigger picture.
     long_out = tmp_path / "long.png"
-    main(["attention", str(checkpoint), " ".join(["the big dog runs on the house"] * 4), "--target",
-          "der hund läuft", "--kind", "encoder", "--out", str(long_out)])
+    main(
+        [
+            "attention",
+            str(checkpoint),
+            " ".join(["the big dog runs on the house"] * 4),
+            "--target",
+            "der hund läuft",
+            "--kind",
+            "encoder",
+            "--out",
+            str(long_out),
+        ]
+    )
     assert png_size(long_out)[0] > sizes["att_encoder.png"][0]
     # One layer and head: one large map, written to exactly --out.
     single = tmp_path / "one.png"
-    main(["attention", str(checkpoint), "the big dog", "--target", "der hund", "--layer", "3", "--head", "2",
-          "--kind", "cross", "--out", str(single)])
+    main(
+        [
+            "attention",
+            str(checkpoint),
+            "the big dog",
+            "--target",
+            "der hund",
+            "--layer",
+            "3",
+            "--head",
+            "2",
+            "--kind",
+            "cross",
+            "--out",
+            str(single),
+        ]
+    )
     assert capsys.readouterr().out.split()[-1] == str(single)
     assert png_size(single) == (7 * DPI, 6 * DPI)  # the minimum size, for a short sentence
     svg = tmp_path / "att.svg"
@@ -163,20 +205,20 @@ def test_attention_command_writes_pngs(checkpoint, tmp_path, capsys):
     assert svg.read_text().lstrip().startswith("<?xml")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--layer", "4"], "--layer 4 is out of range: the encoder attention has 2 layers"),
-    (["--head", "0"], "--head 0 is out of range"),
-    (["--kind", "decoder", "--layer", "3", "--head", "5"], "--head 5 is out of range"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--layer", "4"], "--layer 4 is out of range: the encoder attention has 2 layers"),
+        (["--head", "0"], "--head 0 is out of range"),
+        (["--kind", "decoder", "--layer", "3", "--head", "5"], "--head 5 is out of range"),
+    ],
+)
 def test_attention_bad_indexes(checkpoint, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
-        main(["attention", str(checkpoint), "the dog", "--target", "der hund", "--out", str(tmp_path / "x.png")]
-             + argv)
+        main(["attention", str(checkpoint), "the dog", "--target", "der hund", "--out", str(tmp_path / "x.png")] + argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
-
-
 
 
 def test_a_target_is_read_up_to_the_decoders_positions_and_the_limit_counts_its_pieces(model, vocab, cfg):
@@ -184,6 +226,8 @@ def test_a_target_is_read_up_to_the_decoders_positions_and_the_limit_counts_its_
     word = next(w for w in ("der", "die", "das", "hund") if len(vocab.encode([w])[0]) == 1)
     fits = inspect_attention(model, vocab, "the dog", " ".join([word] * (cfg.model.max_positions - 1)))
     assert len(fits.target_pieces) == cfg.model.max_positions
-    with pytest.raises(UserError, match=f"is {cfg.model.max_positions} pieces long; this model accepts at most "
-                                        f"{cfg.model.max_positions - 1}$"):
+    with pytest.raises(
+        UserError,
+        match=f"is {cfg.model.max_positions} pieces long; this model accepts at most {cfg.model.max_positions - 1}$",
+    ):
         inspect_attention(model, vocab, "the dog", " ".join([word] * cfg.model.max_positions))

@@ -42,8 +42,12 @@ def test_plot_positions(tmp_path, capsys):
 def write_metrics(path, bleu: bool) -> None:
     with path.open("w") as f:
         for step in range(10, 201, 10):
-            f.write(json.dumps({"step": step, "split": "train", "loss": 5 / math.sqrt(step), "lr": 1e-3,
-                                "tokens_per_s": 1000.0}) + "\n")
+            f.write(
+                json.dumps(
+                    {"step": step, "split": "train", "loss": 5 / math.sqrt(step), "lr": 1e-3, "tokens_per_s": 1000.0}
+                )
+                + "\n"
+            )
             if step % 50 == 0:
                 row = {"step": step, "split": "valid", "loss": 6 / math.sqrt(step), "nll": 1.0, "ppl": 2.7}
                 if bleu:
@@ -74,10 +78,12 @@ def test_plot_training_curves(tmp_path, capsys):
 def test_training_curves_against_wall_time():
     from transformer.visualize.plots import _series, training_curves
 
-    rows = [{"step": 100, "split": "valid", "loss": 3.0, "elapsed": 60.0},
-            {"step": 200, "split": "valid", "loss": 2.5, "elapsed": 150.0},
-            {"step": 200, "split": "valid", "loss": 2.4, "elapsed": 180.0},  # redone after a resume: the later wins
-            {"step": 300, "split": "valid", "loss": 2.2}]                    # an older run's line: no time
+    rows = [
+        {"step": 100, "split": "valid", "loss": 3.0, "elapsed": 60.0},
+        {"step": 200, "split": "valid", "loss": 2.5, "elapsed": 150.0},
+        {"step": 200, "split": "valid", "loss": 2.4, "elapsed": 180.0},  # redone after a resume: the later wins
+        {"step": 300, "split": "valid", "loss": 2.2},
+    ]  # an older run's line: no time
     assert _series(rows, "valid", "loss", "elapsed") == ([1.0, 3.0], [3.0, 2.4])
     assert _series(rows, "valid", "loss") == ([100, 200, 300], [3.0, 2.4, 2.2])
     with pytest.raises(UserError, match="against time"):

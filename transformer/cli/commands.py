@@ -15,16 +15,18 @@ if TYPE_CHECKING:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from transformer.config import load_config
-    from transformer.training.run_state import run_config
     from transformer.training.loop import train
+    from transformer.training.run_state import run_config
 
     config, resume = args.config, args.resume
     if isinstance(resume, str) and config is None and Path(resume).is_file():
         config, resume = resume, True  # `train --resume CONFIG` is `train CONFIG --resume`
     if isinstance(resume, str):  # --resume RUN_DIR: the run's own config.yaml, --set on top
         if config is not None:
-            raise UserError("train: give CONFIG --resume (the run in the config's train.run_dir) or --resume "
-                            "RUN_DIR (the run's own config.yaml), not both")
+            raise UserError(
+                "train: give CONFIG --resume (the run in the config's train.run_dir) or --resume "
+                "RUN_DIR (the run's own config.yaml), not both"
+            )
         train(run_config(resume, args.set), resume=True, overrides=args.set)
         return
     if config is None:
@@ -40,9 +42,16 @@ def _search_flags(args: argparse.Namespace) -> SearchFlags:
 
     if args.int8 and args.dtype not in (None, "int8"):
         raise UserError(f"--int8 means --dtype int8; it cannot go with --dtype {args.dtype}")
-    return SearchFlags(beam=args.beam, lenpen=args.lenpen, stop=args.stop, max_tokens=args.max_tokens,
-                       workers=args.workers, dtype="int8" if args.int8 else args.dtype or "auto", engine=args.engine,
-                       nbest=getattr(args, "nbest", None))
+    return SearchFlags(
+        beam=args.beam,
+        lenpen=args.lenpen,
+        stop=args.stop,
+        max_tokens=args.max_tokens,
+        workers=args.workers,
+        dtype="int8" if args.int8 else args.dtype or "auto",
+        engine=args.engine,
+        nbest=getattr(args, "nbest", None),
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -55,11 +64,11 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 def cmd_finish(args: argparse.Namespace) -> None:
     from transformer.device import pick_device
+    from transformer.distributed import DistInfo
+    from transformer.run_dir import RunDir
     from transformer.training.end_of_training import finish
     from transformer.training.lock import RunLock
     from transformer.training.metrics import setup_logging
-    from transformer.distributed import DistInfo
-    from transformer.run_dir import RunDir
 
     run_dir = Path(args.run)
     if not RunDir(run_dir).last.is_file():
@@ -70,10 +79,10 @@ def cmd_finish(args: argparse.Namespace) -> None:
 
 
 def cmd_attention(args: argparse.Namespace) -> None:
+    from transformer.inference.settings import SearchFlags, beam_above_vocabulary, search_settings
     from transformer.model.checkpoint import load_model
     from transformer.visualize.attention import KINDS, inspect_attention
     from transformer.visualize.plots import output_path, write_attention_figures
-    from transformer.inference.settings import SearchFlags, beam_above_vocabulary, search_settings
 
     output_path(args.out, "attention")  # a bad suffix or a directory fails before the model is loaded
     flags = SearchFlags(beam=args.beam)
@@ -97,8 +106,8 @@ def cmd_plot_positions(args: argparse.Namespace) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
-    from transformer.visualize.plots import save, training_curves
     from transformer.training.metrics import read_metrics
+    from transformer.visualize.plots import save, training_curves
 
     x = "elapsed" if args.x == "time" else "step"
     print(save(training_curves(read_metrics(args.run), title=f"Training: {args.run}", x=x), args.out))
@@ -123,8 +132,10 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     if args.format == "hf":
         if args.quantization is not None:
-            raise UserError("export hf: --quantization is for ctranslate2 only (the hf export writes float32 weights; "
-                            "from_pretrained converts them when it loads, with its dtype argument)")
+            raise UserError(
+                "export hf: --quantization is for ctranslate2 only (the hf export writes float32 weights; "
+                "from_pretrained converts them when it loads, with its dtype argument)"
+            )
         from transformer.inference.hf_export import run_export_hf
 
         run_export_hf(args.checkpoint, args.out, args.force)
@@ -146,13 +157,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except ModuleNotFoundError as e:
         if e.name not in SERVE_MODULES:
             raise
-        raise UserError(f"serve needs the 'serve' extra ({e.name} is not installed): "
-                        "pip install 'transformer[serve]'") from None
-    settings = ServeSettings(batch_window_ms=args.batch_window_ms, max_sentences=args.max_sentences,
-                             max_chars=args.max_chars, max_beam=args.max_beam, max_pending=args.max_pending,
-                             max_answer_values=args.max_answer_values, max_connections=args.max_connections,
-                             read_timeout_s=args.read_timeout, keep_alive_s=args.keep_alive_timeout,
-                             drain_s=args.drain_timeout, allow_hosts=tuple(args.allow_host))
+        raise UserError(
+            f"serve needs the 'serve' extra ({e.name} is not installed): pip install 'transformer[serve]'"
+        ) from None
+    settings = ServeSettings(
+        batch_window_ms=args.batch_window_ms,
+        max_sentences=args.max_sentences,
+        max_chars=args.max_chars,
+        max_beam=args.max_beam,
+        max_pending=args.max_pending,
+        max_answer_values=args.max_answer_values,
+        max_connections=args.max_connections,
+        read_timeout_s=args.read_timeout,
+        keep_alive_s=args.keep_alive_timeout,
+        drain_s=args.drain_timeout,
+        allow_hosts=tuple(args.allow_host),
+    )
     run_serve(args.checkpoint, args.host, args.port, settings, args.device, flags)
 
 

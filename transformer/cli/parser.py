@@ -10,7 +10,8 @@ import logging
 import os
 import sys
 import traceback
-from typing import Mapping, NoReturn, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 from transformer.cli import commands
 from transformer.errors import UserError
@@ -42,94 +43,139 @@ def _sentence(argument: str) -> str:
 
 def _add_train(sub) -> None:
     p = sub.add_parser(
-        "train", help="train a model from a YAML config",
+        "train",
+        help="train a model from a YAML config",
         description="Train a model from a YAML config. The run directory (train.run_dir) receives the "
-                    "effective config, the SentencePiece model, the prepared store, metrics.jsonl, train.log, "
-                    "last.pt and best.pt; it is locked (train.lock) while a training process owns it. When "
-                    "training ends (unless train.finish is false) the last checkpoints are averaged (with "
-                    "train.keep_last >= 2), the checkpoint and the length penalty are chosen on the validation "
-                    "set, the test split is translated and scored, and a summary is printed and written to "
-                    "summary.json; final.pt is then what `translate RUN_DIR` uses. With train.init_from: "
-                    "RUN_DIR_OR_CHECKPOINT (or --set train.init_from=...), a new run starts from that model's "
-                    "weights and vocabulary (fine-tuning), with a fresh optimizer, schedule and data.",
+        "effective config, the SentencePiece model, the prepared store, metrics.jsonl, train.log, "
+        "last.pt and best.pt; it is locked (train.lock) while a training process owns it. When "
+        "training ends (unless train.finish is false) the last checkpoints are averaged (with "
+        "train.keep_last >= 2), the checkpoint and the length penalty are chosen on the validation "
+        "set, the test split is translated and scored, and a summary is printed and written to "
+        "summary.json; final.pt is then what `translate RUN_DIR` uses. With train.init_from: "
+        "RUN_DIR_OR_CHECKPOINT (or --set train.init_from=...), a new run starts from that model's "
+        "weights and vocabulary (fine-tuning), with a fresh optimizer, schedule and data.",
         epilog="To continue a stopped run: `transformer train CONFIG --resume` (the config file again, with the "
-               "same --set overrides) or `transformer train --resume RUN_DIR` (the run's own config.yaml, which "
-               "holds the overrides it was started with; --set on top applies like a changed config).",
+        "same --set overrides) or `transformer train --resume RUN_DIR` (the run's own config.yaml, which "
+        "holds the overrides it was started with; --set on top applies like a changed config).",
     )
     p.add_argument("config", nargs="?", help="YAML config file, e.g. configs/multi30k.yaml")
-    p.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
-                   help="override one config value (repeatable), e.g. --set train.max_steps=500")
-    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
-                   help="continue the run in train.run_dir (or in RUN_DIR, with its own config.yaml) from its "
-                        "last.pt at the saved step")
+    p.add_argument(
+        "--set",
+        metavar="SECTION.KEY=VALUE",
+        action="append",
+        default=[],
+        help="override one config value (repeatable), e.g. --set train.max_steps=500",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="RUN_DIR",
+        help="continue the run in train.run_dir (or in RUN_DIR, with its own config.yaml) from its "
+        "last.pt at the saved step",
+    )
     p.set_defaults(func=commands.cmd_train)
 
 
 def _add_prepare(sub) -> None:
     p = sub.add_parser(
-        "prepare", help="build the vocabulary and the memory-mapped token store, without training",
+        "prepare",
+        help="build the vocabulary and the memory-mapped token store, without training",
         description="Train (or reuse) the run's SentencePiece model and encode the training and validation splits "
-                    "once into train.run_dir/store: flat numpy token files that training memory-maps, so every "
-                    "start, resume and rank begins in seconds. `train` does this itself when the store is missing "
-                    "or its inputs changed; run `prepare` on one machine before training on many (under torchrun "
-                    "every rank maps the same files). With train.init_from (a run that starts from a trained "
-                    "model) the store is encoded with that model's vocabulary, and how well it fits the new data is "
-                    "reported (pieces per word, unknown pieces). Prints the store directory.",
+        "once into train.run_dir/store: flat numpy token files that training memory-maps, so every "
+        "start, resume and rank begins in seconds. `train` does this itself when the store is missing "
+        "or its inputs changed; run `prepare` on one machine before training on many (under torchrun "
+        "every rank maps the same files). With train.init_from (a run that starts from a trained "
+        "model) the store is encoded with that model's vocabulary, and how well it fits the new data is "
+        "reported (pieces per word, unknown pieces). Prints the store directory.",
     )
     p.add_argument("config", help="YAML config file, e.g. configs/base.yaml")
-    p.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
-                   help="override one config value (repeatable), e.g. --set data.dir=data/wmt14")
+    p.add_argument(
+        "--set",
+        metavar="SECTION.KEY=VALUE",
+        action="append",
+        default=[],
+        help="override one config value (repeatable), e.g. --set data.dir=data/wmt14",
+    )
     p.set_defaults(func=commands.cmd_prepare)
 
 
 def _add_finish(sub) -> None:
     p = sub.add_parser(
-        "finish", help="the end of training again: average, choose on validation, score the test split",
+        "finish",
+        help="the end of training again: average, choose on validation, score the test split",
         description="What `train` does when training ends, for a run directory: average the last train.keep_last "
-                    "step checkpoints, choose between the average and best.pt by validation BLEU, choose the "
-                    "length penalty (and beam) on the validation set, translate and score the test split, and "
-                    "write final.pt (the chosen weights with the chosen search settings), summary.json and "
-                    "config.yaml. For a run stopped while it was finishing, or trained with train.finish false.",
+        "step checkpoints, choose between the average and best.pt by validation BLEU, choose the "
+        "length penalty (and beam) on the validation set, translate and score the test split, and "
+        "write final.pt (the chosen weights with the chosen search settings), summary.json and "
+        "config.yaml. For a run stopped while it was finishing, or trained with train.finish false.",
     )
     p.add_argument("run", metavar="RUN_DIR", help="a run directory holding last.pt and best.pt")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where to translate (default auto: CUDA when available)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where to translate (default auto: CUDA when available)",
+    )
     p.set_defaults(func=commands.cmd_finish)
 
 
 def _add_attention(sub) -> None:
     p = sub.add_parser(
-        "attention", help="plot the attention weights of every layer and head for one sentence",
+        "attention",
+        help="plot the attention weights of every layer and head for one sentence",
         description="Run one sentence through a trained model and plot its attention weights: encoder "
-                    "self-attention, masked decoder self-attention and encoder-decoder (cross) attention, "
-                    "one figure per kind with a grid of layers (rows) x heads (columns). Without --target the "
-                    "decoder reads the model's own translation (beam search with the checkpoint's decode "
-                    "settings). Rows are queries, columns are keys, both labelled with SentencePiece pieces "
-                    "(U+2581 marks a word start); every row sums to 1.",
+        "self-attention, masked decoder self-attention and encoder-decoder (cross) attention, "
+        "one figure per kind with a grid of layers (rows) x heads (columns). Without --target the "
+        "decoder reads the model's own translation (beam search with the checkpoint's decode "
+        "settings). Rows are queries, columns are keys, both labelled with SentencePiece pieces "
+        "(U+2581 marks a word start); every row sums to 1.",
     )
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT",
-                   help="a run directory (its final.pt, else best.pt, else last.pt) or a checkpoint file")
+    p.add_argument(
+        "checkpoint",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory (its final.pt, else best.pt, else last.pt) or a checkpoint file",
+    )
     p.add_argument("source", type=_sentence, help='the source sentence, e.g. "Ein Hund rennt durch den Schnee."')
-    p.add_argument("--target", type=_sentence, metavar="SENTENCE",
-                   help="force-decode this translation instead of the model's own")
+    p.add_argument(
+        "--target", type=_sentence, metavar="SENTENCE", help="force-decode this translation instead of the model's own"
+    )
     p.add_argument("--layer", type=int, metavar="L", help="only layer L (numbered from 1, as in the figures)")
-    p.add_argument("--head", type=int, metavar="H",
-                   help="only head H (numbered from 1); with --layer, one large map with the weights printed")
-    p.add_argument("--kind", choices=("all", "encoder", "decoder", "cross"), default="all",
-                   help="which attention to plot (default: all three, one file each)")
-    p.add_argument("--beam", type=int, metavar="N",
-                   help="beam size for the model's own translation (default: the checkpoint's decode.beam; 1 = greedy)")
-    p.add_argument("--out", required=True, metavar="FILE",
-                   help="image file; .png (default) or .svg/.pdf. With several kinds the files are FILE's stem "
-                        "+ _encoder, _decoder, _cross; the written paths are printed")
+    p.add_argument(
+        "--head",
+        type=int,
+        metavar="H",
+        help="only head H (numbered from 1); with --layer, one large map with the weights printed",
+    )
+    p.add_argument(
+        "--kind",
+        choices=("all", "encoder", "decoder", "cross"),
+        default="all",
+        help="which attention to plot (default: all three, one file each)",
+    )
+    p.add_argument(
+        "--beam",
+        type=int,
+        metavar="N",
+        help="beam size for the model's own translation (default: the checkpoint's decode.beam; 1 = greedy)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="image file; .png (default) or .svg/.pdf. With several kinds the files are FILE's stem "
+        "+ _encoder, _decoder, _cross; the written paths are printed",
+    )
     p.set_defaults(func=commands.cmd_attention)
 
 
 def _add_plot_positions(sub) -> None:
     p = sub.add_parser(
-        "plot-positions", help="plot the sinusoidal positional-encoding table",
+        "plot-positions",
+        help="plot the sinusoidal positional-encoding table",
         description="Plot the sinusoidal positional encodings as a heat map: one row per position, "
-                    "one column per dimension, values in -1..1.",
+        "one column per dimension, values in -1..1.",
     )
     p.add_argument("--d-model", type=int, default=512, help="model width (even; default 512)")
     p.add_argument("--length", type=int, default=100, help="number of positions (default 100)")
@@ -139,44 +185,72 @@ def _add_plot_positions(sub) -> None:
 
 def _add_plot(sub) -> None:
     p = sub.add_parser(
-        "plot", help="plot training curves from a run's metrics.jsonl",
+        "plot",
+        help="plot training curves from a run's metrics.jsonl",
         description="Plot a run's training curves from its metrics.jsonl: train and valid loss, valid "
-                    "perplexity, valid BLEU (when logged) and the learning rate against steps, or against training "
-                    "wall time with --x time. Works on a run that is still training.",
+        "perplexity, valid BLEU (when logged) and the learning rate against steps, or against training "
+        "wall time with --x time. Works on a run that is still training.",
     )
     p.add_argument("run", metavar="RUN_DIR", help="a run directory (or its metrics.jsonl)")
     p.add_argument("--out", required=True, metavar="FILE", help="image file: .png (default), .svg or .pdf")
-    p.add_argument("--x", choices=("step", "time"), default="step",
-                   help="against optimizer updates (default) or training wall time in minutes (time to quality)")
+    p.add_argument(
+        "--x",
+        choices=("step", "time"),
+        default="step",
+        help="against optimizer updates (default) or training wall time in minutes (time to quality)",
+    )
     p.set_defaults(func=commands.cmd_plot)
 
 
 def _add_translate(sub) -> None:
     p = sub.add_parser(
-        "translate", help="translate sentences with a trained model",
+        "translate",
+        help="translate sentences with a trained model",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Translate sentences given as arguments, read from --input FILE, or read from stdin\n"
-                    "line by line (each line is translated as soon as it arrives, so interactive use works).\n"
-                    "Prints one translation per input line, in input order; an empty input line gives an\n"
-                    "empty output line; a source longer than model.max_positions - 2 subwords is truncated\n"
-                    "with a warning on stderr. A line longer than 1,048,576 characters is cut there before it\n"
-                    "is split into subwords, with that warning too (splitting costs ~60 bytes a character;\n"
-                    "the model reads only the first subwords), and a stream goes on with the next line.\n\n"
-                    "n-best format: with --nbest N > 1, prints N lines per input line, best first, each\n"
-                    "  SCORE<TAB>TRANSLATION\n"
-                    "where SCORE is the sum of the token log-probabilities (EOS included) divided by the\n"
-                    "length penalty ((5 + length) / 6)^lenpen, length counting EOS; an empty input gives N\n"
-                    "lines '0.0000<TAB>'.",
+        "line by line (each line is translated as soon as it arrives, so interactive use works).\n"
+        "Prints one translation per input line, in input order; an empty input line gives an\n"
+        "empty output line; a source longer than model.max_positions - 2 subwords is truncated\n"
+        "with a warning on stderr. A line longer than 1,048,576 characters is cut there before it\n"
+        "is split into subwords, with that warning too (splitting costs ~60 bytes a character;\n"
+        "the model reads only the first subwords), and a stream goes on with the next line.\n\n"
+        "n-best format: with --nbest N > 1, prints N lines per input line, best first, each\n"
+        "  SCORE<TAB>TRANSLATION\n"
+        "where SCORE is the sum of the token log-probabilities (EOS included) divided by the\n"
+        "length penalty ((5 + length) / 6)^lenpen, length counting EOS; an empty input gives N\n"
+        "lines '0.0000<TAB>'.",
     )
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
-    p.add_argument("sentences", nargs="*", type=_sentence, metavar="SENTENCE", help="sentences to translate (default: --input or stdin)")
-    p.add_argument("--input", metavar="FILE",
-                   help="UTF-8 file, one sentence per line; a pipe such as <(zcat x.gz) works too, - is stdin")
-    p.add_argument("--output", metavar="FILE",
-                   help="write translations here instead of stdout: into FILE.partial, renamed over FILE once all is "
-                        "translated (after a stop FILE is unchanged and FILE.partial keeps what was done; an existing "
-                        "FILE.partial is never written over: move it away first)")
-    p.add_argument("--nbest", type=int, default=1, metavar="N", help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)")
+    p.add_argument(
+        "checkpoint",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file",
+    )
+    p.add_argument(
+        "sentences",
+        nargs="*",
+        type=_sentence,
+        metavar="SENTENCE",
+        help="sentences to translate (default: --input or stdin)",
+    )
+    p.add_argument(
+        "--input",
+        metavar="FILE",
+        help="UTF-8 file, one sentence per line; a pipe such as <(zcat x.gz) works too, - is stdin",
+    )
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write translations here instead of stdout: into FILE.partial, renamed over FILE once all is "
+        "translated (after a stop FILE is unchanged and FILE.partial keeps what was done; an existing "
+        "FILE.partial is never written over: move it away first)",
+    )
+    p.add_argument(
+        "--nbest",
+        type=int,
+        default=1,
+        metavar="N",
+        help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)",
+    )
     add_search_options(p)
     p.set_defaults(func=commands.cmd_translate)
     p.__class__ = _IntermixedParser  # same parser, intermixed positionals
@@ -184,16 +258,23 @@ def _add_translate(sub) -> None:
 
 def _add_evaluate(sub) -> None:
     p = sub.add_parser(
-        "evaluate", help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
+        "evaluate",
+        help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
         description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
-                    "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
-                    "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
-                    "and .json (.early, .bf16, .int8 or .ct2 added for those settings; SPLIT is --src's file name, or "
-                    "'pipe' for a pipe, with a digest of the sentences added when another source's results hold "
-                    "that name; for a checkpoint file: eval/ next to it, named after it).",
+        "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
+        "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
+        "and .json (.early, .bf16, .int8 or .ct2 added for those settings; SPLIT is --src's file name, or "
+        "'pipe' for a pipe, with a digest of the sentences added when another source's results hold "
+        "that name; for a checkpoint file: eval/ next to it, named after it).",
     )
-    p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
-    p.add_argument("--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)")
+    p.add_argument(
+        "run",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file",
+    )
+    p.add_argument(
+        "--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)"
+    )
     p.add_argument("--src", metavar="FILE", help="source sentences to translate instead of a split (with --ref)")
     p.add_argument("--ref", metavar="FILE", help="reference translations of --src, line by line")
     add_search_options(p)
@@ -202,65 +283,123 @@ def _add_evaluate(sub) -> None:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser(
-        "serve", help="serve a model: a JSON API and a page that shows its attention and beam search",
+        "serve",
+        help="serve a model: a JSON API and a page that shows its attention and beam search",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serve one checkpoint over HTTP (pip install 'transformer[serve]'): POST /translate,\n"
-                    "/attention and /beam, GET /positions, /health and /info take and give JSON; GET / is a\n"
-                    "page that translates what you type and draws every attention head, the beam search step by\n"
-                    "step and the positional encoding. Requests that arrive within --batch-window-ms are\n"
-                    "translated in one batched search on one model worker. Binds to 127.0.0.1 unless --host\n"
-                    "says otherwise, and answers only requests addressed to loopback names, its own address or\n"
-                    "--allow-host's; there is no authentication, and no request can name a file. What a\n"
-                    "request or connection may cost is bounded by the limits below; SIGTERM or Ctrl-C lets\n"
-                    "the requests in flight finish (--drain-timeout), answers the rest 503 and exits 0.",
+        "/attention and /beam, GET /positions, /health and /info take and give JSON; GET / is a\n"
+        "page that translates what you type and draws every attention head, the beam search step by\n"
+        "step and the positional encoding. Requests that arrive within --batch-window-ms are\n"
+        "translated in one batched search on one model worker. Binds to 127.0.0.1 unless --host\n"
+        "says otherwise, and answers only requests addressed to loopback names, its own address or\n"
+        "--allow-host's; there is no authentication, and no request can name a file. What a\n"
+        "request or connection may cost is bounded by the limits below; SIGTERM or Ctrl-C lets\n"
+        "the requests in flight finish (--drain-timeout), answers the rest 503 and exits 0.",
     )
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
+    p.add_argument(
+        "checkpoint",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)",
+    )
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     add_search_options(p, SERVE_SEARCH_HELP)
-    p.add_argument("--batch-window-ms", type=float, default=5.0, metavar="MS",
-                   help="how long a /translate request waits for others to share its search (default 5; 0: only "
-                        "requests that queued while the model was busy are merged)")
+    p.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        metavar="MS",
+        help="how long a /translate request waits for others to share its search (default 5; 0: only "
+        "requests that queued while the model was busy are merged)",
+    )
     p.add_argument("--max-sentences", type=int, default=64, metavar="N", help="sentences per request (default 64)")
-    p.add_argument("--max-chars", type=int, default=10_000, metavar="N",
-                   help="characters per request, all sentences together (default 10000)")
-    p.add_argument("--max-beam", type=int, default=16, metavar="N", help="largest beam a request may ask for (default 16)")
-    p.add_argument("--max-pending", type=int, default=1024, metavar="N",
-                   help="sentences that may wait for the model, an /attention, /beam or /positions request "
-                        "counting one; more are refused with 503 (default 1024)")
-    p.add_argument("--max-answer-values", type=int, default=2_000_000, metavar="N",
-                   help="attention weights an /attention answer, or pieces a /beam trace, may hold, counted from "
-                        "the longest translation the search may give before anything runs (413 above it; "
-                        "default 2000000, about 15 MB of JSON)")
-    p.add_argument("--max-connections", type=int, default=512, metavar="N",
-                   help="open connections; a new one past it gets 503 and is closed (default 512)")
-    p.add_argument("--read-timeout", type=float, default=10.0, metavar="S",
-                   help="seconds for a request's line and headers to arrive, and as many again for its body "
-                        "(408 and closed after); a client that takes none of an answer for as long is dropped "
-                        "(default 10)")
-    p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
-                   help="an idle connection between requests is closed after this many seconds (default 5)")
-    p.add_argument("--drain-timeout", type=float, default=10.0, metavar="S",
-                   help="on SIGTERM or Ctrl-C, seconds the requests in flight may take; the rest get 503 (default 10)")
-    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
-                   help="a Host name to answer besides localhost, 127.0.0.1, [::1], --host and the address a client "
-                        "reached (repeat for more; '*' for any): others get 421, so that no page elsewhere reads "
-                        "the API through DNS rebinding")
+    p.add_argument(
+        "--max-chars",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="characters per request, all sentences together (default 10000)",
+    )
+    p.add_argument(
+        "--max-beam", type=int, default=16, metavar="N", help="largest beam a request may ask for (default 16)"
+    )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="sentences that may wait for the model, an /attention, /beam or /positions request "
+        "counting one; more are refused with 503 (default 1024)",
+    )
+    p.add_argument(
+        "--max-answer-values",
+        type=int,
+        default=2_000_000,
+        metavar="N",
+        help="attention weights an /attention answer, or pieces a /beam trace, may hold, counted from "
+        "the longest translation the search may give before anything runs (413 above it; "
+        "default 2000000, about 15 MB of JSON)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        metavar="N",
+        help="open connections; a new one past it gets 503 and is closed (default 512)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds for a request's line and headers to arrive, and as many again for its body "
+        "(408 and closed after); a client that takes none of an answer for as long is dropped "
+        "(default 10)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="an idle connection between requests is closed after this many seconds (default 5)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM or Ctrl-C, seconds the requests in flight may take; the rest get 503 (default 10)",
+    )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name to answer besides localhost, 127.0.0.1, [::1], --host and the address a client "
+        "reached (repeat for more; '*' for any): others get 421, so that no page elsewhere reads "
+        "the API through DNS rebinding",
+    )
     p.set_defaults(func=commands.cmd_serve)
 
 
 def _add_average(sub) -> None:
     p = sub.add_parser(
-        "average", help="average the weights of several checkpoints into one",
+        "average",
+        help="average the weights of several checkpoints into one",
         description="Average model weights (float mean) into a new checkpoint that translate and evaluate accept; "
-                    "config and vocabulary are kept, optimizer state is dropped. Either a run directory and "
-                    "--last N (its N latest step_*.pt, written by the trainer when train.keep_last > 0; output "
-                    "RUN_DIR/averaged.pt by default), or checkpoint files and --output FILE. All inputs must share "
-                    "the model config and the vocabulary; each counts once (a file named twice, a link to it, or "
-                    "the same weights twice, such as last.pt beside its step's checkpoint, is refused).",
+        "config and vocabulary are kept, optimizer state is dropped. Either a run directory and "
+        "--last N (its N latest step_*.pt, written by the trainer when train.keep_last > 0; output "
+        "RUN_DIR/averaged.pt by default), or checkpoint files and --output FILE. All inputs must share "
+        "the model config and the vocabulary; each counts once (a file named twice, a link to it, or "
+        "the same weights twice, such as last.pt beside its step's checkpoint, is refused).",
     )
-    p.add_argument("inputs", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT", help="one run directory (with --last) or checkpoint files")
+    p.add_argument(
+        "inputs", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT", help="one run directory (with --last) or checkpoint files"
+    )
     p.add_argument("--last", type=int, metavar="N", help="average the N latest step checkpoints of RUN_DIR")
     p.add_argument("--output", metavar="FILE", help="where to write the averaged checkpoint")
     p.set_defaults(func=commands.cmd_average)
@@ -268,25 +407,36 @@ def _add_average(sub) -> None:
 
 def _add_export(sub) -> None:
     p = sub.add_parser(
-        "export", help="write a checkpoint as a CTranslate2 or Hugging Face (MarianMTModel) model directory",
+        "export",
+        help="write a checkpoint as a CTranslate2 or Hugging Face (MarianMTModel) model directory",
         description="Write a checkpoint as a model directory for another engine. ctranslate2: model.bin, "
-                    "vocabularies and the SentencePiece model spm.model, for serving with CTranslate2 (pip install "
-                    "'transformer[ctranslate2]'); CTranslate2 takes SentencePiece pieces and appends </s> to the "
-                    "source itself, and `translate --engine ctranslate2` does this for you, once per checkpoint. "
-                    "hf: a transformers MarianMTModel directory (config.json, model.safetensors, source.spm, "
-                    "target.spm, vocab.json, tokenizer and generation configs) that MarianMTModel.from_pretrained "
-                    "and MarianTokenizer.from_pretrained load (pip install 'transformer[hf]'); the weights are "
-                    "converted exactly, and a model Marian cannot compute (pre-norm) is refused.",
+        "vocabularies and the SentencePiece model spm.model, for serving with CTranslate2 (pip install "
+        "'transformer[ctranslate2]'); CTranslate2 takes SentencePiece pieces and appends </s> to the "
+        "source itself, and `translate --engine ctranslate2` does this for you, once per checkpoint. "
+        "hf: a transformers MarianMTModel directory (config.json, model.safetensors, source.spm, "
+        "target.spm, vocab.json, tokenizer and generation configs) that MarianMTModel.from_pretrained "
+        "and MarianTokenizer.from_pretrained load (pip install 'transformer[hf]'); the weights are "
+        "converted exactly, and a model Marian cannot compute (pre-norm) is refused.",
     )
     p.add_argument("format", choices=("ctranslate2", "hf"), help="the target format")
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file")
+    p.add_argument(
+        "checkpoint",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file",
+    )
     p.add_argument("out", metavar="OUT_DIR", help="the model directory to write")
-    p.add_argument("--quantization", choices=("int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"),
-                   help="ctranslate2 only: store the weights quantized (default: float32; CTranslate2 can also convert "
-                        "when it loads a model, with compute_type)")
-    p.add_argument("--force", action="store_true",
-                   help="replace OUT_DIR if it is an earlier export (its transformer-export.json lists every file "
-                        "in it), never any other directory")
+    p.add_argument(
+        "--quantization",
+        choices=("int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"),
+        help="ctranslate2 only: store the weights quantized (default: float32; CTranslate2 can also convert "
+        "when it loads a model, with compute_type)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT_DIR if it is an earlier export (its transformer-export.json lists every file "
+        "in it), never any other directory",
+    )
     p.set_defaults(func=commands.cmd_export)
 
 
@@ -295,39 +445,38 @@ SEARCH_HELP = {
     "--beam": "beam size; 1 = greedy (default: decode.beam of the checkpoint's config)",
     "--lenpen": "GNMT length penalty alpha, 0 to 10: score = log p / ((5 + len) / 6)^A (default: decode.lenpen)",
     "--stop": "when beam search ends a sentence: exact (once no live hypothesis can beat the n-best finished ones) "
-              "or early (fairseq's: once BEAM hypotheses have finished; fewer decoder steps) (default: decode.stop)",
+    "or early (fairseq's: once BEAM hypotheses have finished; fewer decoder steps) (default: decode.stop)",
     "--max-tokens": "source tokens per batch (default: decode.max_tokens)",
     "--workers": "searches run side by side on a CPU, each on its own batches of max-tokens / N tokens with torch's "
-                 "threads / N threads (CTranslate2: its inter_threads); 1 = one search on all threads, the lowest "
-                 "latency for one batch with CTranslate2 (default: decode.workers, 2)",
+    "threads / N threads (CTranslate2: its inter_threads); 1 = one search on all threads, the lowest "
+    "latency for one batch with CTranslate2 (default: decode.workers, 2)",
     "--device": "where to run (default auto: CUDA when available)",
     "--dtype": "number format: fp32 (on CUDA full fp32, TF32 tensor cores off, as in torch's default: exact but "
-               "several times slower than bf16 there); bf16 (fast on CUDA and on CPUs with avx512_bf16/amx_bf16, "
-               "emulated and slow elsewhere); int8 (CPU: linear layers quantized, faster at a small cost in "
-               "accuracy); auto (default): bf16 where it is native, else fp32, printed on stderr. `evaluate` "
-               "measures what a choice costs",
+    "several times slower than bf16 there); bf16 (fast on CUDA and on CPUs with avx512_bf16/amx_bf16, "
+    "emulated and slow elsewhere); int8 (CPU: linear layers quantized, faster at a small cost in "
+    "accuracy); auto (default): bf16 where it is native, else fp32, printed on stderr. `evaluate` "
+    "measures what a choice costs",
     "--int8": "the same as --dtype int8",
     "--engine": "ours (PyTorch search, default) or ctranslate2: the checkpoint is converted once (kept in "
-                "CHECKPOINT_DIR/ct2/, rebuilt when the checkpoint changes) and run by CTranslate2 (pip install "
-                "'transformer[ctranslate2]'), with its own stop rule (like --stop early) and length penalty "
-                "(length^A rather than GNMT's; scores are still reported in ours)",
+    "CHECKPOINT_DIR/ct2/, rebuilt when the checkpoint changes) and run by CTranslate2 (pip install "
+    "'transformer[ctranslate2]'), with its own stop rule (like --stop early) and length penalty "
+    "(length^A rather than GNMT's; scores are still reported in ours)",
 }
 SERVE_SEARCH_HELP = {
     "--beam": "beam size when a request gives none (default: decode.beam)",
-    "--max-tokens": "source tokens per batched search; also ends a batching window early (default: "
-                    "decode.max_tokens)",
+    "--max-tokens": "source tokens per batched search; also ends a batching window early (default: decode.max_tokens)",
     "--workers": "searches side by side on a CPU when a batched search holds several batches, as for translate "
-                 "(default: decode.workers)",
+    "(default: decode.workers)",
     "--dtype": "number format (default auto: fp32, so that each answer is what its request would get alone; in "
-               "bf16 or int8 an answer may depend on the other requests batched with it)",
+    "bf16 or int8 an answer may depend on the other requests batched with it)",
     "--engine": "what runs /translate: ours (default) or ctranslate2, as for translate (pip install "
-                "'transformer[ctranslate2]'; on a CPU it answers sooner). The page's attention maps and beam traces "
-                "always come from our model, so with beam > 1 they may show a different translation (CTranslate2 "
-                "has its own stop rule and length penalty)",
+    "'transformer[ctranslate2]'; on a CPU it answers sooner). The page's attention maps and beam traces "
+    "always come from our model, so with beam > 1 they may show a different translation (CTranslate2 "
+    "has its own stop rule and length penalty)",
 }
 
 
-def add_search_options(p: argparse.ArgumentParser, wording: Optional[Mapping[str, str]] = None) -> None:
+def add_search_options(p: argparse.ArgumentParser, wording: Mapping[str, str] | None = None) -> None:
     """The search options, the same for translate, evaluate and serve (commands._search_flags reads them), in a
     group of their own; the choices are inference/settings.py's. `wording`: a verb's own help for some, by flag."""
     words = {**SEARCH_HELP, **(wording or {})}
@@ -348,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="transformer",
         description="Train encoder-decoder Transformer translation models from YAML configs, "
-                    "translate with beam search, and score with sacreBLEU.",
+        "translate with beam search, and score with sacreBLEU.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -389,13 +538,13 @@ def _error(message: str) -> None:
     sys.exit(2)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     if os.environ.get("WORLD_SIZE", "1") != "1":  # one of torchrun's workers
         _exit_without_finalizing(argv)
     _main(argv)
 
 
-def _exit_without_finalizing(argv: Optional[Sequence[str]]) -> NoReturn:
+def _exit_without_finalizing(argv: Sequence[str] | None) -> NoReturn:
     """Run the command, flush what it wrote, and end the process with its exit status through os._exit.
     Why: DistributedDataParallel keeps the process group, and with it gloo's worker threads, alive until the
     process ends (torch keeps references to it that are never dropped). A worker that lets go of the last
@@ -425,13 +574,13 @@ def _exit_without_finalizing(argv: Optional[Sequence[str]]) -> NoReturn:
     os._exit(code)
 
 
-def _main(argv: Optional[Sequence[str]]) -> None:
+def _main(argv: Sequence[str] | None) -> None:
     _fill_closed_outputs()
     args = build_parser().parse_args(argv)
     from transformer.device import bounded_onednn_caches, default_cuda_allocator  # torch: not imported for --help
 
     default_cuda_allocator()  # before any command allocates on a GPU
-    bounded_onednn_caches()   # before any command builds a oneDNN primitive on the CPU
+    bounded_onednn_caches()  # before any command builds a oneDNN primitive on the CPU
     try:
         args.func(args)
         if sys.stdout is not None:

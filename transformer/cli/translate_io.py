@@ -8,8 +8,9 @@ import os
 import signal
 import stat
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, TextIO
+from typing import TextIO
 
 from tqdm import tqdm
 
@@ -26,7 +27,7 @@ PARTIAL_SUFFIX = ".partial"
 LINE_BYTES = 4 * (MAX_LINE_CHARS + 1)
 
 
-def stdin_chunks(stream: Optional[TextIO] = None, fallback_lines: int = 512) -> Iterator[list[str]]:
+def stdin_chunks(stream: TextIO | None = None, fallback_lines: int = 512) -> Iterator[list[str]]:
     """Lines of stdin in chunks of whatever has arrived: a whole piped file comes in large chunks,
     an interactive line comes alone, as soon as Enter is pressed."""
     stream = sys.stdin if stream is None else stream
@@ -61,14 +62,14 @@ def _fd_chunks(fd: int, line_bytes: int = LINE_BYTES) -> Iterator[list[str]]:
         cut = data.rfind(b"\n")
         if cut < 0:
             if kept < line_bytes:
-                pending.append(data[:line_bytes - kept])
+                pending.append(data[: line_bytes - kept])
                 kept += len(pending[-1])
             continue
         first = data.find(b"\n")
-        complete = [b"".join(pending) + data[:first][:line_bytes - kept]]  # the line that was pending ends here
+        complete = [b"".join(pending) + data[:first][: line_bytes - kept]]  # the line that was pending ends here
         if cut > first:  # lines wholly inside this read
-            complete += [line[:line_bytes] for line in data[first + 1:cut].split(b"\n")]
-        pending = [data[cut + 1:][:line_bytes]]
+            complete += [line[:line_bytes] for line in data[first + 1 : cut].split(b"\n")]
+        pending = [data[cut + 1 :][:line_bytes]]
         kept = len(pending[0])
         yield [_decode_line(raw) for raw in complete]
     rest = b"".join(pending)
@@ -81,13 +82,14 @@ def _decode_line(raw: bytes) -> str:
     return text[:-1] if text.endswith("\r") else text
 
 
-def file_chunks(lines: Sequence[str], size: Optional[int] = None, progress: bool = True) -> Iterator[list[str]]:
+def file_chunks(lines: Sequence[str], size: int | None = None, progress: bool = True) -> Iterator[list[str]]:
     """`lines` in chunks of `size` (CHUNK_LINES), with a progress bar on stderr when it is a terminal."""
     size = size or CHUNK_LINES
-    with tqdm(total=len(lines), desc="translate", unit=" lines", dynamic_ncols=True,
-              disable=None if progress else True) as bar:
+    with tqdm(
+        total=len(lines), desc="translate", unit=" lines", dynamic_ncols=True, disable=None if progress else True
+    ) as bar:
         for start in range(0, len(lines), size):
-            chunk = list(lines[start:start + size])
+            chunk = list(lines[start : start + size])
             yield chunk
             bar.update(len(chunk))
 
@@ -118,23 +120,27 @@ def partial_path(output: str) -> Path:
     return final.with_name(final.name + PARTIAL_SUFFIX)
 
 
-def check_partial(output: str, input: Optional[str] = None) -> Path:
+def check_partial(output: str, input: str | None = None) -> Path:
     """FILE.partial, refused in one line when something is there already: the input itself (`--input X.partial
     --output X` would truncate it, then rename it over X), a user's own file of that name, or the lines a stopped
     translation kept. It is created new (O_EXCL) and only that file is renamed or removed, so nothing that was
     there before is ever written over."""
     partial = partial_path(output)
     if input is not None and os.path.lexists(partial) and Path(input).exists() and os.path.samefile(partial, input):
-        raise UserError(f"translate: --input {input} is {partial}, where --output {output} is written as lines are "
-                        "translated; rename the input, or write to another file")
+        raise UserError(
+            f"translate: --input {input} is {partial}, where --output {output} is written as lines are "
+            "translated; rename the input, or write to another file"
+        )
     if os.path.lexists(partial):
         raise _partial_exists(partial, output)
     return partial
 
 
 def _partial_exists(partial: Path, output: str) -> UserError:
-    return UserError(f"translate: {partial} exists (what a stopped translation kept, or a file of yours); it is "
-                     f"never written over: move it away or delete it, then translate into {output} again")
+    return UserError(
+        f"translate: {partial} exists (what a stopped translation kept, or a file of yours); it is "
+        f"never written over: move it away or delete it, then translate into {output} again"
+    )
 
 
 def _create(partial: Path, output: str) -> TextIO:
@@ -148,7 +154,7 @@ def _create(partial: Path, output: str) -> TextIO:
 
 
 @contextlib.contextmanager
-def output_lines(output: Optional[str]) -> Iterator[TextIO]:
+def output_lines(output: str | None) -> Iterator[TextIO]:
     """Where translations go: stdout; in place, appended (in_place); else FILE.partial, created new (check_partial)
     and renamed over FILE (its permissions kept, a link followed) when the block ends. On an error or Ctrl-C,
     FILE is unchanged and FILE.partial keeps the lines translated so far."""
@@ -170,8 +176,11 @@ def output_lines(output: Optional[str]) -> Iterator[TextIO]:
         except BaseException:
             f.close()
             if partial.stat().st_size:
-                print(f"translate: stopped; {output} is unchanged, and what was translated is in {partial} (move it "
-                      "away before translating into the same file again)", file=sys.stderr)
+                print(
+                    f"translate: stopped; {output} is unchanged, and what was translated is in {partial} (move it "
+                    "away before translating into the same file again)",
+                    file=sys.stderr,
+                )
             else:
                 partial.unlink()
             raise
@@ -206,12 +215,18 @@ def write_nbest(out: TextIO, results: list[list[tuple[float, str]]], nbest: int)
     out.flush()
 
 
-def run_translate(checkpoint: str, sentences: Sequence[str], input: Optional[str], output: Optional[str],
-                  device: str = "auto", flags: SearchFlags = SearchFlags()) -> None:
+def run_translate(
+    checkpoint: str,
+    sentences: Sequence[str],
+    input: str | None,
+    output: str | None,
+    device: str = "auto",
+    flags: SearchFlags = SearchFlags(),
+) -> None:
     """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line (or
     flags.nbest), searched with `flags` over the checkpoint's decode section."""
-    from transformer.files import check_output_path
     from transformer.data.corpus import read_lines
+    from transformer.files import check_output_path
 
     if sentences and input:
         raise UserError("translate: give sentences as arguments or --input FILE, not both")

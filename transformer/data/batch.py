@@ -12,8 +12,9 @@ kernels (scaled_dot_product_attention), built here too:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -97,7 +98,7 @@ class Batch:
     n_tgt_tokens: int
 
     @classmethod
-    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_to_multiple: int = 1) -> "Batch":
+    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_to_multiple: int = 1) -> Batch:
         src = pad_sequences([list(s) + [EOS_ID] for s, _ in pairs], pad_to_multiple)
         # Shift by one: the decoder reads BOS y1 .. yn and must predict y1 .. yn EOS. (Built
         # separately, not as slices of one BOS..EOS row, which would leave EOS in shorter tgt_in rows.)
@@ -108,7 +109,7 @@ class Batch:
         return cls(src, tgt_in, tgt_out, n_src, n_tgt)
 
     @classmethod
-    def from_corpus(cls, corpus: "Corpus", indices: np.ndarray, pad_to_multiple: int = 1) -> "Batch":
+    def from_corpus(cls, corpus: Corpus, indices: np.ndarray, pad_to_multiple: int = 1) -> Batch:
         """The same Batch as from_pairs, gathered straight from a corpus's flat token arrays (which may be
         memory-mapped): no Python list per sentence."""
         indices = np.asarray(indices, dtype=np.int64)
@@ -124,8 +125,13 @@ class Batch:
         rows = np.arange(len(indices))
         src[rows, src_len] = EOS_ID
         tgt_out[rows, tgt_len] = EOS_ID
-        return cls(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
-                   int(src_len.sum()) + len(indices), int(tgt_len.sum()) + len(indices))
+        return cls(
+            torch.from_numpy(src),
+            torch.from_numpy(tgt_in),
+            torch.from_numpy(tgt_out),
+            int(src_len.sum()) + len(indices),
+            int(tgt_len.sum()) + len(indices),
+        )
 
     @property
     def src_mask(self) -> torch.Tensor:
@@ -142,11 +148,11 @@ class Batch:
     def __len__(self) -> int:
         return self.src.size(0)
 
-    def to(self, device, non_blocking: bool = False) -> "Batch":
+    def to(self, device, non_blocking: bool = False) -> Batch:
         src, tgt_in, tgt_out = (t.to(device, non_blocking=non_blocking) for t in (self.src, self.tgt_in, self.tgt_out))
         return Batch(src, tgt_in, tgt_out, self.n_src_tokens, self.n_tgt_tokens)
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         pinned = (t.pin_memory() for t in (self.src, self.tgt_in, self.tgt_out))
         return Batch(*pinned, self.n_src_tokens, self.n_tgt_tokens)
 
@@ -154,7 +160,7 @@ class Batch:
 def _gather(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int, first: int) -> np.ndarray:
     """(B, width) int64 filled with PAD, row b holding tokens[starts[b]:starts[b] + lengths[b]] from column `first`."""
     out = np.full((len(starts), width), PAD_ID, dtype=np.int64)
-    column = np.arange(width)[None, :] - first                    # (1, W): offset into each sentence
-    inside = (column >= 0) & (column < lengths[:, None])          # (B, W)
-    out[inside] = tokens[(starts[:, None] + column)[inside]]      # one gather; reads only these tokens
+    column = np.arange(width)[None, :] - first  # (1, W): offset into each sentence
+    inside = (column >= 0) & (column < lengths[:, None])  # (B, W)
+    out[inside] = tokens[(starts[:, None] + column)[inside]]  # one gather; reads only these tokens
     return out

@@ -6,8 +6,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -17,8 +17,8 @@ from transformer.data.batch import Batch
 from transformer.device import cuda_index
 from transformer.errors import UserError
 
-
 # --------------------------------------------------------------------------- filtering and batching on lengths
+
 
 def pack_by_size(order: Sequence[int], sizes: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Cut `order` into consecutive batches whose count x largest size stays within max_tokens
@@ -39,17 +39,17 @@ def pack_by_size(order: Sequence[int], sizes: Sequence[int], max_tokens: int) ->
 class Batches:
     """An epoch's batches without Python lists: batch i holds pair indices order[starts[i]:ends[i]]."""
 
-    order: np.ndarray   # (N,) pair indices, length-sorted
+    order: np.ndarray  # (N,) pair indices, length-sorted
     starts: np.ndarray  # (n_batches,)
-    ends: np.ndarray    # (n_batches,)
+    ends: np.ndarray  # (n_batches,)
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.order[self.starts[i]:self.ends[i]]
+        return self.order[self.starts[i] : self.ends[i]]
 
-    def take(self, n: int) -> "Batches":
+    def take(self, n: int) -> Batches:
         """The first n batches."""
         return Batches(self.order, self.starts[:n], self.ends[:n])
 
@@ -74,7 +74,7 @@ def _cut(sorted_size: np.ndarray, max_tokens: int) -> np.ndarray:
         cap = max(1, max_tokens // int(sorted_size[a]))  # pairs per batch when pairs of this size are the largest
         if open_count:
             taken = min(max(cap - open_count, 0), b - a)
-            if open_count + taken < cap:   # the whole run fits and the batch stays open
+            if open_count + taken < cap:  # the whole run fits and the batch stays open
                 open_count += taken
                 continue
             starts.append(np.array([open_start]))
@@ -82,7 +82,7 @@ def _cut(sorted_size: np.ndarray, max_tokens: int) -> np.ndarray:
         if a == b:
             open_count = 0
             continue
-        batch_starts = np.arange(a, b, cap)                 # the rest of the run in batches of cap pairs
+        batch_starts = np.arange(a, b, cap)  # the rest of the run in batches of cap pairs
         starts.append(batch_starts[:-1])
         open_start, open_count = int(batch_starts[-1]), b - int(batch_starts[-1])  # the last may take more
     if open_count:
@@ -90,8 +90,15 @@ def _cut(sorted_size: np.ndarray, max_tokens: int) -> np.ndarray:
     return np.concatenate(starts).astype(np.int64)
 
 
-def make_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, seed: int, epoch: int,
-                 shuffle: bool = True, pad_to_multiple: int = 1) -> Batches:
+def make_batches(
+    src_len: np.ndarray,
+    tgt_len: np.ndarray,
+    max_tokens: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    pad_to_multiple: int = 1,
+) -> Batches:
     """Batches of at most max_tokens padded tokens (batch size x the longest side + EOS, rounded up to
     pad_to_multiple), bucketed by length; a pure function of (lengths, seed, epoch).
 
@@ -117,21 +124,23 @@ def make_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, seed
 
 def eval_batches(corpus, max_tokens: int, pad_to_multiple: int = 1) -> list[Batch]:
     """Fixed, unshuffled batches of a (small) corpus, for validation."""
-    batches = make_batches(corpus.src_lengths, corpus.tgt_lengths, max_tokens, 0, 0, shuffle=False,
-                           pad_to_multiple=pad_to_multiple)
+    batches = make_batches(
+        corpus.src_lengths, corpus.tgt_lengths, max_tokens, 0, 0, shuffle=False, pad_to_multiple=pad_to_multiple
+    )
     return [Batch.from_corpus(corpus, batches[i], pad_to_multiple) for i in range(len(batches))]
 
 
 # --------------------------------------------------------------------------- the training stream
 
+
 @dataclass
 class Update:
     """What one optimizer update consumes on this rank, and where the stream stands after it."""
 
-    batches: list[Batch]       # this rank's update_freq batches
-    n_tgt_tokens: int          # target tokens of the whole update, all ranks (normalises the loss)
+    batches: list[Batch]  # this rank's update_freq batches
+    n_tgt_tokens: int  # target tokens of the whole update, all ranks (normalises the loss)
     n_src_tokens: int
-    data_state: dict           # the stream position after this update: what a checkpoint saves
+    data_state: dict  # the stream position after this update: what a checkpoint saves
     epochs_done: int
 
 
@@ -145,13 +154,24 @@ class BatchStream:
     the same number on every rank.
     """
 
-    def __init__(self, corpus, cfg: DataConfig, seed: int, epoch: int = 0, batches_done: int = 0,
-                 rank: int = 0, world_size: int = 1, update_freq: int = 1):
+    def __init__(
+        self,
+        corpus,
+        cfg: DataConfig,
+        seed: int,
+        epoch: int = 0,
+        batches_done: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        update_freq: int = 1,
+    ):
         """batches_done: batches of the epoch already consumed by all ranks together (what state() saves),
         so that a run may resume with another number of ranks or another update_freq."""
         if batches_done % (world_size * update_freq):
-            raise UserError(f"data: cannot resume after {batches_done} batches of an epoch with updates of "
-                            f"{world_size} ranks x update_freq {update_freq}")
+            raise UserError(
+                f"data: cannot resume after {batches_done} batches of an epoch with updates of "
+                f"{world_size} ranks x update_freq {update_freq}"
+            )
         self.corpus, self.cfg, self.seed = corpus, cfg, seed
         self.src_len, self.tgt_len = corpus.src_lengths, corpus.tgt_lengths
         self.rank, self.world_size, self.update_freq = rank, world_size, update_freq
@@ -159,12 +179,15 @@ class BatchStream:
         self._batches = self._epoch_batches(epoch)
 
     def _epoch_batches(self, epoch: int) -> Batches:
-        batches = make_batches(self.src_len, self.tgt_len, self.cfg.max_tokens, self.seed, epoch,
-                               pad_to_multiple=self.cfg.pad_to_multiple)
+        batches = make_batches(
+            self.src_len, self.tgt_len, self.cfg.max_tokens, self.seed, epoch, pad_to_multiple=self.cfg.pad_to_multiple
+        )
         group = self.world_size * self.update_freq
         if len(batches) < group:
-            raise UserError(f"data: {len(batches)} batches per epoch cannot fill one update of "
-                            f"{self.world_size} ranks x {self.cfg.max_tokens} tokens x update_freq {self.update_freq}")
+            raise UserError(
+                f"data: {len(batches)} batches per epoch cannot fill one update of "
+                f"{self.world_size} ranks x {self.cfg.max_tokens} tokens x update_freq {self.update_freq}"
+            )
         # An update never straddles two epochs; the few batches that do not fill a group are left out.
         return batches.take(len(batches) - len(batches) % group)
 
@@ -202,8 +225,9 @@ class BatchStream:
             raise RuntimeError("next_update() called in the middle of an update")
         self._roll_epoch()
         group_start = self._global_index(self.position) - self.rank
-        group = np.concatenate([self._batches[i] for i in range(group_start,
-                                                                 group_start + self.world_size * self.update_freq)])
+        group = np.concatenate(
+            [self._batches[i] for i in range(group_start, group_start + self.world_size * self.update_freq)]
+        )
         n_tgt = int(self.tgt_len[group].sum()) + len(group)  # + EOS per sentence
         n_src = int(self.src_len[group].sum()) + len(group)
         batches = [next(self) for _ in range(self.update_freq)]
@@ -217,8 +241,9 @@ class Prefetcher:
     """Builds the next updates in a background thread while the current one computes, so the training loop
     waits for data only when the host falls behind; `wait_seconds` says how long it waited in total."""
 
-    def __init__(self, stream: BatchStream, pin_memory: bool = False, depth: int = 2,
-                 device: Optional[torch.device] = None):
+    def __init__(
+        self, stream: BatchStream, pin_memory: bool = False, depth: int = 2, device: torch.device | None = None
+    ):
         """pin_memory: pin each batch for an asynchronous copy to `device` (CUDA), in the thread."""
         self.epochs_done = stream.epochs_done  # of the last update handed out (the stream itself runs ahead)
         self.wait_seconds = 0.0
@@ -227,11 +252,12 @@ class Prefetcher:
         # The GPU as an index, resolved here: the current CUDA device is per thread (the new thread's is GPU 0,
         # not this rank's), and set_device refuses a torch.device("cuda") without one.
         gpu = cuda_index(device) if pin_memory and device is not None and device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._work, args=(stream, pin_memory, gpu), daemon=True,
-                                        name="batch-prefetch")
+        self._thread = threading.Thread(
+            target=self._work, args=(stream, pin_memory, gpu), daemon=True, name="batch-prefetch"
+        )
         self._thread.start()
 
-    def _work(self, stream: BatchStream, pin_memory: bool, gpu: Optional[int]) -> None:
+    def _work(self, stream: BatchStream, pin_memory: bool, gpu: int | None) -> None:
         try:
             if gpu is not None:  # pinned memory is allocated for, and its copies ordered on, the current device
                 torch.cuda.set_device(gpu)

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, islice
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 from transformer.config import DataConfig
 from transformer.errors import UserError, first_line
@@ -16,11 +16,16 @@ Chunk = tuple[list[str], list[str]]  # source lines, target lines
 
 CHUNK_LINES = 50_000  # pairs read and encoded at a time: memory stays flat whatever the corpus size
 # Where a config says "valid", a dataset may call the split "validation" or "dev" (and so on).
-SPLIT_ALIASES = {"valid": ("validation", "dev", "val"), "validation": ("valid", "dev", "val"),
-                 "dev": ("validation", "valid"), "test": ("testing",)}
+SPLIT_ALIASES = {
+    "valid": ("validation", "dev", "val"),
+    "validation": ("valid", "dev", "val"),
+    "dev": ("validation", "valid"),
+    "test": ("testing",),
+}
 
 
 # --------------------------------------------------------------------------- reading local files
+
 
 def _decode(raw: bytes, path: Path, first_line: int) -> str:
     try:
@@ -31,8 +36,12 @@ def _decode(raw: bytes, path: Path, first_line: int) -> str:
 
 
 # Byte-order marks of the encodings a text editor or Windows tool may have saved a corpus in, instead of UTF-8.
-_OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
-                    (b"\xfe\xff", "UTF-16"))
+_OTHER_ENCODINGS = (
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\xfe\xff", "UTF-16"),
+)
 
 
 def _check_text_start(path: Path, head: bytes) -> None:
@@ -43,10 +52,15 @@ def _check_text_start(path: Path, head: bytes) -> None:
     encoding = next((name for mark, name in _OTHER_ENCODINGS if head.startswith(mark)), None)
     if encoding is None and not (head and head.count(b"\0") * 4 >= len(head)):
         return
-    what = f"{encoding} text (it starts with a {encoding} byte-order mark)" if encoding else \
-        "NUL bytes (UTF-16 or UTF-32 text, or not text at all)"
-    raise UserError(f"data: {path} is not UTF-8: it holds {what}; convert it, e.g. iconv -f "
-                    f"{encoding or 'UTF-16'} -t UTF-8 {path} > {path.name}.utf8, and use that")
+    what = (
+        f"{encoding} text (it starts with a {encoding} byte-order mark)"
+        if encoding
+        else "NUL bytes (UTF-16 or UTF-32 text, or not text at all)"
+    )
+    raise UserError(
+        f"data: {path} is not UTF-8: it holds {what}; convert it, e.g. iconv -f "
+        f"{encoding or 'UTF-16'} -t UTF-8 {path} > {path.name}.utf8, and use that"
+    )
 
 
 def iter_lines(path: str | Path, block_bytes: int = 1 << 24) -> Iterator[str]:
@@ -67,7 +81,7 @@ def iter_lines(path: str | Path, block_bytes: int = 1 << 24) -> Iterator[str]:
             if cut < 0:
                 pending = data
                 continue
-            complete, pending = data[:cut], data[cut + 1:]
+            complete, pending = data[:cut], data[cut + 1 :]
             text = _decode(complete, path, line_no)
             if first and text.startswith("\ufeff"):
                 text = text[1:]
@@ -101,8 +115,7 @@ def count_lines(path: str | Path) -> int:
     """Lines of a regular file as iter_lines yields them, counted on bytes (fast: no decoding)."""
     path = _readable(path)
     if not path.is_file():  # counting would consume a pipe before anything could read its lines
-        raise UserError(f"data: {path} is not a regular file (a pipe or a device); it is read twice, so give a "
-                        "file")
+        raise UserError(f"data: {path} is not a regular file (a pipe or a device); it is read twice, so give a file")
     count, last = 0, b"\n"
     with path.open("rb") as f:
         _check_text_start(path, f.read(4096))
@@ -127,8 +140,10 @@ def _check_parallel(src_path: str | Path, tgt_path: str | Path) -> int:
 
 def _check_counts(src_path: str | Path, n_src: int, tgt_path: str | Path, n_tgt: int) -> int:
     if n_src != n_tgt:
-        raise UserError(f"data: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
-                        "line N of one side must translate line N of the other")
+        raise UserError(
+            f"data: {src_path} has {n_src} lines but {tgt_path} has {n_tgt}; "
+            "line N of one side must translate line N of the other"
+        )
     if not n_src:
         raise UserError(f"data: {src_path} and {tgt_path} are empty")
     return n_src
@@ -142,15 +157,16 @@ def _chunks_of(pairs: Iterator[tuple[str, str]], size: int) -> Iterator[Chunk]:
 
 # --------------------------------------------------------------------------- splits: local or hub
 
+
 @dataclass(frozen=True)
 class RawSplit:
     """One split of a parallel corpus, ready to be streamed (possibly more than once) in chunks of pairs."""
 
-    name: str                                  # the split's name in the corpus ("validation" for a "valid" key)
-    chunks: Callable[[], Iterator[Chunk]]      # a new stream of (source lines, target lines) chunks per call
-    fingerprint: dict                          # what identifies the input: paths, sizes, mtimes / dataset files
-    count: Callable[[], int]                   # pairs the stream yields; checks that the sides agree (reads
-                                               # the files: called before streaming, never for a reused store)
+    name: str  # the split's name in the corpus ("validation" for a "valid" key)
+    chunks: Callable[[], Iterator[Chunk]]  # a new stream of (source lines, target lines) chunks per call
+    fingerprint: dict  # what identifies the input: paths, sizes, mtimes / dataset files
+    count: Callable[[], int]  # pairs the stream yields; checks that the sides agree (reads
+    # the files: called before streaming, never for a reused store)
 
     @cached_property
     def n_pairs(self) -> int:
@@ -166,7 +182,7 @@ def _candidates(split: str) -> tuple[str, ...]:
     return (split,) + SPLIT_ALIASES.get(split, ())
 
 
-def resolve_split(cfg: DataConfig, split: str, log: Optional[Callable[[str], None]] = None) -> str:
+def resolve_split(cfg: DataConfig, split: str, log: Callable[[str], None] | None = None) -> str:
     """The corpus's own name for `split`: the name itself, else an alias ("valid" -> "validation" or "dev").
     Cheap (no data is read), so every split can be checked before any expensive work."""
     if cfg.source == "hub":
@@ -179,15 +195,19 @@ def resolve_split(cfg: DataConfig, split: str, log: Optional[Callable[[str], Non
                 log(f"data: split '{split}' not found; using '{name}'")
             return name
     if cfg.source == "hub":
-        raise UserError(f"data: {cfg.hub_name!r} has no split {split!r} (its splits: {', '.join(available)}); "
-                        "set data.train_split / data.valid_split / data.test_split")
+        raise UserError(
+            f"data: {cfg.hub_name!r} has no split {split!r} (its splits: {', '.join(available)}); "
+            "set data.train_split / data.valid_split / data.test_split"
+        )
     src, tgt = split_paths(cfg, split)
     missing = src if not src.is_file() else tgt
     if missing.is_dir():
         raise UserError(f"data: {missing} is a directory, not a file (split {split!r} in data.dir {cfg.dir!r})")
     if missing.exists():  # a FIFO or a device: counted first, then read, a corpus must be readable twice
-        raise UserError(f"data: {missing} is not a regular file (a pipe or a device); a corpus is read more than "
-                        "once (counted, then encoded), so give a file")
+        raise UserError(
+            f"data: {missing} is not a regular file (a pipe or a device); a corpus is read more than "
+            "once (counted, then encoded), so give a file"
+        )
     where = "" if Path(cfg.dir).is_absolute() else f", relative to {Path.cwd()}, where this runs"
     raise UserError(f"data: no such file: {missing} (split {split!r} in data.dir {cfg.dir!r}{where})")
 
@@ -205,7 +225,7 @@ def has_split(cfg: DataConfig, split: str) -> bool:
     return True
 
 
-def open_split(cfg: DataConfig, split: str, limit: int = 0, log: Optional[Callable[[str], None]] = None) -> RawSplit:
+def open_split(cfg: DataConfig, split: str, limit: int = 0, log: Callable[[str], None] | None = None) -> RawSplit:
     """A split by its config name (resolved through aliases), its first `limit` pairs when limit > 0."""
     name = resolve_split(cfg, split, log)
     if cfg.source == "hub":
@@ -221,8 +241,10 @@ def open_split(cfg: DataConfig, split: str, limit: int = 0, log: Optional[Callab
         pairs = zip(src_lines, tgt_lines)
         yield from _chunks_of(islice(pairs, limit) if limit else pairs, CHUNK_LINES)
 
-    files = [{"path": str(p.resolve()), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
-             for p in (src_path, tgt_path)]
+    files = [
+        {"path": str(p.resolve()), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+        for p in (src_path, tgt_path)
+    ]
     return RawSplit(name, chunks, {"source": "local", "files": files, "limit": limit}, count)
 
 
@@ -241,8 +263,9 @@ def _datasets():
     try:
         import datasets
     except ImportError:
-        raise UserError("data.source 'hub' needs the `datasets` package: pip install 'transformer[hub]' "
-                        "(or pip install datasets)") from None
+        raise UserError(
+            "data.source 'hub' needs the `datasets` package: pip install 'transformer[hub]' (or pip install datasets)"
+        ) from None
     return datasets
 
 
@@ -270,16 +293,21 @@ def _open_hub_split(cfg: DataConfig, name: str, limit: int) -> RawSplit:
         raise _hub_error(cfg, f"split {name!r}", e) from None
     columns = ds.column_names
     if "translation" not in columns and not {cfg.src_lang, cfg.tgt_lang} <= set(columns):
-        raise UserError(f"data: {cfg.hub_name!r} has columns {columns}; expected '{cfg.src_lang}' and "
-                        f"'{cfg.tgt_lang}' or a 'translation' column")
+        raise UserError(
+            f"data: {cfg.hub_name!r} has columns {columns}; expected '{cfg.src_lang}' and "
+            f"'{cfg.tgt_lang}' or a 'translation' column"
+        )
     if "translation" in columns and len(ds):
         # The languages of the first rows (one row may lack one, or be null): which pair the dataset holds.
-        languages = set().union(*(t for t in ds.select(range(min(len(ds), 1000)))["translation"]
-                                  if isinstance(t, dict)))
+        languages = set().union(
+            *(t for t in ds.select(range(min(len(ds), 1000)))["translation"] if isinstance(t, dict))
+        )
         if not {cfg.src_lang, cfg.tgt_lang} <= languages:
-            raise UserError(f"data: {cfg.hub_name!r} translations have languages {sorted(languages)}, not "
-                            f"{cfg.src_lang!r} and {cfg.tgt_lang!r}; check data.src_lang, data.tgt_lang and "
-                            "data.hub_config")
+            raise UserError(
+                f"data: {cfg.hub_name!r} translations have languages {sorted(languages)}, not "
+                f"{cfg.src_lang!r} and {cfg.tgt_lang!r}; check data.src_lang, data.tgt_lang and "
+                "data.hub_config"
+            )
     if not len(ds):
         raise UserError(f"data: {cfg.hub_name!r} split {name!r} is empty")
     n = min(len(ds), limit) if limit else len(ds)
@@ -289,9 +317,11 @@ def _open_hub_split(cfg: DataConfig, name: str, limit: int) -> RawSplit:
         (an integer column, a list) is an error naming the row, not a traceback from SentencePiece."""
         for i, value in enumerate(values):
             if value is not None and not isinstance(value, str):
-                raise UserError(f"data: {cfg.hub_name!r} split {name!r} row {start + i}: {language!r} holds "
-                                f"{value!r} ({type(value).__name__}), not text; check data.src_lang and "
-                                "data.tgt_lang, or the dataset")
+                raise UserError(
+                    f"data: {cfg.hub_name!r} split {name!r} row {start + i}: {language!r} holds "
+                    f"{value!r} ({type(value).__name__}), not text; check data.src_lang and "
+                    "data.tgt_lang, or the dataset"
+                )
         return [value or "" for value in values]
 
     def chunks() -> Iterator[Chunk]:
@@ -310,8 +340,15 @@ def _open_hub_split(cfg: DataConfig, name: str, limit: int) -> RawSplit:
     for entry in ds.cache_files:
         p = Path(entry["filename"])
         files.append({"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns})
-    fingerprint = {"source": "hub", "hub_name": cfg.hub_name, "hub_config": cfg.hub_config, "split": name,
-                   "rows": len(ds), "files": files, "limit": limit}
+    fingerprint = {
+        "source": "hub",
+        "hub_name": cfg.hub_name,
+        "hub_config": cfg.hub_config,
+        "split": name,
+        "rows": len(ds),
+        "files": files,
+        "limit": limit,
+    }
     return RawSplit(name, chunks, fingerprint, lambda: n)
 
 

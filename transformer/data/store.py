@@ -22,21 +22,21 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from transformer.files import atomic_write, remove_stale_temporaries
 from transformer.config import Config
 from transformer.data.corpus import SPLIT_ALIASES, RawSplit, chain_lines, has_split, open_split
-from transformer.errors import UserError
-from transformer.run_dir import RunDir
 from transformer.data.vocab import Vocab, train_vocab
+from transformer.errors import UserError
+from transformer.files import atomic_write, remove_stale_temporaries
+from transformer.run_dir import RunDir
 
 log = logging.getLogger("transformer")
 
@@ -60,7 +60,7 @@ def keep_mask(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int) -> tuple[n
 class Corpus:
     """Encoded pairs as flat token arrays and offsets (memory-mapped when they come from a store)."""
 
-    src_tokens: np.ndarray   # (total source tokens,)
+    src_tokens: np.ndarray  # (total source tokens,)
     src_offsets: np.ndarray  # (pairs + 1,) int64: pair i's source is src_tokens[src_offsets[i]:src_offsets[i + 1]]
     tgt_tokens: np.ndarray
     tgt_offsets: np.ndarray
@@ -78,14 +78,15 @@ class Corpus:
         return np.diff(self.tgt_offsets).astype(np.int32)
 
     def source(self, i: int) -> list[int]:
-        return self.src_tokens[self.src_offsets[i]:self.src_offsets[i + 1]].tolist()
+        return self.src_tokens[self.src_offsets[i] : self.src_offsets[i + 1]].tolist()
 
     def pair(self, i: int) -> tuple[list[int], list[int]]:
-        return self.source(i), self.tgt_tokens[self.tgt_offsets[i]:self.tgt_offsets[i + 1]].tolist()
+        return self.source(i), self.tgt_tokens[self.tgt_offsets[i] : self.tgt_offsets[i + 1]].tolist()
 
     @classmethod
-    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], dtype=np.int32) -> "Corpus":
+    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], dtype=np.int32) -> Corpus:
         """An in-memory corpus (tests, small data)."""
+
         def flat(side: int) -> tuple[np.ndarray, np.ndarray]:
             lengths = np.fromiter((len(p[side]) for p in pairs), dtype=np.int64, count=len(pairs))
             tokens = np.fromiter(chain.from_iterable(p[side] for p in pairs), dtype=dtype, count=int(lengths.sum()))
@@ -100,6 +101,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 # --------------------------------------------------------------------------- fingerprint and checks
 
+
 def fingerprint(cfg: Config, vocab: Vocab, raw: dict[str, RawSplit]) -> dict:
     """Everything that changes the store's contents: the inputs, the vocabulary and the filtering keys."""
     return {"inputs": {split: raw[split].fingerprint for split in SPLITS}, **_encoding(cfg, vocab)}
@@ -108,11 +110,15 @@ def fingerprint(cfg: Config, vocab: Vocab, raw: dict[str, RawSplit]) -> dict:
 def _encoding(cfg: Config, vocab: Vocab) -> dict:
     """The fingerprint's keys besides the input files: how their text became the stored tokens."""
     d = cfg.data
-    return {"vocab_sha256": hashlib.sha256(vocab.proto).hexdigest(), "src_lang": d.src_lang, "tgt_lang": d.tgt_lang,
-            "max_len": d.max_len}
+    return {
+        "vocab_sha256": hashlib.sha256(vocab.proto).hexdigest(),
+        "src_lang": d.src_lang,
+        "tgt_lang": d.tgt_lang,
+        "max_len": d.max_len,
+    }
 
 
-def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Optional[Vocab], missing: UserError) -> Store:
+def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Vocab | None, missing: UserError) -> Store:
     """run_dir's complete store when data.dir is not there at all (a machine given only the run directory, or a
     corpus directory moved away): usable if it was encoded from files of these split names and languages, with
     this vocabulary, these filtering keys and pair limits. Otherwise `missing` is raised as it was: a data.dir
@@ -128,18 +134,35 @@ def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Optional[Vocab], mi
     names = {"train": d.train_split, "valid": d.valid_split}
     for split in SPLITS:
         recorded = built["inputs"][split]
-        allowed = {f"{name}.{lang}" for name in (names[split], *SPLIT_ALIASES.get(names[split], ()))
-                   for lang in (d.src_lang, d.tgt_lang)}
-        if recorded.get("limit") != limits[split] or not recorded.get("files") or \
-                not {Path(f["path"]).name for f in recorded["files"]} <= allowed:
+        allowed = {
+            f"{name}.{lang}"
+            for name in (names[split], *SPLIT_ALIASES.get(names[split], ()))
+            for lang in (d.src_lang, d.tgt_lang)
+        }
+        if (
+            recorded.get("limit") != limits[split]
+            or not recorded.get("files")
+            or not {Path(f["path"]).name for f in recorded["files"]} <= allowed
+        ):
             raise missing
     if {k: v for k, v in built.items() if k != "inputs"} != _encoding(cfg, vocab):
         raise missing
     source = Path(built["inputs"]["train"]["files"][0]["path"]).parent
-    later = (f"; the end of training reads the test split as text, so set train.finish=false and run `transformer "
-             f"finish {run_dir}` where the corpus is") if cfg.train.finish else ""
-    log.warning("%s; using the prepared store %s, encoded from %s with this vocabulary and these data settings%s",
-                missing, directory, source, later)
+    later = (
+        (
+            f"; the end of training reads the test split as text, so set train.finish=false and run `transformer "
+            f"finish {run_dir}` where the corpus is"
+        )
+        if cfg.train.finish
+        else ""
+    )
+    log.warning(
+        "%s; using the prepared store %s, encoded from %s with this vocabulary and these data settings%s",
+        missing,
+        directory,
+        source,
+        later,
+    )
     return store
 
 
@@ -211,17 +234,22 @@ def is_ours(directory: Path) -> bool:
 def refuse_foreign(directory: Path) -> None:
     """A one-line error unless `directory` is ours (is_ours): a store is rebuilt only where we built one."""
     if not is_ours(directory):
-        what = "holds files that `transformer prepare` did not write (no manifest.json of a store)" \
-            if directory.is_dir() else "is not a directory"
-        raise UserError(f"store: {directory} {what}; it is never deleted: move it away (or delete it yourself if it "
-                        "is what an earlier version left when a prepare was stopped), then run again")
+        what = (
+            "holds files that `transformer prepare` did not write (no manifest.json of a store)"
+            if directory.is_dir()
+            else "is not a directory"
+        )
+        raise UserError(
+            f"store: {directory} {what}; it is never deleted: move it away (or delete it yourself if it "
+            "is what an earlier version left when a prepare was stopped), then run again"
+        )
 
 
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _manifest_problem(manifest) -> Optional[str]:
+def _manifest_problem(manifest) -> str | None:
     """What is missing from, or mistyped in, a parsed manifest (None: every key that is read is there)."""
     if not isinstance(manifest, dict):
         return f"it holds {type(manifest).__name__ if manifest is not None else 'null'}, not a JSON object"
@@ -231,16 +259,21 @@ def _manifest_problem(manifest) -> Optional[str]:
         return "its dtype or vocab_size is missing or wrong"
     splits, built = manifest.get("splits"), manifest.get("fingerprint")
     keys = ("pairs", "src_tokens", "tgt_tokens")
-    if not isinstance(splits, dict) or not all(isinstance(splits.get(s), dict) and
-                                               all(_is_count(splits[s].get(k)) for k in keys) for s in SPLITS):
+    if not isinstance(splits, dict) or not all(
+        isinstance(splits.get(s), dict) and all(_is_count(splits[s].get(k)) for k in keys) for s in SPLITS
+    ):
         return "its split counts are missing or wrong"
-    if not isinstance(built, dict) or not isinstance(built.get("inputs"), dict) or \
-            not all(isinstance(built["inputs"].get(s), dict) for s in SPLITS):
+    if (
+        not isinstance(built, dict)
+        or not isinstance(built.get("inputs"), dict)
+        or not all(isinstance(built["inputs"].get(s), dict) for s in SPLITS)
+    ):
         return "it has no fingerprint of its inputs"
     for split in SPLITS:
         files = built["inputs"][split].get("files", [])
-        if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("path"), str)
-                                                  for f in files):
+        if not isinstance(files, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("path"), str) for f in files
+        ):
             return f"its fingerprint of the {split} input is malformed"
     if not _is_count(built.get("max_len")) or not isinstance(built.get("vocab_sha256"), str):
         return "its fingerprint has no vocabulary hash or max_len"
@@ -255,7 +288,7 @@ def _blocks(path: Path, dtype: np.dtype, items: int = 1 << 20) -> Iterator[np.nd
             yield block
 
 
-def _offsets_problem(path: Path, n_tokens: int, max_len: int) -> Optional[str]:
+def _offsets_problem(path: Path, n_tokens: int, max_len: int) -> str | None:
     """Why the offsets in `path` cannot index `n_tokens` tokens as build() wrote them: from 0 to n_tokens, each
     sentence between 1 and max_len tokens long (blank and longer pairs were dropped). One pass."""
     first, last, done = None, None, 0  # done: sentences checked so far
@@ -267,8 +300,10 @@ def _offsets_problem(path: Path, n_tokens: int, max_len: int) -> Optional[str]:
         if first == 0 and bad.any():
             i = int(np.argmax(bad))
             starts = block if last is None else np.r_[last, block]
-            return f"sentence {done + i} spans offsets {int(starts[i])}..{int(starts[i + 1])}, not 1 to {max_len} " \
-                   "tokens (data.max_len)"
+            return (
+                f"sentence {done + i} spans offsets {int(starts[i])}..{int(starts[i + 1])}, not 1 to {max_len} "
+                "tokens (data.max_len)"
+            )
         done += len(lengths)
         last = int(block[-1])
     if first != 0 or last != n_tokens:
@@ -276,7 +311,7 @@ def _offsets_problem(path: Path, n_tokens: int, max_len: int) -> Optional[str]:
     return None
 
 
-def _tokens_problem(path: Path, dtype: np.dtype, vocab_size: int) -> Optional[str]:
+def _tokens_problem(path: Path, dtype: np.dtype, vocab_size: int) -> str | None:
     """Why the ids in `path` cannot be of a vocabulary of `vocab_size` pieces (one pass)."""
     for block in _blocks(path, dtype, 1 << 22):
         low, high = int(block.min()), int(block.max())
@@ -285,7 +320,7 @@ def _tokens_problem(path: Path, dtype: np.dtype, vocab_size: int) -> Optional[st
     return None
 
 
-def _contents_problem(directory: Path, manifest: dict) -> Optional[str]:
+def _contents_problem(directory: Path, manifest: dict) -> str | None:
     """Why files of the sizes the manifest gives cannot be used: offsets out of order or past the tokens, ids
     outside the vocabulary, unreadable references. What training would otherwise meet as an IndexError hours in."""
     dtype, max_len = np.dtype(manifest["dtype"]), manifest["fingerprint"]["max_len"]
@@ -299,13 +334,16 @@ def _contents_problem(directory: Path, manifest: dict) -> Optional[str]:
             if reason is not None:
                 return f"{bin_path}: {reason}: corrupt"
     refs = _read_record(directory / "valid.refs.json")
-    if not isinstance(refs, list) or len(refs) != manifest["splits"]["valid"]["pairs"] or \
-            not all(isinstance(r, str) for r in refs):
+    if (
+        not isinstance(refs, list)
+        or len(refs) != manifest["splits"]["valid"]["pairs"]
+        or not all(isinstance(r, str) for r in refs)
+    ):
         return f"{directory / 'valid.refs.json'} is missing or does not hold the validation references: corrupt"
     return None
 
 
-def problem(directory: Path, expected: Optional[dict] = None, contents: bool = True) -> Optional[str]:
+def problem(directory: Path, expected: dict | None = None, contents: bool = True) -> str | None:
     """Why the store in `directory` cannot be used (for `expected` inputs), or None when it can. contents: also
     read the data once (offsets and ids, with numpy): what "reusing" promises; off only for a store just built."""
     path = directory / MANIFEST
@@ -337,6 +375,7 @@ def _map(path: Path, dtype: np.dtype) -> np.ndarray:
 
 # --------------------------------------------------------------------------- reading
 
+
 class Store:
     """A prepared store, opened read-only: memory-mapped corpora per split, and the validation references."""
 
@@ -355,8 +394,10 @@ class Store:
             tokens = self._map(f"{split}.{side}.bin", self.dtype)
             offsets = self._map(f"{split}.{side}.idx", np.dtype(np.int64))
             if len(offsets) == 0 or offsets[-1] != len(tokens) or offsets[0] != 0:
-                raise UserError(f"store: {self.directory}/{split}.{side}.idx does not match its tokens: "
-                                "corrupt; delete the store directory to rebuild it")
+                raise UserError(
+                    f"store: {self.directory}/{split}.{side}.idx does not match its tokens: "
+                    "corrupt; delete the store directory to rebuild it"
+                )
             arrays += [tokens, offsets]
         return Corpus(*arrays)
 
@@ -383,6 +424,7 @@ class Store:
 
 # --------------------------------------------------------------------------- building
 
+
 class _Appender:
     """Appends numpy chunks to a raw binary file; synced to disk when its `with` block ends normally."""
 
@@ -392,7 +434,7 @@ class _Appender:
     def write(self, values: np.ndarray) -> None:
         np.asarray(values, dtype=self.dtype).tofile(self.file)
 
-    def __enter__(self) -> "_Appender":
+    def __enter__(self) -> _Appender:
         return self
 
     def __exit__(self, error_type, *_) -> None:
@@ -402,20 +444,39 @@ class _Appender:
                 os.fsync(self.file.fileno())
 
 
-def _encode_split(vocab: Vocab, raw: RawSplit, split: str, max_len: int, directory: Path, dtype: np.dtype,
-                  keep_references: bool, quiet: bool) -> dict:
+def _encode_split(
+    vocab: Vocab,
+    raw: RawSplit,
+    split: str,
+    max_len: int,
+    directory: Path,
+    dtype: np.dtype,
+    keep_references: bool,
+    quiet: bool,
+) -> dict:
     """Stream one split through SentencePiece into directory/{split}.{side}.bin/.idx; return its counts."""
     totals = {"src": 0, "tgt": 0}
     counts = {"read": 0, "pairs": 0, "dropped_long": 0, "dropped_blank": 0}
     references: list[str] = []
     start = logged = time.perf_counter()
     with contextlib.ExitStack() as files:
-        writers = {f"{side}.{kind}": files.enter_context(_Appender(directory / f"{split}.{side}.{kind}", t))
-                   for side in SIDES for kind, t in (("bin", dtype), ("idx", np.dtype(np.int64)))}
+        writers = {
+            f"{side}.{kind}": files.enter_context(_Appender(directory / f"{split}.{side}.{kind}", t))
+            for side in SIDES
+            for kind, t in (("bin", dtype), ("idx", np.dtype(np.int64)))
+        }
         for side in SIDES:
             writers[f"{side}.idx"].write(np.zeros(1, dtype=np.int64))
-        bar = files.enter_context(tqdm(total=raw.n_pairs, desc=f"prepare {split}", unit=" pairs", unit_scale=True,
-                                       dynamic_ncols=True, disable=True if quiet else None))
+        bar = files.enter_context(
+            tqdm(
+                total=raw.n_pairs,
+                desc=f"prepare {split}",
+                unit=" pairs",
+                unit_scale=True,
+                dynamic_ncols=True,
+                disable=True if quiet else None,
+            )
+        )
         for src_lines, tgt_lines in raw.chunks():
             ids = {"src": vocab.encode(src_lines), "tgt": vocab.encode(tgt_lines)}
             lengths = {side: np.fromiter(map(len, ids[side]), dtype=np.int64, count=len(ids[side])) for side in SIDES}
@@ -435,24 +496,41 @@ def _encode_split(vocab: Vocab, raw: RawSplit, split: str, max_len: int, directo
             counts["dropped_blank"] += int(blank.sum())
             counts["dropped_long"] += int(long.sum())
             bar.update(len(src_lines))
-            if (bar.disable and not quiet and counts["read"] < raw.n_pairs
-                    and time.perf_counter() - logged >= PROGRESS_LOG_SECONDS):
-                logged = time.perf_counter()  # no bar where stderr is a log file (nohup, a batch job): a line now and then
-                log.info("store: %s: %d of %d pairs encoded (%.0f%%)", split, counts["read"], raw.n_pairs,
-                         100 * counts["read"] / max(raw.n_pairs, 1))
+            if (
+                bar.disable
+                and not quiet
+                and counts["read"] < raw.n_pairs
+                and time.perf_counter() - logged >= PROGRESS_LOG_SECONDS
+            ):
+                logged = (
+                    time.perf_counter()
+                )  # no bar where stderr is a log file (nohup, a batch job): a line now and then
+                log.info(
+                    "store: %s: %d of %d pairs encoded (%.0f%%)",
+                    split,
+                    counts["read"],
+                    raw.n_pairs,
+                    100 * counts["read"] / max(raw.n_pairs, 1),
+                )
     if keep_references:
         text = json.dumps(references, ensure_ascii=False)
         atomic_write(directory / f"{split}.refs.json", lambda f: f.write(text.encode("utf-8")))
     seconds = time.perf_counter() - start
-    log.info("store: %s: encoded %d pairs in %.1f s (%.0f pairs/s)", split, counts["read"], seconds,
-             counts["read"] / max(seconds, 1e-9))
+    log.info(
+        "store: %s: encoded %d pairs in %.1f s (%.0f pairs/s)",
+        split,
+        counts["read"],
+        seconds,
+        counts["read"] / max(seconds, 1e-9),
+    )
     return {**counts, "src_tokens": totals["src"], "tgt_tokens": totals["tgt"], "seconds": round(seconds, 3)}
 
 
 def _data_files() -> list[str]:
     """The names build() writes besides the two records."""
-    return [f"{split}.{side}.{kind}" for split in SPLITS for side in SIDES for kind in ("bin", "idx")] + \
-        [f"{split}.refs.json" for split in SPLITS]
+    return [f"{split}.{side}.{kind}" for split in SPLITS for side in SIDES for kind in ("bin", "idx")] + [
+        f"{split}.refs.json" for split in SPLITS
+    ]
 
 
 def _clear(directory: Path) -> None:
@@ -467,18 +545,27 @@ def _clear(directory: Path) -> None:
     remove_stale_temporaries(directory)
 
 
-def build(directory: Path, cfg: Config, vocab: Vocab, raw: dict[str, RawSplit], expected: dict,
-          quiet: bool = False) -> None:
+def build(
+    directory: Path, cfg: Config, vocab: Vocab, raw: dict[str, RawSplit], expected: dict, quiet: bool = False
+) -> None:
     """Write a new store into `directory`, replacing the store that is there (never a directory that is not a
     store of ours: refuse_foreign); the manifest goes last."""
     count_pairs(raw)
     _clear(directory)
     dtype = token_dtype(len(vocab))
-    splits = {split: _encode_split(vocab, raw[split], split, cfg.data.max_len, directory, dtype,
-                                   keep_references=split == "valid", quiet=quiet)
-              for split in SPLITS}
-    manifest = {"format": FORMAT, "dtype": dtype.name, "vocab_size": len(vocab), "splits": splits,
-                "fingerprint": expected}
+    splits = {
+        split: _encode_split(
+            vocab, raw[split], split, cfg.data.max_len, directory, dtype, keep_references=split == "valid", quiet=quiet
+        )
+        for split in SPLITS
+    }
+    manifest = {
+        "format": FORMAT,
+        "dtype": dtype.name,
+        "vocab_size": len(vocab),
+        "splits": splits,
+        "fingerprint": expected,
+    }
     text = json.dumps(manifest, indent=2) + "\n"
     atomic_write(directory / MANIFEST, lambda f: f.write(text.encode("utf-8")))
     (directory / BUILDING).unlink()
@@ -487,26 +574,35 @@ def build(directory: Path, cfg: Config, vocab: Vocab, raw: dict[str, RawSplit], 
 def log_counts(store: Store, max_len: int) -> None:
     for split in SPLITS:
         s = store.stats(split)
-        log.info("data: %s: %d pairs kept, %d dropped as longer than data.max_len=%d, %d dropped with a blank side",
-                 split, s["pairs"], s["dropped_long"], max_len, s["dropped_blank"])
+        log.info(
+            "data: %s: %d pairs kept, %d dropped as longer than data.max_len=%d, %d dropped with a blank side",
+            split,
+            s["pairs"],
+            s["dropped_long"],
+            max_len,
+            s["dropped_blank"],
+        )
         if not s["pairs"]:
             raise UserError(f"data: no usable pairs left in split {split!r} after filtering")
 
 
 # --------------------------------------------------------------------------- the whole preparation
 
+
 def open_raw_splits(cfg: Config) -> dict[str, RawSplit]:
     """Both splits training reads, checked to exist before anything expensive happens."""
     d = cfg.data
-    return {"train": open_split(d, d.train_split, d.max_train_pairs, log.info),
-            "valid": open_split(d, d.valid_split, d.max_valid_pairs, log.info)}
+    return {
+        "train": open_split(d, d.train_split, d.max_train_pairs, log.info),
+        "valid": open_split(d, d.valid_split, d.max_valid_pairs, log.info),
+    }
 
 
 def count_pairs(raw: dict[str, RawSplit]) -> None:
     """Count every split's pairs, which checks that its sides exist, agree and are not empty: before the
     minutes of work that training a vocabulary or encoding a large training split takes."""
     for split in raw.values():
-        split.n_pairs  # cached: counted once
+        _ = split.n_pairs  # cached: counted once
 
 
 def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
@@ -517,22 +613,35 @@ def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
         return Vocab.load(path).check_reuse(path, cfg.data.vocab_size)
     d = cfg.data
     if 0 < d.spm_max_sentences <= 100:  # checked here, not in the config: a run that reuses its vocabulary may keep it
-        raise UserError(f"data.spm_max_sentences must be 0 (every sentence) or above 100 (SentencePiece's smallest "
-                        f"sample) to train a vocabulary, got {d.spm_max_sentences}")
+        raise UserError(
+            f"data.spm_max_sentences must be 0 (every sentence) or above 100 (SentencePiece's smallest "
+            f"sample) to train a vocabulary, got {d.spm_max_sentences}"
+        )
     sentences = 2 * train.n_pairs
     sampled = 0 < d.spm_max_sentences < sentences  # 0: all of them
     sample = f"a sample of {d.spm_max_sentences} of the" if sampled else "the"
-    log.info("vocab: training a joint %s SentencePiece model of %d pieces on %s %d training sentences",
-             d.spm_model_type, d.vocab_size, sample, sentences)
+    log.info(
+        "vocab: training a joint %s SentencePiece model of %d pieces on %s %d training sentences",
+        d.spm_model_type,
+        d.vocab_size,
+        sample,
+        sentences,
+    )
     start = time.perf_counter()
-    vocab = train_vocab(chain_lines(train.chunks()), d.vocab_size, d.spm_model_type, d.spm_character_coverage,
-                        d.spm_max_sentences, cfg.train.seed)
+    vocab = train_vocab(
+        chain_lines(train.chunks()),
+        d.vocab_size,
+        d.spm_model_type,
+        d.spm_character_coverage,
+        d.spm_max_sentences,
+        cfg.train.seed,
+    )
     vocab.save(path)
     log.info("vocab: trained in %.1f s", time.perf_counter() - start)
     return vocab
 
 
-def prepare(cfg: Config, run_dir: Path, vocab: Optional[Vocab] = None, quiet: bool = False) -> Store:
+def prepare(cfg: Config, run_dir: Path, vocab: Vocab | None = None, quiet: bool = False) -> Store:
     """The vocabulary (given, reused from run_dir or trained) and the store in run_dir/store (reused when its
     inputs are unchanged, else rebuilt with a log line saying why). One process only: under torchrun rank 0.
     Without the raw corpus, a complete store that fits is used as it is (_store_without_corpus)."""

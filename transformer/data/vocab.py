@@ -8,13 +8,13 @@ import logging
 import os
 import random
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
-from transformer.files import atomic_write
 from transformer.errors import UserError
+from transformer.files import atomic_write
 
 # The special ids, fixed for every model this package trains.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -50,7 +50,7 @@ class Vocab:
             )
 
     @classmethod
-    def load(cls, path: str | Path) -> "Vocab":
+    def load(cls, path: str | Path) -> Vocab:
         path = Path(path)
         if not path.is_file():
             raise UserError(f"no SentencePiece model at {path}")
@@ -59,15 +59,21 @@ class Vocab:
         except UserError as e:
             raise UserError(f"vocab: {path}: {e}; delete it, and `transformer train` trains a new one") from None
 
-    def check_reuse(self, path: str | Path, vocab_size: int) -> "Vocab":
+    def check_reuse(self, path: str | Path, vocab_size: int) -> Vocab:
         """A stored SentencePiece model must not be larger than data.vocab_size; smaller may be the corpus's limit."""
         if len(self) > vocab_size:
-            raise UserError(f"vocab: {path} has {len(self)} pieces but data.vocab_size is {vocab_size}; delete it "
-                            f"to train a new vocabulary, or set data.vocab_size to {len(self)}")
+            raise UserError(
+                f"vocab: {path} has {len(self)} pieces but data.vocab_size is {vocab_size}; delete it "
+                f"to train a new vocabulary, or set data.vocab_size to {len(self)}"
+            )
         if len(self) < vocab_size:
-            log.warning("vocab: %s has %d pieces, fewer than data.vocab_size %d: the most this corpus gives, or "
-                        "the size of an earlier data.vocab_size (then delete it to train one of the new size)", path,
-                        len(self), vocab_size)
+            log.warning(
+                "vocab: %s has %d pieces, fewer than data.vocab_size %d: the most this corpus gives, or "
+                "the size of an earlier data.vocab_size (then delete it to train one of the new size)",
+                path,
+                len(self),
+                vocab_size,
+            )
         return self
 
     def save(self, path: str | Path) -> None:
@@ -124,8 +130,10 @@ def train_vocab(
     sentences = (s for s in sentences if s.strip())
     first = next(sentences, None)
     if first is None:  # SentencePiece would fail with an INTERNAL error that names nothing
-        raise UserError("vocab: every training sentence is blank (or only spaces): there is no text to train a "
-                        "SentencePiece model on; check the training split's files (data.dir, data.train_split)")
+        raise UserError(
+            "vocab: every training sentence is blank (or only spaces): there is no text to train a "
+            "SentencePiece model on; check the training split's files (data.dir, data.train_split)"
+        )
     sentences = itertools.chain([first], sentences)
     if max_sentences:
         # Sampled here: SentencePiece's own sample (input_sentence_size) differs from one process to the next
@@ -143,7 +151,10 @@ def train_vocab(
             # below the limit (Multi30k) gets the vocabulary it always had.
             input_sentence_size=max_sentences,
             shuffle_input_sentence=True,
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
             # Words of any length, and a vocabulary that fits small corpora.
             max_sentence_length=1 << 16,
             hard_vocab_limit=False,
@@ -154,7 +165,11 @@ def train_vocab(
         raise UserError(f"SentencePiece training failed: {e}") from None
     vocab = Vocab(model.getvalue())
     if len(vocab) < vocab_size:  # hard_vocab_limit=False: a small corpus gives fewer pieces, not an error
-        log.warning("vocab: the training data gives only %d pieces, fewer than data.vocab_size %d; the vocabulary "
-                    "has %d (data.vocab_size is an upper bound)", len(vocab), vocab_size, len(vocab))
+        log.warning(
+            "vocab: the training data gives only %d pieces, fewer than data.vocab_size %d; the vocabulary "
+            "has %d (data.vocab_size is an upper bound)",
+            len(vocab),
+            vocab_size,
+            len(vocab),
+        )
     return vocab
-

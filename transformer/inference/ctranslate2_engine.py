@@ -9,16 +9,16 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
-from transformer.files import current_umask
-from transformer.model.positions import ctranslate2_encodings
-from transformer.model.checkpoint import load_model, resolve_checkpoint
-from transformer.run_dir import RunDir
 from transformer.errors import UserError
+from transformer.files import current_umask
+from transformer.model.checkpoint import load_model, resolve_checkpoint
+from transformer.model.positions import ctranslate2_encodings
+from transformer.run_dir import RunDir
 
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which our model uses
 # The records that make a directory ours to replace (never its file names: a user's folder may hold a model.bin).
@@ -34,8 +34,9 @@ def require_ctranslate2():
     try:
         import ctranslate2
     except ImportError:
-        raise UserError("CTranslate2 is not installed: pip install 'transformer[ctranslate2]' "
-                        "(or pip install ctranslate2)") from None
+        raise UserError(
+            "CTranslate2 is not installed: pip install 'transformer[ctranslate2]' (or pip install ctranslate2)"
+        ) from None
     return ctranslate2
 
 
@@ -57,11 +58,17 @@ def build_spec(model, pieces: list[str]):
 
     c = model.cfg
     spec = transformer_spec.TransformerSpec.from_config(
-        (c.n_encoder_layers, c.n_decoder_layers), c.n_heads, pre_norm=c.norm == "pre",
-        no_final_norm=c.norm == "post", activation=common_spec.Activation.RELU)
+        (c.n_encoder_layers, c.n_decoder_layers),
+        c.n_heads,
+        pre_norm=c.norm == "pre",
+        no_final_norm=c.norm == "post",
+        activation=common_spec.Activation.RELU,
+    )
     table = ctranslate2_encodings(model)  # (P, C)
-    for side, embedding, final_norm in ((spec.encoder, model.src_embed, model.encoder_norm),
-                                        (spec.decoder, model.tgt_embed, model.decoder_norm)):
+    for side, embedding, final_norm in (
+        (spec.encoder, model.src_embed, model.encoder_norm),
+        (spec.decoder, model.tgt_embed, model.decoder_norm),
+    ):
         embeddings = side.embeddings[0] if isinstance(side.embeddings, list) else side.embeddings
         embeddings.weight = embedding.weight.detach().float().numpy()
         side.scale_embeddings = True  # x * sqrt(d_model), as in _embed
@@ -122,7 +129,7 @@ def _file_stamps(directory: Path) -> dict[str, list[int]]:
     return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(directory.iterdir())}
 
 
-def _replaceable(target: Path, record_name: str) -> Optional[set[str]]:
+def _replaceable(target: Path, record_name: str) -> set[str] | None:
     """The names to remove so that `target` can be replaced: none when it is absent or an empty directory; the files
     of a directory whose record (record_name, ours) lists every file in it. None: not ours, never to be replaced."""
     if not target.exists() and not target.is_symlink():
@@ -133,19 +140,28 @@ def _replaceable(target: Path, record_name: str) -> Optional[set[str]]:
     if not entries:
         return set()
     record = _read_record(target / record_name)
-    ours = record.get("format") in EXPORT_FORMATS if record_name == EXPORT_RECORD else \
-        {"checkpoint", "size", "mtime_ns"} <= record.keys()
+    ours = (
+        record.get("format") in EXPORT_FORMATS
+        if record_name == EXPORT_RECORD
+        else {"checkpoint", "size", "mtime_ns"} <= record.keys()
+    )
     files = record.get("files", entries)  # an earlier version's source.json lists none
-    if not ours or not isinstance(files, (dict, list)) or not set(entries) <= set(files) | {record_name} or \
-            any(p.is_symlink() or not p.is_file() for p in entries.values()):
+    if (
+        not ours
+        or not isinstance(files, (dict, list))
+        or not set(entries) <= set(files) | {record_name}
+        or any(p.is_symlink() or not p.is_file() for p in entries.values())
+    ):
         return None
     return set(entries)
 
 
 def _not_ours(target: Path, record_name: str, what: str) -> UserError:
-    return UserError(f"{what}: {target} exists and is not a directory this program wrote (no {record_name} of ours "
-                     "listing every file in it); it is never replaced: move it away or choose another directory "
-                     "(an export or conversion by an earlier version has no such record: delete it yourself)")
+    return UserError(
+        f"{what}: {target} exists and is not a directory this program wrote (no {record_name} of ours "
+        "listing every file in it); it is never replaced: move it away or choose another directory "
+        "(an export or conversion by an earlier version has no such record: delete it yourself)"
+    )
 
 
 def _replace_ours(target: Path, staging: Path, record_name: str, what: str) -> None:
@@ -161,8 +177,9 @@ def _replace_ours(target: Path, staging: Path, record_name: str, what: str) -> N
     os.replace(staging, target)
 
 
-def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, quantization: str | None = None,
-                       force: bool = False) -> Path:
+def export_ctranslate2(
+    checkpoint: str | Path, out_dir: str | Path, quantization: str | None = None, force: bool = False
+) -> Path:
     """Write a CTranslate2 model directory (model.bin, vocabularies, our spm.model, and EXPORT_RECORD) for
     `checkpoint` (a run directory or .pt file); returns it. CTranslate2 appends </s> to the source itself.
     force: replace an earlier export (its record lists every file there) or an empty directory, nothing else."""
@@ -257,8 +274,10 @@ def cached_conversion(checkpoint: str | Path) -> Path:
         staging = _staging_dir(target)
     except OSError as e:
         staging = Path(tempfile.mkdtemp(prefix="transformer_ct2_"))
-        print(f"warning: cannot write {target.parent} ({e.strerror}); converted into {staging}, "
-              "which is not reused", file=sys.stderr)
+        print(
+            f"warning: cannot write {target.parent} ({e.strerror}); converted into {staging}, which is not reused",
+            file=sys.stderr,
+        )
         _write_model(source, staging, None)
         return staging
     try:

@@ -10,13 +10,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
-from transformer.files import atomic_write
 from transformer.errors import UserError
-from transformer.run_dir import RunDir
+from transformer.files import atomic_write
 from transformer.inference.scoring import bleu_chrf
 from transformer.inference.settings import SearchFlags
+from transformer.run_dir import RunDir
 
 
 def _check_writable(eval_dir: Path) -> None:
@@ -28,10 +27,15 @@ def _check_writable(eval_dir: Path) -> None:
         reason = e.strerror or str(e)
         if isinstance(e, FileExistsError):
             target = eval_dir.parent / os.readlink(eval_dir) if eval_dir.is_symlink() else None
-            reason = ("it is a file, not a directory" if target is None or eval_dir.exists() else
-                      f"it is a link to {target}, which does not exist")
-        raise UserError(f"evaluate: cannot write the results to {eval_dir} ({reason}); evaluate a copy of the run "
-                        "or checkpoint in a directory you can write to") from None
+            reason = (
+                "it is a file, not a directory"
+                if target is None or eval_dir.exists()
+                else f"it is a link to {target}, which does not exist"
+            )
+        raise UserError(
+            f"evaluate: cannot write the results to {eval_dir} ({reason}); evaluate a copy of the run "
+            "or checkpoint in a directory you can write to"
+        ) from None
 
 
 def _read_record(path: Path) -> dict:
@@ -42,7 +46,7 @@ def _read_record(path: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def _results_name(eval_dir: Path, name: str, settings: str, source: Optional[list], digest: str) -> str:
+def _results_name(eval_dir: Path, name: str, settings: str, source: list | None, digest: str) -> str:
     """`name.settings`, so that evaluating with another beam does not overwrite the last result. Another source
     under a name already scored (wmt14/test.de, then wmt17/test.de) gets `name.DIGEST.settings`; the same files or
     split again (edited or not) replace their results, wherever they are. A pipe has no source to compare (None):
@@ -55,14 +59,22 @@ def _results_name(eval_dir: Path, name: str, settings: str, source: Optional[lis
         for path in sorted(eval_dir.glob(f"{glob.escape(name)}.{'[0-9a-f]' * 8}.{glob.escape(settings)}.json")):
             if _read_record(path).get("source") == source:
                 return path.name[: -len(".json")]
-    print(f"note: {eval_dir / name}.{settings}.json holds the scores of other sentences "
-          f"({record.get('src') or record.get('split')}); these results get the name {name}.{digest[:8]}",
-          file=sys.stderr)
+    print(
+        f"note: {eval_dir / name}.{settings}.json holds the scores of other sentences "
+        f"({record.get('src') or record.get('split')}); these results get the name {name}.{digest[:8]}",
+        file=sys.stderr,
+    )
     return f"{name}.{digest[:8]}.{settings}"
 
 
-def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Optional[str], device: str = "auto",
-                 flags: SearchFlags = SearchFlags()) -> dict:
+def run_evaluate(
+    run_dir: str,
+    split: str | None,
+    src: str | None,
+    ref: str | None,
+    device: str = "auto",
+    flags: SearchFlags = SearchFlags(),
+) -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files) with the search `flags` over the
     checkpoint's decode section, score, write .hyp and .json."""
     from transformer.config import split_name_problem
@@ -90,8 +102,10 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         except UserError as e:
             if split in aliases or split in aliases.values():  # a split the run knows, whose files are not there
                 raise UserError(f"evaluate: split {split!r}: {e}") from None
-            raise UserError(f"evaluate: unknown split {split!r}: {e} (splits of this run are named by data.train_split, "
-                            "data.valid_split, data.test_split; or pass --src FILE --ref FILE)") from None
+            raise UserError(
+                f"evaluate: unknown split {split!r}: {e} (splits of this run are named by data.train_split, "
+                "data.valid_split, data.test_split; or pass --src FILE --ref FILE)"
+            ) from None
         sources, references = load_split(data, aliases.get(split, split))
         name = split
     if translator.note:
@@ -108,8 +122,11 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
         data = translator.cfg.data
         source = ["split", split, str(Path(data.dir).resolve()) if data.source == "local" else data.hub_name]
     else:
-        source = (["files", str(Path(src).resolve()), str(Path(ref).resolve())]
-                  if Path(src).is_file() and Path(ref).is_file() else None)
+        source = (
+            ["files", str(Path(src).resolve()), str(Path(ref).resolve())]
+            if Path(src).is_file() and Path(ref).is_file()
+            else None
+        )
     name = _results_name(eval_dir, name, settings.describe(), source, digest)
     _check_writable(eval_dir)  # before the translating, not after it
     start = time.perf_counter()
@@ -122,12 +139,23 @@ def run_evaluate(run_dir: str, split: Optional[str], src: Optional[str], ref: Op
     hyp_path, json_path = eval_dir / f"{name}.hyp", eval_dir / f"{name}.json"
     text = "".join(h + "\n" for h in hypotheses)
     atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
-    record = {"checkpoint": str(run_dir), "split": split, "src": src, "ref": ref, "beam": settings.beam,
-              "lenpen": settings.lenpen, "stop": settings.stop if settings.engine == "ours" else None,
-              "dtype": settings.dtype, "engine": settings.engine, "seconds": round(seconds, 3),
-              "hypotheses": str(hyp_path), "source": source, "inputs_sha256": digest, **scores}
+    record = {
+        "checkpoint": str(run_dir),
+        "split": split,
+        "src": src,
+        "ref": ref,
+        "beam": settings.beam,
+        "lenpen": settings.lenpen,
+        "stop": settings.stop if settings.engine == "ours" else None,
+        "dtype": settings.dtype,
+        "engine": settings.engine,
+        "seconds": round(seconds, 3),
+        "hypotheses": str(hyp_path),
+        "source": source,
+        "inputs_sha256": digest,
+        **scores,
+    }
     summary = json.dumps(record, indent=2) + "\n"
     atomic_write(json_path, lambda f: f.write(summary.encode("utf-8")))
-    print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({settings.describe()}); "
-          f"wrote {hyp_path} and {json_path}")
+    print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({settings.describe()}); wrote {hyp_path} and {json_path}")
     return record

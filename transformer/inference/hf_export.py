@@ -5,23 +5,30 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.config import Config
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab
 from transformer.errors import UserError
 from transformer.inference.ctranslate2_engine import write_export
+from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.model.transformer import Transformer
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab
 
 HF_EXPORT_FORMAT = "transformer-hf-export-v1"
 INSTALL = "pip install 'transformer[hf]' (or pip install transformers safetensors)"
 # What a MarianMTModel directory holds besides our record: MarianTokenizer reads the vocabulary from vocab.json and
 # splits text with source.spm (and target.spm for targets): ours is one joint model, written twice.
-FILES = ("config.json", "generation_config.json", "model.safetensors", "source.spm", "target.spm", "vocab.json",
-         "tokenizer_config.json", "special_tokens_map.json")
+FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "source.spm",
+    "target.spm",
+    "vocab.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 def require_transformers() -> None:
@@ -48,8 +55,10 @@ def refusal(cfg: Config) -> str | None:
     separate source and target embeddings and a tied or separate output projection all exist in Marian."""
     m = cfg.model
     if m.norm != "post":
-        return (f"model.norm is {m.norm!r}: MarianMTModel is post-norm only (a LayerNorm after each residual add, no "
-                "final LayerNorm), so a pre-norm model has no Marian equivalent")
+        return (
+            f"model.norm is {m.norm!r}: MarianMTModel is post-norm only (a LayerNorm after each residual add, no "
+            "final LayerNorm), so a pre-norm model has no Marian equivalent"
+        )
     return None
 
 
@@ -57,17 +66,35 @@ def marian_config(cfg: Config, vocab_size: int) -> dict:
     """config.json: MarianConfig's keys for our model (token ids: ours; decoding starts with our BOS, not pad)."""
     m = cfg.model
     return {
-        "architectures": ["MarianMTModel"], "model_type": "marian",
-        "vocab_size": vocab_size, "decoder_vocab_size": vocab_size,
-        "d_model": m.d_model, "encoder_layers": m.n_encoder_layers, "decoder_layers": m.n_decoder_layers,
-        "encoder_attention_heads": m.n_heads, "decoder_attention_heads": m.n_heads,
-        "encoder_ffn_dim": m.d_ff, "decoder_ffn_dim": m.d_ff, "activation_function": "relu",
-        "dropout": m.dropout, "attention_dropout": m.attention_dropout, "activation_dropout": m.activation_dropout,
-        "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0,
-        "max_position_embeddings": m.max_positions, "scale_embedding": True,
-        "share_encoder_decoder_embeddings": m.share_embeddings, "tie_word_embeddings": m.tie_output,
-        "pad_token_id": PAD_ID, "eos_token_id": EOS_ID, "bos_token_id": BOS_ID, "forced_eos_token_id": EOS_ID,
-        "decoder_start_token_id": BOS_ID, "is_encoder_decoder": True, "use_cache": True, "init_std": 0.02,
+        "architectures": ["MarianMTModel"],
+        "model_type": "marian",
+        "vocab_size": vocab_size,
+        "decoder_vocab_size": vocab_size,
+        "d_model": m.d_model,
+        "encoder_layers": m.n_encoder_layers,
+        "decoder_layers": m.n_decoder_layers,
+        "encoder_attention_heads": m.n_heads,
+        "decoder_attention_heads": m.n_heads,
+        "encoder_ffn_dim": m.d_ff,
+        "decoder_ffn_dim": m.d_ff,
+        "activation_function": "relu",
+        "dropout": m.dropout,
+        "attention_dropout": m.attention_dropout,
+        "activation_dropout": m.activation_dropout,
+        "encoder_layerdrop": 0.0,
+        "decoder_layerdrop": 0.0,
+        "max_position_embeddings": m.max_positions,
+        "scale_embedding": True,
+        "share_encoder_decoder_embeddings": m.share_embeddings,
+        "tie_word_embeddings": m.tie_output,
+        "pad_token_id": PAD_ID,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": BOS_ID,
+        "forced_eos_token_id": EOS_ID,
+        "decoder_start_token_id": BOS_ID,
+        "is_encoder_decoder": True,
+        "use_cache": True,
+        "init_std": 0.02,
     }
 
 
@@ -79,11 +106,18 @@ def generation_config(cfg: Config) -> dict:
     (ours: source length + decode.max_len_offset): max_length is the model's own, BOS and EOS included."""
     d = cfg.decode
     return {
-        "decoder_start_token_id": BOS_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
-        "forced_eos_token_id": EOS_ID, "num_beams": d.beam, "length_penalty": d.lenpen,
-        "early_stopping": "never" if d.stop == "exact" else True, "max_length": cfg.model.max_positions + 1,
+        "decoder_start_token_id": BOS_ID,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "forced_eos_token_id": EOS_ID,
+        "num_beams": d.beam,
+        "length_penalty": d.lenpen,
+        "early_stopping": "never" if d.stop == "exact" else True,
+        "max_length": cfg.model.max_positions + 1,
         # Our search never emits PAD or BOS (their -inf comes after the log-softmax there too).
-        "bad_words_ids": [[PAD_ID], [BOS_ID]], "do_sample": False,
+        "bad_words_ids": [[PAD_ID], [BOS_ID]],
+        "do_sample": False,
     }
 
 
@@ -146,17 +180,30 @@ def marian_weights(model: Transformer) -> dict[str, torch.Tensor]:
 def tokenizer_files(vocab: Vocab, cfg: Config) -> dict[str, bytes]:
     """source.spm and target.spm (our joint model twice), vocab.json (piece -> our id), the tokenizer's config."""
     pieces = {vocab.sp.id_to_piece(i): i for i in range(len(vocab))}
-    special = {"unk_token": vocab.sp.id_to_piece(UNK_ID), "eos_token": vocab.sp.id_to_piece(EOS_ID),
-               "pad_token": vocab.sp.id_to_piece(PAD_ID)}
-    tokenizer = {"tokenizer_class": "MarianTokenizer", "source_lang": cfg.data.src_lang,
-                 "target_lang": cfg.data.tgt_lang, "model_max_length": cfg.model.max_positions,
-                 "separate_vocabs": False, **special}
+    special = {
+        "unk_token": vocab.sp.id_to_piece(UNK_ID),
+        "eos_token": vocab.sp.id_to_piece(EOS_ID),
+        "pad_token": vocab.sp.id_to_piece(PAD_ID),
+    }
+    tokenizer = {
+        "tokenizer_class": "MarianTokenizer",
+        "source_lang": cfg.data.src_lang,
+        "target_lang": cfg.data.tgt_lang,
+        "model_max_length": cfg.model.max_positions,
+        "separate_vocabs": False,
+        **special,
+    }
 
     def text(value) -> bytes:
         return (json.dumps(value, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
 
-    return {"source.spm": vocab.proto, "target.spm": vocab.proto, "vocab.json": text(pieces),
-            "tokenizer_config.json": text(tokenizer), "special_tokens_map.json": text(special)}
+    return {
+        "source.spm": vocab.proto,
+        "target.spm": vocab.proto,
+        "vocab.json": text(pieces),
+        "tokenizer_config.json": text(tokenizer),
+        "special_tokens_map.json": text(special),
+    }
 
 
 def write_marian(checkpoint: Path, out_dir: Path) -> None:
@@ -181,7 +228,11 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) 
     earlier export of ours (its record lists every file there) or an empty directory, nothing else."""
     require_transformers()
     source = resolve_checkpoint(checkpoint)
-    write: Callable[[Path], dict] = lambda staging: (write_marian(source, staging), {"checkpoint": str(source)})[1]
+
+    def write(staging: Path) -> dict:
+        write_marian(source, staging)
+        return {"checkpoint": str(source)}
+
     return write_export(out_dir, force, HF_EXPORT_FORMAT, write)
 
 

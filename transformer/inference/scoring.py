@@ -3,7 +3,7 @@ translating and scored in one call."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from transformer.errors import UserError
 from transformer.inference.settings import SearchSettings
@@ -26,15 +26,22 @@ def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
     b = bleu.corpus_score(list(hypotheses), [list(references)])
     c = chrf.corpus_score(list(hypotheses), [list(references)])
     return {
-        "bleu": b.score, "chrf": c.score,
-        "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature()),
-        "bleu_detail": str(b), "chrf_detail": str(c),
-        "bp": b.bp, "sys_len": b.sys_len, "ref_len": b.ref_len, "sentences": len(hypotheses),
+        "bleu": b.score,
+        "chrf": c.score,
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+        "bleu_detail": str(b),
+        "chrf_detail": str(c),
+        "bp": b.bp,
+        "sys_len": b.sys_len,
+        "ref_len": b.ref_len,
+        "sentences": len(hypotheses),
     }
 
 
-def translate_and_score(model, vocab, sources: Sequence[Sequence[int]], references: Sequence[str],
-                        settings: SearchSettings, device) -> tuple[dict, list[str]]:
+def translate_and_score(
+    model, vocab, sources: Sequence[Sequence[int]], references: Sequence[str], settings: SearchSettings, device
+) -> tuple[dict, list[str]]:
     """BLEU and chrF (bleu_chrf) of a model in memory translating `sources` (subword ids) with `settings`; and
     the translations."""
     hypotheses = vocab.decode(translate_ids(model, sources, settings, device))

@@ -47,16 +47,15 @@ waiting. On a CPU the reads are the tensors' own memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from transformer.data.batch import causal_mask, padding_mask
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from transformer.inference.settings import STOP_RULES, StopRule
 from transformer.model.transformer import evaluating
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 
 
 @dataclass
@@ -70,7 +69,7 @@ class SearchResult:
     """What search() found: per source row its n-best hypotheses (best first), and the decoder work it took."""
 
     hypotheses: list[list[Hypothesis]]
-    steps: int                 # decoder calls for the whole batch (one per output position with the cache)
+    steps: int  # decoder calls for the whole batch (one per output position with the cache)
     sentence_steps: list[int]  # per source row, the decoder steps it took part in
 
     def best(self) -> list[Hypothesis]:
@@ -81,7 +80,7 @@ class SearchResult:
 class TraceStep:
     """One decoder step of a traced search, per source row (an empty list for a row with nothing to show)."""
 
-    alive: list[list[Hypothesis]]     # hypotheses that go on after this step, best first; score = summed log-prob
+    alive: list[list[Hypothesis]]  # hypotheses that go on after this step, best first; score = summed log-prob
     finished: list[list[Hypothesis]]  # hypotheses that ended with EOS at this step; score as in the n-best lists
 
 
@@ -90,9 +89,17 @@ def length_penalty(length, alpha: float):
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def search(model, src: torch.Tensor, beam: int = 4, lenpen: float = 0.6, max_len_offset: int = 50,
-           nbest: int = 1, stop: StopRule = "exact", use_cache: bool = True,
-           trace: Optional[list[TraceStep]] = None) -> SearchResult:
+def search(
+    model,
+    src: torch.Tensor,
+    beam: int = 4,
+    lenpen: float = 0.6,
+    max_len_offset: int = 50,
+    nbest: int = 1,
+    stop: StopRule = "exact",
+    use_cache: bool = True,
+    trace: list[TraceStep] | None = None,
+) -> SearchResult:
     """Translate source rows `src` (B, S): per row its `nbest` best hypotheses, best first.
 
     beam 1 is greedy search (the most probable token at each step). Beam search ranks 2*beam candidates
@@ -136,7 +143,7 @@ class _Decoder:
         lprobs[:, BOS_ID] = float("-inf")
         return lprobs
 
-    def keep_rows(self, index: torch.Tensor, sources: Optional[torch.Tensor] = None) -> None:
+    def keep_rows(self, index: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         """Keep rows `index`; `sources`: the sentences that stay when some leave (DecoderCache.keep_rows)."""
         if self.cache is not None:
             self.cache.keep_rows(index, sources)
@@ -166,7 +173,7 @@ def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     out, start = [], 0
     for t in tensors:
         dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
-        out.append(flat[start:start + t.numel()].reshape(tuple(t.shape)).astype(dtype))
+        out.append(flat[start : start + t.numel()].reshape(tuple(t.shape)).astype(dtype))
         start += t.numel()
     return out
 
@@ -178,7 +185,7 @@ def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
     return index if device.type == "cpu" else index.pin_memory().to(device, non_blocking=True)
 
 
-def _force_eos(lprobs: torch.Tensor, at_limit: Optional[torch.Tensor]) -> torch.Tensor:
+def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor | None) -> torch.Tensor:
     """Rows at their length limit may only emit EOS; at_limit None: no row is (known on the host)."""
     if at_limit is None:  # the common case: skip a full (rows, vocab) rewrite
         return lprobs
@@ -191,16 +198,17 @@ def _new_step(rows: int) -> TraceStep:
     return TraceStep([[] for _ in range(rows)], [[] for _ in range(rows)])
 
 
-def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int, use_cache: bool,
-                   trace: Optional[list[TraceStep]] = None) -> SearchResult:
+def _greedy_search(
+    model, src: torch.Tensor, lenpen: float, max_len_offset: int, use_cache: bool, trace: list[TraceStep] | None = None
+) -> SearchResult:
     """Most probable next token at each step; finished sentences leave the batch."""
     decoder = _Decoder(model, src, use_cache)
     max_len = _max_lengths(model, src, max_len_offset)  # (B,)
-    limits = _to_host(max_len)[0]                        # the same on the host
-    alive = list(range(src.size(0)))                     # original index of each row
+    limits = _to_host(max_len)[0]  # the same on the host
+    alive = list(range(src.size(0)))  # original index of each row
     prefix = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)  # (R, t+1)
     scores = torch.zeros(src.size(0), device=src.device)
-    out: list[Optional[list[Hypothesis]]] = [None] * src.size(0)
+    out: list[list[Hypothesis] | None] = [None] * src.size(0)
     sentence_steps = [0] * src.size(0)
     t = 0
     while alive:
@@ -229,8 +237,9 @@ def _greedy_search(model, src: torch.Tensor, lenpen: float, max_len_offset: int,
     return SearchResult(out, decoder.steps, sentence_steps)  # type: ignore[arg-type]
 
 
-def _greedy_step(rows: int, alive: list[int], prefix: np.ndarray, scores: np.ndarray, done: np.ndarray,
-                 penalty: float) -> TraceStep:
+def _greedy_step(
+    rows: int, alive: list[int], prefix: np.ndarray, scores: np.ndarray, done: np.ndarray, penalty: float
+) -> TraceStep:
     """The trace of one greedy step: each row's one hypothesis, alive or finished (prefix (R, t+2) from BOS)."""
     step = _new_step(rows)
     for row, row_tokens, total, ended in zip(alive, prefix[:, 1:].tolist(), scores.tolist(), done.tolist()):
@@ -241,9 +250,19 @@ def _greedy_step(rows: int, alive: list[int], prefix: np.ndarray, scores: np.nda
     return step
 
 
-def _still_searching(alive: list[int], finished: list[list[Hypothesis]], best_live: list[float],
-                     limit_hit: list[bool], best_lp: list[float], k: int, nbest: int, lenpen: float,
-                     stop: StopRule, sentence_steps: list[int], steps: int) -> list[int]:
+def _still_searching(
+    alive: list[int],
+    finished: list[list[Hypothesis]],
+    best_live: list[float],
+    limit_hit: list[bool],
+    best_lp: list[float],
+    k: int,
+    nbest: int,
+    lenpen: float,
+    stop: StopRule,
+    sentence_steps: list[int],
+    steps: int,
+) -> list[int]:
     """Positions in `alive` of the sentences that search on; a sentence stops at its length limit or when its
     stop rule says so, and then keeps its `nbest` best finished hypotheses, best first, and records `steps`."""
     keep = []
@@ -262,8 +281,17 @@ def _still_searching(alive: list[int], finished: list[list[Hypothesis]], best_li
     return keep
 
 
-def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_offset: int, nbest: int,
-                 stop: StopRule, use_cache: bool, trace: Optional[list[TraceStep]] = None) -> SearchResult:
+def _beam_search(
+    model,
+    src: torch.Tensor,
+    beam: int,
+    lenpen: float,
+    max_len_offset: int,
+    nbest: int,
+    stop: StopRule,
+    use_cache: bool,
+    trace: list[TraceStep] | None = None,
+) -> SearchResult:
     device, k = src.device, beam
     inf = float("-inf")
     # Encoded once per sentence; rows are copied per beam after the first step.
@@ -308,8 +336,9 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
         new_token = token.gather(1, order)  # (B, k)
 
         # The step's one read: the candidates, the prefixes they extend, each sentence's best live score.
-        host_scores, host_token, host_origin, host_prefix, best_live = _to_host(top_scores, token, origin, prefix,
-                                                                                scores[:, 0])
+        host_scores, host_token, host_origin, host_prefix, best_live = _to_host(
+            top_scores, token, origin, prefix, scores[:, 0]
+        )
         # Finish EOS candidates ranked within the top k; under "early" only until k have finished (module
         # docstring). nonzero() gives them by sentence, then by rank: the better summed score first.
         finishing = (host_token == EOS_ID) & (host_rank < k) & (host_scores > inf)
@@ -317,8 +346,9 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
             sent, pos = np.nonzero(finishing)
             rows = sent * n + host_origin[sent, pos]
             penalty = length_penalty(t + 1, lenpen)
-            for s, row_tokens, total in zip(sent.tolist(), host_prefix[rows, 1:].tolist(),
-                                            host_scores[sent, pos].tolist()):
+            for s, row_tokens, total in zip(
+                sent.tolist(), host_prefix[rows, 1:].tolist(), host_scores[sent, pos].tolist()
+            ):
                 if stop == "early" and len(finished[alive[s]]) >= k:
                     continue
                 hyp = Hypothesis(row_tokens, total / penalty)
@@ -326,8 +356,19 @@ def _beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_off
                 if step is not None:
                     step.finished[alive[s]].append(hyp)
 
-        keep = _still_searching(alive, finished, best_live.tolist(), (t >= limits).tolist(), best_lp, k, nbest,
-                                lenpen, stop, sentence_steps, t + 1)
+        keep = _still_searching(
+            alive,
+            finished,
+            best_live.tolist(),
+            (t >= limits).tolist(),
+            best_lp,
+            k,
+            nbest,
+            lenpen,
+            stop,
+            sentence_steps,
+            t + 1,
+        )
         if step is not None:
             for s in keep:  # (k, t+1): each kept hypothesis's tokens so far, without BOS
                 tokens = torch.cat([prefix[parent[s], 1:], new_token[s, :, None]], dim=1)

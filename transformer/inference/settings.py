@@ -16,14 +16,26 @@ Imports no torch: the command line's --help reads the choices from here.
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Literal, Optional
+from typing import Literal
 
 from transformer.config import STOP_RULES, DecodeConfig, StopRule, lenpen_problem
 from transformer.errors import UserError
 
-__all__ = ["DTYPES", "ENGINES", "FLAGS", "STOP_RULES", "Dtype", "Engine", "SearchFlags", "SearchSettings",
-           "StopRule", "beam_above_vocabulary", "search_settings"]
+__all__ = [
+    "DTYPES",
+    "ENGINES",
+    "FLAGS",
+    "STOP_RULES",
+    "Dtype",
+    "Engine",
+    "SearchFlags",
+    "SearchSettings",
+    "StopRule",
+    "beam_above_vocabulary",
+    "search_settings",
+]
 
 # The allowed values, each defined once. Stop rules: config.py (decode.stop is checked against them there, and
 # config.py imports nothing above it). Number formats and engines: here, since no config key holds them.
@@ -34,24 +46,33 @@ ENGINES: tuple[str, ...] = typing.get_args(Engine)
 
 # How each setting is named in an error: its flag (max_len_offset has none: decode.max_len_offset or a library
 # caller sets it).
-FLAGS = {"beam": "--beam", "lenpen": "--lenpen", "stop": "--stop", "max_len_offset": "max_len_offset",
-         "max_tokens": "--max-tokens", "workers": "--workers", "dtype": "--dtype", "engine": "--engine",
-         "nbest": "--nbest"}
+FLAGS = {
+    "beam": "--beam",
+    "lenpen": "--lenpen",
+    "stop": "--stop",
+    "max_len_offset": "max_len_offset",
+    "max_tokens": "--max-tokens",
+    "workers": "--workers",
+    "dtype": "--dtype",
+    "engine": "--engine",
+    "nbest": "--nbest",
+}
 
 
-def _at_least_one(flag: str, value, note: str = "") -> Optional[str]:
+def _at_least_one(flag: str, value, note: str = "") -> str | None:
     if isinstance(value, bool) or not isinstance(value, int):
         return f"{flag} must be a whole number, got {value!r}"
     return None if value >= 1 else f"{flag} must be at least 1{note}, got {value}"
 
 
-def _one_of(allowed: tuple[str, ...]) -> Callable[[str, object], Optional[str]]:
-    return lambda flag, value: None if value in allowed else \
-        f"{flag} must be one of {', '.join(allowed)}, got {value!r}"
+def _one_of(allowed: tuple[str, ...]) -> Callable[[str, object], str | None]:
+    return lambda flag, value: (
+        None if value in allowed else f"{flag} must be one of {', '.join(allowed)}, got {value!r}"
+    )
 
 
 # Why a value cannot be a setting (given the flag that names it), or None: the one check every value goes through.
-_PROBLEMS: dict[str, Callable[[str, object], Optional[str]]] = {
+_PROBLEMS: dict[str, Callable[[str, object], str | None]] = {
     "beam": lambda flag, value: _at_least_one(flag, value, " (1 = greedy)"),
     "lenpen": lambda flag, value: lenpen_problem(value, flag),
     "stop": _one_of(STOP_RULES),
@@ -77,15 +98,15 @@ class SearchSettings:
     SearchSettings that exists is one a search can run with; a beam wider than the vocabulary is the one thing
     only a model can tell (search_settings with vocab_size)."""
 
-    beam: int = DecodeConfig.beam                      # 1 = greedy
-    lenpen: float = DecodeConfig.lenpen                # GNMT length penalty alpha, 0 to MAX_LENPEN
-    stop: StopRule = DecodeConfig.stop                 # beam search's stop rule (search.py); CTranslate2 has its own
+    beam: int = DecodeConfig.beam  # 1 = greedy
+    lenpen: float = DecodeConfig.lenpen  # GNMT length penalty alpha, 0 to MAX_LENPEN
+    stop: StopRule = DecodeConfig.stop  # beam search's stop rule (search.py); CTranslate2 has its own
     max_len_offset: int = DecodeConfig.max_len_offset  # an output may be source length + this many tokens
-    max_tokens: int = DecodeConfig.max_tokens          # source tokens per batch (all workers together)
-    workers: int = DecodeConfig.workers                # searches side by side on a CPU
-    dtype: Dtype = "fp32"                              # a Translator holds the one it picked, never auto
+    max_tokens: int = DecodeConfig.max_tokens  # source tokens per batch (all workers together)
+    workers: int = DecodeConfig.workers  # searches side by side on a CPU
+    dtype: Dtype = "fp32"  # a Translator holds the one it picked, never auto
     engine: Engine = "ours"
-    nbest: int = 1                                     # hypotheses kept per sentence, best first
+    nbest: int = 1  # hypotheses kept per sentence, best first
 
     def __post_init__(self) -> None:
         _check(asdict(self))
@@ -108,15 +129,15 @@ class SearchFlags:
     SearchFlags(beam=5))`); None: not given, the checkpoint decides. Each given value is checked when this is
     made, before any checkpoint loads."""
 
-    beam: Optional[int] = None
-    lenpen: Optional[float] = None
-    stop: Optional[StopRule] = None
-    max_len_offset: Optional[int] = None
-    max_tokens: Optional[int] = None
-    workers: Optional[int] = None
-    dtype: Optional[Dtype] = None
-    engine: Optional[Engine] = None
-    nbest: Optional[int] = None
+    beam: int | None = None
+    lenpen: float | None = None
+    stop: StopRule | None = None
+    max_len_offset: int | None = None
+    max_tokens: int | None = None
+    workers: int | None = None
+    dtype: Dtype | None = None
+    engine: Engine | None = None
+    nbest: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.given())
@@ -131,8 +152,9 @@ def beam_above_vocabulary(beam: int, vocab_size: int) -> str:
     return f"beam must be at most the vocabulary size ({vocab_size} pieces), got {beam}"
 
 
-def search_settings(decode: DecodeConfig, flags: SearchFlags = SearchFlags(),
-                    vocab_size: Optional[int] = None) -> SearchSettings:
+def search_settings(
+    decode: DecodeConfig, flags: SearchFlags = SearchFlags(), vocab_size: int | None = None
+) -> SearchSettings:
     """The settings a search runs with: each flag given, else the checkpoint's decode section (defaults filled
     by config.py), else SearchSettings' own (module docstring). With vocab_size, a beam wider than the
     vocabulary is refused too."""

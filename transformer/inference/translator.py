@@ -7,22 +7,22 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 import torch
 
 from transformer.data.batch import prepare_sources, source_limit
-from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from transformer.data.batching import pack_by_size
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
 from transformer.device import auto_precision, bounded_onednn_caches, native_bf16, pick_device
 from transformer.errors import UserError
-from transformer.model.transformer import count_parameters, evaluating
 from transformer.inference.search import Hypothesis, SearchResult, length_penalty, max_output_lengths, search
 from transformer.inference.settings import SearchFlags, SearchSettings, search_settings
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+from transformer.model.transformer import count_parameters, evaluating
 
 TRUNCATION_WARNINGS = 5  # lines named one by one before the rest are only counted
 # A line is cut to this many characters before SentencePiece splits it: splitting costs about 60 bytes of memory per
@@ -55,8 +55,9 @@ def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return pack_by_size(order, [n + 1 for n in lengths], max_tokens)
 
 
-def source_batches(src_ids: Sequence[Sequence[int]], max_positions: int, max_tokens: int,
-                   workers: int = 1) -> list[list[int]]:
+def source_batches(
+    src_ids: Sequence[Sequence[int]], max_positions: int, max_tokens: int, workers: int = 1
+) -> list[list[int]]:
     """Indices of the non-empty sources (empty ones are never searched) in length batches, as both engines
     take them: of max_tokens / workers source tokens each, so that with `workers` searches side by side the
     tokens in flight stay max_tokens."""
@@ -85,8 +86,9 @@ def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor]:
     threads = torch.get_num_threads()
     # torch.set_num_threads in a worker sets its own thread's count, and also the count threads started later
     # begin with: hence the reset below.
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="search", initializer=torch.set_num_threads,
-                              initargs=(threads_per_worker(workers),))
+    pool = ThreadPoolExecutor(
+        workers, thread_name_prefix="search", initializer=torch.set_num_threads, initargs=(threads_per_worker(workers),)
+    )
     try:
         yield pool
     finally:
@@ -94,8 +96,9 @@ def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor]:
         torch.set_num_threads(threads)
 
 
-def search_batches(model, src_ids: Sequence[Sequence[int]], settings: SearchSettings,
-                   device) -> Iterator[tuple[list[int], SearchResult]]:
+def search_batches(
+    model, src_ids: Sequence[Sequence[int]], settings: SearchSettings, device
+) -> Iterator[tuple[list[int], SearchResult]]:
     """search() over the non-empty sources (subword ids, no EOS) in length batches of settings.max_tokens: per
     batch, in order, the indices of its sources and what search() found for them (hypotheses in that order, and
     the decoder steps it took). Sources are cut as batch.prepare_sources says. The model is searched as it is:
@@ -109,8 +112,15 @@ def search_batches(model, src_ids: Sequence[Sequence[int]], settings: SearchSett
 
     def run(batch: list[int]) -> SearchResult:
         src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
-        return search(model, src.to(device), settings.beam, settings.lenpen, settings.max_len_offset,
-                      settings.nbest, settings.stop)
+        return search(
+            model,
+            src.to(device),
+            settings.beam,
+            settings.lenpen,
+            settings.max_len_offset,
+            settings.nbest,
+            settings.stop,
+        )
 
     if workers == 1 or len(batches) == 1:
         for batch in batches:
@@ -132,8 +142,11 @@ def search_ids(model, src_ids: Sequence[Sequence[int]], settings: SearchSettings
             if not hyps or math.isnan(hyps[0].score):
                 # One sentence out of a batch (of serve's clients, of a file's lines) must not fail the rest:
                 # it gets an empty translation with score -inf, and a warning.
-                print("warning: the model's scores for a sentence are not numbers (NaN), so its translation is "
-                      "empty: a reduced precision that overflowed (try --dtype fp32)?", file=sys.stderr)
+                print(
+                    "warning: the model's scores for a sentence are not numbers (NaN), so its translation is "
+                    "empty: a reduced precision that overflowed (try --dtype fp32)?",
+                    file=sys.stderr,
+                )
                 hyps = [Hypothesis([], float("-inf")) for _ in range(nbest)]
             out[i] = hyps
     return out
@@ -145,8 +158,9 @@ def translate_ids(model, src_ids: list[list[int]], settings: SearchSettings, dev
     return [hyps[0].tokens for hyps in search_ids(model, src_ids, replace(settings, nbest=1), device)]
 
 
-def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]], settings: SearchSettings,
-                       max_positions: int) -> list[list[Hypothesis]]:
+def ctranslate2_search(
+    translator, vocab: Vocab, src_ids: Sequence[Sequence[int]], settings: SearchSettings, max_positions: int
+) -> list[list[Hypothesis]]:
     """search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
     limits and score definition; like ours, it never emits BOS or PAD (suppressed). settings.stop, .dtype and
     .workers do not apply here (the translator was made with its compute type and inter_threads).
@@ -178,30 +192,46 @@ def ctranslate2_search(translator, vocab: Vocab, src_ids: Sequence[Sequence[int]
     translating = []  # per call: its indices, sources, length limit and pending results
     for batch in source_batches(src_ids, max_positions, settings.max_tokens, translator.num_translators):
         sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
-        max_lens = max_output_lengths(torch.tensor([len(s) + 1 for s in sources]), settings.max_len_offset,  # + EOS
-                                      max_positions).tolist()
+        max_lens = max_output_lengths(
+            torch.tensor([len(s) + 1 for s in sources]),
+            settings.max_len_offset,  # + EOS
+            max_positions,
+        ).tolist()
         for max_len, rows in same_limit(max_lens):
             pending = translator.translate_batch(  # asynchronous: every worker takes calls from the queue
-                [sources[r] for r in rows], beam_size=beam, num_hypotheses=returned, length_penalty=lenpen,
-                max_decoding_length=max_len, suppress_sequences=suppress, min_decoding_length=0,
-                return_end_token=True, max_input_length=0, max_batch_size=0, asynchronous=True)
+                [sources[r] for r in rows],
+                beam_size=beam,
+                num_hypotheses=returned,
+                length_penalty=lenpen,
+                max_decoding_length=max_len,
+                suppress_sequences=suppress,
+                min_decoding_length=0,
+                return_end_token=True,
+                max_input_length=0,
+                max_batch_size=0,
+                asynchronous=True,
+            )
             translating.append(([batch[r] for r in rows], [sources[r] for r in rows], max_len, pending))
     scoring = []  # per call: its indices, their hypotheses' tokens and the pending scores
     for indices, sources, max_len, pending in translating:
         # Without EOS: the hypotheses that ended with one have it (return_end_token, which also makes its penalty
         # count it, as ours does: else an empty output would rank last, divided by 0**lenpen), those the limit
         # ended have max_len tokens.
-        found = [[_without_eos(vocab.piece_ids(pieces))[:max_len] for pieces in result.result().hypotheses]
-                 for result in pending]
+        found = [
+            [_without_eos(vocab.piece_ids(pieces))[:max_len] for pieces in result.result().hypotheses]
+            for result in pending
+        ]
         pairs = [(source, tokens) for source, hyps in zip(sources, found) for tokens in hyps]
-        scores = translator.score_batch([source for source, _ in pairs], [vocab.pieces(t) for _, t in pairs],
-                                        max_input_length=0, asynchronous=True)
+        scores = translator.score_batch(
+            [source for source, _ in pairs], [vocab.pieces(t) for _, t in pairs], max_input_length=0, asynchronous=True
+        )
         scoring.append((indices, found, scores))
     for indices, found, scores in scoring:
         pending = iter(scores)
         for i, hyps in zip(indices, found):  # log_probs: each token's and EOS's, normalised over the vocabulary
-            scored = [Hypothesis(t, sum(next(pending).result().log_probs) / length_penalty(len(t) + 1, lenpen))
-                      for t in hyps]
+            scored = [
+                Hypothesis(t, sum(next(pending).result().log_probs) / length_penalty(len(t) + 1, lenpen)) for t in hyps
+            ]
             out[i] = sorted(scored, key=lambda h: h.score, reverse=True)[:nbest]
     return out
 
@@ -238,8 +268,9 @@ class Translator:
     once converted.
     """
 
-    def __init__(self, checkpoint: str | Path, device: str = "auto", flags: SearchFlags = SearchFlags(),
-                 keep_model: bool = False):
+    def __init__(
+        self, checkpoint: str | Path, device: str = "auto", flags: SearchFlags = SearchFlags(), keep_model: bool = False
+    ):
         bounded_onednn_caches()  # a library caller's first CPU work may be ours
         self.device = pick_device(device)
         engine = flags.engine or SearchSettings.engine
@@ -253,8 +284,10 @@ class Translator:
         # For the commands to print once their own checks have passed (a library caller may ignore it).
         self.note = f"dtype: {dtype} ({why})" if flags.dtype == "auto" else None
         if dtype == "bf16" and self.device.type == "cpu" and not native_bf16(self.device)[0]:
-            self.note = ("warning: this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 runs emulated, "
-                         "much slower than fp32")
+            self.note = (
+                "warning: this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 runs emulated, "
+                "much slower than fp32"
+            )
         if engine == "ctranslate2" and flags.stop == "exact":  # asked for, not the checkpoint's default
             warning = "warning: --stop exact does not apply to --engine ctranslate2, which stops like --stop early"
             self.note = f"{self.note}\n{warning}" if self.note else warning
@@ -289,11 +322,18 @@ class Translator:
         ours = torch.get_num_threads()
         threads = threads_per_worker(workers) if self.device.type == "cpu" else 1
         try:
-            return ctranslate2.Translator(str(model_dir), device=self.device.type, inter_threads=workers,
-                                          intra_threads=threads, compute_type=CT2_COMPUTE_TYPES[self.settings.dtype])
+            return ctranslate2.Translator(
+                str(model_dir),
+                device=self.device.type,
+                inter_threads=workers,
+                intra_threads=threads,
+                compute_type=CT2_COMPUTE_TYPES[self.settings.dtype],
+            )
         except (ValueError, RuntimeError) as e:  # e.g. a compute type this machine or build lacks
-            raise UserError(f"CTranslate2 cannot run {model_dir} on {self.device.type} in {self.settings.dtype}: "
-                            f"{str(e).splitlines()[0]}") from None
+            raise UserError(
+                f"CTranslate2 cannot run {model_dir} on {self.device.type} in {self.settings.dtype}: "
+                f"{str(e).splitlines()[0]}"
+            ) from None
         finally:  # it sets the calling thread's OpenMP count, torch's too, to intra_threads
             torch.set_num_threads(ours)
 
@@ -310,22 +350,34 @@ class Translator:
                 self.lines_truncated += 1
                 # A file of long lines would bury everything else on stderr: the first few, then a count at the end.
                 if self.lines_truncated <= TRUNCATION_WARNINGS:
-                    more = "; further ones are counted at the end" if self.lines_truncated == TRUNCATION_WARNINGS else ""
-                    has = f"{len(seq)} subwords" if lengths[i] <= MAX_LINE_CHARS else \
-                        f"over {MAX_LINE_CHARS:,} characters (only those are read)"
-                    print(f"warning: input line {self.lines_seen + i + 1} has {has}; truncated to the first {limit} "
-                          f"subwords (model.max_positions - 2){more}", file=sys.stderr)
+                    more = (
+                        "; further ones are counted at the end" if self.lines_truncated == TRUNCATION_WARNINGS else ""
+                    )
+                    has = (
+                        f"{len(seq)} subwords"
+                        if lengths[i] <= MAX_LINE_CHARS
+                        else f"over {MAX_LINE_CHARS:,} characters (only those are read)"
+                    )
+                    print(
+                        f"warning: input line {self.lines_seen + i + 1} has {has}; truncated to the first {limit} "
+                        f"subwords (model.max_positions - 2){more}",
+                        file=sys.stderr,
+                    )
         self.lines_seen += len(lines)
         return ids
 
     def report_truncation(self) -> None:
         """At the end of the input: how many lines were truncated in all, once the warnings stopped naming them."""
         if self.lines_truncated >= TRUNCATION_WARNINGS:  # at 5, the fifth warning promised a count
-            print(f"warning: {self.lines_truncated} of {self.lines_seen} input lines were longer than "
-                  f"{source_limit(self.cfg.model.max_positions)} subwords and were truncated", file=sys.stderr)
+            print(
+                f"warning: {self.lines_truncated} of {self.lines_seen} input lines were longer than "
+                f"{source_limit(self.cfg.model.max_positions)} subwords and were truncated",
+                file=sys.stderr,
+            )
 
-    def search(self, src_ids: Sequence[Sequence[int]],
-               settings: Optional[SearchSettings] = None) -> list[list[Hypothesis]]:
+    def search(
+        self, src_ids: Sequence[Sequence[int]], settings: SearchSettings | None = None
+    ) -> list[list[Hypothesis]]:
         """Per source (subword ids), its settings.nbest best hypotheses, through this translator's engine.
         settings: this translator's, or a variant of them (serve's request beam and n-best: dataclasses.replace
         of these; their dtype and engine are this translator's whatever they say)."""
@@ -334,15 +386,18 @@ class Translator:
             return ctranslate2_search(self.ct2, self.vocab, src_ids, settings, self.cfg.model.max_positions)
         return search_ids(self.model, src_ids, settings, self.device)
 
-    def translate_nbest(self, lines: Sequence[str], nbest: Optional[int] = None) -> list[list[tuple[float, str]]]:
+    def translate_nbest(self, lines: Sequence[str], nbest: int | None = None) -> list[list[tuple[float, str]]]:
         """Per line, up to `nbest` (default settings.nbest) (score, translation) pairs, best first."""
-        return self.texts(self.search(self.encode(lines), None if nbest is None else
-                                      replace(self.settings, nbest=nbest)))
+        return self.texts(
+            self.search(self.encode(lines), None if nbest is None else replace(self.settings, nbest=nbest))
+        )
 
     def texts(self, found: Sequence[Sequence[Hypothesis]]) -> list[list[tuple[float, str]]]:
         """search()'s hypotheses as (score, translation) pairs, one line each."""
-        return [[(h.score, _one_line(text)) for h, text in zip(hyps, self.vocab.decode([h.tokens for h in hyps]))]
-                for hyps in found]
+        return [
+            [(h.score, _one_line(text)) for h, text in zip(hyps, self.vocab.decode([h.tokens for h in hyps]))]
+            for hyps in found
+        ]
 
     def translate(self, lines: Sequence[str]) -> list[str]:
         return [hyps[0][1] for hyps in self.translate_nbest(lines, 1)]

@@ -27,8 +27,10 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         try:
             from torch.ao.quantization import quantize_dynamic
         except ImportError:
-            raise UserError(f"--dtype int8 needs torch's dynamic quantization, which this torch ({torch.__version__}) "
-                            "does not have: use --dtype fp32, or --engine ctranslate2 --dtype int8") from None
+            raise UserError(
+                f"--dtype int8 needs torch's dynamic quantization, which this torch ({torch.__version__}) "
+                "does not have: use --dtype fp32, or --engine ctranslate2 --dtype int8"
+            ) from None
         if "fbgemm" in torch.backends.quantized.supported_engines:
             torch.backends.quantized.engine = "fbgemm"  # x86 int8 GEMM
         quantized = quantize_dynamic(copy.deepcopy(model).eval(), {nn.Linear}, dtype=torch.qint8)
@@ -74,7 +76,8 @@ def can_pack_bf16() -> bool:
     (AVX512-BF16/AMX; on others oneDNN has no bf16 kernel and a plain cast is all there is)."""
     mkldnn = torch.ops.mkldnn
     if not torch.backends.mkldnn.is_available() or not all(
-            hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")):
+        hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")
+    ):
         return False
     return bool(mkldnn._is_mkldnn_bf16_supported())
 

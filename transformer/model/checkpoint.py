@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from transformer.files import atomic_write
 from transformer.config import Config, from_dict
-from transformer.errors import UserError, first_line
-from transformer.run_dir import RunDir
-from transformer.model.transformer import Transformer
 from transformer.data.vocab import Vocab
+from transformer.errors import UserError, first_line
+from transformer.files import atomic_write
+from transformer.model.transformer import Transformer
+from transformer.run_dir import RunDir
 
 FORMAT = "transformer-checkpoint-v1"
 
@@ -80,12 +80,17 @@ def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer
     # translations (a NaN score never beats the search's stop rule).
     # A sum is NaN or infinite when any term is: 0.026 s against 0.18 s for isfinite().all() over 67M parameters
     # on a 2-core EPYC, and no bool copy of each weight.
-    bad = [name for name, w in model.state_dict().items()
-           if w.is_floating_point() and not bool(torch.isfinite(w.sum(dtype=torch.float32)))]
+    bad = [
+        name
+        for name, w in model.state_dict().items()
+        if w.is_floating_point() and not bool(torch.isfinite(w.sum(dtype=torch.float32)))
+    ]
     if bad:
-        raise UserError(f"checkpoint: {len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
-                        f"{', ...' if len(bad) > 3 else ''}): the file is corrupt or its run diverged; use another "
-                        "checkpoint (step_*.pt, last.pt)")
+        raise UserError(
+            f"checkpoint: {len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}): the file is corrupt or its run diverged; use another "
+            "checkpoint (step_*.pt, last.pt)"
+        )
     return model.to(device).eval(), vocab, cfg
 
 

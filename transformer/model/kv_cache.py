@@ -7,7 +7,6 @@ Tensors are (rows, heads, positions, d_head), batch-first like the rest of the p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -22,9 +21,9 @@ class KVCache:
 
     SPARE = 8  # positions of room a new buffer gets beyond what it holds
 
-    def __init__(self, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None):
+    def __init__(self, k: torch.Tensor | None = None, v: torch.Tensor | None = None):
         self.k, self.v = k, v  # the filled part: views of the buffers when built by append/keep_rows
-        self._buffers: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Add new positions (R, H, t, Dh) after the ones held."""
@@ -38,11 +37,11 @@ class KVCache:
         self.k, self.v = (buffer[:, :, :end] for buffer in self._buffers)
 
     @staticmethod
-    def _room(old: Optional[torch.Tensor], new: torch.Tensor, size: int) -> torch.Tensor:
+    def _room(old: torch.Tensor | None, new: torch.Tensor, size: int) -> torch.Tensor:
         rows, heads, _, d_head = new.shape
         buffer = new.new_empty(rows, heads, size, d_head)
         if old is not None:
-            buffer[:, :, :old.size(2)] = old
+            buffer[:, :, : old.size(2)] = old
         return buffer
 
     def keep_rows(self, index: torch.Tensor) -> None:
@@ -78,7 +77,7 @@ class DecoderCache:
     memory_mask: torch.Tensor  # (B, 1, 1, S), per source
     length: int = 0  # target positions already consumed
 
-    def keep_rows(self, index: torch.Tensor, sources: Optional[torch.Tensor] = None) -> None:
+    def keep_rows(self, index: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         """Keep rows `index`, in that order: reordering beams, growing groups (a sentence's first step has one
         row, later steps `beam`), dropping finished sentences. `sources`: the sources that stay, in order,
         when some leave (`index` must then hold exactly their rows, grouped as above); None keeps them all."""

@@ -40,7 +40,7 @@ class PositionalEncoding(nn.Module):
             raise ValueError(
                 f"sequence of {offset + length} positions exceeds model.max_positions ({self.table.size(0)})"
             )
-        return self.table[offset: offset + length]  # (T, C)
+        return self.table[offset : offset + length]  # (T, C)
 
 
 def module(cfg: ModelConfig) -> nn.Module:

@@ -13,17 +13,17 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer.config import ModelConfig
 from transformer.data.batch import CAUSAL, Causal, attention_bias, causal_mask
+from transformer.errors import UserError, out_of_memory_names
 from transformer.model import positions
 from transformer.model.kv_cache import DecoderCache, KVCache, by_row, by_source
-from transformer.config import ModelConfig
-from transformer.errors import UserError, out_of_memory_names
 
 
 class TokenPacking:
@@ -37,7 +37,7 @@ class TokenPacking:
         self.index = keep.reshape(-1).nonzero().squeeze(1)  # (N,) flat positions of the real tokens
 
     @staticmethod
-    def of(mask: torch.Tensor) -> Optional[TokenPacking]:
+    def of(mask: torch.Tensor) -> TokenPacking | None:
         """The packing for a padding mask (B, 1, 1, S), boolean or additive, or None where it does not pay: without
         padding; on CUDA, where padded positions cost little and the nonzero() would stall the host every batch; and
         inside torch.compile, where that data-dependent nonzero() would split the graph."""
@@ -69,13 +69,13 @@ class MultiHeadAttention(nn.Module):
         self.attention_dropout = attention_dropout
         # When set to a list, forward() appends its attention probabilities (B, H, Tq, Tk)
         # computed by the explicit (slower) path; None keeps the fused SDPA kernel.
-        self.record: Optional[list] = None
+        self.record: list | None = None
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, T, C) -> (B, H, T, Dh)
 
-    def _project(self, proj: nn.Linear, x: torch.Tensor, packing: Optional[TokenPacking]) -> torch.Tensor:
+    def _project(self, proj: nn.Linear, x: torch.Tensor, packing: TokenPacking | None) -> torch.Tensor:
         """(B, T, C), or (N, C) packed tokens -> (B, H, T, Dh)."""
         y = proj(x)
         return self._split(packing.unpack(y) if packing is not None else y)
@@ -86,12 +86,12 @@ class MultiHeadAttention(nn.Module):
 
     def forward(
         self,
-        query: torch.Tensor,                 # (B, Tq, C)
-        key_value: Optional[torch.Tensor],   # (B, Tk, C); None when a static cache holds its K/V
-        mask: Optional[torch.Tensor | Causal],  # (B|1, 1, Tq|1, Tk_total): bool (True = may attend) or additive; CAUSAL
-        cache: Optional[KVCache] = None,
-        static_kv: bool = False,             # cross-attention: K/V depend only on the encoder output
-        packing: Optional[TokenPacking] = None,  # self-attention over packed tokens: query is (N, C)
+        query: torch.Tensor,  # (B, Tq, C)
+        key_value: torch.Tensor | None,  # (B, Tk, C); None when a static cache holds its K/V
+        mask: torch.Tensor | Causal | None,  # (B|1, 1, Tq|1, Tk_total): bool (True = may attend) or additive; CAUSAL
+        cache: KVCache | None = None,
+        static_kv: bool = False,  # cross-attention: K/V depend only on the encoder output
+        packing: TokenPacking | None = None,  # self-attention over packed tokens: query is (N, C)
     ) -> torch.Tensor:
         q = self._project(self.q_proj, query, packing)
         group = 1
@@ -113,8 +113,9 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"CAUSAL needs square attention, got {q.size(2)} queries and {k.size(2)} keys")
         if self.record is None:
             causal = mask is CAUSAL  # no mask tensor: the flash kernel stays possible
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, dropout_p=dropout,
-                                                 is_causal=causal)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if causal else mask, dropout_p=dropout, is_causal=causal
+            )
         else:
             out, probs = attention_reference(q, k, v, mask, dropout, self.training)
             self.record.append((by_row(probs, group) if group > 1 else probs).detach())
@@ -177,7 +178,7 @@ class EncoderLayer(nn.Module):
         self.sub_attn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
         self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
 
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor, packing: Optional[TokenPacking] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor, packing: TokenPacking | None = None) -> torch.Tensor:
         """x (B, S, C), or (N, C) real tokens with their `packing`."""
         x = self.sub_attn(x, lambda h: self.self_attn(h, h, src_mask, packing=packing))
         return self.sub_ffn(x, self.ffn)
@@ -210,7 +211,9 @@ class Transformer(nn.Module):
         self.vocab_size = vocab_size
         self.pad_id = pad_id
         self.src_embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
-        self.tgt_embed = self.src_embed if cfg.share_embeddings else nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
+        self.tgt_embed = (
+            self.src_embed if cfg.share_embeddings else nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
+        )
         self.positions = positions.module(cfg)
         self.embed_dropout = nn.Dropout(cfg.dropout)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
@@ -231,7 +234,7 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
         # N(0, d^-1/2) so that embeddings scaled by sqrt(d) have unit variance and tied logits stay O(1).
         for emb in {id(self.src_embed): self.src_embed, id(self.tgt_embed): self.tgt_embed}.values():
-            nn.init.normal_(emb.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
+            nn.init.normal_(emb.weight, mean=0.0, std=self.cfg.d_model**-0.5)
             with torch.no_grad():
                 emb.weight[self.pad_id].zero_()
 
@@ -261,11 +264,11 @@ class Transformer(nn.Module):
 
     def decode(
         self,
-        tgt: torch.Tensor,                        # (B, T) ids; with a cache, only the new positions
-        memory: Optional[torch.Tensor] = None,    # (B, S, C); None with a cache
-        memory_mask: Optional[torch.Tensor] = None,  # (B, 1, 1, S), boolean or additive; None with a cache
-        tgt_mask: Optional[torch.Tensor | Causal] = None,  # (B|1, 1, T, cache.length + T) or CAUSAL; None: none
-        cache: Optional[DecoderCache] = None,
+        tgt: torch.Tensor,  # (B, T) ids; with a cache, only the new positions
+        memory: torch.Tensor | None = None,  # (B, S, C); None with a cache
+        memory_mask: torch.Tensor | None = None,  # (B, 1, 1, S), boolean or additive; None with a cache
+        tgt_mask: torch.Tensor | Causal | None = None,  # (B|1, 1, T, cache.length + T) or CAUSAL; None: none
+        cache: DecoderCache | None = None,
     ) -> torch.Tensor:
         """-> logits (B, T, V). Without a cache, attends to `memory` under `memory_mask`. With one (from
         new_cache), earlier positions' keys/values are reused and extended, and cross-attention reads the
@@ -332,12 +335,13 @@ def count_parameters(model: nn.Module) -> int:
 def matmul_weights(cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
     """Weights of the matrix multiplications one source token (encoder) and one target token (decoder and the
     output projection) pass through: what model FLOPs are counted from."""
-    d, attention, ffn = cfg.d_model, 4 * cfg.d_model ** 2, 2 * cfg.d_model * cfg.d_ff
+    d, attention, ffn = cfg.d_model, 4 * cfg.d_model**2, 2 * cfg.d_model * cfg.d_ff
     return cfg.n_encoder_layers * (attention + ffn), cfg.n_decoder_layers * (2 * attention + ffn) + d * vocab_size
 
 
-def training_flops(cfg: ModelConfig, vocab_size: int, n_src: int, n_tgt: int,
-                   shapes: Sequence[tuple[int, int, int]]) -> float:
+def training_flops(
+    cfg: ModelConfig, vocab_size: int, n_src: int, n_tgt: int, shapes: Sequence[tuple[int, int, int]]
+) -> float:
     """Model FLOPs of a forward and backward pass over n_src source and n_tgt target tokens: 6 x matmul weights x
     tokens, plus attention's QK^T and AV (2 matmuls x 2 FLOPs per multiply-add x 3 for forward and backward) over
     batches of padded shapes (sentences, source length, target length)."""
@@ -346,7 +350,7 @@ def training_flops(cfg: ModelConfig, vocab_size: int, n_src: int, n_tgt: int,
     return float(6 * (encoder * n_src + decoder * n_tgt) + 12 * cfg.d_model * attention)
 
 
-def _physical_memory() -> Optional[int]:
+def _physical_memory() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
@@ -361,13 +365,15 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> Transformer:
         f"the positions table (model.max_positions {cfg.max_positions} x model.d_model {d})": cfg.max_positions * d,
         f"the embeddings (vocabulary {vocab_size} x model.d_model {d})": embeddings * vocab_size * d,
         f"the layers (model.n_encoder_layers {cfg.n_encoder_layers}, model.n_decoder_layers "
-        f"{cfg.n_decoder_layers}, model.d_model {d}, model.d_ff {f})":
-            cfg.n_encoder_layers * (4 * d * d + 2 * d * f) + cfg.n_decoder_layers * (8 * d * d + 2 * d * f),
+        f"{cfg.n_decoder_layers}, model.d_model {d}, model.d_ff {f})": cfg.n_encoder_layers * (4 * d * d + 2 * d * f)
+        + cfg.n_decoder_layers * (8 * d * d + 2 * d * f),
     }
     largest = max(parts, key=parts.get)
     total_bytes, memory = 4 * sum(parts.values()), _physical_memory()
     if memory and total_bytes > memory:  # refuse before the allocator commits memory the machine lacks
-        raise UserError(f"model: {total_bytes / 2**30:,.1f} GiB of weights do not fit in this machine's "
-                        f"{memory / 2**30:,.1f} GiB of memory; the largest part is {largest}")
+        raise UserError(
+            f"model: {total_bytes / 2**30:,.1f} GiB of weights do not fit in this machine's "
+            f"{memory / 2**30:,.1f} GiB of memory; the largest part is {largest}"
+        )
     with out_of_memory_names(largest):
         return Transformer(cfg, vocab_size)

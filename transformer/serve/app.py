@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import uvicorn
@@ -26,18 +25,26 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.exceptions import HTTPException
 
-from transformer.visualize.attention import KINDS, inspect_attention
 from transformer.data.batch import prepare_sources, source_limit
-from transformer.serve.request_batching import Batcher
-from transformer.model.checkpoint import resolve_checkpoint
+from transformer.data.vocab import valid_text
 from transformer.errors import UserError, first_line, is_out_of_memory
-from transformer.serve.http_guard import (BACKLOG, MAX_HEAD, Drain, DrainingServer, RequestGuard, allowed_hosts,
-                                    open_file_budget, protocol_class)
-from transformer.model import positions as model_positions
 from transformer.inference.search import TraceStep, search
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
-from transformer.data.vocab import valid_text
+from transformer.model import positions as model_positions
+from transformer.model.checkpoint import resolve_checkpoint
+from transformer.serve.http_guard import (
+    BACKLOG,
+    MAX_HEAD,
+    Drain,
+    DrainingServer,
+    RequestGuard,
+    allowed_hosts,
+    open_file_budget,
+    protocol_class,
+)
+from transformer.serve.request_batching import Batcher
+from transformer.visualize.attention import KINDS, inspect_attention
 
 STATIC = Path(__file__).parent / "static"
 
@@ -46,32 +53,36 @@ STATIC = Path(__file__).parent / "static"
 class ServeSettings:
     """Batching, and what one request or connection may cost; each but max_position_values has a `serve` flag."""
 
-    batch_window_ms: float = 5.0      # how long a waiting /translate request waits for others to join its batch
-    max_sentences: int = 64           # sentences per /translate request
-    max_chars: int = 10_000           # characters per request, all sentences together
+    batch_window_ms: float = 5.0  # how long a waiting /translate request waits for others to join its batch
+    max_sentences: int = 64  # sentences per /translate request
+    max_chars: int = 10_000  # characters per request, all sentences together
     max_beam: int = 16
-    max_pending: int = 1024           # requests' sentences waiting for the model (an inspection counts one)
+    max_pending: int = 1024  # requests' sentences waiting for the model (an inspection counts one)
     max_position_values: int = 262_144  # d_model x length of one /positions table (about 2 MB of JSON)
     max_answer_values: int = 2_000_000  # attention weights in an /attention answer, pieces in a /beam trace
-    max_connections: int = 512        # open connections; past it a new one gets 503 and is closed
-    read_timeout_s: float = 10.0      # for a request's line and headers, and again for its body (408 after)
-    keep_alive_s: float = 5.0         # an idle connection between requests is closed after this
-    drain_s: float = 10.0             # on SIGTERM, how long requests in flight may take; the rest get 503
+    max_connections: int = 512  # open connections; past it a new one gets 503 and is closed
+    read_timeout_s: float = 10.0  # for a request's line and headers, and again for its body (408 after)
+    keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+    drain_s: float = 10.0  # on SIGTERM, how long requests in flight may take; the rest get 503
     allow_hosts: tuple[str, ...] = ()  # Host names served besides loopback ones and --host; "*": any
 
     def __post_init__(self):
         if not 0 <= self.batch_window_ms <= 10_000:
             raise UserError(f"--batch-window-ms must be between 0 and 10000, got {self.batch_window_ms}")
-        for name in ("max_sentences", "max_chars", "max_beam", "max_pending", "max_answer_values",
-                     "max_connections"):
+        for name in ("max_sentences", "max_chars", "max_beam", "max_pending", "max_answer_values", "max_connections"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_position_values < 1:
             raise UserError(f"max_position_values must be at least 1, got {self.max_position_values}")
         if self.max_pending < self.max_sentences:
-            raise UserError(f"--max-pending ({self.max_pending}) must be at least --max-sentences ({self.max_sentences})")
-        for flag, value in (("--read-timeout", self.read_timeout_s), ("--keep-alive-timeout", self.keep_alive_s),
-                            ("--drain-timeout", self.drain_s)):
+            raise UserError(
+                f"--max-pending ({self.max_pending}) must be at least --max-sentences ({self.max_sentences})"
+            )
+        for flag, value in (
+            ("--read-timeout", self.read_timeout_s),
+            ("--keep-alive-timeout", self.keep_alive_s),
+            ("--drain-timeout", self.drain_s),
+        ):
             if not 0 < value <= 3600:
                 raise UserError(f"{flag} must be more than 0 and at most 3600 seconds, got {value}")
         for name in self.allow_hosts:
@@ -103,6 +114,7 @@ def api_error(e: Exception, what: str) -> ApiError:
 
 # ----------------------------------------------------------------------------- request bodies
 
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -118,8 +130,8 @@ class _TextBody(_Body):
 
 
 class TranslateBody(_TextBody):
-    text: list[str]                   # one sentence per item; a single string is taken as one sentence
-    beam: Optional[int] = None        # default: the checkpoint's decode.beam
+    text: list[str]  # one sentence per item; a single string is taken as one sentence
+    beam: int | None = None  # default: the checkpoint's decode.beam
     nbest: int = 1
 
     @field_validator("text", mode="before")
@@ -130,23 +142,27 @@ class TranslateBody(_TextBody):
 
 class AttentionBody(_TextBody):
     text: str
-    target: Optional[str] = None      # read this target instead of the model's own translation
-    beam: Optional[int] = None
+    target: str | None = None  # read this target instead of the model's own translation
+    beam: int | None = None
 
 
 class BeamBody(_TextBody):
     text: str
-    beam: Optional[int] = None
+    beam: int | None = None
     nbest: int = 1
 
 
 # ----------------------------------------------------------------------------- the service
 
 # What serve's dtypes mean for an answer (/info, serve --help and the README say the same).
-ALONE = ("a translation does not depend on the other requests batched with it (its score may differ from the "
-         "request's alone in the sixth digit: the order of a sum depends on the batch's shape)")
-SHARED = ("a translation may depend on the other requests batched with it: {dtype} rounds each batch's numbers "
-          "together (int8 quantizes activations with one scale per batch); serve --dtype fp32 for answers that do not")
+ALONE = (
+    "a translation does not depend on the other requests batched with it (its score may differ from the "
+    "request's alone in the sixth digit: the order of a sum depends on the batch's shape)"
+)
+SHARED = (
+    "a translation may depend on the other requests batched with it: {dtype} rounds each batch's numbers "
+    "together (int8 quantizes activations with one scale per batch); serve --dtype fp32 for answers that do not"
+)
 
 
 def serve_dtype(flags: SearchFlags) -> SearchFlags:
@@ -160,8 +176,9 @@ class Service:
     """The checkpoint loaded once, its facts for /info, the one thread that runs the model, and the bounds on
     what a request may make it compute."""
 
-    def __init__(self, checkpoint: str | Path, settings: ServeSettings, device: str = "auto",
-                 flags: SearchFlags = SearchFlags()):
+    def __init__(
+        self, checkpoint: str | Path, settings: ServeSettings, device: str = "auto", flags: SearchFlags = SearchFlags()
+    ):
         path = resolve_checkpoint(checkpoint)
         self.settings = settings
         check_beam_setting(flags.beam, settings)  # before the model loads
@@ -169,8 +186,10 @@ class Service:
         # internals, so the translator keeps that too.
         self.translator = Translator(path, device, serve_dtype(flags), keep_model=True)
         if settings.max_beam < self.translator.settings.beam:
-            raise UserError(f"--max-beam ({settings.max_beam}) is below the checkpoint's decode.beam "
-                            f"({self.translator.settings.beam}); raise it, or serve with a smaller --beam")
+            raise UserError(
+                f"--max-beam ({settings.max_beam}) is below the checkpoint's decode.beam "
+                f"({self.translator.settings.beam}); raise it, or serve with a smaller --beam"
+            )
         self.model, self.vocab, self.cfg = self.translator.model, self.translator.vocab, self.translator.cfg
         self.max_beam = min(settings.max_beam, len(self.vocab))  # a request's beam; wider is beam_above_vocabulary
         self.model_device = next(self.model.parameters()).device  # the translator's, or the CPU beside CTranslate2
@@ -178,26 +197,45 @@ class Service:
         self.dtype_note = ALONE if dtype == "fp32" else SHARED.format(dtype=dtype)
         self.info = self._describe(path)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")  # searches never overlap
-        self.batcher: Optional[Batcher] = None
+        self.batcher: Batcher | None = None
         self.drain = Drain(settings.drain_s)
 
     def _describe(self, path: Path) -> dict:
         m, d, run = self.cfg.model, self.translator.settings, self.translator.run
         return {
-            "checkpoint": path.name, "step": run.get("step"),
-            "validation": {"best": run.get("best"), "metric": run.get("best_metric"),
-                           **_validation_at(path.parent, run.get("step"))} if run else None,
+            "checkpoint": path.name,
+            "step": run.get("step"),
+            "validation": {
+                "best": run.get("best"),
+                "metric": run.get("best_metric"),
+                **_validation_at(path.parent, run.get("step")),
+            }
+            if run
+            else None,
             "model": {**asdict(m), "parameters": self.translator.parameters},
-            "vocab_size": len(self.vocab), "languages": [self.cfg.data.src_lang, self.cfg.data.tgt_lang],
+            "vocab_size": len(self.vocab),
+            "languages": [self.cfg.data.src_lang, self.cfg.data.tgt_lang],
             # CTranslate2 has one stop rule, ours "early" (the page, /beam, still searches with ours)
-            "decode": {"engine": d.engine, "beam": d.beam, "lenpen": d.lenpen,
-                       "stop": "early" if d.engine == "ctranslate2" else d.stop,
-                       "max_len_offset": d.max_len_offset, "max_tokens": d.max_tokens, "workers": d.workers},
-            "device": str(self.translator.device), "dtype": d.dtype, "dtype_note": self.dtype_note,
-            "limits": {**asdict(self.settings), "max_beam": self.max_beam, "max_body_bytes": self.settings.max_body_bytes},
+            "decode": {
+                "engine": d.engine,
+                "beam": d.beam,
+                "lenpen": d.lenpen,
+                "stop": "early" if d.engine == "ctranslate2" else d.stop,
+                "max_len_offset": d.max_len_offset,
+                "max_tokens": d.max_tokens,
+                "workers": d.workers,
+            },
+            "device": str(self.translator.device),
+            "dtype": d.dtype,
+            "dtype_note": self.dtype_note,
+            "limits": {
+                **asdict(self.settings),
+                "max_beam": self.max_beam,
+                "max_body_bytes": self.settings.max_body_bytes,
+            },
         }
 
-    def check_beam(self, beam: Optional[int], nbest: int = 1) -> int:
+    def check_beam(self, beam: int | None, nbest: int = 1) -> int:
         beam = self.translator.settings.beam if beam is None else beam
         if not 1 <= beam <= self.max_beam:
             raise ApiError(422, f"beam must be between 1 and {self.max_beam}, got {beam}")
@@ -234,10 +272,12 @@ class Service:
         """Refuse (413) before computing an answer that would hold more than --max-answer-values numbers."""
         limit = self.settings.max_answer_values
         if values > limit:
-            raise ApiError(413, f"this answer could hold {values:,} {what}; the limit is {limit:,} "
-                                f"(serve --max-answer-values): {fix}")
+            raise ApiError(
+                413,
+                f"this answer could hold {values:,} {what}; the limit is {limit:,} (serve --max-answer-values): {fix}",
+            )
 
-    def check_attention(self, ids: list[int], target: Optional[str]) -> None:
+    def check_attention(self, ids: list[int], target: str | None) -> None:
         """layers x heads x queries x keys of the three kinds, with the longest translation the search may give."""
         m = self.cfg.model
         s = len(ids) + 1  # with EOS
@@ -264,36 +304,55 @@ class Service:
             raise api_error(e, compute.__name__) from None
         return Response(body, media_type="application/json")
 
-    def attention(self, text: str, target: Optional[str], beam: int) -> dict:
+    def attention(self, text: str, target: str | None, beam: int) -> dict:
         settings = replace(self.translator.settings, beam=beam, nbest=1)
         maps = inspect_attention(self.model, self.vocab, text, target, settings)
         pieces = {"source": maps.source_pieces, "target": maps.target_pieces}
         sides = {"encoder": ("source", "source"), "decoder": ("target", "target"), "cross": ("target", "source")}
-        return {"source": maps.source, "target": maps.target, "translated": maps.translated,
-                "source_pieces": pieces["source"], "target_pieces": pieces["target"],
-                "attention": {kind: {"queries": sides[kind][0], "keys": sides[kind][1],
-                                     "layers": int(maps.shape(kind)[0]), "heads": int(maps.shape(kind)[1]),
-                                     # (layers, heads, queries, keys); rows sum to 1
-                                     "weights": np.round(maps.weights[kind].astype(np.float64), 5).tolist()}
-                              for kind in KINDS}}
+        return {
+            "source": maps.source,
+            "target": maps.target,
+            "translated": maps.translated,
+            "source_pieces": pieces["source"],
+            "target_pieces": pieces["target"],
+            "attention": {
+                kind: {
+                    "queries": sides[kind][0],
+                    "keys": sides[kind][1],
+                    "layers": int(maps.shape(kind)[0]),
+                    "heads": int(maps.shape(kind)[1]),
+                    # (layers, heads, queries, keys); rows sum to 1
+                    "weights": np.round(maps.weights[kind].astype(np.float64), 5).tolist(),
+                }
+                for kind in KINDS
+            },
+        }
 
     def beam_trace(self, ids: list[int], beam: int, nbest: int) -> dict:
         d = self.translator.settings
         src, _ = prepare_sources([ids], self.cfg.model.max_positions)  # (1, S)
         trace: list[TraceStep] = []
-        found = search(self.model, src.to(self.model_device), beam, d.lenpen, d.max_len_offset, nbest, d.stop,
-                       trace=trace)
+        found = search(
+            self.model, src.to(self.model_device), beam, d.lenpen, d.max_len_offset, nbest, d.stop, trace=trace
+        )
 
         def show(hyps):
-            return [{"pieces": self.vocab.pieces(h.tokens), "text": text, "score": round(h.score, 5)}
-                    for h, text in zip(hyps, self.vocab.decode([h.tokens for h in hyps]))]
+            return [
+                {"pieces": self.vocab.pieces(h.tokens), "text": text, "score": round(h.score, 5)}
+                for h, text in zip(hyps, self.vocab.decode([h.tokens for h in hyps]))
+            ]
 
-        return {"source_pieces": self.vocab.pieces(src[0].tolist()), "beam": beam, "lenpen": d.lenpen,
-                "stop": d.stop, "nbest": show(found.hypotheses[0]),
-                "steps": [{"alive": show(step.alive[0]), "finished": show(step.finished[0])} for step in trace]}
+        return {
+            "source_pieces": self.vocab.pieces(src[0].tolist()),
+            "beam": beam,
+            "lenpen": d.lenpen,
+            "stop": d.stop,
+            "nbest": show(found.hypotheses[0]),
+            "steps": [{"alive": show(step.alive[0]), "finished": show(step.finished[0])} for step in trace],
+        }
 
 
-def check_beam_setting(beam: Optional[int], settings: ServeSettings) -> None:
+def check_beam_setting(beam: int | None, settings: ServeSettings) -> None:
     if beam is not None and beam > settings.max_beam:
         raise UserError(f"--beam ({beam}) is above --max-beam ({settings.max_beam})")
 
@@ -324,7 +383,7 @@ async def _hung_up(request: Request) -> None:
         pass
 
 
-def _validation_at(run_dir: Path, step: Optional[int]) -> dict:
+def _validation_at(run_dir: Path, step: int | None) -> dict:
     """The validation figures metrics.jsonl holds for `step` (loss, ppl, bleu...), when the run directory has them."""
     from transformer.training.metrics import read_metrics
 
@@ -370,9 +429,13 @@ def create_app(service: Service, listen_host: str = "") -> FastAPI:
     settings = service.settings
     app = FastAPI(title="transformer serve", lifespan=lifespan, docs_url=None, redoc_url=None)  # docs need a CDN
     _add_errors(app)
-    app.add_middleware(RequestGuard, hosts=allowed_hosts(listen_host, settings.allow_hosts),
-                       max_body_bytes=settings.max_body_bytes, read_timeout=settings.read_timeout_s,
-                       drain=service.drain)
+    app.add_middleware(
+        RequestGuard,
+        hosts=allowed_hosts(listen_host, settings.allow_hosts),
+        max_body_bytes=settings.max_body_bytes,
+        read_timeout=settings.read_timeout_s,
+        drain=service.drain,
+    )
     _add_routes(app, service)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
@@ -426,10 +489,19 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         limit = source_limit(service.cfg.model.max_positions)  # longer sources were translated from their start
         service.batcher.stats["requests"] += 1
         service.batcher.stats["sentences"] += len(lines)
-        return {"beam": beam, "nbest": body.nbest,
-                "translations": [{"text": hyps[0][1], "score": hyps[0][0], "truncated": len(src) > limit,
-                                  "nbest": [{"text": text, "score": score} for score, text in hyps]}
-                                 for hyps, src in zip(found, ids)]}
+        return {
+            "beam": beam,
+            "nbest": body.nbest,
+            "translations": [
+                {
+                    "text": hyps[0][1],
+                    "score": hyps[0][0],
+                    "truncated": len(src) > limit,
+                    "nbest": [{"text": text, "score": score} for score, text in hyps],
+                }
+                for hyps, src in zip(found, ids)
+            ],
+        }
 
     @app.post("/attention")
     async def attention(body: AttentionBody, request: Request) -> Response:
@@ -448,7 +520,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         return await service.inspect(request, service.beam_trace, ids, beam, body.nbest)
 
     @app.get("/positions")
-    async def positions(request: Request, d_model: Optional[int] = None, length: Optional[int] = None) -> Response:
+    async def positions(request: Request, d_model: int | None = None, length: int | None = None) -> Response:
         model = service.cfg.model
         d_model = model.d_model if d_model is None else d_model
         length = min(model.max_positions, 100) if length is None else length
@@ -481,22 +553,35 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app: FastAPI, settings: ServeSettings, drain: Drain, max_connections: Optional[int] = None,
-                ready: str = "") -> DrainingServer:
+def make_server(
+    app: FastAPI, settings: ServeSettings, drain: Drain, max_connections: int | None = None, ready: str = ""
+) -> DrainingServer:
     """uvicorn with serve's limits: its h11 protocol with a connection cap and a deadline for each request's
     head (http_guard.py), idle connections closed after keep_alive_s, an unfinished head buffered up to
     MAX_HEAD bytes (400 past it; RequestGuard counts a finished one), no WebSocket, and a drained stop."""
     config = uvicorn.Config(
-        app, log_level="warning", lifespan="on", ws="none", backlog=BACKLOG,
+        app,
+        log_level="warning",
+        lifespan="on",
+        ws="none",
+        backlog=BACKLOG,
         http=protocol_class(max_connections or settings.max_connections, settings.read_timeout_s),
-        timeout_keep_alive=settings.keep_alive_s, h11_max_incomplete_event_size=MAX_HEAD,
+        timeout_keep_alive=settings.keep_alive_s,
+        h11_max_incomplete_event_size=MAX_HEAD,
         # Past the drain, uvicorn cancels what is left; the drain itself has answered it 503 by then.
-        timeout_graceful_shutdown=settings.drain_s + 2)
+        timeout_graceful_shutdown=settings.drain_s + 2,
+    )
     return DrainingServer(config, drain, ready)
 
 
-def run_serve(checkpoint: str, host: str, port: int, settings: ServeSettings, device: str = "auto",
-              flags: SearchFlags = SearchFlags()) -> None:
+def run_serve(
+    checkpoint: str,
+    host: str,
+    port: int,
+    settings: ServeSettings,
+    device: str = "auto",
+    flags: SearchFlags = SearchFlags(),
+) -> None:
     """The `serve` command: check what is quick to check, bind (a taken port is an error before the model
     loads), load the checkpoint, and serve until SIGTERM or Ctrl-C, which drain (http_guard.DrainingServer)."""
     resolve_checkpoint(checkpoint)
@@ -519,11 +604,17 @@ def run_serve(checkpoint: str, host: str, port: int, settings: ServeSettings, de
         if line:
             print(line, file=sys.stderr)
     if not ipaddress.ip_address(bound_host).is_loopback:
-        print(f"warning: listening on {bound_host}, not only this machine: anyone who can reach it may use the "
-              "service (there is no authentication)", file=sys.stderr)
+        print(
+            f"warning: listening on {bound_host}, not only this machine: anyone who can reach it may use the "
+            "service (there is no authentication)",
+            file=sys.stderr,
+        )
         if hosts is not None and ipaddress.ip_address(bound_host).is_unspecified:
-            print(f"note: requests must name this machine by its address or as {', '.join(sorted(hosts))}; "
-                  "allow its host names with --allow-host NAME (or any with --allow-host '*')", file=sys.stderr)
+            print(
+                f"note: requests must name this machine by its address or as {', '.join(sorted(hosts))}; "
+                "allow its host names with --allow-host NAME (or any with --allow-host '*')",
+                file=sys.stderr,
+            )
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     step = f" (step {service.info['step']})" if service.info["step"] is not None else ""
     ready = f"serving {service.info['checkpoint']}{step} at http://{shown}:{bound_port}/"  # spawn() waits for it
@@ -531,15 +622,27 @@ def run_serve(checkpoint: str, host: str, port: int, settings: ServeSettings, de
     service.worker.shutdown(wait=False, cancel_futures=True)  # the exit waits for a search in progress only
 
 
-def spawn(checkpoint: str | Path, *flags: str, timeout: float = 120.0, env: Optional[dict] = None,
-          preexec_fn=None, log: Optional[list] = None) -> tuple[subprocess.Popen, str]:
+def spawn(
+    checkpoint: str | Path,
+    *flags: str,
+    timeout: float = 120.0,
+    env: dict | None = None,
+    preexec_fn=None,
+    log: list | None = None,
+) -> tuple[subprocess.Popen, str]:
     """`transformer serve CHECKPOINT --port 0 FLAGS...` in a subprocess on 127.0.0.1 -> (the process, its base URL),
     once it listens; for scripts that drive a real server. The caller stops it (terminate, then wait). `log`,
     when given, receives every line the server writes to stderr, as it comes."""
-    proc = subprocess.Popen([sys.executable, "-m", "transformer", "serve", str(checkpoint), "--host", "127.0.0.1",
-                             "--port", "0", *flags], stderr=subprocess.PIPE, text=True, encoding="utf-8",
-                            errors="replace", env=env, preexec_fn=preexec_fn)
-    lines: "queue.Queue[str]" = queue.Queue()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transformer", "serve", str(checkpoint), "--host", "127.0.0.1", "--port", "0", *flags],
+        stderr=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        env=env,
+        preexec_fn=preexec_fn,
+    )
+    lines: queue.Queue[str] = queue.Queue()
 
     def drain():  # keep reading, so that the server never blocks on a full pipe
         for line in proc.stderr:

@@ -19,7 +19,7 @@ import resource
 import signal
 import sys
 import time
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import h11
 import uvicorn
@@ -31,8 +31,10 @@ BACKLOG = 256
 MAX_HEAD = 16 * 1024  # bytes of a request's line and headers; h11 buffers at most this much of an unfinished one
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 # Every response: no sniffing, and the page may load only what this server serves (no CDN, no inline code).
-HEADERS = {"X-Content-Type-Options": "nosniff",
-           "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"}
+HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+}
 _PHRASES = {408: "Request Timeout", 503: "Service Unavailable"}
 
 
@@ -43,12 +45,15 @@ def error_json(message: str) -> bytes:
 def raw_error(status: int, message: str) -> bytes:
     """A whole HTTP/1.1 error response that closes the connection, for where no request has been parsed."""
     body = error_json(message)
-    head = (f"HTTP/1.1 {status} {_PHRASES[status]}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {_PHRASES[status]}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
 # ----------------------------------------------------------------------------- connections
+
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, plus a cap on open connections (past it, a new one gets 503 and is closed), a
@@ -61,14 +66,18 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, max_connections: int, read_timeout: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_connections, self.read_timeout = max_connections, read_timeout
-        self.head_timer: Optional[asyncio.TimerHandle] = None
-        self.send_timer: Optional[asyncio.TimerHandle] = None
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.send_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         if len(self.connections) >= self.max_connections:
             self.transport = transport  # for connection_lost; this connection is never counted
-            transport.write(raw_error(503, f"too many open connections (serve --max-connections "
-                                           f"{self.max_connections}); try again shortly"))
+            transport.write(
+                raw_error(
+                    503,
+                    f"too many open connections (serve --max-connections {self.max_connections}); try again shortly",
+                )
+            )
             transport.close()
             return
         super().connection_made(transport)
@@ -133,12 +142,17 @@ class GuardedH11Protocol(H11Protocol):
             return
         started = bool(self.conn.trailing_data[0]) and self.conn.their_state is h11.IDLE
         if started:  # half a request: say why it ends; a connection that sent nothing is simply closed
-            self.transport.write(raw_error(408, f"the request's line and headers did not arrive within "
-                                                f"{self.read_timeout:g} s (serve --read-timeout)"))
+            self.transport.write(
+                raw_error(
+                    408,
+                    f"the request's line and headers did not arrive within "
+                    f"{self.read_timeout:g} s (serve --read-timeout)",
+                )
+            )
         self.transport.close()
 
 
-def open_file_budget(max_connections: int) -> tuple[int, Optional[str]]:
+def open_file_budget(max_connections: int) -> tuple[int, str | None]:
     """-> (connections this process can hold open, a note when that is fewer than max_connections). Raises the
     soft limit on open files up to the hard one where more are needed: each connection holds one, and so
     would the backlog accepted in one go."""
@@ -159,8 +173,10 @@ def open_file_budget(max_connections: int) -> tuple[int, Optional[str]]:
     if soft == resource.RLIM_INFINITY or soft >= need:
         return max_connections, None
     fits = max(1, soft - spare)
-    return fits, (f"note: this process may open {soft} files (ulimit -n), so serve holds at most {fits} "
-                  f"connections at once, not --max-connections {max_connections}; raise the limit for more")
+    return fits, (
+        f"note: this process may open {soft} files (ulimit -n), so serve holds at most {fits} "
+        f"connections at once, not --max-connections {max_connections}; raise the limit for more"
+    )
 
 
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop, every_s: float = 60.0) -> None:
@@ -171,21 +187,29 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop, every_s: float = 60.0) 
 
     def handler(loop, context: dict) -> None:
         e = context.get("exception")
-        if not (isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-                and "accept" in context.get("message", "")):
+        if not (
+            isinstance(e, OSError)
+            and e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+            and "accept" in context.get("message", "")
+        ):
             return default(loop, context) if default else loop.default_exception_handler(context)
         state["count"] += 1
         now = time.monotonic()
         if now - state["last"] >= every_s:
-            print(f"serve: cannot accept connections: {e.strerror} ({state['count']} refused since the last such "
-                  "message); waiting clients are taken as others leave. Lower --max-connections or raise "
-                  "`ulimit -n`", file=sys.stderr, flush=True)
+            print(
+                f"serve: cannot accept connections: {e.strerror} ({state['count']} refused since the last such "
+                "message); waiting clients are taken as others leave. Lower --max-connections or raise "
+                "`ulimit -n`",
+                file=sys.stderr,
+                flush=True,
+            )
             state["last"], state["count"] = now, 0
 
     loop.set_exception_handler(handler)
 
 
 # ----------------------------------------------------------------------------- requests
+
 
 class Drain:
     """The server's stop: from begin() (SIGTERM or Ctrl-C) new requests are refused with 503 and those in flight
@@ -218,7 +242,7 @@ def host_name(value: str) -> str:
     return value.split(":", 1)[0].rstrip(".")
 
 
-def allowed_hosts(listen_host: str, extra: Iterable[str]) -> Optional[frozenset[str]]:
+def allowed_hosts(listen_host: str, extra: Iterable[str]) -> frozenset[str] | None:
     """The Host names served: loopback names, the --host name unless it is a wildcard, and --allow-host's;
     None for any ('*'). The address a connection reached is always served as well (RequestGuard)."""
     extra = list(extra)
@@ -248,7 +272,7 @@ class RequestGuard:
     chunked (413 past max_body_bytes) within read_timeout seconds (408), and hands the app the body as one
     message. A refusal before the body is read closes the connection. Every response gets HEADERS."""
 
-    def __init__(self, app, hosts: Optional[frozenset[str]], max_body_bytes: int, read_timeout: float, drain: Drain):
+    def __init__(self, app, hosts: frozenset[str] | None, max_body_bytes: int, read_timeout: float, drain: Drain):
         self.app, self.hosts, self.max_body_bytes = app, hosts, max_body_bytes
         self.read_timeout, self.drain = read_timeout, drain
 
@@ -259,8 +283,9 @@ class RequestGuard:
         async def send_with_headers(message):
             if message["type"] == "http.response.start":
                 message.setdefault("headers", [])
-                message["headers"] = list(message["headers"]) + [(k.lower().encode(), v.encode())
-                                                                  for k, v in HEADERS.items()]
+                message["headers"] = list(message["headers"]) + [
+                    (k.lower().encode(), v.encode()) for k, v in HEADERS.items()
+                ]
             await send(message)
 
         try:
@@ -284,8 +309,11 @@ class RequestGuard:
     def _check(self, scope) -> None:
         if self.drain.draining:
             raise _Refused(503, "the server is shutting down")
-        head = len(scope.get("raw_path", b"")) + len(scope["query_string"]) + sum(len(n) + len(v) + 4
-                                                                                 for n, v in scope["headers"])
+        head = (
+            len(scope.get("raw_path", b""))
+            + len(scope["query_string"])
+            + sum(len(n) + len(v) + 4 for n, v in scope["headers"])
+        )
         if head > MAX_HEAD:  # h11 bounds only a head still arriving; one that came in one piece is counted here
             raise _Refused(431, f"the request's line and headers are larger than {MAX_HEAD} bytes")
         headers = {}
@@ -297,9 +325,12 @@ class RequestGuard:
             if not host:
                 raise _Refused(400, "a request needs a Host header")
             if host not in self.hosts and host != host_name(str(server[0])):
-                raise _Refused(421, f"this server does not answer to the host name {host!r} (it answers to "
-                                    f"{', '.join(sorted(self.hosts))} and its own address); to serve that name, "
-                                    f"start it with --allow-host {host}")
+                raise _Refused(
+                    421,
+                    f"this server does not answer to the host name {host!r} (it answers to "
+                    f"{', '.join(sorted(self.hosts))} and its own address); to serve that name, "
+                    f"start it with --allow-host {host}",
+                )
         if scope["method"] == "POST":
             if headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
                 raise _Refused(415, "send the body as JSON, with the header Content-Type: application/json")
@@ -307,7 +338,7 @@ class RequestGuard:
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             raise _Refused(413, f"the body is larger than {self.max_body_bytes} bytes")
 
-    async def _read_body(self, receive) -> Optional[bytes]:
+    async def _read_body(self, receive) -> bytes | None:
         """The body, counted as it arrives and within the deadline; None when the client went away."""
         deadline, chunks, size = time.monotonic() + self.read_timeout, [], 0
         while True:
@@ -326,8 +357,9 @@ class RequestGuard:
         """The next ASGI message, unless the deadline passes (408) or the server's drain ends first (503)."""
         got, over = asyncio.ensure_future(receive()), asyncio.ensure_future(self.drain.over.wait())
         try:
-            await asyncio.wait({got, over}, timeout=max(0.0, deadline - time.monotonic()),
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {got, over}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             over.cancel()
             if not got.done():
@@ -341,13 +373,22 @@ class RequestGuard:
 
 async def _send_error(send, status: int, message: str) -> None:
     body = error_json(message)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 # ----------------------------------------------------------------------------- the server
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, stopping the way `serve` promises: on SIGTERM or Ctrl-C it stops accepting, lets the
@@ -373,8 +414,12 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         busy = len(self.server_state.tasks)
         if busy:
-            print(f"serve: stopping: answering the {busy} request(s) in flight, for up to {self.drain.seconds:g} s "
-                  "(serve --drain-timeout)", file=sys.stderr, flush=True)
+            print(
+                f"serve: stopping: answering the {busy} request(s) in flight, for up to {self.drain.seconds:g} s "
+                "(serve --drain-timeout)",
+                file=sys.stderr,
+                flush=True,
+            )
         self.drain.begin()
         await super().shutdown(sockets=sockets)
         self.drain.end()

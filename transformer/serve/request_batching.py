@@ -9,16 +9,17 @@ import ctypes.util
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 from transformer.inference.translator import Translator
 
 
 @dataclass
 class _Job:
-    ids: list[list[int]]              # the sources, encoded once by the request's handler
+    ids: list[list[int]]  # the sources, encoded once by the request's handler
     beam: int
     nbest: int
     done: asyncio.Future
@@ -31,7 +32,7 @@ class _Job:
 
 @dataclass
 class _Inspection:
-    compute: Callable[[], Any]        # runs on the model worker; its result answers the request
+    compute: Callable[[], Any]  # runs on the model worker; its result answers the request
     done: asyncio.Future
 
 
@@ -161,8 +162,8 @@ class Batcher:
         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(ids))
         for job in group:
             if not job.done.done():
-                job.done.set_result(found[:len(job.ids)])
-            found = found[len(job.ids):]
+                job.done.set_result(found[: len(job.ids)])
+            found = found[len(job.ids) :]
 
     async def _collect(self) -> list[_Job]:
         """Wait until the first request's window closes or the waiting sources fill decode.max_tokens; take
@@ -179,8 +180,9 @@ class Batcher:
                 break
         self.pending = _waiting(self.pending)
         taken, tokens = 0, 0
-        while taken < len(self.pending) and (taken == 0 or tokens + self.pending[taken].tokens
-                                             <= self.translator.settings.max_tokens):
+        while taken < len(self.pending) and (
+            taken == 0 or tokens + self.pending[taken].tokens <= self.translator.settings.max_tokens
+        ):
             tokens += self.pending[taken].tokens
             taken += 1
         jobs, self.pending = self.pending[:taken], self.pending[taken:]

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
+from transformer.errors import UserError
 from transformer.files import check_output_path
 from transformer.model.checkpoint import WEIGHT_KEYS, load_checkpoint, save_checkpoint, weights_checkpoint
-from transformer.errors import UserError
 from transformer.run_dir import RunDir
+
 
 def last_step_checkpoints(run_dir: str | Path, n: int) -> list[Path]:
     """The n latest step_XXXXXXXX.pt files of a run directory, oldest first."""
@@ -21,8 +22,10 @@ def last_step_checkpoints(run_dir: str | Path, n: int) -> list[Path]:
         raise UserError("average: --last must be at least 1")
     found = RunDir(run_dir).step_checkpoints()
     if len(found) < n:
-        raise UserError(f"average: asked for the last {n} checkpoints but {run_dir} holds {len(found)} step_*.pt "
-                        "(the trainer keeps train.keep_last of them)")
+        raise UserError(
+            f"average: asked for the last {n} checkpoints but {run_dir} holds {len(found)} step_*.pt "
+            "(the trainer keeps train.keep_last of them)"
+        )
     return found[-n:]
 
 
@@ -44,8 +47,10 @@ def average_checkpoints(paths: Sequence[str | Path], refuse_copies: bool = False
         if refuse_copies:
             same = fingerprints.setdefault(_fingerprint(newest["model"]), path)
             if same != path:
-                raise UserError(f"average: {same} and {path} hold the same weights (e.g. last.pt and the step "
-                                "checkpoint of its step); each checkpoint counts once in the mean")
+                raise UserError(
+                    f"average: {same} and {path} hold the same weights (e.g. last.pt and the step "
+                    "checkpoint of its step); each checkpoint counts once in the mean"
+                )
         for k, v in newest["model"].items():
             sums[k] += v.to(torch.float64)
     # Accumulated in float64 so averaging many checkpoints loses nothing; stored in each tensor's own dtype.
@@ -65,10 +70,15 @@ def _check_same_model(state: dict, path, first: dict, first_path) -> None:
     if not all(k in state for k in WEIGHT_KEYS):
         raise UserError(f"average: {path} lacks its config, vocabulary or weights")
     if state["config"].get("model") != first["config"].get("model"):
-        differ = sorted(k for k in set(state["config"].get("model", {})) | set(first["config"].get("model", {}))
-                        if state["config"]["model"].get(k) != first["config"]["model"].get(k))
-        raise UserError(f"average: {path} and {first_path} have different model configs "
-                        f"(differing: {', '.join(differ) or 'section'})")
+        differ = sorted(
+            k
+            for k in set(state["config"].get("model", {})) | set(first["config"].get("model", {}))
+            if state["config"]["model"].get(k) != first["config"]["model"].get(k)
+        )
+        raise UserError(
+            f"average: {path} and {first_path} have different model configs "
+            f"(differing: {', '.join(differ) or 'section'})"
+        )
     if state["vocab"] != first["vocab"]:
         raise UserError(f"average: {path} and {first_path} use different vocabularies")
     weights, reference = state["model"], first["model"]
@@ -92,7 +102,7 @@ def _check_distinct(paths: Sequence[Path]) -> None:
         seen[key] = path
 
 
-def average(inputs: Sequence[str | Path], last: Optional[int], output: Optional[str | Path]) -> tuple[Path, list[Path]]:
+def average(inputs: Sequence[str | Path], last: int | None, output: str | Path | None) -> tuple[Path, list[Path]]:
     """The `average` command: RUN_DIR --last N (default output RUN_DIR/averaged.pt) or files --output FILE."""
     if last is not None:
         if len(inputs) != 1 or not Path(inputs[0]).is_dir():

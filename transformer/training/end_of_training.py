@@ -8,24 +8,23 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from transformer.files import atomic_write
-from transformer.training.average import average_checkpoints
-from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.corpus import has_split, load_split
-from transformer.device import tf32_matmuls
-from transformer.errors import UserError
-from transformer.inference.scoring import length_ratio, translate_and_score
-from transformer.inference.settings import SearchSettings, search_settings
-from transformer.run_dir import RunDir
-from transformer.signals import stop_at_once
-from transformer.training.metrics import read_metrics
 from transformer.data.store import Store
 from transformer.data.vocab import Vocab
+from transformer.device import tf32_matmuls
+from transformer.errors import UserError
+from transformer.files import atomic_write
+from transformer.inference.scoring import length_ratio, translate_and_score
+from transformer.inference.settings import SearchSettings, search_settings
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
+from transformer.run_dir import RunDir
+from transformer.signals import stop_at_once
+from transformer.training.average import average_checkpoints
+from transformer.training.metrics import read_metrics
 
 log = logging.getLogger("transformer")
 
@@ -53,7 +52,7 @@ def _candidates(run_dir: Path, cfg: Config) -> dict[str, dict]:
     if not RunDir(run_dir).best.is_file():
         raise UserError(f"finish: {run_dir} holds no best.pt (has the run validated yet?)")
     found = {RunDir.BEST: load_checkpoint(RunDir(run_dir).best)}
-    steps = RunDir(run_dir).step_checkpoints()[-cfg.train.keep_last:] if cfg.train.keep_last else []
+    steps = RunDir(run_dir).step_checkpoints()[-cfg.train.keep_last :] if cfg.train.keep_last else []
     if len(steps) >= 2:
         averaged = average_checkpoints(steps)
         save_checkpoint(averaged, RunDir(run_dir).averaged)
@@ -97,16 +96,19 @@ def _training_record(run_dir: Path, cfg: Config, run: dict, best_step: int) -> d
     best = (max if by == "bleu" else min)(valid, key=lambda r: r[by]) if valid else {}
     elapsed = run.get("elapsed", 0.0)
     return {
-        "updates": run["step"], "epochs": run["data"]["epoch"], "training_seconds": round(elapsed, 1),
+        "updates": run["step"],
+        "epochs": run["data"]["epoch"],
+        "training_seconds": round(elapsed, 1),
         "tokens_per_s": round(run.get("tokens", 0) / elapsed) if elapsed else None,
         "best_valid_loss": min((r["loss"] for r in valid), default=None),
         "best_valid_bleu": max((r["bleu"] for r in valid if "bleu" in r), default=None),
-        "best_step": best.get("step"), "seconds_to_best": best.get("elapsed"),
+        "best_step": best.get("step"),
+        "seconds_to_best": best.get("elapsed"),
         **{key: done[key] for key in MEMORY_KEYS if key in done},
     }
 
 
-def finished_summary(run_dir: Path, step: int) -> Optional[dict]:
+def finished_summary(run_dir: Path, step: int) -> dict | None:
     """summary.json, when the end of training completed at `step`: final.pt and a summary.json of that step
     written after it. A kill between the two leaves final.pt alone, and the end is done again."""
     final, summary = RunDir(run_dir).final, RunDir(run_dir).summary
@@ -126,20 +128,33 @@ def end_of_training(run_dir: Path, cfg: Config, step: int, device: torch.device)
     must not redo its minutes."""
     summary = finished_summary(run_dir, step)
     if summary is None:
-        with stop_at_once(lambda name: f"{name}: stopped while choosing the final model; the checkpoints are "
-                          f"complete, and `transformer finish {run_dir}` does this part again"):
+        with stop_at_once(
+            lambda name: (
+                f"{name}: stopped while choosing the final model; the checkpoints are "
+                f"complete, and `transformer finish {run_dir}` does this part again"
+            )
+        ):
             finish(run_dir, device)
         return
     # The resume wrote its own settings to config.yaml and nothing trained with them: the run's, as finish() wrote
     # them, but where the run and its data are now (a moved run directory, a corpus put elsewhere).
     last = load_checkpoint(RunDir(run_dir).last)
     trained = from_dict(last["config"])
-    save_config(replace(trained, decode=replace(trained.decode, **summary["decode"]),
-                        train=replace(trained.train, run_dir=cfg.train.run_dir),
-                        data=replace(trained.data, dir=cfg.data.dir)), RunDir(run_dir).config,
-                pieces=len(Vocab(last["vocab"])))
-    log.info("finish: nothing left to train; keeping final.pt and summary.json from the end of this training "
-             "(`transformer finish %s` does it again)", run_dir)
+    save_config(
+        replace(
+            trained,
+            decode=replace(trained.decode, **summary["decode"]),
+            train=replace(trained.train, run_dir=cfg.train.run_dir),
+            data=replace(trained.data, dir=cfg.data.dir),
+        ),
+        RunDir(run_dir).config,
+        pieces=len(Vocab(last["vocab"])),
+    )
+    log.info(
+        "finish: nothing left to train; keeping final.pt and summary.json from the end of this training "
+        "(`transformer finish %s` does it again)",
+        run_dir,
+    )
     _log_summary({**summary, "run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL)})
 
 
@@ -157,8 +172,11 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
     cfg = from_dict(last["config"])
     data_dir = Path(cfg.data.dir)
     if cfg.data.source == "local" and not data_dir.is_dir():  # else the test score would be skipped as absent
-        fix = ("put the corpus back there" if data_dir.is_absolute() else
-               f"it is relative to {Path.cwd()}, where this runs: run from the directory training ran in")
+        fix = (
+            "put the corpus back there"
+            if data_dir.is_absolute()
+            else f"it is relative to {Path.cwd()}, where this runs: run from the directory training ran in"
+        )
         raise UserError(f"finish: data.dir {cfg.data.dir!r} is not a directory; {fix}")
     # Read before the minutes of searching: half a test split, or sides of different lengths, is an error here.
     test = load_split(cfg.data, cfg.data.test_split) if has_split(cfg.data, cfg.data.test_split) else None
@@ -170,8 +188,11 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
     models = {name: model_from_checkpoint(state, device) for name, state in candidates.items()}
     vocab = next(iter(models.values()))[1]
     score = _Scorer([valid.source(i) for i in range(len(valid))], store.references("valid"), vocab, device)
-    log.info("finish: choosing on the %d validation pairs training kept (data.max_valid_pairs, data.max_len); "
-             "`transformer evaluate --split valid` translates the whole split", len(valid))
+    log.info(
+        "finish: choosing on the %d validation pairs training kept (data.max_valid_pairs, data.max_len); "
+        "`transformer evaluate --split valid` translates the whole split",
+        len(valid),
+    )
 
     # The checkpoint first, at the config's search settings (in fp32, with our search); then the settings for it.
     config = search_settings(cfg.decode)
@@ -186,18 +207,30 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
     tuned = replace(cfg, decode=replace(cfg.decode, beam=beam, lenpen=lenpen))
     # best.pt's training state (its step and validation score) comes along for serve's /info; an average has none.
     made = {"made_from": chosen, **({"run": candidates[chosen]["run"]} if "run" in candidates[chosen] else {})}
-    save_checkpoint(weights_checkpoint(to_dict(tuned), candidates[chosen]["vocab"], candidates[chosen]["model"],
-                                       **made), run_dir / FINAL)
+    save_checkpoint(
+        weights_checkpoint(to_dict(tuned), candidates[chosen]["vocab"], candidates[chosen]["model"], **made),
+        run_dir / FINAL,
+    )
     save_config(tuned, RunDir(run_dir).config, pieces=len(vocab))
 
     # A run started from a trained model says which (train.init_from): the file and its sha256.
-    origin = {"init_from": {"path": cfg.train.init_from, "sha256": cfg.train.init_from_sha256}} \
-        if cfg.train.init_from else {}
-    summary = {"run_dir": str(run_dir), "checkpoint": str(run_dir / FINAL), "made_from": chosen, **origin,
-               "decode": {"beam": beam, "lenpen": lenpen}, "valid_grid_bleu": grid,
-               "valid": {n: {"bleu": round(s["bleu"], 2), "length_ratio": round(length_ratio(s), 3)}
-                         for n, s in valid_scores.items()},
-               **_training_record(run_dir, cfg, last["run"], candidates[RunDir.BEST].get("run", {}).get("step", 0))}
+    origin = (
+        {"init_from": {"path": cfg.train.init_from, "sha256": cfg.train.init_from_sha256}}
+        if cfg.train.init_from
+        else {}
+    )
+    summary = {
+        "run_dir": str(run_dir),
+        "checkpoint": str(run_dir / FINAL),
+        "made_from": chosen,
+        **origin,
+        "decode": {"beam": beam, "lenpen": lenpen},
+        "valid_grid_bleu": grid,
+        "valid": {
+            n: {"bleu": round(s["bleu"], 2), "length_ratio": round(length_ratio(s), 3)} for n, s in valid_scores.items()
+        },
+        **_training_record(run_dir, cfg, last["run"], candidates[RunDir.BEST].get("run", {}).get("step", 0)),
+    }
     if test is not None:
         summary["test"] = _score_test(cfg, test, vocab, model, settings, device, run_dir)
     summary["finish_seconds"] = round(time.perf_counter() - started, 1)
@@ -207,23 +240,32 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
     return summary
 
 
-def _score_test(cfg: Config, test: tuple[list[str], list[str]], vocab, model, settings: SearchSettings, device,
-                run_dir: Path) -> dict:
+def _score_test(
+    cfg: Config, test: tuple[list[str], list[str]], vocab, model, settings: SearchSettings, device, run_dir: Path
+) -> dict:
     sources, references = test
     scores, hypotheses = _Scorer(vocab.encode(sources), references, vocab, device)(model, settings)
     RunDir(run_dir).eval.mkdir(exist_ok=True)
     hyp_path = RunDir(run_dir).final_hyp(cfg.data.test_split)
     text = "".join(h + "\n" for h in hypotheses)
     atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
-    return {"split": cfg.data.test_split, "bleu": round(scores["bleu"], 2), "chrf": round(scores["chrf"], 2),
-            "length_ratio": round(length_ratio(scores), 3), "bleu_signature": scores["bleu_signature"],
-            "chrf_signature": scores["chrf_signature"], "hypotheses": str(hyp_path)}
+    return {
+        "split": cfg.data.test_split,
+        "bleu": round(scores["bleu"], 2),
+        "chrf": round(scores["chrf"], 2),
+        "length_ratio": round(length_ratio(scores), 3),
+        "bleu_signature": scores["bleu_signature"],
+        "chrf_signature": scores["chrf_signature"],
+        "hypotheses": str(hyp_path),
+    }
 
 
 def _log_summary(s: dict) -> None:
     minutes = (s["training_seconds"] or 0) / 60
-    lines = [f"summary: {s['updates']} updates, {s['epochs']} epochs, {minutes:.1f} min of training"
-             + (f", {s['tokens_per_s']:,} tokens/s" if s.get("tokens_per_s") else "")]
+    lines = [
+        f"summary: {s['updates']} updates, {s['epochs']} epochs, {minutes:.1f} min of training"
+        + (f", {s['tokens_per_s']:,} tokens/s" if s.get("tokens_per_s") else "")
+    ]
     if s.get("best_valid_loss") is not None:
         best = f"best valid loss {s['best_valid_loss']:.4f}"
         if s.get("best_valid_bleu") is not None:
@@ -233,11 +275,15 @@ def _log_summary(s: dict) -> None:
         lines.append("summary: " + best)
     if "test" in s:
         t = s["test"]
-        lines.append(f"summary: test BLEU {t['bleu']:.2f} (length ratio {t['length_ratio']:.3f}), chrF {t['chrf']:.2f}"
-                     f" with {s['made_from']}, beam {s['decode']['beam']}, lenpen {s['decode']['lenpen']:g}")
+        lines.append(
+            f"summary: test BLEU {t['bleu']:.2f} (length ratio {t['length_ratio']:.3f}), chrF {t['chrf']:.2f}"
+            f" with {s['made_from']}, beam {s['decode']['beam']}, lenpen {s['decode']['lenpen']:g}"
+        )
         lines.append(f"summary:   {t['bleu_signature']}")
         lines.append(f"summary:   {t['chrf_signature']}")
-    lines.append(f"summary: use {s['checkpoint']} (`transformer translate {s['run_dir']}` picks it); "
-                 f"details in {s['run_dir']}/summary.json")
+    lines.append(
+        f"summary: use {s['checkpoint']} (`transformer translate {s['run_dir']}` picks it); "
+        f"details in {s['run_dir']}/summary.json"
+    )
     for line in lines:
         log.info(line)

@@ -9,16 +9,15 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.config import Config, DataConfig, from_dict, to_dict
 from transformer.data.corpus import open_split
-from transformer.errors import UserError, first_line
-from transformer.run_dir import RunDir
 from transformer.data.vocab import UNK_ID, Vocab
+from transformer.errors import UserError, first_line
+from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
+from transformer.run_dir import RunDir
 
 log = logging.getLogger("transformer")
 
@@ -28,18 +27,18 @@ MAY_CHANGE = ("model.dropout", "model.attention_dropout", "model.activation_drop
 VOCABULARY = ("data.vocab_size", "data.spm_model_type")
 PROVENANCE = ("train.init_from", "train.init_from_sha256")  # where a run started: no setting to compare
 FIT_PAIRS = 10_000  # pairs of a training split that the vocabulary-fit figures read (its first ones)
-LONG_WORD = 4       # pieces from which a word counts as split into many
+LONG_WORD = 4  # pieces from which a word counts as split into many
 
 
 @dataclass
 class Origin:
     """The trained model a run starts from."""
 
-    path: Path        # the checkpoint file (a run directory resolved to its final.pt, best.pt or last.pt)
+    path: Path  # the checkpoint file (a run directory resolved to its final.pt, best.pt or last.pt)
     sha256: str
-    config: Config    # the config it was trained with
+    config: Config  # the config it was trained with
     vocab: Vocab
-    weights: dict     # its state_dict
+    weights: dict  # its state_dict
     fit: dict = field(default_factory=dict)  # the vocabulary-fit figures, once measured (fit_report)
 
     def record(self) -> dict:
@@ -63,9 +62,11 @@ def load_origin(cfg: Config) -> Origin:
         raise UserError(f"train.init_from: {e}") from None
     sha256 = file_sha256(path)
     if t.init_from_sha256 and sha256 != t.init_from_sha256:
-        raise UserError(f"train.init_from: {path} has sha256 {sha256}, not {t.init_from_sha256} "
-                        "(train.init_from_sha256): it is another checkpoint than the one this config started from; "
-                        "set train.init_from_sha256 to '' to start from it as it is now")
+        raise UserError(
+            f"train.init_from: {path} has sha256 {sha256}, not {t.init_from_sha256} "
+            "(train.init_from_sha256): it is another checkpoint than the one this config started from; "
+            "set train.init_from_sha256 to '' to start from it as it is now"
+        )
     state = load_checkpoint(path)
     try:
         config = from_dict(state["config"])
@@ -89,8 +90,10 @@ def check_settings(origin: Origin, cfg: Config) -> list[str]:
             else:
                 changed.append(f"{name}: {old!r} -> {value!r}")
     if refused:
-        raise UserError(f"train.init_from: the model and its vocabulary come from {origin.path}, so their settings "
-                        f"must be its own: {'; '.join(refused)} (its config.yaml has them all)")
+        raise UserError(
+            f"train.init_from: the model and its vocabulary come from {origin.path}, so their settings "
+            f"must be its own: {'; '.join(refused)} (its config.yaml has them all)"
+        )
     return changed
 
 
@@ -99,8 +102,12 @@ def start(cfg: Config) -> tuple[Config, Origin]:
     sha256 in place of what the user named (config.yaml, the checkpoints and the summary carry them)."""
     origin = load_origin(cfg)
     changed = check_settings(origin, cfg)
-    log.info("init_from: starting from %s (sha256 %s): its weights and vocabulary; step, optimizer, learning-rate "
-             "schedule and data start afresh", origin.path, origin.sha256)
+    log.info(
+        "init_from: starting from %s (sha256 %s): its weights and vocabulary; step, optimizer, learning-rate "
+        "schedule and data start afresh",
+        origin.path,
+        origin.sha256,
+    )
     if changed:
         log.info("init_from: settings that differ from that model's run: %s", "; ".join(changed))
     provenance = {"init_from": str(origin.path), "init_from_sha256": origin.sha256}
@@ -112,8 +119,11 @@ def on_resume(saved: Config, cfg: Config) -> Config:
     checkpoint's record, whatever the config now says."""
     named, started = cfg.train.init_from, saved.train.init_from
     if named and (not started or Path(named) not in (Path(started), Path(started).parent)):
-        log.warning("init_from: train.init_from (%s) applies to a new run only; this run continues from its own "
-                    "checkpoint%s", named, f" (it started from {started})" if started else "")
+        log.warning(
+            "init_from: train.init_from (%s) applies to a new run only; this run continues from its own checkpoint%s",
+            named,
+            f" (it started from {started})" if started else "",
+        )
     provenance = {"init_from": started, "init_from_sha256": saved.train.init_from_sha256}
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **provenance))
 
@@ -123,7 +133,9 @@ def copy_weights(model: torch.nn.Module, origin: Origin) -> None:
     try:
         model.load_state_dict(origin.weights)
     except RuntimeError as e:
-        raise UserError(f"train.init_from: {origin.path}: its weights do not fit this model ({first_line(e)})") from None
+        raise UserError(
+            f"train.init_from: {origin.path}: its weights do not fit this model ({first_line(e)})"
+        ) from None
 
 
 def install_vocab(run_dir: Path, vocab: Vocab) -> None:
@@ -151,9 +163,12 @@ def measure(vocab: Vocab, lines: list[str]) -> dict:
         unknown += n * sum(1 for i in ids if i == UNK_ID)
         long += n * (len(ids) >= LONG_WORD)
     total = sum(words.values())
-    return {"words": total, "pieces_per_word": round(pieces / max(total, 1), 3),
-            "unknown_pieces_pct": round(100 * unknown / max(pieces, 1), 3),
-            "long_words_pct": round(100 * long / max(total, 1), 2)}
+    return {
+        "words": total,
+        "pieces_per_word": round(pieces / max(total, 1), 3),
+        "unknown_pieces_pct": round(100 * unknown / max(pieces, 1), 3),
+        "long_words_pct": round(100 * long / max(total, 1), 2),
+    }
 
 
 def measure_split(vocab: Vocab, data: DataConfig, limit: int) -> dict[str, dict]:
@@ -176,7 +191,7 @@ def fit_report(cfg: Config, origin: Origin) -> dict:
     trained on where that is at hand; returns the figures (origin.fit too)."""
     limit = min(FIT_PAIRS, cfg.data.max_train_pairs or FIT_PAIRS)
     new = measure_split(origin.vocab, cfg.data, limit)
-    old: Optional[dict] = None
+    old: dict | None = None
     first = origin.config.data
     if _at_hand(first):
         try:
@@ -184,20 +199,31 @@ def fit_report(cfg: Config, origin: Origin) -> dict:
         except UserError as e:
             log.info("vocab fit: the original training data cannot be read (%s)", e)
     origin.fit = {"pairs": limit, "new": new, **({"original": old} if old is not None else {})}
-    log.info("vocab fit: the vocabulary of %s on (up to) the first %s training pairs%s", origin.path, f"{limit:,}",
-             f" (beside the same on its own training data, {first.dir})" if old is not None else
-             " (its own training data is not at hand: no comparison)")
+    log.info(
+        "vocab fit: the vocabulary of %s on (up to) the first %s training pairs%s",
+        origin.path,
+        f"{limit:,}",
+        f" (beside the same on its own training data, {first.dir})"
+        if old is not None
+        else " (its own training data is not at hand: no comparison)",
+    )
     for side, lang in (("src", cfg.data.src_lang), ("tgt", cfg.data.tgt_lang)):
         f = new[side]
-        line = (f"vocab fit: {'source' if side == 'src' else 'target'} ({lang}): {f['pieces_per_word']:.2f} pieces "
-                f"per word, {f['unknown_pieces_pct']:.2f}% unknown pieces, {f['long_words_pct']:.1f}% of words in "
-                f"{LONG_WORD}+ pieces")
+        line = (
+            f"vocab fit: {'source' if side == 'src' else 'target'} ({lang}): {f['pieces_per_word']:.2f} pieces "
+            f"per word, {f['unknown_pieces_pct']:.2f}% unknown pieces, {f['long_words_pct']:.1f}% of words in "
+            f"{LONG_WORD}+ pieces"
+        )
         if old is not None:
             o = old[side]
-            line += (f" (its own data: {o['pieces_per_word']:.2f}, {o['unknown_pieces_pct']:.2f}%, "
-                     f"{o['long_words_pct']:.1f}%)")
+            line += (
+                f" (its own data: {o['pieces_per_word']:.2f}, {o['unknown_pieces_pct']:.2f}%, "
+                f"{o['long_words_pct']:.1f}%)"
+            )
         log.info(line)
     if any(new[side]["unknown_pieces_pct"] > 0 for side in new):
-        log.info("vocab fit: unknown pieces are characters the vocabulary lacks: the model reads them as <unk> and "
-                 "can never write them")
+        log.info(
+            "vocab fit: unknown pieces are characters the vocabulary lacks: the model reads them as <unk> and "
+            "can never write them"
+        )
     return origin.fit

@@ -9,7 +9,6 @@ import os
 import socket
 import stat
 from pathlib import Path
-from typing import Optional
 
 from transformer.errors import UserError
 from transformer.run_dir import RunDir
@@ -31,12 +30,14 @@ class RunLock:
 
     def __init__(self, run_dir: Path, command: str = "train"):
         self.run_dir, self.path, self.command = run_dir, RunDir(run_dir).lock, command  # command: for messages
-        self.fd: Optional[int] = None
-        self.took_over: Optional[str] = None  # a log line for the caller, once logging is set up
+        self.fd: int | None = None
+        self.took_over: str | None = None  # a log line for the caller, once logging is set up
 
     def _refuse(self, holder: dict, why: str) -> None:
-        raise UserError(f"{self.command}: {self.run_dir} is in use by pid {holder.get('pid', '?')} on host "
-                        f"{holder.get('host', '?')} (lock file {self.path}); {why}")
+        raise UserError(
+            f"{self.command}: {self.run_dir} is in use by pid {holder.get('pid', '?')} on host "
+            f"{holder.get('host', '?')} (lock file {self.path}); {why}"
+        )
 
     def _open(self) -> int:
         """The lock file, created (O_CREAT|O_EXCL) or opened as it is, never through a symbolic link (O_NOFOLLOW), and
@@ -56,8 +57,10 @@ class RunLock:
             except OSError as e:
                 if e.errno != errno.ELOOP and not self.path.is_symlink():
                     raise
-                raise UserError(f"{self.command}: {self.path} is a symbolic link; the lock file is never written "
-                                "through one (that would overwrite what it points to): delete the link") from None
+                raise UserError(
+                    f"{self.command}: {self.path} is a symbolic link; the lock file is never written "
+                    "through one (that would overwrite what it points to): delete the link"
+                ) from None
             info = os.fstat(fd)
             if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
                 return fd
@@ -65,10 +68,12 @@ class RunLock:
             self._refuse_file("has other names (hard links)" if stat.S_ISREG(info.st_mode) else "is not a regular file")
 
     def _refuse_file(self, what: str) -> None:
-        raise UserError(f"{self.command}: {self.path} {what}; the lock file is written over, so it must be a plain "
-                        "file of its own: delete it")
+        raise UserError(
+            f"{self.command}: {self.path} {what}; the lock file is written over, so it must be a plain "
+            "file of its own: delete it"
+        )
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         host, pid = socket.gethostname(), os.getpid()
         while True:
             fd = self._open()
@@ -96,8 +101,9 @@ class RunLock:
                 # Holding the flock already proves its writer gone: the pid may belong to another process now.
                 if fcntl is None and _alive(holder.get("pid")):
                     self._refuse(holder, "wait for that run to end, or stop it")
-                self.took_over = (f"lock: {self.path} was left by pid {holder.get('pid')} on {host}, which is "
-                                  "gone; taking it over")
+                self.took_over = (
+                    f"lock: {self.path} was left by pid {holder.get('pid')} on {host}, which is gone; taking it over"
+                )
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps({"pid": pid, "host": host}).encode() + b"\n", 0)
             os.fsync(fd)

@@ -8,38 +8,66 @@ import logging
 import random
 import resource
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from transformer.files import remove_stale_temporaries
-from transformer.data.batch import Batch
-from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.config import Config, from_dict, save_config, to_dict
+from transformer.data.batch import Batch
 from transformer.data.batching import BatchStream, Prefetcher, Update, eval_batches
-from transformer.device import (Peak, autocast_context, bounded_onednn_caches, cuda_memory_peaks,
-                               default_cuda_allocator, mfu_peak, pick_precision, tf32_matmuls)
-from transformer.distributed import (DistInfo, all_reduce_sum, barrier, gather_objects, init_distributed,
-                                     peer_failure_explained, shutdown_distributed, wrap_ddp)
-from transformer.errors import UserError, first_line, is_out_of_memory
-from transformer.training.validation import evaluate_loss, validation_bleu
-from transformer.model.transformer import Transformer, build_model, count_parameters
-from transformer.training.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
-from transformer.run_dir import RunDir
-from transformer.signals import StopRequested, stop_at_once
-from transformer.training.lock import RunLock
-from transformer.training.run_state import (ConfigChange, RunState, check_resume_config, check_run_dir,
-                                            continue_hint, load_resumable, make_run_dir, put_back, restore_training,
-                                            resume_command, rng_state, set_rng_state, training_checkpoint)
-from transformer.training.metrics import MetricsLog, Progress, setup_logging
 from transformer.data.store import Store, open_prepared, prepare
 from transformer.data.vocab import Vocab
+from transformer.device import (
+    Peak,
+    autocast_context,
+    bounded_onednn_caches,
+    cuda_memory_peaks,
+    default_cuda_allocator,
+    mfu_peak,
+    pick_precision,
+    tf32_matmuls,
+)
+from transformer.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    gather_objects,
+    init_distributed,
+    peer_failure_explained,
+    shutdown_distributed,
+    wrap_ddp,
+)
+from transformer.errors import UserError, first_line, is_out_of_memory
+from transformer.files import remove_stale_temporaries
+from transformer.model.checkpoint import load_checkpoint, save_checkpoint
+from transformer.model.transformer import Transformer, build_model, count_parameters
+from transformer.run_dir import RunDir
+from transformer.signals import StopRequested, stop_at_once
 from transformer.training import init_from
 from transformer.training.init_from import Origin
+from transformer.training.lock import RunLock
+from transformer.training.metrics import MetricsLog, Progress, setup_logging
+from transformer.training.optim import build_optimizer, label_smoothed_loss, set_hyperparameters
+from transformer.training.run_state import (
+    ConfigChange,
+    RunState,
+    check_resume_config,
+    check_run_dir,
+    continue_hint,
+    load_resumable,
+    make_run_dir,
+    put_back,
+    restore_training,
+    resume_command,
+    rng_state,
+    set_rng_state,
+    training_checkpoint,
+)
+from transformer.training.validation import evaluate_loss, validation_bleu
 
 log = logging.getLogger("transformer")
 
@@ -53,20 +81,20 @@ class Run:
     cfg: Config
     info: DistInfo
     device: torch.device
-    precision: str                  # fp32, bf16 or fp16: train.precision with `auto` resolved for this device
+    precision: str  # fp32, bf16 or fp16: train.precision with `auto` resolved for this device
     run_dir: Path
-    command: str                    # what continues the run after a stop
+    command: str  # what continues the run after a stop
     vocab: Vocab
     store: Store
     valid: list[Batch]
     model: Transformer
-    forward: torch.nn.Module        # TrainingLoss as updates call it: wrapped by DDP and/or torch.compile
+    forward: torch.nn.Module  # TrainingLoss as updates call it: wrapped by DDP and/or torch.compile
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     state: RunState
     metrics: MetricsLog
-    peak: Peak                      # what MFU divides by, and where that figure comes from
-    saved_step: Optional[int]       # the step last.pt holds
+    peak: Peak  # what MFU divides by, and where that figure comes from
+    saved_step: int | None  # the step last.pt holds
 
     @property
     def last_path(self) -> Path:
@@ -74,6 +102,7 @@ class Run:
 
 
 # --------------------------------------------------------------------------- the command's entry points
+
 
 def prepare_only(cfg: Config) -> Path:
     """The `prepare` command: the run directory's vocabulary and store, built or checked, without training."""
@@ -97,13 +126,18 @@ def prepare_only(cfg: Config) -> Path:
         return directory
 
 
-def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, quiet: bool = False,
-          overrides: Sequence[str] = ()) -> Path:
+def train(
+    cfg: Config,
+    resume: bool = False,
+    config_path: str | None = None,
+    quiet: bool = False,
+    overrides: Sequence[str] = (),
+) -> Path:
     """Train according to cfg (data-parallel when launched by torchrun); returns the run directory.
     config_path and overrides (the --set items) make the printed resume command; without a config_path
     it is `transformer train --resume RUN_DIR`."""
     default_cuda_allocator()  # before anything allocates on a GPU
-    bounded_onednn_caches()   # and before any CPU work builds a oneDNN primitive
+    bounded_onednn_caches()  # and before any CPU work builds a oneDNN primitive
     info, device = init_distributed(cfg.train.device)
     command = resume_command(config_path, overrides, cfg.train.run_dir)
     try:
@@ -113,8 +147,10 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
             run_dir = _train(cfg, info, device, resume, command, quiet, scope)
     except (RuntimeError, MemoryError) as e:
         if is_out_of_memory(e):
-            raise UserError(f"out of memory while training ({first_line(e)}); lower data.max_tokens (raise "
-                            f"train.update_freq to keep the batch) or the model's sizes, then: {command}") from None
+            raise UserError(
+                f"out of memory while training ({first_line(e)}); lower data.max_tokens (raise "
+                f"train.update_freq to keep the batch) or the model's sizes, then: {command}"
+            ) from None
         raise
     # Only after a normal end: on NCCL, destroy_process_group waits for every rank's collectives to complete,
     # so after an error (a peer that died, a rank out of memory) it could hang instead of letting the error
@@ -123,8 +159,15 @@ def train(cfg: Config, resume: bool = False, config_path: Optional[str] = None, 
     return run_dir
 
 
-def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, command: str, quiet: bool,
-           scope: contextlib.ExitStack) -> Path:
+def _train(
+    cfg: Config,
+    info: DistInfo,
+    device: torch.device,
+    resume: bool,
+    command: str,
+    quiet: bool,
+    scope: contextlib.ExitStack,
+) -> Path:
     metrics_since = time.perf_counter()
     pick_precision(cfg.train.precision, device)  # fp16 on a CPU refused before a vocabulary and store are built
     check_compile(cfg, device)
@@ -150,8 +193,10 @@ def _train(cfg: Config, info: DistInfo, device: torch.device, resume: bool, comm
 
 # --------------------------------------------------------------------------- phases
 
-def start(cfg: Config, info: DistInfo, resume: bool, command: str, scope: contextlib.ExitStack
-          ) -> tuple[Path, Optional[dict], list[ConfigChange], Config, Optional[Origin]]:
+
+def start(
+    cfg: Config, info: DistInfo, resume: bool, command: str, scope: contextlib.ExitStack
+) -> tuple[Path, dict | None, list[ConfigChange], Config, Origin | None]:
     """The run directory (checked, created, locked), logging, the checkpoint to continue from with the config
     changes that apply to it, the config (with where the run started from) and, for a new run from a trained
     model (train.init_from), that model."""
@@ -159,8 +204,10 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str, scope: contex
     last_path = RunDir(run_dir).last
     check_run_dir(run_dir, resume)
     if last_path.exists() and not resume:
-        raise UserError(f"{run_dir} already holds a run (last.pt); add --resume to continue it, "
-                        "or set train.run_dir to a new directory")
+        raise UserError(
+            f"{run_dir} already holds a run (last.pt); add --resume to continue it, "
+            "or set train.run_dir to a new directory"
+        )
     # A kill before the first save leaves nothing to continue from; a job script that always passes
     # --resume (as preemptible jobs do) must then simply start the run. A kill at the first validation after
     # its step checkpoint was written but before last.pt leaves that step checkpoint: continue from it.
@@ -185,11 +232,15 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str, scope: contex
     if from_scratch and new_dir:  # the first start of a job that always passes --resume (as `make train` does)
         log.info("resume: %s did not exist; starting a new run there from step 0", run_dir)
     elif from_scratch:
-        log.warning("resume: no checkpoint at %s yet (the run stopped before its first save); starting from step 0",
-                    last_path)
+        log.warning(
+            "resume: no checkpoint at %s yet (the run stopped before its first save); starting from step 0", last_path
+        )
     if resume and source not in (None, last_path):
-        log.warning("resume: %s is missing; continuing from %s, the newest checkpoint with training state",
-                    last_path, source.name)
+        log.warning(
+            "resume: %s is missing; continuing from %s, the newest checkpoint with training state",
+            last_path,
+            source.name,
+        )
     try:
         saved = load_resumable(source) if resume and source is not None else None
     except UserError as e:
@@ -211,8 +262,9 @@ def start(cfg: Config, info: DistInfo, resume: bool, command: str, scope: contex
     return run_dir, saved, changes, cfg, origin
 
 
-def load_data(cfg: Config, info: DistInfo, run_dir: Path, saved: Optional[dict], quiet: bool,
-              origin: Optional[Origin] = None) -> tuple[Vocab, Store]:
+def load_data(
+    cfg: Config, info: DistInfo, run_dir: Path, saved: dict | None, quiet: bool, origin: Origin | None = None
+) -> tuple[Vocab, Store]:
     """Rank 0 trains or reuses the SentencePiece model (takes the one of the model the run starts from) and builds or
     reuses the memory-mapped store; the other ranks wait, then map the same files."""
     saved_vocab = Vocab(saved["vocab"]) if saved is not None else origin.vocab if origin is not None else None
@@ -236,8 +288,10 @@ def check_compile(cfg: Config, device: torch.device) -> None:
     attention kernel takes a key-padding mask only with its key length aligned to 8 (eager SDPA pads a copy of
     the mask instead; the compiled one cannot)."""
     if cfg.train.compile and device.type == "cuda" and cfg.data.pad_to_multiple % 8:
-        raise UserError(f"train.compile on CUDA needs data.pad_to_multiple to be a multiple of 8 (it is "
-                        f"{cfg.data.pad_to_multiple}): add --set data.pad_to_multiple=8, or set train.compile: false")
+        raise UserError(
+            f"train.compile on CUDA needs data.pad_to_multiple to be a multiple of 8 (it is "
+            f"{cfg.data.pad_to_multiple}): add --set data.pad_to_multiple=8, or set train.compile: false"
+        )
 
 
 class TrainingLoss(nn.Module):
@@ -257,11 +311,20 @@ class TrainingLoss(nn.Module):
 def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
     """The loss scaler, enabled for fp16 only. It starts at 2^7, as fairseq and NVIDIA's recipes do: torch's 2^16
     overflows in the first updates, and each overflow skips an update while the scale halves."""
-    return torch.amp.GradScaler(device.type, init_scale=2.0 ** 7, enabled=precision == "fp16")
+    return torch.amp.GradScaler(device.type, init_scale=2.0**7, enabled=precision == "fp16")
 
 
-def build(cfg: Config, info: DistInfo, device: torch.device, run_dir: Path, command: str, vocab: Vocab,
-          store: Store, saved: Optional[dict], started: float) -> Run:
+def build(
+    cfg: Config,
+    info: DistInfo,
+    device: torch.device,
+    run_dir: Path,
+    command: str,
+    vocab: Vocab,
+    store: Store,
+    saved: dict | None,
+    started: float,
+) -> Run:
     """The model (seeded per rank, so each rank has its own dropout stream), its loss with the DDP / compiled
     wrapper, the optimizer, the fp16 grad scaler, the validation batches, the metrics log, the precision and the
     peak for MFU."""
@@ -275,18 +338,36 @@ def build(cfg: Config, info: DistInfo, device: torch.device, run_dir: Path, comm
         forward = wrap_ddp(forward, device)
     if t.compile:
         forward = torch.compile(forward, dynamic=True)
-    state = RunState(**saved["run"]) if saved is not None else \
-        RunState(best_metric="bleu" if cfg.train.valid_bleu else "loss")
+    state = (
+        RunState(**saved["run"])
+        if saved is not None
+        else RunState(best_metric="bleu" if cfg.train.valid_bleu else "loss")
+    )
     peak = mfu_peak(device, precision, t.peak_tflops)
     log.info("precision: %s (%s); MFU below is against %s", precision, why, peak.describe())
     valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple)
-    return Run(cfg, info, device, precision, run_dir, command, vocab, store, valid, model, forward,
-               build_optimizer(model, cfg), make_grad_scaler(device, precision), state,
-               MetricsLog(run_dir, info.is_main, state.elapsed, started, t.tensorboard), peak,
-               state.step if saved is not None else None)
+    return Run(
+        cfg,
+        info,
+        device,
+        precision,
+        run_dir,
+        command,
+        vocab,
+        store,
+        valid,
+        model,
+        forward,
+        build_optimizer(model, cfg),
+        make_grad_scaler(device, precision),
+        state,
+        MetricsLog(run_dir, info.is_main, state.elapsed, started, t.tensorboard),
+        peak,
+        state.step if saved is not None else None,
+    )
 
 
-def restore(run: Run, saved: Optional[dict], changes: list[ConfigChange]) -> None:
+def restore(run: Run, saved: dict | None, changes: list[ConfigChange]) -> None:
     """Continue an interrupted run: weights, optimizer and scaler, RNG streams, and the data position (the epoch
     restarts when the batches no longer line up with the updates or the data order changed)."""
     if saved is None:
@@ -300,28 +381,38 @@ def restore(run: Run, saved: Optional[dict], changes: list[ConfigChange]) -> Non
     group_size = run.info.world_size * t.update_freq
     reordered = any(c.reorders_data for c in changes)
     # Checkpoints written before train_order was saved have none: their position is kept, as it was.
-    corpus_changed = bool(state.data["batches_done"]) and \
-        saved.get("train_order", run.store.train_order) != run.store.train_order
+    corpus_changed = (
+        bool(state.data["batches_done"]) and saved.get("train_order", run.store.train_order) != run.store.train_order
+    )
     if state.data["batches_done"] and (reordered or corpus_changed or state.data["batches_done"] % group_size):
-        why = ("the data order changed" if reordered else "the training corpus changed" if corpus_changed else
-               f"{state.data['batches_done']} batches done do not split into updates of {group_size}")
+        why = (
+            "the data order changed"
+            if reordered
+            else "the training corpus changed"
+            if corpus_changed
+            else f"{state.data['batches_done']} batches done do not split into updates of {group_size}"
+        )
         log.warning("resume: %s; epoch %d restarts from its first batch", why, state.data["epoch"])
         state.data = {"epoch": state.data["epoch"], "batches_done": 0}
     rngs = saved["rng"]
     if len(rngs) == run.info.world_size:
         set_rng_state(rngs[run.info.rank], run.device)
     else:
-        log.warning("resume: the checkpoint holds RNG states of %d ranks, this run has %d; "
-                    "dropout streams restart from the seed", len(rngs), run.info.world_size)
+        log.warning(
+            "resume: the checkpoint holds RNG states of %d ranks, this run has %d; "
+            "dropout streams restart from the seed",
+            len(rngs),
+            run.info.world_size,
+        )
     log.info("resume: continuing %s at step %d", run.last_path, state.step)
 
 
 @dataclass
 class StepResult:
-    loss: float                 # summed over the update's target tokens, all ranks
-    nonfinite: bool             # some rank saw a non-finite loss or gradient: the update was skipped
-    stop_requested: bool        # some rank got SIGINT/SIGTERM: every rank saves and stops after this update
-    grad_norm: float            # before clipping
+    loss: float  # summed over the update's target tokens, all ranks
+    nonfinite: bool  # some rank saw a non-finite loss or gradient: the update was skipped
+    stop_requested: bool  # some rank got SIGINT/SIGTERM: every rank saves and stops after this update
+    grad_norm: float  # before clipping
     lr: float
 
 
@@ -335,7 +426,7 @@ def train_update(run: Run, update: Update, stop: StopRequested) -> StepResult:
         # DDP averages gradients over ranks; scaling by world_size / (tokens of the whole update)
         # makes the result the per-token mean of one big batch.
         sync = i == len(update.batches) - 1 or not info.enabled
-        with (contextlib.nullcontext() if sync else run.forward.no_sync()):
+        with contextlib.nullcontext() if sync else run.forward.no_sync():
             with autocast_context(run.device, run.precision):
                 loss = run.forward(batch.src, batch.tgt_in, batch.tgt_out, batch.src_mask, batch.tgt_mask)
             run.scaler.scale(loss * (info.world_size / update.n_tgt_tokens)).backward()
@@ -347,8 +438,14 @@ def train_update(run: Run, update: Update, stop: StopRequested) -> StepResult:
     # (the same on every rank after DDP's averaging: summed, then divided). The stop flag is filled in on the
     # device: torch.tensor(flag, device=...) would copy it from pageable host memory, a sync of its own.
     stopping = torch.full((), float(stop.signal_name is not None), device=run.device, dtype=torch.float64)
-    flags = torch.stack([loss_sum, (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).double(), stopping,
-                         grad_norm.double() / info.world_size])
+    flags = torch.stack(
+        [
+            loss_sum,
+            (~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)).double(),
+            stopping,
+            grad_norm.double() / info.world_size,
+        ]
+    )
     update_loss, nonfinite, stop_requested, grad_norm = all_reduce_sum(flags, info).tolist()
     if not nonfinite:
         run.scaler.step(run.optimizer)
@@ -361,8 +458,19 @@ def train_update(run: Run, update: Update, stop: StopRequested) -> StepResult:
 
 def save(run: Run, path: Path, rngs: list) -> None:
     run.state.elapsed = run.metrics.elapsed()
-    save_checkpoint(training_checkpoint(to_dict(run.cfg), run.vocab.proto, run.model, run.optimizer, run.scaler,
-                                        rngs, asdict(run.state), run.store.train_order), path)
+    save_checkpoint(
+        training_checkpoint(
+            to_dict(run.cfg),
+            run.vocab.proto,
+            run.model,
+            run.optimizer,
+            run.scaler,
+            rngs,
+            asdict(run.state),
+            run.store.train_order,
+        ),
+        path,
+    )
 
 
 def validate_and_save(run: Run) -> bool:
@@ -373,8 +481,11 @@ def validate_and_save(run: Run) -> bool:
     if t.valid_bleu:
         score = torch.zeros(1, dtype=torch.float64, device=run.device)
         if run.info.is_main:
-            result.update(validation_bleu(run.model, run.vocab, run.store.corpus("valid"),
-                                          run.store.references("valid"), run.cfg, run.device))
+            result.update(
+                validation_bleu(
+                    run.model, run.vocab, run.store.corpus("valid"), run.store.references("valid"), run.cfg, run.device
+                )
+            )
             score += result["bleu"]
         score, higher_is_better = all_reduce_sum(score, run.info).item(), True
     improved = state.best is None or (score > state.best if higher_is_better else score < state.best)
@@ -399,8 +510,15 @@ def validate_and_save(run: Run) -> bool:
     run.saved_step = state.step
     bleu = f" bleu {result['bleu']:.2f} (length ratio {result['length_ratio']:.3f})" if "bleu" in result else ""
     best = f" (best, {run.metrics.elapsed() / 60:.1f} min into training)" if improved else ""
-    log.info("step %d: valid loss %.4f nll %.4f ppl %.2f%s%s", state.step, result["loss"], result["nll"],
-             result["ppl"], bleu, best)
+    log.info(
+        "step %d: valid loss %.4f nll %.4f ppl %.2f%s%s",
+        state.step,
+        result["loss"],
+        result["nll"],
+        result["ppl"],
+        bleu,
+        best,
+    )
     if out_of_patience(run):
         log.info("early stopping: %d validations without improvement", state.bad_validations)
         return True
@@ -417,17 +535,39 @@ def update_loop(run: Run, quiet: bool) -> None:
     train.valid_every updates and at the end; SIGINT/SIGTERM save last.pt after the current update and exit."""
     t, state, info = run.cfg.train, run.state, run.info
     if out_of_patience(run):  # resuming a run that stopped early: it stays stopped
-        log.info("early stopping: this run stopped at step %d after %d validations without improvement; raise "
-                 "train.patience to train on", state.step, state.bad_validations)
+        log.info(
+            "early stopping: this run stopped at step %d after %d validations without improvement; raise "
+            "train.patience to train on",
+            state.step,
+            state.bad_validations,
+        )
         return
-    stream = BatchStream(run.store.corpus("train"), run.cfg.data, t.seed, **state.data, rank=info.rank,
-                         world_size=info.world_size, update_freq=t.update_freq)
-    log.info("model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
-             f"{count_parameters(run.model):,}", run.device, info.world_size, run.precision,
-             stream.batches_per_epoch // t.update_freq)
+    stream = BatchStream(
+        run.store.corpus("train"),
+        run.cfg.data,
+        t.seed,
+        **state.data,
+        rank=info.rank,
+        world_size=info.world_size,
+        update_freq=t.update_freq,
+    )
+    log.info(
+        "model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
+        f"{count_parameters(run.model):,}",
+        run.device,
+        info.world_size,
+        run.precision,
+        stream.batches_per_epoch // t.update_freq,
+    )
     run.model.train()
-    bar = tqdm(total=t.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
-               disable=True if (quiet or not info.is_main) else None)
+    bar = tqdm(
+        total=t.max_steps,
+        initial=state.step,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        disable=True if (quiet or not info.is_main) else None,
+    )
     prefetch = Prefetcher(stream, pin_memory=run.device.type == "cuda", device=run.device)
     progress = Progress(run.metrics, bar, prefetch, run.model, t.log_every, t.max_steps, state.step, run.peak)
     skipped_in_a_row, stopped_early = 0, False
@@ -438,22 +578,32 @@ def update_loop(run: Run, quiet: bool) -> None:
     final = RunDir(run.run_dir).final  # chosen at the end of the run being continued: stale once it trains on
     if run.saved_step is not None and info.is_main and final.is_file() and more_to_train():
         final.unlink()
-        log.info("resume: removed final.pt; %s", "the end of this training chooses again" if t.finish else
-                 f"train.finish is off: `transformer finish {run.run_dir}` chooses again")
-    with StopRequested() as stop, peer_failure_explained(info), \
-            contextlib.closing(prefetch), contextlib.closing(bar):
+        log.info(
+            "resume: removed final.pt; %s",
+            "the end of this training chooses again"
+            if t.finish
+            else f"train.finish is off: `transformer finish {run.run_dir}` chooses again",
+        )
+    with StopRequested() as stop, peer_failure_explained(info), contextlib.closing(prefetch), contextlib.closing(bar):
         while more_to_train():
             update = prefetch.next()
             state.data = update.data_state  # the stream after this update: what a checkpoint saves
             result = train_update(run, update, stop)
             if result.nonfinite:
                 skipped_in_a_row += 1
-                log.warning("update %d: non-finite loss or gradient; skipped, the weights are unchanged", state.step + 1)
+                log.warning(
+                    "update %d: non-finite loss or gradient; skipped, the weights are unchanged", state.step + 1
+                )
                 if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                    held = f"last.pt holds step {run.saved_step}" if run.saved_step is not None else \
-                        "no last.pt was written"
-                    raise UserError(f"training diverged: {skipped_in_a_row} updates in a row had a non-finite "
-                                    f"loss or gradient; stopping without saving them ({held})")
+                    held = (
+                        f"last.pt holds step {run.saved_step}"
+                        if run.saved_step is not None
+                        else "no last.pt was written"
+                    )
+                    raise UserError(
+                        f"training diverged: {skipped_in_a_row} updates in a row had a non-finite "
+                        f"loss or gradient; stopping without saving them ({held})"
+                    )
             else:
                 skipped_in_a_row = 0
                 progress.add(update, result.loss)
@@ -479,8 +629,9 @@ def update_loop(run: Run, quiet: bool) -> None:
 
 def first_update(run: Run, bar: tqdm) -> None:
     seconds = time.perf_counter() - run.metrics.started
-    run.metrics.record({"step": run.state.step, "event": "first_update", "seconds": round(seconds, 3),
-                        "time": time.time()})
+    run.metrics.record(
+        {"step": run.state.step, "event": "first_update", "seconds": round(seconds, 3), "time": time.time()}
+    )
     log.info("first update %.1f s after start", seconds, extra={"console": bool(bar.disable)})
 
 
@@ -494,17 +645,23 @@ def end(run: Run) -> None:
     train.finish is off, the end of training: averaging, choosing the checkpoint and search settings on
     validation, the test score, the summary."""
     # ru_maxrss is in KiB on Linux; memory-mapped store pages count in it (they are shared between ranks).
-    peak = [round(kib / 1024, 1) for kib in gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                                                           run.info)]
+    peak = [
+        round(kib / 1024, 1) for kib in gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, run.info)
+    ]
     gpu = gather_objects(cuda_memory_peaks(run.device), run.info)  # per rank: {} on a CPU
     by_key = {key: [rank[key] for rank in gpu] for key in gpu[0]}
     run.metrics.record({"step": run.state.step, "event": "done", "peak_rss_mib": peak, **by_key, "time": time.time()})
     run.metrics.close()
+
     def mib(values: list) -> str:
         return " / ".join(f"{v:.0f}" for v in values) + " MiB"
 
-    gpu_line = (f"; GPU peak {mib(by_key['peak_cuda_allocated_mib'])} allocated, "
-                f"{mib(by_key['peak_cuda_reserved_mib'])} reserved" if by_key else "")
+    gpu_line = (
+        f"; GPU peak {mib(by_key['peak_cuda_allocated_mib'])} allocated, "
+        f"{mib(by_key['peak_cuda_reserved_mib'])} reserved"
+        if by_key
+        else ""
+    )
     log.info("done: %d steps; checkpoints in %s; peak memory %s%s", run.state.step, run.run_dir, mib(peak), gpu_line)
     if run.cfg.train.finish and run.info.is_main:
         from transformer.training.end_of_training import end_of_training

@@ -8,20 +8,19 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from tqdm import tqdm
 
 from transformer.device import Peak
 from transformer.distributed import DistInfo
 from transformer.errors import UserError
-from transformer.run_dir import RunDir
 from transformer.model.transformer import training_flops
+from transformer.run_dir import RunDir
 
 log = logging.getLogger("transformer")
 
-PROGRESS_SECONDS = 30.0   # a training line at least this often, so a job without a terminal always shows life
-FIRST_LINE_AFTER = 5      # ... and one after the first few updates
+PROGRESS_SECONDS = 30.0  # a training line at least this often, so a job without a terminal always shows life
+FIRST_LINE_AFTER = 5  # ... and one after the first few updates
 
 
 class _TqdmHandler(logging.StreamHandler):
@@ -47,7 +46,7 @@ class _LogFile(logging.FileHandler):
         super().handleError(record)
 
 
-def setup_logging(run_dir: Optional[Path], info: DistInfo) -> None:
+def setup_logging(run_dir: Path | None, info: DistInfo) -> None:
     log.setLevel(logging.INFO if info.is_main else logging.WARNING)
     for handler in list(log.handlers):
         log.removeHandler(handler)
@@ -67,8 +66,10 @@ def _tensorboard_writer(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise UserError("train.tensorboard needs the tensorboard package: pip install 'transformer[tensorboard]' "
-                        "(or pip install tensorboard), or set train.tensorboard: false") from None
+        raise UserError(
+            "train.tensorboard needs the tensorboard package: pip install 'transformer[tensorboard]' "
+            "(or pip install tensorboard), or set train.tensorboard: false"
+        ) from None
     return SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard))
 
 
@@ -117,8 +118,17 @@ class Progress:
     goes to metrics.jsonl and train.log, and to the console when no progress bar shows it. MFU is against `peak`
     (device.Peak), never above 100 %: a rate above the peak changes the peak first, and the log says so."""
 
-    def __init__(self, metrics: MetricsLog, bar: tqdm, prefetch, model, log_every: int, max_steps: int,
-                 first_step: int, peak: Peak):
+    def __init__(
+        self,
+        metrics: MetricsLog,
+        bar: tqdm,
+        prefetch,
+        model,
+        log_every: int,
+        max_steps: int,
+        first_step: int,
+        peak: Peak,
+    ):
         self.metrics, self.bar, self.prefetch, self.model = metrics, bar, prefetch, model
         self.log_every, self.max_steps, self.first_step, self.peak = log_every, max_steps, first_step, peak
         self._reset()
@@ -135,30 +145,57 @@ class Progress:
         self.src_tokens += update.n_src_tokens
         # MFU counts this rank's share: its own batches' real tokens and padded shapes.
         shapes = [(b.src.size(0), b.src.size(1), b.tgt_in.size(1)) for b in update.batches]
-        self.flops += training_flops(self.model.cfg, self.model.vocab_size, sum(b.n_src_tokens for b in update.batches),
-                                     sum(b.n_tgt_tokens for b in update.batches), shapes)
+        self.flops += training_flops(
+            self.model.cfg,
+            self.model.vocab_size,
+            sum(b.n_src_tokens for b in update.batches),
+            sum(b.n_tgt_tokens for b in update.batches),
+            shapes,
+        )
         self.bar.update(1)
 
     def due(self, step: int) -> bool:
-        return (step % self.log_every == 0 or step == self.max_steps or step == self.first_step + FIRST_LINE_AFTER
-                or time.perf_counter() - self.since >= PROGRESS_SECONDS)
+        return (
+            step % self.log_every == 0
+            or step == self.max_steps
+            or step == self.first_step + FIRST_LINE_AFTER
+            or time.perf_counter() - self.since >= PROGRESS_SECONDS
+        )
 
     def write(self, step: int, epoch: int, lr: float, grad_norm: float) -> None:
         seconds = time.perf_counter() - self.since
         mfu, changed = self.peak.utilisation(self.flops / seconds / 1e12)
         if changed:
             log.warning("step %d: %s", step, changed)
-        entry = {"step": step, "split": "train", "loss": self.loss / max(self.tgt_tokens, 1), "lr": lr,
-                 "tgt_tokens_per_s": self.tgt_tokens / seconds,
-                 "tokens_per_s": (self.tgt_tokens + self.src_tokens) / seconds, "epoch": epoch,
-                 "grad_norm": grad_norm, "mfu": mfu, "peak_tflops": self.peak.tflops,
-                 "data_wait": (self.prefetch.wait_seconds - self.wait_before) / seconds}
+        entry = {
+            "step": step,
+            "split": "train",
+            "loss": self.loss / max(self.tgt_tokens, 1),
+            "lr": lr,
+            "tgt_tokens_per_s": self.tgt_tokens / seconds,
+            "tokens_per_s": (self.tgt_tokens + self.src_tokens) / seconds,
+            "epoch": epoch,
+            "grad_norm": grad_norm,
+            "mfu": mfu,
+            "peak_tflops": self.peak.tflops,
+            "data_wait": (self.prefetch.wait_seconds - self.wait_before) / seconds,
+        }
         self.metrics.record(entry)
-        log.info("step %d: loss %.4f, lr %.3g, %.0f tokens/s, MFU %.1f%%, grad norm %.3g, epoch %d, waiting for "
-                 "data %.1f%%", step, entry["loss"], lr, entry["tokens_per_s"], 100 * entry["mfu"], grad_norm, epoch,
-                 100 * entry["data_wait"], extra={"console": bool(self.bar.disable)})
-        self.bar.set_postfix(loss=f"{entry['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{entry['tokens_per_s']:.0f}",
-                             epoch=epoch)
+        log.info(
+            "step %d: loss %.4f, lr %.3g, %.0f tokens/s, MFU %.1f%%, grad norm %.3g, epoch %d, waiting for data %.1f%%",
+            step,
+            entry["loss"],
+            lr,
+            entry["tokens_per_s"],
+            100 * entry["mfu"],
+            grad_norm,
+            epoch,
+            100 * entry["data_wait"],
+            extra={"console": bool(self.bar.disable)},
+        )
+        self.bar.set_postfix(
+            loss=f"{entry['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{entry['tokens_per_s']:.0f}", epoch=epoch
+        )
         self._reset()
 
 

@@ -19,15 +19,18 @@ def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: f
     so that accumulation and data parallelism normalise per target token, as one big batch would.
     """
     return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), target.reshape(-1),
-        ignore_index=PAD_ID, label_smoothing=smoothing, reduction="sum",
+        logits.reshape(-1, logits.size(-1)),
+        target.reshape(-1),
+        ignore_index=PAD_ID,
+        label_smoothing=smoothing,
+        reduction="sum",
     )
 
 
 def noam(step: int, d_model: int, warmup: int) -> float:
     """The paper's schedule: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step counted from 1."""
     step = max(step, 1)
-    return d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    return d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
 def inverse_sqrt(step: int, warmup: int) -> float:
@@ -66,8 +69,10 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """Load a saved optimizer state (moments, step counts, hyperparameters) into `optimizer`, keeping its own
     implementation flags (IMPLEMENTATION_FLAGS). They are put into the saved groups before loading, because
     loading also places the step counts by them (on the device for fused kernels, on the CPU otherwise)."""
-    groups = [{**group, **{key: fresh[key] for key in IMPLEMENTATION_FLAGS if key in fresh}}
-              for group, fresh in zip(saved["param_groups"], optimizer.param_groups)]
+    groups = [
+        {**group, **{key: fresh[key] for key in IMPLEMENTATION_FLAGS if key in fresh}}
+        for group, fresh in zip(saved["param_groups"], optimizer.param_groups)
+    ]
     optimizer.load_state_dict({**saved, "param_groups": groups})
 
 

@@ -19,7 +19,7 @@ def evaluate_loss(model, batches, device, precision: str, smoothing: float, info
     """Label-smoothed loss and NLL per target token, summed over all ranks' shares; ppl = exp(NLL)."""
     total = torch.zeros(3, device=device, dtype=torch.float64)  # loss, nll, tokens
     with evaluating(model, inference=False):  # no_grad above; total is updated in place
-        for batch in batches[info.rank::info.world_size]:
+        for batch in batches[info.rank :: info.world_size]:
             batch = batch.to(device)
             with autocast_context(device, precision):
                 logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)

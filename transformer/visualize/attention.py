@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
 from transformer.data.batch import causal_mask, padding_mask, prepare_sources, source_limit, target_mask
+from transformer.data.vocab import BOS_ID, Vocab
 from transformer.errors import UserError
-from transformer.model.transformer import Transformer, evaluating
 from transformer.inference.search import search
 from transformer.inference.settings import SearchSettings
-from transformer.data.vocab import BOS_ID, Vocab
+from transformer.model.transformer import Transformer, evaluating
 
 KINDS = ("encoder", "decoder", "cross")
 
@@ -62,8 +62,8 @@ def recording(model: Transformer) -> Iterator[dict[str, list[list[torch.Tensor]]
 @torch.no_grad()
 def collect_attention(
     model: Transformer,
-    src: torch.Tensor,                       # (B, S) ids, EOS-terminated, right-padded with PAD_ID
-    tgt_in: torch.Tensor,                    # (B, T) ids, BOS-started, right-padded with PAD_ID
+    src: torch.Tensor,  # (B, S) ids, EOS-terminated, right-padded with PAD_ID
+    tgt_in: torch.Tensor,  # (B, T) ids, BOS-started, right-padded with PAD_ID
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One teacher-forced pass in eval mode -> (logits (B, T, V), {kind: (L, B, H, Tq, Tk)}).
 
@@ -86,11 +86,11 @@ class AttentionMaps:
     """Attention of one sentence pair: weights[kind] is (layers, heads, queries, keys), rows sum to 1."""
 
     source: str
-    target: str                              # the forced target, or the model's own translation
-    source_pieces: list[str]                 # source pieces + "</s>"
-    target_pieces: list[str]                 # "<s>" + target pieces: what the decoder reads
+    target: str  # the forced target, or the model's own translation
+    source_pieces: list[str]  # source pieces + "</s>"
+    target_pieces: list[str]  # "<s>" + target pieces: what the decoder reads
     weights: dict[str, np.ndarray] = field(default_factory=dict)
-    translated: bool = False                 # True when `target` came from the model
+    translated: bool = False  # True when `target` came from the model
 
     def axes(self, kind: str) -> tuple[list[str], list[str]]:
         """(query pieces, key pieces) of one kind: the row and column labels of its maps."""
@@ -102,7 +102,7 @@ class AttentionMaps:
             return self.target_pieces, self.source_pieces
         raise KeyError(kind)
 
-    def forbidden(self, kind: str) -> Optional[np.ndarray]:
+    def forbidden(self, kind: str) -> np.ndarray | None:
         """(Tq, Tk) True where the mask forbids attention (future target positions), else None."""
         if kind != "decoder":
             return None  # one unpadded sentence: every source position is visible
@@ -117,7 +117,7 @@ def inspect_attention(
     model: Transformer,
     vocab: Vocab,
     source: str,
-    target: Optional[str] = None,
+    target: str | None = None,
     settings: SearchSettings = SearchSettings(beam=1),
 ) -> AttentionMaps:
     """Attention weights for `source` while the decoder reads `target`, or the model's own
@@ -128,14 +128,22 @@ def inspect_attention(
     pieces = vocab.encode([source])[0]
     src, (truncated,) = prepare_sources([pieces], model.cfg.max_positions)  # (1, S): pieces + EOS
     if truncated:
-        raise UserError(f"the source sentence is {len(pieces)} pieces long; this model accepts at most "
-                        f"{source_limit(model.cfg.max_positions)}")
+        raise UserError(
+            f"the source sentence is {len(pieces)} pieces long; this model accepts at most "
+            f"{source_limit(model.cfg.max_positions)}"
+        )
     src = src.to(device)
     src_ids = src[0].tolist()
     translated = target is None
     if translated:
-        found = search(model, src, beam=settings.beam, lenpen=settings.lenpen, max_len_offset=settings.max_len_offset,
-                       stop=settings.stop)
+        found = search(
+            model,
+            src,
+            beam=settings.beam,
+            lenpen=settings.lenpen,
+            max_len_offset=settings.max_len_offset,
+            stop=settings.stop,
+        )
         tgt_ids = found.hypotheses[0][0].tokens
         target = vocab.decode([tgt_ids])[0]
     else:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 
-from transformer.files import check_output_path, refuse_directory
 from transformer.errors import UserError, out_of_memory_names
+from transformer.files import check_output_path, refuse_directory
 
 DPI = 100
 FORMATS = ("png", "svg", "pdf")
@@ -23,12 +23,13 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise UserError("plotting needs matplotlib: pip install 'transformer[plot]' "
-                        "(or pip install matplotlib)") from None
+        raise UserError(
+            "plotting needs matplotlib: pip install 'transformer[plot]' (or pip install matplotlib)"
+        ) from None
     return Figure, FigureCanvasAgg
 
 
-def new_figure(width: float, height: float, layout: Optional[str] = "constrained"):
+def new_figure(width: float, height: float, layout: str | None = "constrained"):
     """A Figure on its own Agg canvas: no pyplot, so no global backend switch and no figure leak."""
     Figure, FigureCanvasAgg = _matplotlib()
     # Whole pixels, so the saved image is exactly figsize * DPI (Agg would truncate a fraction).
@@ -44,8 +45,7 @@ def output_path(path: str | Path, command: str = "plot") -> Path:
     if not path.suffix:
         return path.with_suffix(".png")
     if path.suffix.lower().lstrip(".") not in FORMATS:
-        raise UserError(f"cannot write {path}: supported image formats are "
-                        + ", ".join("." + f for f in FORMATS))
+        raise UserError(f"cannot write {path}: supported image formats are " + ", ".join("." + f for f in FORMATS))
     return path
 
 
@@ -60,6 +60,7 @@ def save(fig, path: str | Path, command: str = "plot") -> Path:
 
 # ----------------------------------------------------------------------------- attention
 
+
 def _clean(pieces: Sequence[str]) -> list[str]:
     # SentencePiece marks word starts with U+2581; keep it (it shows word boundaries) but make
     # sure nothing is empty, or the tick would silently vanish.
@@ -73,7 +74,7 @@ def _fit(text: str, width_in: float, font_pt: float, max_lines: int = 2) -> str:
     for line in text.split("\n"):
         wrapped = textwrap.wrap(line, chars) or [""]
         if len(wrapped) > max_lines:
-            wrapped = wrapped[:max_lines - 1] + [textwrap.shorten(" ".join(wrapped[max_lines - 1:]), chars)]
+            wrapped = wrapped[: max_lines - 1] + [textwrap.shorten(" ".join(wrapped[max_lines - 1 :]), chars)]
         out.extend(wrapped)
     return "\n".join(out)
 
@@ -107,20 +108,20 @@ def _cmap():
     return colormaps["viridis"].with_extremes(bad="0.85")
 
 
-def _masked(weights: np.ndarray, masked: Optional[np.ndarray]):
+def _masked(weights: np.ndarray, masked: np.ndarray | None):
     return weights if masked is None else np.ma.masked_array(weights, mask=masked)
 
 
 def attention_grid(
-    weights: np.ndarray,                     # (L, H, Tq, Tk)
+    weights: np.ndarray,  # (L, H, Tq, Tk)
     query: Sequence[str],
     key: Sequence[str],
     title: str,
     query_axis: str = "query",
     key_axis: str = "key",
-    layers: Optional[Sequence[int]] = None,  # 1-based labels of the rows of `weights`
-    heads: Optional[Sequence[int]] = None,
-    masked: Optional[np.ndarray] = None,     # (Tq, Tk) True where attention is forbidden: drawn grey
+    layers: Sequence[int] | None = None,  # 1-based labels of the rows of `weights`
+    heads: Sequence[int] | None = None,
+    masked: np.ndarray | None = None,  # (Tq, Tk) True where attention is forbidden: drawn grey
 ):
     """One panel per (layer, head): layers down, heads across; one colour scale 0..1 for all."""
     n_layers, n_heads, tq, tk = weights.shape
@@ -133,10 +134,10 @@ def attention_grid(
     font = _label_font(cell * 72)
     # Laid out by hand, in inches: a layout engine measures every label of every panel and
     # takes tens of seconds on a 6 x 8 grid; this also makes the pixel size a plain formula.
-    label_x = 0.15 + 0.6 * font / 72 * max(len(p) for p in _clean(key))    # rotated key labels
+    label_x = 0.15 + 0.6 * font / 72 * max(len(p) for p in _clean(key))  # rotated key labels
     label_y = 0.15 + 0.6 * font / 72 * max(len(p) for p in _clean(query))
     gap_w = 0.12
-    left, right = 0.35 + label_y, 1.1                                       # axis name; colorbar
+    left, right = 0.35 + label_y, 1.1  # axis name; colorbar
     width = left + n_heads * pw + (n_heads - 1) * gap_w + right
     title_font = min(18.0, max(10.0, 0.4 * width))  # big grids are viewed zoomed out
     panel_font = min(12.0, max(6.0, pw * 72 / 9))
@@ -154,8 +155,9 @@ def attention_grid(
             x = left + j * (pw + gap_w)
             y = height - top - gap_h - i * (ph + gap_h) - ph
             ax = fig.add_axes((x / width, y / height, pw / width, ph / height))
-            image = ax.imshow(_masked(weights[i, j], masked), vmin=0.0, vmax=1.0, cmap=_cmap(),
-                              aspect="auto", interpolation="nearest")
+            image = ax.imshow(
+                _masked(weights[i, j], masked), vmin=0.0, vmax=1.0, cmap=_cmap(), aspect="auto", interpolation="nearest"
+            )
             ax.set_title(f"layer {layers[i]}, head {heads[j]}", fontsize=panel_font, pad=2)
             _label_axes(ax, query, key, cell * 72, show_x=(i == n_layers - 1), show_y=(j == 0))
     grid_h = n_layers * (ph + gap_h) - gap_h
@@ -167,23 +169,35 @@ def attention_grid(
     bar.ax.tick_params(labelsize=7)
     fig.suptitle(title, fontsize=title_font, y=1 - 0.1 / height, va="top")
     # Axis names right next to the piece labels, also when extra height left space below them.
-    fig.text(0.5 * (left + width - right) / width, (bottom - label_x - 0.05) / height, key_axis,
-             ha="center", va="top", fontsize=9)
+    fig.text(
+        0.5 * (left + width - right) / width,
+        (bottom - label_x - 0.05) / height,
+        key_axis,
+        ha="center",
+        va="top",
+        fontsize=9,
+    )
     half = 0.65 * 9 / 72 * len(query_axis) / 2  # half the length of the rotated name, inches
-    fig.text(0.08 / width, min(max(half + 0.05, bottom + grid_h / 2), height - half - 0.05) / height, query_axis,
-             rotation=90,
-             ha="left", va="center", fontsize=9)
+    fig.text(
+        0.08 / width,
+        min(max(half + 0.05, bottom + grid_h / 2), height - half - 0.05) / height,
+        query_axis,
+        rotation=90,
+        ha="left",
+        va="center",
+        fontsize=9,
+    )
     return fig
 
 
 def attention_map(
-    weights: np.ndarray,                     # (Tq, Tk)
+    weights: np.ndarray,  # (Tq, Tk)
     query: Sequence[str],
     key: Sequence[str],
     title: str,
     query_axis: str = "query",
     key_axis: str = "key",
-    masked: Optional[np.ndarray] = None,
+    masked: np.ndarray | None = None,
 ):
     """One (layer, head) large, every piece labelled, and the weight printed in cells when they fit."""
     tq, tk = weights.shape
@@ -193,14 +207,22 @@ def attention_map(
     # Never smaller than a page-width figure, or the titles and colorbar crowd a short sentence.
     fig = new_figure(max(7.0, tk * cell_in + label_room + 1.6), max(6.0, tq * cell_in + label_room + 1.6))
     ax = fig.subplots()
-    image = ax.imshow(_masked(weights, masked), vmin=0.0, vmax=1.0, cmap=_cmap(), aspect="equal",
-                      interpolation="nearest")
+    image = ax.imshow(
+        _masked(weights, masked), vmin=0.0, vmax=1.0, cmap=_cmap(), aspect="equal", interpolation="nearest"
+    )
     _label_axes(ax, query, key, cell_in * 72, show_x=True, show_y=True)
     if cell_in >= 0.35:  # numbers only where they are legible
         for (r, c), w in np.ndenumerate(weights):
             if w >= 0.005:
-                ax.text(c, r, f"{w:.2f}"[1:] if w < 0.995 else "1", ha="center", va="center", fontsize=7,
-                        color="black" if w > 0.6 else "white")
+                ax.text(
+                    c,
+                    r,
+                    f"{w:.2f}"[1:] if w < 0.995 else "1",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if w > 0.6 else "white",
+                )
     bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
     bar.set_label("attention weight (each row sums to 1)")
     ax.set_title(_fit(title, fig.get_figwidth() - 0.4, 11), fontsize=11)
@@ -211,6 +233,7 @@ def attention_map(
 
 # ----------------------------------------------------------------------------- positions
 
+
 def positional_encoding(d_model: int, length: int):
     """The sinusoid table: one row per position, one column per dimension."""
     if d_model < 2 or d_model % 2:
@@ -218,8 +241,10 @@ def positional_encoding(d_model: int, length: int):
     if length < 1:
         raise UserError(f"--length must be at least 1, got {length}")
     if d_model * length > MAX_TABLE_VALUES:  # drawn as one image, and held in memory as one table
-        raise UserError(f"--length x --d-model is {length:,} x {d_model:,}; the plotted table may hold at most "
-                        f"{MAX_TABLE_VALUES:,} values")
+        raise UserError(
+            f"--length x --d-model is {length:,} x {d_model:,}; the plotted table may hold at most "
+            f"{MAX_TABLE_VALUES:,} values"
+        )
     from transformer.model import positions  # torch: only for this figure
 
     with out_of_memory_names(f"the table of --length {length} x --d-model {d_model}"):
@@ -240,8 +265,11 @@ def positional_encoding(d_model: int, length: int):
 
 def _series(rows: list[dict], split: str, key: str, x: str = "step") -> tuple[list[float], list[float]]:
     """(x values, key values) of one split's rows; x is "step" or "elapsed" (training seconds since the start)."""
-    points = [(r["step"], r.get("elapsed"), r[key]) for r in rows
-              if r.get("split") == split and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    points = [
+        (r["step"], r.get("elapsed"), r[key])
+        for r in rows
+        if r.get("split") == split and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+    ]
     # A resumed run logs some steps twice; the later line wins.
     latest = {step: (elapsed, value) for step, elapsed, value in points}
     steps = sorted(latest)
@@ -255,8 +283,10 @@ def training_curves(rows: list[dict], title: str = "Training", x: str = "step"):
     """Loss (train and valid), valid perplexity, BLEU and learning rate against steps, or against training wall
     time with x="elapsed" (runs that log it); absent ones skipped."""
     panels = []  # (y label, [(label, xs, values, style)], log scale)
-    loss = [("train loss", *_series(rows, "train", "loss", x), "-"),
-            ("valid loss", *_series(rows, "valid", "loss", x), "o-")]
+    loss = [
+        ("train loss", *_series(rows, "train", "loss", x), "-"),
+        ("valid loss", *_series(rows, "valid", "loss", x), "o-"),
+    ]
     if any(s for _, s, _, _ in loss):
         panels.append(("loss (per token, label-smoothed)", loss, False))
     ppl = [("valid perplexity", *_series(rows, "valid", "ppl", x), "o-")]
@@ -269,8 +299,10 @@ def training_curves(rows: list[dict], title: str = "Training", x: str = "step"):
     if lr[0][1]:
         panels.append(("learning rate", lr, False))
     if not panels:
-        raise UserError("the metrics hold no loss, perplexity, BLEU or learning rate to plot"
-                        + (" against time (runs of older versions do not log it)" if x == "elapsed" else ""))
+        raise UserError(
+            "the metrics hold no loss, perplexity, BLEU or learning rate to plot"
+            + (" against time (runs of older versions do not log it)" if x == "elapsed" else "")
+        )
     fig = new_figure(8.0, 2.4 * len(panels) + 0.8)
     axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True)[:, 0]
     for ax, (ylabel, lines, log_scale) in zip(axes, panels):
@@ -290,18 +322,20 @@ def training_curves(rows: list[dict], title: str = "Training", x: str = "step"):
 
 # ----------------------------------------------------------------------------- the `attention` command
 
-def _check_index(name: str, value: Optional[int], count: int, kind: str) -> None:
+
+def _check_index(name: str, value: int | None, count: int, kind: str) -> None:
     if value is not None and not 1 <= value <= count:
-        raise UserError(f"--{name} {value} is out of range: the {kind} attention has {count} "
-                        f"{name}s, numbered 1..{count}")
+        raise UserError(
+            f"--{name} {value} is out of range: the {kind} attention has {count} {name}s, numbered 1..{count}"
+        )
 
 
 def write_attention_figures(
-    maps,                                    # transformer.visualize.attention.AttentionMaps
+    maps,  # transformer.visualize.attention.AttentionMaps
     out: str | Path,
     kinds: Sequence[str] = ("encoder", "decoder", "cross"),
-    layer: Optional[int] = None,             # 1-based, as in the figure titles
-    head: Optional[int] = None,
+    layer: int | None = None,  # 1-based, as in the figure titles
+    head: int | None = None,
 ) -> list[Path]:
     """One figure per kind: the layers x heads grid, the chosen layer's or head's row/column,
     or one large map when both are given. A single figure goes to `out` itself; several go to
@@ -326,12 +360,27 @@ def write_attention_figures(
         masked = maps.forbidden(kind)
         note = "\ngrey: future positions, masked" if masked is not None else ""
         if layer is not None and head is not None:
-            fig = attention_map(selected[0, 0], query, key,
-                                f"{TITLES[kind]}, layer {layer}, head {head}\n{subtitle}{note}",
-                                QUERY_AXIS[kind], KEY_AXIS[kind], masked)
+            fig = attention_map(
+                selected[0, 0],
+                query,
+                key,
+                f"{TITLES[kind]}, layer {layer}, head {head}\n{subtitle}{note}",
+                QUERY_AXIS[kind],
+                KEY_AXIS[kind],
+                masked,
+            )
         else:
-            fig = attention_grid(selected, query, key, f"{TITLES[kind]}\n{subtitle}{note}",
-                                 QUERY_AXIS[kind], KEY_AXIS[kind], layers, heads, masked)
+            fig = attention_grid(
+                selected,
+                query,
+                key,
+                f"{TITLES[kind]}\n{subtitle}{note}",
+                QUERY_AXIS[kind],
+                KEY_AXIS[kind],
+                layers,
+                heads,
+                masked,
+            )
         path = out if len(kinds) == 1 else out.with_name(f"{out.stem}_{kind}{out.suffix}")
         written.append(save(fig, path, "attention"))
     return written
