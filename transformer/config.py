@@ -7,6 +7,7 @@ import difflib
 import math
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,12 +162,12 @@ def _check_value(section: str, key: str, hint: Any, value: Any) -> Any:
             choices = ", ".join(repr(c) for c in typing.get_args(hint))
             raise UserError(f"config: {where} must be one of {choices}, got {value!r}")
         return value
-    if origin is typing.Union:  # Optional[X]
+    if origin in (typing.Union, types.UnionType):  # X | None
         if value is None:
             return None
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return _check_value(section, key, inner, value)
-    if origin in (tuple, tuple):
+    if origin is tuple:
         args = typing.get_args(hint)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise UserError(f"config: {where} must be a list of {len(args)} numbers, got {value!r}")
