@@ -12,6 +12,7 @@ from transformer.config import Config
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab
 from transformer.errors import UserError
 from transformer.inference.ctranslate2_engine import write_export
+from transformer.model import positions
 from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.model.transformer import Transformer
 
@@ -152,7 +153,7 @@ def marian_weights(model: Transformer) -> dict[str, torch.Tensor]:
         out["model.shared.weight"] = src
     out["model.encoder.embed_tokens.weight"] = src
     out["model.decoder.embed_tokens.weight"] = tgt
-    table = model.positions.table.detach()[:, perm]
+    table = positions.marian_encodings(model)[:, perm]
     out["model.encoder.embed_positions.weight"] = table
     out["model.decoder.embed_positions.weight"] = table
     for i, layer in enumerate(model.encoder_layers):

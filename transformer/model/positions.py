@@ -62,3 +62,11 @@ def ctranslate2_encodings(model: nn.Module) -> np.ndarray:
     if model.cfg.positions == "sinusoidal":
         return model.positions.table.float().numpy()  # our interleaved sin/cos, not CTranslate2's own
     raise UserError(f"export: model.positions {model.cfg.positions!r} has no CTranslate2 equivalent")
+
+
+def marian_encodings(model: nn.Module) -> torch.Tensor:
+    """(max_positions, d_model): the table a transformers MarianMTModel loads as embed_positions (ours, in our
+    column order; the export permutes the columns with the rest of the residual stream)."""
+    if model.cfg.positions == "sinusoidal":
+        return model.positions.table.detach()
+    raise UserError(f"export hf: model.positions {model.cfg.positions!r} has no MarianMTModel equivalent")
