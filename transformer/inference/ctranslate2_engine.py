@@ -3,7 +3,6 @@ that `--engine ctranslate2` keeps beside a checkpoint (rebuilt when the checkpoi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 
 from transformer.errors import UserError
-from transformer.files import current_umask
+from transformer.files import current_umask, file_sha256
 from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.model.positions import ctranslate2_encodings
 from transformer.run_dir import RunDir
@@ -228,11 +227,7 @@ def _fingerprint(path: Path, with_hash: bool) -> dict:
     stat = path.stat()
     record = {"checkpoint": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     if with_hash:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        record["sha256"] = digest.hexdigest()
+        record["sha256"] = file_sha256(path)
     return record
 
 

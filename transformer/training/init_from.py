@@ -4,7 +4,6 @@ that model's, its weights and vocabulary, the record of where the run started fr
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from transformer.config import Config, DataConfig, from_dict, to_dict
 from transformer.data.corpus import open_split
 from transformer.data.vocab import UNK_ID, Vocab
 from transformer.errors import UserError, first_line
+from transformer.files import file_sha256
 from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.run_dir import RunDir
 
@@ -43,14 +43,6 @@ class Origin:
 
     def record(self) -> dict:
         return {"path": str(self.path), "sha256": self.sha256}
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_origin(cfg: Config) -> Origin:
