@@ -414,6 +414,16 @@ CASES = [
         lambda r, run: ["plot-positions", "--d-model", BIG, "--out", r / "p.png"],
         f"--length x --d-model is 100 x {BIG:,}",
     ),
+    Case(
+        "export hf to an empty name",
+        lambda r, run: ["export", "hf", run, ""],
+        "export: the output directory is an empty name; give the directory to write",
+    ),
+    Case(
+        "export ctranslate2 to an empty name",
+        lambda r, run: ["export", "ctranslate2", run, ""],
+        "export: the output directory is an empty name; give the directory to write",
+    ),
     # Options that contradict each other: neither wins.
     Case(
         "int8 and dtype fp32",
@@ -1085,3 +1095,53 @@ def test_unreadable_checkpoints_in_translate_evaluate_and_average(run, tmp_path,
         assert status == 2, argv
         assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, (argv, err)
     assert not (tmp_path / "o.pt").exists()
+
+
+def _without(key: str):
+    def damage(state: dict) -> None:
+        del state[key]
+
+    return damage
+
+
+def _foreign_vocabulary(state: dict) -> None:
+    state["vocab"] = b"\x00 not a SentencePiece model " * 8
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_without("model"), "has no 'model' (every checkpoint holds config, vocab, model)"),
+        (_without("vocab"), "has no 'vocab' (every checkpoint holds config, vocab, model)"),
+        (_foreign_vocabulary, "holds a vocabulary that is not a valid SentencePiece model ("),
+    ],
+    ids=["no model", "no vocab", "foreign vocabulary"],
+)
+def test_a_checkpoint_that_cannot_rebuild_a_model_is_named_in_one_line_everywhere(run, tmp_path, call, damage, message):
+    """Our format with a key missing (a hand-edited file) used to end in KeyError: 'model' in train.init_from,
+    translate and export hf; a vocabulary that is not a SentencePiece model, in SentencePiece's own message
+    without the file's name. Every command that loads one names the file and what is wrong with it."""
+    state = load_checkpoint(run / "best.pt")
+    damage(state)
+    broken = tmp_path / "broken.pt"
+    save_checkpoint(state, broken)
+    (tmp_path / "data").mkdir()
+    raw = tiny_config(tmp_path, "ft", train={"init_from": str(broken)})
+    config = write_config(tmp_path / "ft.yaml", raw)
+    commands = [
+        ("translate", broken, "ein hund"),
+        ("evaluate", broken, "--src", tmp_path / "data" / "none.de", "--ref", tmp_path / "data" / "none.en"),
+        ("attention", broken, "ein hund", "--out", tmp_path / "a.png"),
+        ("average", run / "best.pt", broken, "--output", tmp_path / "avg.pt"),
+        ("export", "hf", broken, tmp_path / "hf"),
+        ("serve", broken, "--port", "0"),
+        ("train", config),
+        ("prepare", config),
+    ]
+    for argv in commands:
+        status, _, err = call(*argv)
+        lines = err.strip().splitlines()
+        assert status == 2 and "Traceback" not in err, (argv, err)
+        assert lines[-1].startswith("error: ") and f"checkpoint: {broken} {message}" in lines[-1], (argv, err)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "avg.pt").exists()
+    assert not (tmp_path / "ft" / "store").exists()

@@ -3,11 +3,14 @@ are not that model's, records where it started, resumes like any run, and report
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,7 @@ from transformer.data.batching import eval_batches
 from transformer.data.store import Store
 from transformer.data.vocab import train_vocab
 from transformer.errors import UserError
-from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from transformer.training.init_from import measure
 from transformer.training.loop import train
 from transformer.training.validation import evaluate_loss
@@ -190,3 +193,54 @@ def test_measure_counts_pieces_per_word_unknown_pieces_and_long_words():
 def test_the_sha256_key_is_checked(tmp_path, keys, message):
     with pytest.raises(UserError, match=message):
         from_dict(tiny_config(tmp_path, train={"init_from": "x", **keys}))
+
+
+@contextlib.contextmanager
+def at_most(seconds: int):
+    """Fail, instead of hanging the suite, when the block takes longer than `seconds` (a read that never ends)."""
+
+    def too_long(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("origin", ["/dev/zero", "fifo"])
+@pytest.mark.parametrize("command", ["train", "prepare"])
+def test_an_origin_that_is_not_a_regular_file_is_refused_at_once(new_data, tmp_path, call, origin, command):
+    """/dev/zero reads for ever and a FIFO waits for a writer: hashing either (for the record) used to hang the start
+    with nothing printed. Never opened, refused in one line (as translate refuses it)."""
+    if origin == "fifo":
+        origin = tmp_path / "fifo.pt"
+        os.mkfifo(origin)
+    config = write_config(tmp_path / "ft.yaml", fine_tune_config(tmp_path, Path(origin), new_data))
+    with at_most(60):
+        status, _, err = call(command, config)
+    assert status == 2 and err.splitlines()[-1] == (
+        f"error: train.init_from: checkpoint: {origin} is not a regular file (nor a run directory); give a .pt file"
+    )
+    assert not (tmp_path / "ft" / "store").exists()
+
+
+def test_an_origin_holding_nan_is_refused_before_anything_is_built(base, new_data, tmp_path, call):
+    """It used to build the store, skip 20 updates and stop blaming divergence: the weights are checked up front,
+    as translate checks them."""
+    state = load_checkpoint(base / "best.pt")
+    state["model"]["encoder_layers.0.ffn.fc1.weight"][0, 0] = float("inf")
+    save_checkpoint(state, tmp_path / "nan.pt")
+    for command in ("train", "prepare"):
+        status, _, err = call(
+            command, write_config(tmp_path / "ft.yaml", fine_tune_config(tmp_path, tmp_path / "nan.pt", new_data))
+        )
+        assert status == 2 and err.splitlines()[-1] == (
+            f"error: train.init_from: {tmp_path / 'nan.pt'}: 1 weight tensor(s) hold NaN or infinite values "
+            "(encoder_layers.0.ffn.fc1.weight): the file is corrupt or its run diverged; use another checkpoint "
+            "(step_*.pt, last.pt)"
+        ), err
+        assert not (tmp_path / "ft" / "store").exists() and not (tmp_path / "ft" / "spm.model").exists()

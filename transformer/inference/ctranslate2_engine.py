@@ -196,6 +196,8 @@ def write_export(out_dir: str | Path, force: bool, export_format: str, write: Ca
     """The export directory `out_dir`, made by write(staging) (which returns what the record says besides the format
     and the files) in a directory beside it, then put in its place: an existing out_dir only with force, and only
     when it is an earlier export of ours (EXPORT_FORMATS) or empty. Returns out_dir as given."""
+    if not str(out_dir).strip():  # realpath('') is the working directory: it would be "replaced"
+        raise UserError("export: the output directory is an empty name; give the directory to write")
     given, out_dir = out_dir, Path(os.path.realpath(out_dir))  # a link to the directory stays a link
     if out_dir.exists():
         if not force:

@@ -34,7 +34,27 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
         raise UserError(f"checkpoint: {path} is not a checkpoint, or is truncated or corrupt") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"checkpoint: {path} is not a checkpoint written by this package")
+    problem = _weights_problem(state)
+    if problem is not None:
+        raise UserError(f"checkpoint: {path} {problem}; use another checkpoint (step_*.pt, last.pt)")
     return state
+
+
+def _weights_problem(state: dict) -> str | None:
+    """Why a checkpoint of our format cannot rebuild a model, or None: a key of WEIGHT_KEYS missing or of the wrong
+    kind (a hand-edited file), or a vocabulary that is not a SentencePiece model."""
+    missing = [key for key in WEIGHT_KEYS if key not in state]
+    if missing:
+        return f"has no {' or '.join(repr(k) for k in missing)} (every checkpoint holds {', '.join(WEIGHT_KEYS)})"
+    kinds = {"config": dict, "vocab": bytes, "model": dict}
+    wrong = [key for key, kind in kinds.items() if not isinstance(state[key], kind)]
+    if wrong:
+        return f"holds {' and '.join(repr(k) for k in wrong)} of the wrong kind"
+    try:
+        Vocab(state["vocab"])
+    except UserError as e:
+        return f"holds a vocabulary that is {e}"
+    return None
 
 
 # Every key of a checkpoint. What `transformer average` and the end of training write: weights and what
@@ -64,6 +84,8 @@ def resolve_checkpoint(run_dir_or_file: str | Path) -> Path:
         raise UserError(f"checkpoint: {p} holds no final.pt, best.pt or last.pt")
     if not p.exists():
         raise UserError(f"checkpoint: no such file or run directory: {p}")
+    if not p.is_file():  # a device (/dev/zero reads for ever), a FIFO (waits for a writer): never opened
+        raise UserError(f"checkpoint: {p} is not a regular file (nor a run directory); give a .pt file")
     return p
 
 
@@ -76,22 +98,27 @@ def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer
         model.load_state_dict(state["model"])
     except RuntimeError as e:
         raise UserError(f"checkpoint: weights do not match its own config ({first_line(e)})") from None
-    # Torn bytes inside the zip's tensor data, or a diverged run, would otherwise show up as empty or garbage
-    # translations (a NaN score never beats the search's stop rule).
-    # A sum is NaN or infinite when any term is: 0.026 s against 0.18 s for isfinite().all() over 67M parameters
-    # on a 2-core EPYC, and no bool copy of each weight.
+    check_finite(model.state_dict(), "checkpoint")
+    return model.to(device).eval(), vocab, cfg
+
+
+def check_finite(weights: dict, what: str) -> None:
+    """Refuse weights that hold NaN or infinite values, naming them. Torn bytes inside the zip's tensor data, or a
+    diverged run, would otherwise show up as empty or garbage translations (a NaN score never beats the search's
+    stop rule), or as a fine-tuning run whose every update is skipped. A sum is NaN or infinite when any term is:
+    0.026 s against 0.18 s for isfinite().all() over 67M parameters on a 2-core EPYC, and no bool copy of each
+    weight."""
     bad = [
         name
-        for name, w in model.state_dict().items()
+        for name, w in weights.items()
         if w.is_floating_point() and not bool(torch.isfinite(w.sum(dtype=torch.float32)))
     ]
     if bad:
         raise UserError(
-            f"checkpoint: {len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
+            f"{what}: {len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
             f"{', ...' if len(bad) > 3 else ''}): the file is corrupt or its run diverged; use another "
             "checkpoint (step_*.pt, last.pt)"
         )
-    return model.to(device).eval(), vocab, cfg
 
 
 def load_model(run_dir_or_file: str | Path, device: Any = "cpu") -> tuple[Transformer, Vocab, Config]:

@@ -16,7 +16,7 @@ from transformer.data.corpus import open_split
 from transformer.data.vocab import UNK_ID, Vocab
 from transformer.errors import UserError, first_line
 from transformer.files import file_sha256
-from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
+from transformer.model.checkpoint import check_finite, load_checkpoint, resolve_checkpoint
 from transformer.run_dir import RunDir
 
 log = logging.getLogger("transformer")
@@ -59,11 +59,15 @@ def load_origin(cfg: Config) -> Origin:
             "(train.init_from_sha256): it is another checkpoint than the one this config started from; "
             "set train.init_from_sha256 to '' to start from it as it is now"
         )
-    state = load_checkpoint(path)
+    try:
+        state = load_checkpoint(path)
+    except UserError as e:
+        raise UserError(f"train.init_from: {e}") from None
     try:
         config = from_dict(state["config"])
     except UserError as e:
         raise UserError(f"train.init_from: {path}: its own {e}") from None
+    check_finite(state["model"], f"train.init_from: {path}")  # before a store is built and updates are skipped
     return Origin(path, sha256, config, Vocab(state["vocab"]), state["model"])
 
 
