@@ -144,6 +144,52 @@ def test_greedy_generate_gives_our_search_tokens(exported):
         assert tokens(generate(hf, source, 1, 0.0)[0]) == ours, source
 
 
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, export) of an untrained model that never writes EOS (its row of the output matrix is zero: logit
+    0 against peaky others), so that every output runs to the length limit."""
+    root = tmp_path_factory.mktemp("endless")
+    vocab = train_vocab(sentences(0, 300), vocab_size=80)
+    cfg = from_dict(translation_config(root, root))
+    cfg = from_dict({**to_dict(cfg), "model": {**to_dict(cfg)["model"], "tie_output": False}})
+    torch.manual_seed(3)
+    model = Transformer(cfg.model, len(vocab))
+    with torch.no_grad():
+        model.output.weight.mul_(3.0)
+        model.output.weight[EOS_ID] = 0.0
+    save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, root / "model.pt")
+    return root / "model.pt", export_hf(root / "model.pt", root / "hf")
+
+
+def test_greedy_generate_gives_our_tokens_at_our_length_limit(endless):
+    """Our limit is per sentence (source length + decode.max_len_offset, at most max_positions - 1 tokens before the
+    EOS), generate's one per call: with max_new_tokens = len(input_ids) + max_len_offset + 1 (the forced EOS is one of
+    them), as fine-tuning.md says, every output is ours; with the exported defaults (max_length = max_positions + 1),
+    those whose limit is the model's own (long sources, truncated as ours with truncation=True) are."""
+    checkpoint, directory = endless
+    model, vocab, cfg = load_model(checkpoint)
+    hf, m = marian(directory), cfg.model
+    tokenizer = transformers.MarianTokenizer.from_pretrained(directory)
+    short = LINES[:12]
+    long = [" ".join(LINES[i : i + 8]) for i in range(4)]  # long enough that the limit is max_positions - 1
+    same = {"per sentence": 0, "defaults": 0}
+    for text in short + long:
+        input_ids = tokenizer([text], return_tensors="pt", truncation=True).input_ids
+        source = vocab.encode([text])[0]
+        src, _ = prepare_sources([source], m.max_positions)
+        assert input_ids[0].tolist() == src[0].tolist()  # truncated as ours: at most max_positions - 2 pieces + EOS
+        ours = search(model, src, beam=1, max_len_offset=OFFSET).best()[0].tokens
+        limit = min(src.size(1) + OFFSET, m.max_positions - 1)
+        assert len(ours) == limit  # the model never stops by itself: every output runs to the limit
+        assert (limit == m.max_positions - 1) == (text in long)
+        max_new_tokens = min(input_ids.size(1) + cfg.decode.max_len_offset + 1, m.max_positions)
+        ids = {"per sentence": input_ids, "defaults": input_ids}
+        for way, kwargs in (("per sentence", {"max_new_tokens": max_new_tokens}), ("defaults", {})):
+            out = hf.generate(input_ids=ids[way], attention_mask=torch.ones_like(input_ids), num_beams=1, **kwargs)
+            same[way] += tokens(out[0]) == ours
+    assert same == {"per sentence": len(short) + len(long), "defaults": len(long)}
+
+
 def token_log_probs(model, source: list[int], output: list[int]) -> list[float]:
     """log p of each token of output + EOS given the source, under our model (float64 sums of float32 values)."""
     batch = Batch.from_pairs([(source, output)])
@@ -219,6 +265,17 @@ def test_the_tokenizer_gives_our_pieces_and_ids(copy_model, tmp_path):
         assert tokenizer.decode(ids + [EOS_ID], skip_special_tokens=True) == vocab.decode([ids])[0]
         known += 1
     assert known == len(LINES) + 1
+
+
+def test_text_that_spells_a_special_token_is_tokenized_as_ours(copy_model, tmp_path):
+    """A literal <unk>, </s> or <pad> in a sentence is text to our tokenizer; MarianTokenizer took it as the special
+    token (an EOS in the middle of a source) until the export wrote split_special_tokens. A leading >>xx<< is still
+    Marian's language code (one token, unknown to our vocabulary): documented, with a space before it as the remedy."""
+    _, vocab, _ = load_model(copy_model)
+    tokenizer = transformers.MarianTokenizer.from_pretrained(export_hf(copy_model, tmp_path / "hf"))
+    for text in ("ein <unk> hund </s> spielt <pad>", "</s>", "<pad> <unk>", "der >>de<< hund", " >>de<< ein hund"):
+        assert tokenizer(text).input_ids == vocab.encode([text])[0] + [EOS_ID], text
+    assert tokenizer(">>de<< ein hund").input_ids[0] == UNK_ID != vocab.encode([">>de<< ein hund"])[0][0]
 
 
 def test_the_files_say_what_transformers_needs(copy_model, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from transformer.config import Config
+from transformer.data.batch import source_limit
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab
 from transformer.errors import UserError
 from transformer.inference.ctranslate2_engine import write_export
@@ -190,8 +191,11 @@ def tokenizer_files(vocab: Vocab, cfg: Config) -> dict[str, bytes]:
         "tokenizer_class": "MarianTokenizer",
         "source_lang": cfg.data.src_lang,
         "target_lang": cfg.data.tgt_lang,
-        "model_max_length": cfg.model.max_positions,
+        # truncation=True keeps what our translate reads of a long source: max_positions - 2 pieces and EOS.
+        "model_max_length": source_limit(cfg.model.max_positions) + 1,
         "separate_vocabs": False,
+        # A literal "</s>", "<unk>" or "<pad>" in a sentence is text to our tokenizer, not a special id.
+        "split_special_tokens": True,
         **special,
     }
 
