@@ -552,16 +552,19 @@ def test_work_whose_client_hung_up_is_dropped_before_it_runs(run, monkeypatch):
 # ----------------------------------------------------------------------------- 9: SIGTERM drains
 
 
-def _send_later(url: str, body: dict, results: list) -> threading.Thread:
+def _send_later(url: str, body: dict, results: list, path: str = "/translate") -> threading.Thread:
+    """POST `body` to `path` in a thread, which appends (status, the answer's JSON, or its text if it is none)."""
     import http.client
     from urllib.parse import urlsplit
 
     def go():
         conn = http.client.HTTPConnection("127.0.0.1", urlsplit(url).port, timeout=60)
         try:
-            conn.request("POST", "/translate", json.dumps(body), {"Content-Type": "application/json"})
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
             response = conn.getresponse()
-            results.append((response.status, json.loads(response.read())))
+            data = response.read()
+            is_json = response.getheader("content-type", "").startswith("application/json")
+            results.append((response.status, json.loads(data) if is_json else data.decode(errors="replace")))
         except OSError as e:
             results.append((0, {"error": repr(e)}))
         finally:
@@ -604,6 +607,30 @@ def test_sigterm_answers_requests_in_flight_then_503_past_the_drain(run):
     thread.join(timeout=60)
     assert proc.wait(timeout=60) == 0 and time.monotonic() - start < 8
     assert results and results[0][0] == 503 and "shutting down" in results[0][1]["error"], results
+
+
+def test_a_second_ctrl_c_answers_what_is_in_flight_with_the_documented_503(run):
+    """serving.md: a second Ctrl-C stops at once. Every request in flight got uvicorn's plain-text
+    `500 Internal Server Error` and the log a traceback per request (the loop's end cancelled them mid-answer, and
+    the drain's 503 was an exception nobody retrieved). Now each gets the drain's 503 JSON, at once."""
+    log: list[str] = []
+    proc, url = spawn(
+        run, "--device", "cpu", "--batch-window-ms", "5000", "--drain-timeout", "30", env=subprocess_env(), log=log
+    )
+    results: list = []
+    threads = [_send_later(url, {"text": [s]}, results) for s in SENTENCES[:3]]
+    threads += [_send_later(url, {"text": s, "beam": 3}, results, "/beam") for s in SENTENCES[:3]]
+    time.sleep(0.8)  # the translations wait in the batching window, the traces behind them
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    for t in threads:
+        t.join(timeout=60)
+    assert proc.wait(timeout=60) == 0 and time.monotonic() - start < 10  # not the 30 s drain, nor the 5 s window
+    assert results == [(503, {"error": "the server is shutting down"})] * 6, results
+    text = "".join(log)
+    assert "Traceback" not in text and "never retrieved" not in text and "ERROR" not in text, text[-3000:]
 
 
 # ----------------------------------------------------------------------------- 10: Host names

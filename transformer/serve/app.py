@@ -373,6 +373,9 @@ async def until_gone(request: Request, work):
         gone.cancel()
         if not work.done():
             work.cancel()
+        # Read the outcome of work that ended with an error nobody awaits (the server's stop answered it while this
+        # request was being cancelled): asyncio would log "Task exception was never retrieved" with a traceback.
+        work.add_done_callback(lambda task: task.cancelled() or task.exception())
     if work.cancelled():
         raise ApiError(499, "the client closed the connection")
     return work.result()

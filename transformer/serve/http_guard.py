@@ -401,7 +401,7 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C: stop now
+            self.force_exit = True  # a second Ctrl-C: stop waiting; what is in flight is answered 503 (shutdown)
         else:
             self.should_exit = True
 
@@ -421,8 +421,19 @@ class DrainingServer(uvicorn.Server):
                 flush=True,
             )
         self.drain.begin()
-        await super().shutdown(sockets=sockets)
-        self.drain.end()
+        await super().shutdown(sockets=sockets)  # returns at once after a second Ctrl-C (force_exit)
+        self.drain.end()  # whatever still waits is answered 503
+        await self._answers_sent(seconds=2.0)
+        if self.force_exit:  # uvicorn skips the app's shutdown then; the loop's end would cancel it, with a traceback
+            await self.lifespan.shutdown()
+
+    async def _answers_sent(self, seconds: float) -> None:
+        """Let the requests that the drain's end answered send their 503 before the event loop ends: a request task
+        that the loop's end cancels instead gets uvicorn's plain-text 500 and a traceback in the log. Every request
+        waiting on the model or its body returns at once once the drain is over, so this takes milliseconds."""
+        deadline = time.monotonic() + seconds
+        while self.server_state.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
 
 def protocol_class(max_connections: int, read_timeout: float):
