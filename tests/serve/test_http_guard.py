@@ -246,6 +246,72 @@ def test_a_client_that_takes_none_of_its_answer_is_dropped(run):
     assert closed and len(body) < length  # cut off, not kept waiting for the client
 
 
+def slow_reader(port: int, path: str) -> socket.socket:
+    """A connection with a small receive buffer that has asked for `path` and holds the start of its answer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.settimeout(60)
+    sock.sendall(request_bytes("GET", path))
+    assert sock.recv(16, socket.MSG_PEEK).startswith(b"HTTP/1.1 200")  # the answer is computed and on its way
+    return sock
+
+
+def read_slowly(sock: socket.socket, every_s: float, size: int, limit_s: float) -> tuple[int, bool]:
+    """Take `size` bytes every `every_s` seconds -> (bytes taken, whether the server closed within limit_s)."""
+    taken, deadline = 0, time.monotonic() + limit_s
+    sock.settimeout(every_s)
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(size)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return taken, True
+        if not chunk:
+            return taken, True
+        taken += len(chunk)
+        time.sleep(every_s)
+    return taken, False
+
+
+BIG_TABLE = "/positions?d_model=512&length=3900"  # about 14.5 MB of JSON
+
+
+def test_a_client_that_takes_its_answer_a_trickle_at_a_time_is_dropped(run):
+    """A client that read 1 KB of a 9 MB answer every 2 s was never dropped (it took some every --read-timeout);
+    48 of them held 200 MiB for minutes. Now a slow client must take MIN_SEND_RATE bytes a second of its answer; one
+    that does gets all of it."""
+    with real_server(run, read_timeout_s=1.0, max_position_values=2_000_000) as (port, _):
+        trickle = slow_reader(port, BIG_TABLE)
+        taken, closed = read_slowly(trickle, every_s=0.2, size=1024, limit_s=20)
+        trickle.close()
+        assert closed and taken < 1_000_000, taken  # dropped within seconds, most of the answer never sent
+        steady = slow_reader(port, "/positions?d_model=512&length=300")  # about 1.2 MB, at about 320 KB/s
+        taken, closed = read_slowly(steady, every_s=0.1, size=32 * 1024, limit_s=60)
+        steady.close()
+    assert closed and taken > 1_000_000  # all of it, then closed as idle (--keep-alive-timeout)
+
+
+def test_slow_clients_together_hold_at_most_the_unsent_budget(run, monkeypatch):
+    """Past UNSENT_BUDGET of unsent answers, the clients that have been slow the longest are dropped: here each holds
+    most of a 14.5 MB answer and the budget is 20 MB, so each new one drops the one before; the last gets its answer."""
+    monkeypatch.setattr(http_guard, "UNSENT_BUDGET", 20 * 2**20)
+    with real_server(run, read_timeout_s=30.0, max_position_values=2_000_000) as (port, _):
+        clients = []
+        for _ in range(3):
+            clients.append(slow_reader(port, BIG_TABLE))
+            time.sleep(0.3)
+        outcomes = [read_until_closed(c, 10) for c in clients[:2]]
+        last = read_until_closed(clients[2], 30)[0]  # all of it, then closed as idle (--keep-alive-timeout)
+        for c in clients:
+            c.close()
+    assert [closed for _, closed in outcomes] == [True, True]
+    assert all(len(data) < 8_000_000 for data, _ in outcomes)  # cut off: most of each answer was never sent
+    head, _, body = last.partition(b"\r\n\r\n")
+    assert len(body) == int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]) > 10_000_000
+
+
 def test_connections_past_the_cap_get_503_and_the_server_recovers(run):
     with real_server(run, max_connections=3, read_timeout_s=1.0) as (port, _):
         held = [connect(port) for _ in range(3)]

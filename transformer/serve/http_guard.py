@@ -10,6 +10,7 @@ which asyncio logs with a traceback per failed accept. These are the missing pie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import ipaddress
@@ -17,6 +18,8 @@ import json
 import os
 import resource
 import signal
+import socket
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -25,10 +28,17 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from transformer.serve.request_batching import release_freed_memory
+
 # Connections the kernel may queue before they are accepted; also the most asyncio accepts in one go, so the
 # open-file budget keeps room for them on top of --max-connections.
 BACKLOG = 256
 MAX_HEAD = 16 * 1024  # bytes of a request's line and headers; h11 buffers at most this much of an unfinished one
+# What clients slower than their answers may hold: each must take at least MIN_SEND_RATE bytes a second of it
+# (averaged over --read-timeout), and all of them together may leave at most UNSENT_BUDGET bytes unsent (past it,
+# those that have been slow the longest are dropped). 32 KiB/s takes the largest answer (about 15 MB) in 8 minutes.
+MIN_SEND_RATE = 32 * 1024
+UNSENT_BUDGET = 128 * 2**20
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 # Every response: no sniffing, and the page may load only what this server serves (no CDN, no inline code).
 HEADERS = {
@@ -59,15 +69,21 @@ class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, plus a cap on open connections (past it, a new one gets 503 and is closed), a
     deadline for each request's head (from the connection's opening, or the first byte after an answer, the
     request line and headers must arrive within read_timeout seconds: a fixed deadline, so that a byte now and
-    then does not keep a connection), and one for answers: a client that takes none of an answer for
-    read_timeout seconds is dropped (the answer would otherwise sit in memory for as long as it likes).
-    uvicorn closes idle kept-alive connections (config.timeout_keep_alive); RequestGuard times the body."""
+    then does not keep a connection), and bounds on what clients slower than their answers hold in memory: each
+    must take MIN_SEND_RATE bytes a second of its answer (over each read_timeout), or is dropped, and together they
+    may leave UNSENT_BUDGET bytes unsent, past which the longest slow are dropped (a reader of 1 KB every 2 s held
+    its 9 MB answer for hours; 48 of them held 200 MiB). uvicorn closes idle kept-alive connections
+    (config.timeout_keep_alive); RequestGuard times the body."""
+
+    _trim_pending = False  # a release of freed memory is scheduled (one at a time, for every connection)
 
     def __init__(self, *args, max_connections: int, read_timeout: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_connections, self.read_timeout = max_connections, read_timeout
         self.head_timer: asyncio.TimerHandle | None = None
         self.send_timer: asyncio.TimerHandle | None = None
+        self.slow_since = 0.0  # when the client last fell behind its answer (while send_timer runs)
+        self.held = 0  # the most of an answer this connection has left unsent
 
     def connection_made(self, transport) -> None:
         if len(self.connections) >= self.max_connections:
@@ -95,14 +111,19 @@ class GuardedH11Protocol(H11Protocol):
         self._stop_head_timer()
         self._stop_send_timer()
         super().connection_lost(exc)
+        if self.held > UNSENT_BUDGET // 64:  # a large answer's copy is freed: give the memory back (soon, once)
+            self._release_memory_soon()
 
     def pause_writing(self) -> None:
-        """The client takes the answer slower than it comes: from now on it must take some of it every
-        read_timeout seconds, or the connection is dropped."""
+        """The client takes the answer slower than it comes: from now on it must take MIN_SEND_RATE bytes a second
+        of it (checked every read_timeout seconds), and the slow clients' unsent answers must fit UNSENT_BUDGET."""
         super().pause_writing()
+        unsent = self.transport.get_write_buffer_size()
+        self.held = max(self.held, unsent)
         if self.send_timer is None:
-            self.unsent = self.transport.get_write_buffer_size()
+            self.unsent, self.slow_since = unsent, self.loop.time()
             self.send_timer = self.loop.call_later(self.read_timeout, self._check_sending)
+        self._within_budget()
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -110,12 +131,46 @@ class GuardedH11Protocol(H11Protocol):
 
     def _check_sending(self) -> None:
         left = self.transport.get_write_buffer_size()
-        if left < self.unsent:
+        if self.unsent - left >= min(self.unsent, MIN_SEND_RATE * self.read_timeout):
             self.unsent = left
             self.send_timer = self.loop.call_later(self.read_timeout, self._check_sending)
         else:
             self.send_timer = None
-            self.transport.abort()
+            self._drop()
+
+    def _drop(self) -> None:
+        """Close the connection now, with what the kernel holds of the answer: a plain close would let the kernel
+        go on sending its buffer (megabytes, at the client's pace); a reset (SO_LINGER 0) discards it."""
+        self._stop_send_timer()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
+    def _within_budget(self) -> None:
+        """Drop the clients that have been slow the longest until the slow ones' unsent answers fit UNSENT_BUDGET."""
+        slow = sorted((c for c in self.connections if c.send_timer is not None), key=lambda c: c.slow_since)
+        unsent = {c: c.transport.get_write_buffer_size() for c in slow}
+        total = sum(unsent.values())
+        for c in slow:
+            if total <= UNSENT_BUDGET:
+                break
+            total -= unsent[c]
+            c._drop()
+
+    def _release_memory_soon(self) -> None:
+        """malloc_trim, once, a second from now and off the event loop: freed answers otherwise stay in the
+        allocator's arenas (the server's memory stayed 100 MiB above its start after 48 slow clients left)."""
+        if GuardedH11Protocol._trim_pending:
+            return
+        GuardedH11Protocol._trim_pending = True
+
+        def release() -> None:
+            GuardedH11Protocol._trim_pending = False
+            self.loop.run_in_executor(None, release_freed_memory)
+
+        self.loop.call_later(1.0, release)
 
     def _stop_send_timer(self) -> None:
         if self.send_timer is not None:
