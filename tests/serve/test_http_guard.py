@@ -6,6 +6,7 @@ checked before the model loads. Real sockets where the behaviour lives in the co
 from __future__ import annotations
 
 import json
+import re
 import resource
 import signal
 import socket
@@ -225,8 +226,25 @@ def test_a_request_head_past_16_kib_is_refused(run):
         for s in (whole, arriving):
             s.close()
     assert status_of(answers[0][0]) == 431 and "larger than 16384 bytes" in json_of(answers[0][0])["error"]
-    assert status_of(answers[1][0]) == 400
+    assert status_of(answers[1][0]) == 400 and "larger than 16384 bytes" in json_of(answers[1][0])["error"]
     assert answers[0][1] and answers[1][1]
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon here\r\n\r\n", b"\x16\x03\x01\x00\xa5"],
+    ids=["no request line", "a header without a colon", "TLS to the plain port"],
+)
+def test_bytes_that_are_no_http_request_get_a_json_400(run, garbage):
+    """h11's own refusals were uvicorn's plain-text `Invalid HTTP request received.`, against serving.md's "every
+    refusal is JSON"."""
+    with real_server(run) as (port, _):
+        sock = connect(port)
+        sock.sendall(garbage)
+        data, closed = read_until_closed(sock, 10)
+        sock.close()
+    assert closed and status_of(data) == 400, data
+    assert b"content-type: application/json" in data.lower() and "not valid HTTP/1.1" in json_of(data)["error"]
 
 
 def test_a_client_that_takes_none_of_its_answer_is_dropped(run):
@@ -385,14 +403,18 @@ def test_the_connection_cap_fits_the_open_file_limit():
         fits, note = http_guard.open_file_budget(hard * 2)  # more than the hard limit allows
         assert fits < hard and "ulimit -n" in note
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[1] == hard
+    # ulimit -n 256 with 40 files open: the connections get half of the rest, the accepts of a burst the other half
+    assert http_guard.connections_that_fit(256, 40) == 76  # it was 1: the whole backlog was kept for the burst
+    assert http_guard.connections_that_fit(100, 90) == 1  # the least: one
 
 
 def test_serve_refuses_connections_past_a_low_file_limit_without_tracebacks(run):
-    """The real command under `ulimit -n 200`: it caps connections to what fits, says so once, refuses the rest
-    with 503 (no per-accept traceback) and serves again once the idle ones time out."""
+    """The real command under `ulimit -n 256`: it caps connections to what fits (it held 1 there: the whole backlog
+    was kept for a burst of accepts), says so once, serves that many at once, refuses the rest with 503 (no
+    per-accept traceback) and serves again once the idle ones time out."""
 
     def low_limit():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
     log: list[str] = []
     proc, url = spawn(
@@ -400,6 +422,14 @@ def test_serve_refuses_connections_past_a_low_file_limit_without_tracebacks(run)
     )
     port = int(url.rsplit(":", 1)[1])
     try:
+        held = int(re.search(r"serve holds at most (\d+) connections", "".join(log)).group(1))
+        assert held >= 32, held
+        together = [connect(port) for _ in range(32)]  # all open at once, each answered
+        for c in together:
+            c.sendall(request_bytes("GET", "/health"))
+        assert [status_of(c.recv(65536)) for c in together] == [200] * 32
+        for c in together:
+            c.close()
         clients, refused = [], 0
         for _ in range(300):
             try:

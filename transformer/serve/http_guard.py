@@ -45,7 +45,7 @@ HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
 }
-_PHRASES = {408: "Request Timeout", 503: "Service Unavailable"}
+_PHRASES = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}
 
 
 def error_json(message: str) -> bytes:
@@ -57,7 +57,9 @@ def raw_error(status: int, message: str) -> bytes:
     body = error_json(message)
     head = (
         f"HTTP/1.1 {status} {_PHRASES[status]}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n"
+        + "".join(f"{name}: {value}\r\n" for name, value in HEADERS.items())
+        + "\r\n"
     )
     return head.encode() + body
 
@@ -106,6 +108,20 @@ class GuardedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()  # arms uvicorn's keep-alive timer, or starts a pipelined request
         self._time_head()
+
+    def send_400_response(self, msg: str) -> None:
+        """h11's refusal of bytes that are no HTTP/1.1 request (or a head past MAX_HEAD while still arriving), as
+        JSON like every other refusal: uvicorn's is plain text ("Invalid HTTP request received.")."""
+        if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
+            self.transport.close()  # an answer is on its way: no second one can follow it
+            return
+        self.transport.write(
+            raw_error(
+                400,
+                f"the request is not valid HTTP/1.1, or its line and headers are larger than {MAX_HEAD} bytes",
+            )
+        )
+        self.transport.close()
 
     def connection_lost(self, exc) -> None:
         self._stop_head_timer()
@@ -207,6 +223,9 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+LATER_FILES = 64  # files the server opens after start-up (the page's, a log's): kept out of the connections' share
+
+
 def open_file_budget(max_connections: int) -> tuple[int, str | None]:
     """-> (connections this process can hold open, a note when that is fewer than max_connections). Raises the
     soft limit on open files up to the hard one where more are needed: each connection holds one, and so
@@ -216,8 +235,7 @@ def open_file_budget(max_connections: int) -> tuple[int, str | None]:
         in_use = len(os.listdir("/proc/self/fd"))
     except OSError:
         in_use = 64
-    spare = in_use + BACKLOG + 64  # what is open now, a burst of accepts, files opened later (the page's)
-    need = max_connections + spare
+    need = max_connections + in_use + BACKLOG + LATER_FILES
     if soft != resource.RLIM_INFINITY and soft < need:
         raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
         try:
@@ -227,11 +245,21 @@ def open_file_budget(max_connections: int) -> tuple[int, str | None]:
             pass
     if soft == resource.RLIM_INFINITY or soft >= need:
         return max_connections, None
-    fits = max(1, soft - spare)
+    fits = connections_that_fit(soft, in_use)
+    if fits >= max_connections:
+        return max_connections, None
     return fits, (
         f"note: this process may open {soft} files (ulimit -n), so serve holds at most {fits} "
         f"connections at once, not --max-connections {max_connections}; raise the limit for more"
     )
+
+
+def connections_that_fit(limit: int, in_use: int) -> int:
+    """Connections to hold under a limit of open files too small for --max-connections and a whole backlog: half of
+    what is left after the files in use and LATER_FILES, the other half for a burst of accepts (each new connection
+    holds a file until it is answered, or refused with 503 past the cap). A burst larger than that waits in the
+    kernel's queue (quiet_accept_errors says so once a minute). Under `ulimit -n 256` this held 1 connection."""
+    return max(1, (limit - in_use - LATER_FILES) // 2)
 
 
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop, every_s: float = 60.0) -> None:
