@@ -8,7 +8,9 @@ import inspect
 import json
 import os
 import signal
+import socket
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -51,18 +53,90 @@ def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        # A finite timeout turns a rank stuck on a dead peer into an error instead of a hang.
-        # Long enough for rank 0's solo work (SentencePiece training, validation BLEU) while the others wait.
-        timeout = datetime.timedelta(seconds=int(os.environ.get("TRANSFORMER_DIST_TIMEOUT", "1800")))
+        timeout = datetime.timedelta(seconds=peer_timeout())
         # device_id binds the NCCL communicator to this rank's GPU at once (torch >= 2.3), instead of guessing
-        # it at the first collective; barrier() then knows its device too.
+        # it at the first collective; a barrier then knows its device too.
         bound = (
             {"device_id": device}
             if use_cuda and "device_id" in inspect.signature(dist.init_process_group).parameters
             else {}
         )
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **bound)
+        store = group_store(info, timeout)
+        if store is not None:
+            bound.update(store=store, rank=info.rank, world_size=info.world_size)
+        try:
+            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **bound)
+        except (RuntimeError, ValueError) as e:  # a peer that never came, or left: gloo's connect errors
+            raise UserError(
+                f"rank {info.rank}: could not form the group of {info.world_size} ranks ({first_line(e)[:300]})"
+            ) from None
     return info, device
+
+
+def peer_timeout() -> int:
+    """Seconds a rank waits for its peers at any one point (joining, a barrier, a collective) before it stops with
+    a one-line error: TRANSFORMER_DIST_TIMEOUT, 1800 by default. Long enough for rank 0's solo work (SentencePiece
+    training, the store, validation BLEU) while the others wait."""
+    return int(os.environ.get("TRANSFORMER_DIST_TIMEOUT", "1800"))
+
+
+# Where a group's keys go in torchrun's store: transformer/<nonce of this start's rank 0>/...
+HANDSHAKE = "transformer/handshake"
+
+
+def group_store(info: DistInfo, timeout: datetime.timedelta):
+    """The store this start's process group meets in, or None for init_process_group's own (env://).
+
+    torchrun's c10d rendezvous hands every worker group it starts, a restarted one too, the same store (its agent's,
+    TORCHELASTIC_USE_AGENT_STORE), with no prefix per start (torch issue #135712: the restart count it would use
+    is not the same on every node). A restarted group then reads what the dead one left there, a peer's old
+    address, and waits for ever or fails: `--max-restarts` never resumed. Here each start's keys go under a prefix
+    that its rank 0 draws and every other rank confirms through a handshake that old keys cannot pass: rank r
+    writes a nonce of its own, rank 0 answers it with its nonce, and rank r's confirmation must carry both."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    deadline = time.monotonic() + timeout.total_seconds()
+    mine = uuid.uuid4().hex
+    if info.rank == 0:
+        waiting, answered = set(range(1, info.world_size)), {}
+        while waiting:
+            for rank in sorted(waiting):
+                hello = _read(store, f"{HANDSHAKE}/hello/{rank}")
+                if hello is None:
+                    continue
+                if _read(store, f"{HANDSHAKE}/ready/{rank}") == f"{hello} {mine}":
+                    waiting.discard(rank)
+                elif answered.get(rank) != hello:
+                    store.set(f"{HANDSHAKE}/answer/{rank}", f"{hello} {mine}")
+                    answered[rank] = hello
+            _wait_a_little(deadline, info, lambda: f"rank(s) {', '.join(map(str, sorted(waiting)))} did not join")
+        leader = mine
+    else:
+        store.set(f"{HANDSHAKE}/hello/{info.rank}", mine)
+        while True:
+            answer = _read(store, f"{HANDSHAKE}/answer/{info.rank}") or ""
+            if answer.startswith(mine + " "):
+                leader = answer.split(" ", 1)[1]
+                store.set(f"{HANDSHAKE}/ready/{info.rank}", answer)
+                break
+            _wait_a_little(deadline, info, lambda: "rank 0 did not answer")
+    return dist.PrefixStore(f"transformer/{leader}/", store)
+
+
+def _read(store, key: str) -> str | None:
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def _wait_a_little(deadline: float, info: DistInfo, what) -> None:
+    if time.monotonic() > deadline:
+        raise UserError(
+            f"rank {info.rank}: {what()} within {peer_timeout()} s (TRANSFORMER_DIST_TIMEOUT); every rank must "
+            "start: check the other nodes' torchrun"
+        )
+    time.sleep(0.02)
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
@@ -95,29 +169,71 @@ def peer_failure_explained(info: DistInfo) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        text = str(e).lower()
-        if (
-            not info.enabled
-            or is_out_of_memory(e)
-            or not (isinstance(e, dist.DistError) or "peer" in text or "nccl" in text or "gloo" in text)
-        ):
+        if not is_peer_failure(e, info):
             raise
         set_stop_handlers(signal.SIG_IGN)
-        raise UserError(
-            f"rank {info.rank}: distributed training stopped, most likely because another rank "
-            f"crashed or was killed ({first_line(e)[:300]}); continue from last.pt with --resume"
-        ) from None
+        raise UserError(f"{peer_failure(e, info)}; continue from last.pt with --resume") from None
+
+
+def is_peer_failure(e: BaseException, info: DistInfo) -> bool:
+    """Whether `e` is a collective that failed (a peer that died, or one that kept the others waiting too long)."""
+    text = str(e).lower()
+    return (
+        info.enabled
+        and isinstance(e, RuntimeError)
+        and not is_out_of_memory(e)
+        and (isinstance(e, dist.DistError) or "peer" in text or "nccl" in text or "gloo" in text)
+    )
+
+
+def peer_failure(e: BaseException, info: DistInfo) -> str:
+    """A failed collective in words: a wait past TRANSFORMER_DIST_TIMEOUT, or (the usual cause) a peer gone."""
+    if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+        return (
+            f"rank {info.rank}: distributed training stopped: another rank kept this one waiting for more than "
+            f"{peer_timeout()} s (TRANSFORMER_DIST_TIMEOUT; {first_line(e)[:200]})"
+        )
+    return (
+        f"rank {info.rank}: distributed training stopped, most likely because another rank "
+        f"crashed or was killed ({first_line(e)[:300]})"
+    )
+
+
+@contextlib.contextmanager
+def all_or_none(info: DistInfo, what: str) -> Iterator[None]:
+    """Run the block on every rank and let every rank know how it went there: a UserError on any rank becomes a
+    one-line error on all of them (this rank's own, or one naming the rank that failed, its host and why), where the
+    others would wait at their next collective for a peer that had gone, and then blame a crash. The block must
+    hold no collective; `what` says what it does ("prepare the data"), for the messages."""
+    error: UserError | None = None
+    try:
+        yield
+    except UserError as e:
+        error = e
+    if not info.enabled:
+        if error is not None:
+            raise error
+        return
+    try:
+        outcomes = gather_objects(None if error is None else (socket.gethostname(), str(error)), info)
+    except RuntimeError as e:
+        if not is_peer_failure(e, info):
+            raise
+        if error is not None:
+            raise error from None
+        raise UserError(f"{peer_failure(e, info)}, while the ranks were to {what}") from None
+    if error is not None:
+        raise error
+    failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
+    if failed:
+        rank, (host, message) = failed[0]
+        raise UserError(f"rank {info.rank}: stopped, since rank {rank} (on {host}) could not {what}: {message}")
 
 
 def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.enabled:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
-
-
-def barrier(info: DistInfo) -> None:
-    if info.enabled:
-        dist.barrier()
 
 
 def gather_objects(obj, info: DistInfo) -> list:

@@ -18,11 +18,13 @@ from tests.conftest import (
     change_training_loss,
     cli,
     read_metrics,
+    sentences,
     subprocess_env,
     tiny_config,
     write_config,
     write_corpus,
 )
+from transformer.data.vocab import train_vocab
 from transformer.files import remove_stale_temporaries
 from transformer.model.checkpoint import load_checkpoint
 
@@ -113,14 +115,23 @@ def test_sigterm_saves_last_and_tells_how_to_resume(tmp_path, capsys):
     assert state["run"]["step"] == logged >= 3  # saved where it stopped, not at an old validation
 
 
+def small_vocab() -> bytes:
+    """A SentencePiece model: what a checkpoint must hold besides its weights for load_checkpoint to take it."""
+    return train_vocab(sentences(0, 300), vocab_size=80).proto
+
+
 def test_kill_during_checkpoint_write_leaves_previous_checkpoint_loadable(tmp_path, random_seed):
     """A child rewrites a large checkpoint in a loop; SIGKILL it mid-write several times."""
-    target = tmp_path / "last.pt"
+    target = tmp_path / "run" / "last.pt"
+    (tmp_path / "spm.model").write_bytes(small_vocab())
     script = f"""
 import torch, itertools
-from transformer.model.checkpoint import save_checkpoint
+from pathlib import Path
+from transformer.model.checkpoint import save_checkpoint, weights_checkpoint
+vocab = Path({str(tmp_path / "spm.model")!r}).read_bytes()
 for i in itertools.count():
-    save_checkpoint({{"run": {{"step": i}}, "model": {{"w": torch.full((4_000_000,), float(i))}}}}, {str(target)!r})
+    weights = {{"w": torch.full((4_000_000,), float(i))}}
+    save_checkpoint({{**weights_checkpoint({{}}, vocab, weights), "run": {{"step": i}}}}, {str(target)!r})
     print(i, flush=True)
 """
     last_seen = -1
@@ -141,9 +152,9 @@ for i in itertools.count():
         last_seen = max(last_seen, step)
     assert last_seen >= 0
     # Besides last.pt, the kills leave at most atomic_write's own temporaries, which the trainer's start removes.
-    assert all(p.name == "last.pt" or p.name.startswith(".last.pt.") for p in tmp_path.iterdir())
-    remove_stale_temporaries(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"], f"seed {random_seed}"
+    assert all(p.name == "last.pt" or p.name.startswith(".last.pt.") for p in target.parent.iterdir())
+    remove_stale_temporaries(target.parent)
+    assert [p.name for p in target.parent.iterdir()] == ["last.pt"], f"seed {random_seed}"
     assert load_checkpoint(target)["run"]["step"] == step
 
 
@@ -151,10 +162,10 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path):
     import pytest
 
     from transformer.errors import UserError
-    from transformer.model.checkpoint import save_checkpoint
+    from transformer.model.checkpoint import save_checkpoint, weights_checkpoint
 
     good = tmp_path / "good.pt"
-    save_checkpoint({"run": {"step": 1}, "model": {"w": torch.zeros(100_000)}}, good)
+    save_checkpoint({**weights_checkpoint({}, small_vocab(), {"w": torch.zeros(100_000)}), "run": {"step": 1}}, good)
     data = good.read_bytes()
     cases = {
         "truncated.pt": data[: len(data) // 2],

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from tests.conftest import SENTENCES
+from tests.conftest import SENTENCES, sentences
+from transformer.data.vocab import train_vocab
 from transformer.errors import UserError
 from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
 from transformer.training.average import average_checkpoints
@@ -74,7 +75,7 @@ def test_last_zero_is_refused_not_every_checkpoint(run, call):
 
 def test_checkpoints_with_other_vocabularies_are_not_averaged(run, tmp_path):
     state = torch.load(run / "step_00000100.pt", weights_only=True)
-    other = dict(state, vocab=state["vocab"] + b"\x00")  # same config and shapes, another SentencePiece model
+    other = dict(state, vocab=train_vocab(sentences(9, 300), vocab_size=80).proto)  # same config and shapes
     save_checkpoint(other, tmp_path / "other.pt")
     with pytest.raises(UserError, match="use different vocabularies"):
         average_checkpoints([run / "step_00000100.pt", tmp_path / "other.pt"])

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import random
 import resource
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -33,8 +34,8 @@ from transformer.device import (
 )
 from transformer.distributed import (
     DistInfo,
+    all_or_none,
     all_reduce_sum,
-    barrier,
     gather_objects,
     init_distributed,
     peer_failure_explained,
@@ -202,6 +203,7 @@ def start(
     model (train.init_from), that model."""
     run_dir = Path(cfg.train.run_dir)
     last_path = RunDir(run_dir).last
+    same_on_every_rank(cfg, resume, info)
     check_run_dir(run_dir, resume)
     if last_path.exists() and not resume:
         raise UserError(
@@ -221,14 +223,43 @@ def start(
 
     scope.enter_context(stop_at_once(stop_message))  # until the update loop, which saves before it stops
     lock, new_dir = None, not run_dir.exists()
-    if info.is_main:  # only the main process writes, so only it locks
-        make_run_dir(run_dir)
-        lock = scope.enter_context(RunLock(run_dir))
-        remove_stale_temporaries(run_dir)
-    barrier(info)
+    # Only global rank 0 writes (on every node of a shared filesystem), so only it locks; a refusal there (the
+    # run directory in use) stops every rank with it, where the others would wait for it at their next collective.
+    with all_or_none(info, "lock the run directory"):
+        if info.is_main:
+            make_run_dir(run_dir)
+            lock = scope.enter_context(RunLock(run_dir))
+            remove_stale_temporaries(run_dir)
     setup_logging(run_dir, info)
     if lock is not None and lock.took_over:
         log.warning(lock.took_over)
+    if info.is_main:  # said once (another rank may look after rank 0 made the directory)
+        log_resume_source(run_dir, source, resume, from_scratch, new_dir)
+    origin, changes = None, []
+    with all_or_none(info, "read the checkpoint the run continues or starts from"):
+        try:
+            saved = load_resumable(source) if resume and source is not None else None
+        except UserError as e:
+            raise UserError(f"{e}{continue_hint(run_dir) if source == last_path else ''}") from None
+        if saved is not None and source != last_path and info.is_main:
+            put_back(source, run_dir, saved)
+        if saved is not None:
+            cfg = init_from.on_resume(from_dict(saved["config"]), cfg)
+        elif cfg.train.init_from:
+            cfg, origin = init_from.start(cfg)
+        changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
+    if saved is not None:
+        held["step"] = saved["run"]["step"]
+    for change in changes:
+        log.info("resume: config change applies: %s", change)
+    if info.is_main:
+        save_config(cfg, RunDir(run_dir).config)
+    return run_dir, saved, changes, cfg, origin
+
+
+def log_resume_source(run_dir: Path, source: Path | None, resume: bool, from_scratch: bool, new_dir: bool) -> None:
+    """What --resume found to continue from, when it is not simply last.pt."""
+    last_path = RunDir(run_dir).last
     if from_scratch and new_dir:  # the first start of a job that always passes --resume (as `make train` does)
         log.info("resume: %s did not exist; starting a new run there from step 0", run_dir)
     elif from_scratch:
@@ -241,43 +272,50 @@ def start(
             last_path,
             source.name,
         )
-    try:
-        saved = load_resumable(source) if resume and source is not None else None
-    except UserError as e:
-        raise UserError(f"{e}{continue_hint(run_dir) if source == last_path else ''}") from None
-    if saved is not None and source != last_path and info.is_main:
-        put_back(source, run_dir, saved)
-    origin = None
-    if saved is not None:
-        cfg = init_from.on_resume(from_dict(saved["config"]), cfg)
-    elif cfg.train.init_from:
-        cfg, origin = init_from.start(cfg)
-    changes = check_resume_config(from_dict(saved["config"]), cfg) if saved is not None else []
-    if saved is not None:
-        held["step"] = saved["run"]["step"]
-    for change in changes:
-        log.info("resume: config change applies: %s", change)
-    if info.is_main:
-        save_config(cfg, RunDir(run_dir).config)
-    return run_dir, saved, changes, cfg, origin
+
+
+def same_on_every_rank(cfg: Config, resume: bool, info: DistInfo) -> None:
+    """Every rank must train the same run: a node started with another config (another file, --set) or without
+    --resume is refused in one line on every rank, before anything is written."""
+    if not info.enabled:
+        return
+    everyone = gather_objects((socket.gethostname(), {"config": to_dict(cfg), "resume": resume}), info)
+    first_host, first = everyone[0]
+    for rank, (host, theirs) in enumerate(everyone):
+        if theirs == first:
+            continue
+        differ = [
+            f"{section}.{key} is {value!r} there, {first['config'][section][key]!r} on rank 0"
+            for section, values in theirs["config"].items()
+            for key, value in values.items()
+            if value != first["config"][section][key]
+        ]
+        if theirs["resume"] != first["resume"]:
+            differ.append(f"--resume is {'given' if theirs['resume'] else 'missing'} there, not on rank 0")
+        raise UserError(
+            f"rank {info.rank}: rank {rank} (on {host}) was started with another config than rank 0 (on "
+            f"{first_host}): {'; '.join(differ)}; every node must run the same command (config file, --set, --resume)"
+        )
 
 
 def load_data(
     cfg: Config, info: DistInfo, run_dir: Path, saved: dict | None, quiet: bool, origin: Origin | None = None
 ) -> tuple[Vocab, Store]:
     """Rank 0 trains or reuses the SentencePiece model (takes the one of the model the run starts from) and builds or
-    reuses the memory-mapped store; the other ranks wait, then map the same files."""
+    reuses the memory-mapped store; the other ranks wait, then map the same files, checked against their own view of
+    the inputs (a node whose data differs stops every rank)."""
     saved_vocab = Vocab(saved["vocab"]) if saved is not None else origin.vocab if origin is not None else None
-    if info.is_main:
-        if origin is not None:
-            init_from.install_vocab(run_dir, origin.vocab)
-        store = prepare(cfg, run_dir, saved_vocab, quiet)
-        if origin is not None:
-            init_from.fit_report(cfg, origin)
-    barrier(info)
+    with all_or_none(info, "prepare the data"):
+        if info.is_main:
+            if origin is not None:
+                init_from.install_vocab(run_dir, origin.vocab)
+            store = prepare(cfg, run_dir, saved_vocab, quiet)
+            if origin is not None:
+                init_from.fit_report(cfg, origin)
     vocab = saved_vocab or Vocab.load(RunDir(run_dir).vocab)
-    if not info.is_main:
-        store = open_prepared(cfg, run_dir, vocab)
+    with all_or_none(info, "read the prepared data"):
+        if not info.is_main:
+            store = open_prepared(cfg, run_dir, vocab)
     if info.is_main and len(vocab) != cfg.data.vocab_size:  # so that config.yaml does not misstate it
         save_config(cfg, RunDir(run_dir).config, pieces=len(vocab))
     return vocab, store
