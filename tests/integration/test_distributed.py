@@ -254,3 +254,45 @@ def test_the_process_group_is_left_only_after_a_normal_end(monkeypatch, tmp_path
     else:
         assert train_module.train(cfg) == tmp_path
     assert left == ([] if fails else [True])
+
+
+def test_a_restarted_group_meets_under_a_prefix_that_old_keys_cannot_pass(monkeypatch):
+    """torchrun's agent keeps one store for every group it starts; a dead group's keys are still there. The new
+    group's ranks agree on rank 0's fresh prefix whatever the old keys say, whichever rank comes first."""
+    import datetime
+    import threading
+
+    from transformer.distributed import HANDSHAKE, group_store
+
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    for late in (0, 1):
+        # What a dead group left: rank 1's hello and confirmation, rank 0's answer (a dead rank 0's prefix).
+        server.set(f"{HANDSHAKE}/hello/1", "old1")
+        server.set(f"{HANDSHAKE}/answer/1", "old1 deadbeef")
+        server.set(f"{HANDSHAKE}/ready/1", "old1 deadbeef")
+        prefixes = {}
+
+        def join(rank):
+            if rank == late:
+                time.sleep(0.5)
+            store = group_store(DistInfo(rank=rank, world_size=2), datetime.timedelta(seconds=30))
+            store.set(f"from {rank}", "x")
+            prefixes[rank] = store
+
+        threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert prefixes[0].get("from 1") == b"x" and prefixes[1].get("from 0") == b"x"  # the same prefix
+        assert "deadbeef" not in server.get(f"{HANDSHAKE}/ready/1").decode()  # rank 1 confirmed the new prefix
+
+
+def test_outside_torchrun_the_group_makes_its_own_store(monkeypatch):
+    from transformer.distributed import group_store
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert group_store(DistInfo(rank=0, world_size=2), None) is None
