@@ -17,6 +17,7 @@ import torch
 from transformer.errors import UserError
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+_MAX_KHZ = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"  # absent in most virtual machines
 
 
 def device_type(name: str, setting: str = "--device") -> str:
@@ -297,9 +298,69 @@ class Peak:
         )
 
 
+# Dense matmul FLOP per cycle and core that a CPU with these instructions reaches at least, by precision (first
+# match wins): two 256-bit FMAs a cycle for fp32 (AVX2; AVX-512 CPUs that split 512-bit work in two, as Zen 4 does,
+# reach no more), one 512-bit VDPBF16PS a cycle for AVX512-BF16, half of AMX's 1024 bf16 FLOP. A lower bound on
+# purpose: it only tells a probe taken on a busy machine (far below it) from a slow CPU. bf16 without these
+# instructions is emulated: no class.
+CPU_CLASSES = {
+    "fp32": (("avx512f", 32, "AVX-512"), ("fma", 32, "AVX2 FMA")),
+    "bf16": (("amx_bf16", 512, "AMX"), ("avx512_bf16", 64, "AVX512-BF16")),
+}
+FAR_BELOW = 0.25  # a probe under this share of the CPU's class was taken while other work held the cores
+PROBES = 3  # at most, while they read far below the class
+
+
+def cpu_class_tflops(
+    precision: str, threads: int, cpuinfo: str | Path = "/proc/cpuinfo", max_khz: str | Path = _MAX_KHZ
+) -> tuple[float, str] | None:
+    """(the dense matmul rate a CPU of this kind reaches at least with `threads` threads, TFLOP/s; how it was
+    reckoned) from /proc/cpuinfo: cores x clock x FLOP per cycle (CPU_CLASSES); None where it cannot be told.
+    Threads count as cores up to the physical cores this process may run on (a core's second hardware thread
+    shares its vector units); the clock is the maximum the kernel reports, else the one /proc/cpuinfo shows."""
+    fields = _cpuinfo_fields(cpuinfo)
+    flags = set(fields.get("flags", "").split())
+    found = next(((flops, name) for flag, flops, name in CPU_CLASSES.get(precision, ()) if flag in flags), None)
+    try:
+        ghz = int(Path(max_khz).read_text().strip()) / 1e6
+    except (OSError, ValueError):
+        try:
+            ghz = float(fields.get("cpu MHz", "")) / 1e3
+        except ValueError:
+            return None
+    if found is None or ghz <= 0:
+        return None
+    try:
+        per_core = max(1, int(fields["siblings"]) // int(fields["cpu cores"]))
+    except (KeyError, ValueError, ZeroDivisionError):
+        per_core = 1
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = max(1, min(threads, available // per_core))
+    flops, name = found
+    return (
+        cores * ghz * 1e9 * flops / 1e12,
+        f"{cores} core(s) x {ghz:.2f} GHz x {flops} {precision} FLOP/cycle ({name})",
+    )
+
+
+def best_of_probes(
+    probe: Callable[[], float], floor: float | None, tries: int = PROBES, pause_s: float = 0.2
+) -> tuple[float, int]:
+    """(the best reading of `probe`, how many were taken): one, and more (up to `tries`, `pause_s` apart) while the
+    best reads below `floor`: a busy moment at start-up should not become the run's peak."""
+    best, taken = probe(), 1
+    while floor is not None and best < floor and taken < tries:
+        time.sleep(pause_s)
+        best, taken = max(best, probe()), taken + 1
+    return best, taken
+
+
 def mfu_peak(device: torch.device, precision: str, configured: float = 0.0) -> Peak:
     """The peak for MFU: train.peak_tflops when set; else the datasheet's dense peak of a known GPU in this precision
-    (TF32 for fp32); else measured with matmul_tflops."""
+    (TF32 for fp32); else measured with matmul_tflops: on a CPU the best of up to PROBES probes, and where even that
+    reads under FAR_BELOW of the CPU's class (cpu_class_tflops; another process held the cores: a probe read 0.108
+    TFLOP/s where the CPU does 0.405, and every MFU line was 3.7x too high), the class's own figure. The source
+    says which, for the log."""
     if configured:
         return Peak(configured, "train.peak_tflops")
     if device.type == "cuda":
@@ -310,4 +371,15 @@ def mfu_peak(device: torch.device, precision: str, configured: float = 0.0) -> P
     def measure() -> float:
         return matmul_tflops(device, precision)
 
-    return Peak(measure(), f"measured: the best {precision} matmul rate on {device}", measure)
+    known = cpu_class_tflops(precision, torch.get_num_threads()) if device.type == "cpu" else None
+    best, taken = best_of_probes(measure, known[0] * FAR_BELOW if known else None)
+    probes = f"{taken} probe{'s' if taken > 1 else ''}"
+    if known is not None and best < known[0] * FAR_BELOW:
+        return Peak(
+            known[0],
+            f"this CPU's class: {known[1]}; {probes} read at most {best:.3g} TFLOP/s, under {FAR_BELOW:.0%} of it: "
+            "the machine was busy",
+            measure,
+        )
+    about = f"; this CPU's class: {known[0]:.3g}" if known is not None else ""
+    return Peak(best, f"measured: the best {precision} matmul rate on {device} of {probes}{about}", measure)
