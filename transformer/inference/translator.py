@@ -277,7 +277,8 @@ def _translate_async(
     translator, vocab: Vocab, sources: list[list[str]], settings: SearchSettings, max_len: int, max_tokens: int = 0
 ) -> list:
     """One asynchronous translate_batch call under length limit `max_len`, as ours searches: BOS and PAD never
-    emitted, EOS allowed at once, the sources as given (cut already), the hypotheses with their EOS. max_tokens:
+    emitted, EOS allowed at once, the sources as given (cut already), the hypotheses with their EOS (which its
+    penalty then counts, as ours does: an empty output would otherwise rank last, divided by 0**lenpen). max_tokens:
     CTranslate2 splits the sources into batches of that many tokens (0: they are one batch)."""
     return translator.translate_batch(
         sources,
