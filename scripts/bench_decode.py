@@ -1,25 +1,35 @@
 #!/usr/bin/env python
 """Decoding speed and quality over a grid of settings: our search (beam x stop rule x dtype) beside CTranslate2
-running our own weights (fp32, int8), and Hugging Face MarianMTModel.generate at the same dimensions.
+itself and our `--engine ctranslate2` (fp32, int8) on our own weights, and Hugging Face MarianMTModel.generate at
+the same dimensions.
 
     python scripts/bench_decode.py data/multi30k/test.de --checkpoint runs/multi30k --ref data/multi30k/test.en \
         [--device cpu|cuda|auto|all] [--beam 1 4 5] [--stop exact early] [--dtype fp32 bf16 int8] \
-        [--ctranslate2] [--no-hf] [--threads 2] [--workers 1 2] [--limit 500] [--repeats 3] [--json bench.json]
+        [--ctranslate2] [--ct2-scored] [--no-hf] [--threads 2] [--workers 1 2] [--limit 500] [--repeats 3] \
+        [--json bench.json]
 
 Per setting it reports decoder steps per sentence (how long each sentence stayed in the search), sentences/s
 and target tokens/s (median of --repeats timed passes after an untimed one), test BLEU and chrF with --ref,
 the share of outputs identical to the first setting of the same beam (ours, first --stop, first --dtype),
-and the speed ratio to CTranslate2 float32 / int8 at the same beam and the same --workers (searches side by side,
-each on threads / workers threads: decode.workers for ours, inter_threads for CTranslate2). The timed passes of a beam's settings run
-in rounds, interleaved (every setting once per round), and a ratio is the median over rounds of the ratio
-within a round: the figures are paired against the machine's drift (timed_rounds).
+and the speed ratio to CTranslate2 itself in float32 / int8 at the same beam and the same --workers (searches
+side by side, each on threads / workers threads: decode.workers for ours, inter_threads for CTranslate2). The
+timed passes of a beam's settings run in rounds, interleaved (every setting once per round), and a ratio is the
+median over rounds of the ratio within a round: the figures are paired against the machine's drift
+(timed_rounds).
 
-Both engines are timed through the package's entry points on the same subword ids (tokenisation excluded):
-`translate.search_ids` (ours) and `translate.ctranslate2_search` (CTranslate2 through `translate
---engine ctranslate2`'s conversion, cached beside the checkpoint; its own stop rule and its length penalty
-length**alpha, so its beam outputs can differ from ours). Marian (random weights; `pip install -e '.[bench]'`)
-is forced to run exactly as many decoder steps per batch as our first setting of that beam
-(min_new_tokens = max_new_tokens); ours also drops finished sentences from the batch, Marian keeps every row.
+With --ctranslate2, per compute type and --workers value, two rows on one ctranslate2.Translator (the conversion
+`--engine ctranslate2` caches beside the checkpoint; inter_threads = workers, intra_threads = threads / workers):
+- ctranslate2_itself: CTranslate2 as its users call it: the sources as SentencePiece pieces, one `translate_batch`
+  over all of them in batches of max_tokens / workers tokens (max_batch_size, batch_type="tokens"), the same beam
+  and length penalty, max_decoding_length = model.max_positions - 1, nothing else set;
+- ctranslate2: our engine (`translate.ctranslate2_search` on subword ids, as translate and evaluate run it: no
+  scores shown, so no scoring pass); with --ct2-scored also ctranslate2_scored, as serve and n-best lists run it
+  (the kept hypotheses scored again).
+Tokenisation is excluded everywhere (ours gets subword ids, CTranslate2 itself pieces made beforehand). Our
+engine's beam outputs can differ from ours (its own stop rule and penalty: ctranslate2_search). Marian (random
+weights; `pip install -e '.[bench]'`) is forced to run exactly as many decoder steps per batch as our first
+setting of that beam (min_new_tokens = max_new_tokens); ours also drops finished sentences from the batch, Marian
+keeps every row.
 """
 
 from __future__ import annotations
@@ -30,11 +40,12 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from transformer.data.batch import prepare_sources
+from transformer.data.batch import prepare_sources, source_limit
 from transformer.data.corpus import read_lines
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from transformer.device import cpu_description
@@ -185,6 +196,8 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
         except ImportError:
             print("transformers is not installed: no Marian comparison (pip install -e '.[bench]')", file=sys.stderr)
     tensors = [prepare_sources([src_ids[i] for i in b], cfg.model.max_positions)[0].to(device) for b in batches]
+    # CTranslate2 itself's input, cut where our engines cut it (the model has no positions beyond)
+    pieces = [vocab.pieces(ids[: source_limit(cfg.model.max_positions)]) for ids in src_ids]
 
     rows, clock_zero = [], time.perf_counter()
     for beam in args.beam:
@@ -220,25 +233,31 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
                     )
         for (dtype, w), translator in ct2.items():
             theirs = replace(search_settings(dec), beam=beam, max_tokens=max_tokens)
+            batch_tokens = max(1, max_tokens // translator.num_translators)  # as source_batches sizes ours
 
-            def ct2_pass(translator=translator, theirs=theirs):
-                found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions)
+            def itself_pass(translator=translator, theirs=theirs, batch_tokens=batch_tokens):
+                results = translator.translate_batch(
+                    pieces,
+                    beam_size=theirs.beam,
+                    length_penalty=theirs.lenpen,
+                    max_batch_size=batch_tokens,
+                    batch_type="tokens",
+                    max_decoding_length=cfg.model.max_positions - 1,
+                )
+                return [vocab.piece_ids(r.hypotheses[0]) for r in results]
+
+            def engine_pass(translator=translator, theirs=theirs, scores=False):
+                found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions, scores)
                 return [hyps[0].tokens for hyps in found]
 
-            settings.append(
-                {
-                    "row": {
-                        "device": device_name,
-                        "beam": beam,
-                        "impl": "ctranslate2",
-                        "stop": "ctranslate2",
-                        "dtype": dtype,
-                        "workers": w,
-                    },
-                    "warm_up": ct2_pass,
-                    "timed_pass": ct2_pass,
-                }
-            )
+            passes = [("ctranslate2_itself", "ct2", itself_pass), ("ctranslate2", "ctranslate2", engine_pass)]
+            if args.ct2_scored:
+                passes.append(("ctranslate2_scored", "ctranslate2", partial(engine_pass, scores=True)))
+            for impl, stop, run in passes:
+                row = {"device": device_name, "beam": beam, "impl": impl, "stop": stop, "dtype": dtype, "workers": w}
+                if impl == "ctranslate2_itself":  # how it was called
+                    row.update(max_batch_tokens=batch_tokens, max_decoding_length=cfg.model.max_positions - 1)
+                settings.append({"row": row, "warm_up": run, "timed_pass": run})
         if marian is not None:  # as many steps per batch as our first setting took (warmed up before it)
 
             def marian_pass():
@@ -275,7 +294,7 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
             if row["impl"] == "ours":
                 outputs, batch_steps, sentence_steps = result
                 row.update(decoder_steps=sum(batch_steps), steps_per_sentence=statistics.mean(sentence_steps))
-            elif row["impl"] == "ctranslate2":
+            elif row["impl"].startswith("ctranslate2"):
                 outputs = result
             else:  # Marian has random weights: no outputs worth scoring
                 row["decoder_steps"] = sum(first["steps"])
@@ -289,13 +308,13 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
                     (
                         b
                         for b in settings
-                        if b["row"]["impl"] == "ctranslate2"
+                        if b["row"]["impl"] == "ctranslate2_itself"
                         and b["row"]["dtype"] == dtype
                         and b["row"]["workers"] == row["workers"]
                     ),
                     None,
                 )
-                if base is not None:  # paired: this setting's pass against CTranslate2's of the same round
+                if base is not None:  # paired: this setting's pass against CTranslate2 itself's of the same round
                     row[f"vs_ct2_{dtype}"] = statistics.median(b / t for t, b in zip(setting["times"], base["times"]))
             rows.append(row)
             print_row(row)
@@ -309,7 +328,7 @@ def print_row(row: dict) -> None:
     global _printed_header
     if not _printed_header:
         print(
-            f"{'device':6} {'beam':>4} {'impl':11} {'stop':11} {'dtype':5} {'wk':>2} {'steps/sent':>10} {'sent/s':>8} "
+            f"{'device':6} {'beam':>4} {'impl':18} {'stop':11} {'dtype':5} {'wk':>2} {'steps/sent':>10} {'sent/s':>8} "
             f"{'tok/s':>9} {'BLEU':>6} {'same':>6} {'/ct2 fp32':>9} {'/ct2 int8':>9}"
         )
         _printed_header = True
@@ -319,7 +338,7 @@ def print_row(row: dict) -> None:
     tok = f"{row['tokens_per_s']:.0f}" if "tokens_per_s" in row else ""
     ratios = [f"{row[k]:.2f}x" if k in row else "" for k in ("vs_ct2_fp32", "vs_ct2_int8")]
     print(
-        f"{row['device']:6} {row['beam']:>4} {row['impl']:11} {row['stop']:11} {row['dtype']:5} {row['workers']:>2} {steps:>10} "
+        f"{row['device']:6} {row['beam']:>4} {row['impl']:18} {row['stop']:11} {row['dtype']:5} {row['workers']:>2} {steps:>10} "
         f"{row['sentences_per_s']:8.1f} {tok:>9} {bleu:>6} {same:>6} {ratios[0]:>9} {ratios[1]:>9}",
         flush=True,
     )
@@ -353,7 +372,16 @@ def main() -> None:
         help="our number formats to time (default fp32; int8 runs on CPU only; bf16 on a CPU without "
         "avx512_bf16/amx_bf16 is emulated and very slow)",
     )
-    ap.add_argument("--ctranslate2", action="store_true", help="also time CTranslate2 on our weights")
+    ap.add_argument(
+        "--ctranslate2",
+        action="store_true",
+        help="also time CTranslate2 itself and our --engine ctranslate2 on our weights (the ratio columns need it)",
+    )
+    ap.add_argument(
+        "--ct2-scored",
+        action="store_true",
+        help="with --ctranslate2, also our engine as serve and n-best lists run it (scores computed again)",
+    )
     ap.add_argument(
         "--ct2-dtype",
         nargs="+",

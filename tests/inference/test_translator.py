@@ -24,7 +24,15 @@ from transformer.device import (
     cpu_description,
 )
 from transformer.inference.settings import SearchFlags, SearchSettings
-from transformer.inference.translator import Translator, pick_dtype, search_ids, translate_ids
+from transformer.inference.translator import (
+    Translator,
+    ctranslate2_limited,
+    ctranslate2_search,
+    limit_bucket,
+    pick_dtype,
+    search_ids,
+    translate_ids,
+)
 from transformer.inference.weight_formats import InputMajorLinear
 from transformer.model.checkpoint import load_model, save_checkpoint
 
@@ -490,6 +498,78 @@ def test_ctranslate2_engine_at_the_length_limit(ctranslate2, run):
     assert len(set(limits)) > 1
     for a, b in zip(mine, other):
         assert a[0].tokens == b[0].tokens and a[0].score == pytest.approx(b[0].score, abs=1e-3)
+
+
+class CountingCalls:
+    """A ctranslate2.Translator that records each translate_batch call: its sentence count and length limit."""
+
+    def __init__(self, ct2):
+        self.ct2, self.calls = ct2, []
+        self.num_translators = ct2.num_translators
+
+    def translate_batch(self, sources, **options):
+        self.calls.append((len(sources), options["max_decoding_length"]))
+        return self.ct2.translate_batch(sources, **options)
+
+    def score_batch(self, *args, **options):
+        return self.ct2.score_batch(*args, **options)
+
+
+def own_limits(translator: Translator, ids) -> dict[int, int]:
+    cap = translator.cfg.model.max_positions - 1
+    return {i: min(len(s) + 1 + translator.settings.max_len_offset, cap) for i, s in enumerate(ids) if s}
+
+
+@pytest.mark.parametrize("checkpoint", ["run", "copy_model"])
+def test_ctranslate2_engine_in_few_calls_is_the_search_under_each_sentences_own_limit(request, ctranslate2, checkpoint):
+    """A batch goes as one call per limit bucket, not one per distinct limit; with a length penalty the outcome is
+    still each sentence searched under its own limit (one call per limit, as ctranslate2_limited searches), also
+    for an untrained model whose sentences run to their limits and are searched again."""
+    path = request.getfixturevalue(checkpoint)
+    flags = SearchFlags(beam=3, nbest=3, lenpen=0.6, engine="ctranslate2", max_tokens=100_000)  # one batch
+    translator = Translator(path, "cpu", flags)
+    ids = translator.encode(sentences(3, 24, lo=1, hi=9))
+    limits = own_limits(translator, ids)
+    counting = CountingCalls(translator.ct2)
+    settings = translator.settings
+    found = ctranslate2_search(counting, translator.vocab, ids, settings, translator.cfg.model.max_positions)
+    vocab = translator.vocab
+    one_per_limit = ctranslate2_limited(
+        translator.ct2, vocab, {i: vocab.pieces(s) for i, s in enumerate(ids)}, limits, settings
+    )
+    for i, hyps in enumerate(found):
+        assert [h.tokens for h in hyps] == [h.tokens for h in one_per_limit[i]], i
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in one_per_limit[i]], abs=1e-4)
+    first = [limit for _, limit in counting.calls[: len({limit_bucket(n, 40) for n in limits.values()})]]
+    assert len(set(limits.values())) > 4 and all(limit == limit_bucket(limit, 40) for limit in first)
+    searched_again = sum(n for n, limit in counting.calls if limit != limit_bucket(limit, 40))
+    at_limit = sum(len(hyps[0].tokens) == limits[i] for i, hyps in enumerate(found))
+    if checkpoint == "run":  # untrained: runs to its limits, so those sentences are searched again
+        assert at_limit >= 3 and searched_again >= at_limit
+    else:  # trained: every sentence settled in the first calls, one per bucket
+        assert searched_again == 0 and len(counting.calls) == len({limit_bucket(n, 40) for n in limits.values()})
+
+
+def test_ctranslate2_translations_without_scores_are_those_with_scores(ctranslate2, copy_model, call):
+    """translate and evaluate show no score, so CTranslate2's search scores rank its hypotheses with no scoring
+    pass; n-best lists and serve get ours, computed again. The best translation is the same either way. Its
+    search scores leave BOS and PAD out of each step's normalisation, so they are never below ours."""
+    translator = Translator(copy_model, "cpu", SearchFlags(beam=4, lenpen=1.0, engine="ctranslate2"))
+    ids = translator.encode(LINES)
+    unscored, scored = translator.search(ids, scores=False), translator.search(ids)
+    assert [h[0].tokens for h in unscored] == [h[0].tokens for h in scored]
+    assert all(u[0].score >= s[0].score - 1e-5 for u, s in zip(unscored, scored))
+    assert any(u[0].score > s[0].score + 1e-4 for u, s in zip(unscored, scored))  # this model gives BOS some
+    assert translator.translate(LINES) == [hyps[0][1] for hyps in translator.translate_nbest(LINES)]
+
+
+def test_limit_buckets_hold_their_limits():
+    for max_positions in (8, 40, 256, 1024):
+        for max_len in range(1, max_positions):
+            bucket = limit_bucket(max_len, max_positions)
+            assert max_len <= bucket <= max_positions - 1
+            assert bucket == max_positions - 1 or (bucket & (bucket - 1) == 0 and bucket < 2 * max_len)
+    assert len({limit_bucket(n, 256) for n in range(56, 92)}) == 2  # Multi30k's test limits: two calls a batch
 
 
 def test_output_through_a_symlink_writes_the_target_and_keeps_the_link(run, tmp_path, call):

@@ -221,26 +221,40 @@ def _check_rounds(rows: list[dict], repeats: int) -> None:
         assert max(row["started_s"][r] for row in rows) < min(row["started_s"][r + 1] for row in rows)
 
 
-def test_bench_decode_times_ctranslate2_on_our_weights(ctranslate2, untrained_checkpoint, tmp_path):
+def test_bench_decode_times_ctranslate2_itself_and_our_engine(ctranslate2, untrained_checkpoint, tmp_path):
+    """CTranslate2 itself and our engine on it, per compute type; every ratio is against CTranslate2 itself."""
     result, report = _run_bench_decode(
-        untrained_checkpoint, tmp_path, "--beam", "1", "2", "--stop", "early", "--ctranslate2", repeats=3
+        untrained_checkpoint,
+        tmp_path,
+        "--beam",
+        "1",
+        "2",
+        "--stop",
+        "early",
+        "--ctranslate2",
+        "--ct2-scored",
+        repeats=3,
     )
     assert report["ctranslate2"] == ctranslate2.__version__
+    engines = ("ctranslate2_itself", "ctranslate2", "ctranslate2_scored")
     for beam in (1, 2):
         rows = {(r["impl"], r["dtype"]): r for r in report["results"] if r["beam"] == beam}
-        assert set(rows) == {("ours", "fp32"), ("ctranslate2", "fp32"), ("ctranslate2", "int8")}
+        assert set(rows) == {("ours", "fp32")} | {(impl, dtype) for impl in engines for dtype in ("fp32", "int8")}
         _check_rounds(list(rows.values()), 3)
         for row in rows.values():
             _check_rates(row)
             for dtype in ("fp32", "int8"):  # paired: the median of the per-round speed ratios
-                base = rows["ctranslate2", dtype]["times_s"]
+                base = rows["ctranslate2_itself", dtype]["times_s"]
                 assert row[f"vs_ct2_{dtype}"] == pytest.approx(
                     statistics.median(b / t for t, b in zip(row["times_s"], base))
                 )
-        assert rows["ctranslate2", "fp32"]["vs_ct2_fp32"] == 1.0
-    greedy = {r["dtype"]: r for r in report["results"] if r["beam"] == 1 and r["impl"] == "ctranslate2"}
-    assert greedy["fp32"]["same_as_first"] == 1.0  # greedy outputs agree with ours, limits included
-    assert "ctranslate2" in result.stdout
+        assert rows["ctranslate2_itself", "fp32"]["vs_ct2_fp32"] == 1.0
+        itself = rows["ctranslate2_itself", "fp32"]
+        assert itself["max_batch_tokens"] >= 1 and itself["max_decoding_length"] == 39  # max_positions 40 - 1
+    greedy = {r["impl"]: r for r in report["results"] if r["beam"] == 1 and r["dtype"] == "fp32"}
+    # Greedy outputs of our engine are ours, limits included, with or without the scoring pass.
+    assert greedy["ctranslate2"]["same_as_first"] == greedy["ctranslate2_scored"]["same_as_first"] == 1.0
+    assert "ctranslate2_itself" in result.stdout
 
 
 def test_compare_decode_runs_revisions_side_by_side(untrained_checkpoint, tmp_path):

@@ -649,7 +649,7 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(
     output.chmod(0o600)  # private translations stay private when replaced
     real, calls, before = Translator.translate_nbest, [], signal.getsignal(signal.SIGTERM)
 
-    def stop_in_second_chunk(self, lines, nbest=1):
+    def stop_in_second_chunk(self, lines, nbest=1, scores=True):
         calls.append(lines)
         if len(calls) == 2 and signal_name == "SIGINT":
             raise KeyboardInterrupt
@@ -657,7 +657,7 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(
             handler = signal.getsignal(signal.SIGTERM)
             assert callable(handler), "SIGTERM would end the process before FILE.partial is reported"
             handler(signal.SIGTERM, None)  # as its delivery would, without risking this test process
-        return real(self, lines, nbest)
+        return real(self, lines, nbest, scores)
 
     monkeypatch.setattr(translate_io, "CHUNK_LINES", 1)
     monkeypatch.setattr(Translator, "translate_nbest", stop_in_second_chunk)

@@ -48,6 +48,7 @@ from transformer.inference import search as search_module
 from transformer.inference.search import search
 from transformer.model import transformer as model_module
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
+from transformer.model.kv_cache import KVCache
 from transformer.model.transformer import TokenPacking, Transformer
 from transformer.signals import StopRequested
 from transformer.training import end_of_training as finish_module
@@ -342,8 +343,10 @@ class HostReads:
 
 @pytest.fixture
 def as_on_cuda(monkeypatch):
-    """Token packing as on CUDA (the CPU-only path reads the mask on the host by design)."""
+    """Token packing and the cache's row reordering as on CUDA (the CPU-only paths read the mask and the rows that
+    move on the host by design)."""
     monkeypatch.setattr(TokenPacking, "of", staticmethod(lambda mask: None))
+    monkeypatch.setattr(KVCache, "_in_place", lambda self, index: False)
 
 
 def test_an_update_reads_the_device_once_and_copies_nothing_from_pageable_memory(tmp_path, monkeypatch, as_on_cuda):

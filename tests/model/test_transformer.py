@@ -11,6 +11,7 @@ from tests.conftest import ROOT, random_pairs
 from transformer.config import ModelConfig, load_config
 from transformer.data.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.data.vocab import PAD_ID
+from transformer.model.kv_cache import KVCache
 from transformer.model.positions import PositionalEncoding
 from transformer.model.transformer import MultiHeadAttention, TokenPacking, Transformer, count_parameters, evaluating
 
@@ -280,6 +281,26 @@ def test_cache_groups_of_rows_share_their_source():
     step = model.decode(tgt[:, 3:4], cache=cache)
     full = model.decode(tgt[:, :4], memory[rows], batch.src_mask[rows], causal_mask(4))
     torch.testing.assert_close(step[:, 0], full[:, 3], **TOL)
+
+
+def test_kv_cache_reorders_rows_in_place_as_a_gather_would():
+    """Rows reordered, duplicated and dropped inside the buffers (only the rows that change are copied) hold what
+    index_select of the rows before would; rows beyond the buffers' take new ones; positions still grow."""
+    torch.manual_seed(0)
+    kv = KVCache()
+    kv.append(torch.randn(6, 2, 3, 4), torch.randn(6, 2, 3, 4))
+    buffer = kv._buffers[0]
+    for index in ([5, 0, 0, 3, 1], [0, 1, 2, 3, 4], [4, 3, 2, 1], [1, 1, 0]):  # within the 6 rows held
+        k, v, index = kv.k.clone(), kv.v.clone(), torch.tensor(index)
+        kv.keep_rows(index)
+        assert torch.equal(kv.k, k[index]) and torch.equal(kv.v, v[index]) and kv._buffers[0] is buffer
+    new_k, new_v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+    k, v = kv.k.clone(), kv.v.clone()
+    kv.append(new_k, new_v)
+    assert torch.equal(kv.k, torch.cat([k, new_k], dim=2)) and torch.equal(kv.v, torch.cat([v, new_v], dim=2))
+    k, index = kv.k.clone(), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])  # more rows than the buffers hold
+    kv.keep_rows(index)
+    assert torch.equal(kv.k, k[index]) and kv._buffers[0] is not buffer
 
 
 def test_cache_refuses_rows_that_do_not_group_by_source():

@@ -255,7 +255,9 @@ def run_translate(
             # A progress bar for a file; sentences given as arguments come back at once.
             chunks = file_chunks(lines, progress=input is not None) if lines is not None else stdin_chunks()
             for chunk in chunks:
-                write_nbest(out, translator.translate_nbest(chunk), nbest)
+                write_nbest(
+                    out, translator.translate_nbest(chunk, scores=nbest > 1), nbest
+                )  # scores only in n-best lists
         translator.report_truncation()
     except OSError as e:
         if isinstance(e, BrokenPipeError) or e.filename is not None:

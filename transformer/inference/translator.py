@@ -159,21 +159,40 @@ def translate_ids(model, src_ids: list[list[int]], settings: SearchSettings, dev
 
 
 def ctranslate2_search(
-    translator, vocab: Vocab, src_ids: Sequence[Sequence[int]], settings: SearchSettings, max_positions: int
+    translator,
+    vocab: Vocab,
+    src_ids: Sequence[Sequence[int]],
+    settings: SearchSettings,
+    max_positions: int,
+    scores: bool = True,
 ) -> list[list[Hypothesis]]:
     """search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
     limits and score definition; like ours, it never emits BOS or PAD (suppressed). settings.stop, .dtype and
     .workers do not apply here (the translator was made with its compute type and inter_threads).
 
-    Its length limit is one per call, so each batch goes as one call per distinct limit: a sentence's output
-    never depends on the others in its batch. Every hypothesis it returns is scored again by its scorer (one
-    teacher-forced pass per call, the price of honest scores), which gives ours: its search scores are
-    renormalised over the tokens it may emit (ours drops BOS's and PAD's probability instead), and at the
-    limit it does not force EOS, so a hypothesis still unfinished there has none: the scorer adds the EOS
-    ours would force. With a length penalty it returns its `beam` best, ranked by its own penalty
-    (length**lenpen rather than GNMT's ((5 + length) / 6)**lenpen; length counting EOS in both, hence
-    return_end_token), re-ranked here by ours; without one, its `nbest` best (the two rankings agree, and its
-    early exit waits for nbest finished).
+    Length limits (one per call in CTranslate2): each sentence is searched under the limit of its bucket
+    (limit_bucket: its own limit rounded up to a power of two), so that a batch goes as one or two calls
+    rather than one per distinct limit; a sentence one of whose returned hypotheses comes within a token of
+    its own limit is searched again under its own limit (ctranslate2_limited). Both depend on the sentence
+    alone, so its output never depends on the others in its batch. With a length penalty the first search
+    stops, as CTranslate2 stops, at the step its `beam`-th hypothesis finishes, which is among the `beam` it
+    returns: a search that ran past the step where its own limit would have ended it is always seen and done
+    again, and the outcome is the search under its own limit. Without one (lenpen 0: it returns `nbest` and
+    stops once its best candidate is EOS) a search can run past that step unseen, when its `nbest` returned
+    finished earlier: those are then the outcome.
+
+    Ranking: with a length penalty it returns its `beam` best, ranked by its own penalty (length**lenpen
+    rather than GNMT's ((5 + length) / 6)**lenpen; length counting EOS in both, hence return_end_token),
+    re-ranked here by ours computed from its scores; without one, its `nbest` best (the two rankings agree,
+    and its early exit waits for nbest finished). Its log-probabilities are renormalised over the tokens it
+    may emit (ours drops BOS's and PAD's probability instead), so the score it gives differs from ours by
+    the log of what BOS and PAD would have had at each step (about 1e-5 a token after training).
+    scores=True: the kept `nbest` hypotheses are scored again by its scorer (one teacher-forced pass, in one
+    call), which gives ours exactly, and ordered by it; scores=False (only the tokens are used: translate
+    without --nbest, evaluate) leaves the scores from the search, ours but for that renormalisation.
+    Sentences searched again under their own limit have every returned hypothesis scored again and ranked
+    by it, whatever `scores` says: at the limit CTranslate2 does not force EOS, so one still unfinished there
+    has none, and the scorer adds the EOS ours would force.
 
     Beam outputs can differ from ours (greedy outputs do not): (1) it stops as our "early" rule does but keeps
     every hypothesis finished at the stopping step, up to 2*beam-1, where ours keeps the first `beam`; (2) only
@@ -184,56 +203,143 @@ def ctranslate2_search(
     label smoothing leaves each ~smoothing / vocabulary). With several workers (the translator's
     inter_threads) the batches are sized and run side by side as search_batches runs ours.
     """
-    beam, lenpen, nbest = settings.beam, settings.lenpen, settings.nbest
+    lenpen, nbest = settings.lenpen, settings.nbest
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     limit = source_limit(max_positions)
-    suppress = [[piece] for piece in vocab.pieces([BOS_ID, PAD_ID])]
-    returned = nbest if lenpen == 0 else beam
-    translating = []  # per call: its indices, sources, length limit and pending results
-    for batch in source_batches(src_ids, max_positions, settings.max_tokens, translator.num_translators):
-        sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
+    workers = translator.num_translators
+    tokens_per_batch = max(1, settings.max_tokens // workers)  # as source_batches sizes them
+    sources: dict[int, list[str]] = {}  # CTranslate2 appends </s> itself
+    own: dict[int, int] = {}  # each sentence's own output-length limit
+    calls = []  # per call: its indices and pending results
+    for batch in source_batches(src_ids, max_positions, settings.max_tokens, workers):
+        for i in batch:
+            sources[i] = vocab.pieces(src_ids[i][:limit])
         max_lens = max_output_lengths(
-            torch.tensor([len(s) + 1 for s in sources]),
-            settings.max_len_offset,  # + EOS
+            torch.tensor([len(sources[i]) + 1 for i in batch]),  # + EOS
+            settings.max_len_offset,
             max_positions,
         ).tolist()
-        for max_len, rows in same_limit(max_lens):
-            pending = translator.translate_batch(  # asynchronous: every worker takes calls from the queue
-                [sources[r] for r in rows],
-                beam_size=beam,
-                num_hypotheses=returned,
-                length_penalty=lenpen,
-                max_decoding_length=max_len,
-                suppress_sequences=suppress,
-                min_decoding_length=0,
-                return_end_token=True,
-                max_input_length=0,
-                max_batch_size=0,
-                asynchronous=True,
+        own.update(zip(batch, max_lens))
+        buckets = [limit_bucket(n, max_positions) for n in max_lens]
+        for bucket, rows in same_limit(buckets):  # asynchronous: every worker takes calls from the queue
+            indices = [batch[r] for r in rows]
+            calls.append(
+                (indices, _translate_async(translator, vocab, [sources[i] for i in indices], settings, bucket))
             )
-            translating.append(([batch[r] for r in rows], [sources[r] for r in rows], max_len, pending))
-    scoring = []  # per call: its indices, their hypotheses' tokens and the pending scores
-    for indices, sources, max_len, pending in translating:
-        # Without EOS: the hypotheses that ended with one have it (return_end_token, which also makes its penalty
-        # count it, as ours does: else an empty output would rank last, divided by 0**lenpen), those the limit
-        # ended have max_len tokens.
-        found = [
-            [_without_eos(vocab.piece_ids(pieces))[:max_len] for pieces in result.result().hypotheses]
-            for result in pending
-        ]
-        pairs = [(source, tokens) for source, hyps in zip(sources, found) for tokens in hyps]
-        scores = translator.score_batch(
-            [source for source, _ in pairs], [vocab.pieces(t) for _, t in pairs], max_input_length=0, asynchronous=True
-        )
-        scoring.append((indices, found, scores))
-    for indices, found, scores in scoring:
-        pending = iter(scores)
-        for i, hyps in zip(indices, found):  # log_probs: each token's and EOS's, normalised over the vocabulary
-            scored = [
-                Hypothesis(t, sum(next(pending).result().log_probs) / length_penalty(len(t) + 1, lenpen)) for t in hyps
-            ]
-            out[i] = sorted(scored, key=lambda h: h.score, reverse=True)[:nbest]
+    found: dict[int, list[Hypothesis]] = {}
+    again = []  # sentences to search under their own limit
+    for indices, pending in calls:
+        for i, result in zip(indices, pending):
+            hyps = _hypotheses(vocab, result.result(), lenpen)
+            if any(len(h.tokens) >= own[i] - 1 for h in hyps):
+                again.append(i)
+            else:  # every hypothesis ended with EOS: its score is ours but for the renormalisation
+                found[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest]
+    limited = ctranslate2_limited(translator, vocab, {i: sources[i] for i in again}, own, settings)
+    if scores:
+        found = dict(zip(found, _scored(translator, vocab, sources, found, lenpen, tokens_per_batch)))
+    for i, hyps in (*found.items(), *limited.items()):
+        out[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest]
     return out
+
+
+def ctranslate2_limited(
+    translator, vocab: Vocab, sources: dict[int, list[str]], limits: dict[int, int], settings: SearchSettings
+) -> dict[int, list[Hypothesis]]:
+    """Sources (pieces, by index) searched each under its own length limit (`limits`, by index): one call per
+    distinct limit, every returned hypothesis scored again (ours: the EOS that the limit ended added), best
+    first."""
+    lenpen = settings.lenpen
+    tokens_per_batch = max(1, settings.max_tokens // translator.num_translators)
+    calls = []
+    by_limit = same_limit([limits[i] for i in sources])
+    indices = list(sources)
+    for max_len, rows in by_limit:
+        batch = [indices[r] for r in rows]
+        batch_sources = [sources[i] for i in batch]
+        calls.append((batch, _translate_async(translator, vocab, batch_sources, settings, max_len, tokens_per_batch)))
+    found = {}
+    for batch, pending in calls:
+        for i, result in zip(batch, pending):
+            found[i] = _hypotheses(vocab, result.result(), lenpen)
+    scored = _scored(translator, vocab, sources, found, lenpen, tokens_per_batch)
+    return {i: sorted(hyps, key=lambda h: h.score, reverse=True) for i, hyps in zip(found, scored)}
+
+
+def limit_bucket(max_len: int, max_positions: int) -> int:
+    """The length limit a sentence whose own limit is `max_len` is first searched under by CTranslate2: the power
+    of two at or above it, capped at the longest output a model can make (max_positions - 1, as every limit is).
+    A sentence that runs on past its own limit costs at most twice its steps more."""
+    return min(1 << max(0, max_len - 1).bit_length(), max_positions - 1)
+
+
+def _translate_async(
+    translator, vocab: Vocab, sources: list[list[str]], settings: SearchSettings, max_len: int, max_tokens: int = 0
+) -> list:
+    """One asynchronous translate_batch call under length limit `max_len`, as ours searches: BOS and PAD never
+    emitted, EOS allowed at once, the sources as given (cut already), the hypotheses with their EOS (which its
+    penalty then counts, as ours does: an empty output would otherwise rank last, divided by 0**lenpen). max_tokens:
+    CTranslate2 splits the sources into batches of that many tokens (0: they are one batch)."""
+    return translator.translate_batch(
+        sources,
+        beam_size=settings.beam,
+        num_hypotheses=settings.nbest if settings.lenpen == 0 else settings.beam,
+        length_penalty=settings.lenpen,
+        max_decoding_length=max_len,
+        suppress_sequences=[[piece] for piece in vocab.pieces([BOS_ID, PAD_ID])],
+        min_decoding_length=0,
+        return_end_token=True,
+        return_scores=True,
+        max_input_length=0,
+        max_batch_size=max_tokens,
+        batch_type="tokens",
+        asynchronous=True,
+    )
+
+
+def _hypotheses(vocab: Vocab, result, lenpen: float) -> list[Hypothesis]:
+    """A TranslationResult's hypotheses as ours, without EOS, scored by our penalty from its normalised score:
+    summed log-probability = score * length**lenpen (length counting EOS, as return_end_token makes it). A
+    hypothesis the length limit ended has no EOS: neither its tokens nor its score count one."""
+    hyps = []
+    for pieces, score in zip(result.hypotheses, result.scores):
+        length = len(pieces)
+        total = score * length**lenpen if length else score
+        hyps.append(Hypothesis(_without_eos(vocab.piece_ids(pieces)), total / length_penalty(length, lenpen)))
+    return hyps
+
+
+def _scored(
+    translator,
+    vocab: Vocab,
+    sources: dict[int, list[str]],
+    found: dict[int, list[Hypothesis]],
+    lenpen: float,
+    tokens_per_batch: int,
+) -> list[list[Hypothesis]]:
+    """found's hypotheses (by source index) scored again by CTranslate2's scorer in one asynchronous call split
+    into batches of about tokens_per_batch: ours, each token's and EOS's log-probability normalised over the
+    whole vocabulary, divided by our length penalty."""
+    pairs = [(sources[i], h.tokens) for i, hyps in found.items() for h in hyps]
+    if not pairs:
+        return []
+    pending = iter(
+        translator.score_batch(
+            [source for source, _ in pairs],
+            [vocab.pieces(tokens) for _, tokens in pairs],
+            max_batch_size=tokens_per_batch,
+            batch_type="tokens",
+            max_input_length=0,
+            asynchronous=True,
+        )
+    )
+    return [
+        [
+            Hypothesis(h.tokens, sum(next(pending).result().log_probs) / length_penalty(len(h.tokens) + 1, lenpen))
+            for h in hyps
+        ]
+        for hyps in found.values()
+    ]
 
 
 def _without_eos(ids: list[int]) -> list[int]:
@@ -376,21 +482,24 @@ class Translator:
             )
 
     def search(
-        self, src_ids: Sequence[Sequence[int]], settings: SearchSettings | None = None
+        self, src_ids: Sequence[Sequence[int]], settings: SearchSettings | None = None, scores: bool = True
     ) -> list[list[Hypothesis]]:
         """Per source (subword ids), its settings.nbest best hypotheses, through this translator's engine.
         settings: this translator's, or a variant of them (serve's request beam and n-best: dataclasses.replace
-        of these; their dtype and engine are this translator's whatever they say)."""
+        of these; their dtype and engine are this translator's whatever they say). scores=False: the caller uses
+        only the tokens, which spares CTranslate2 a scoring pass (ctranslate2_search); ours scores either way."""
         settings = self.settings if settings is None else settings
         if self.ct2 is not None:
-            return ctranslate2_search(self.ct2, self.vocab, src_ids, settings, self.cfg.model.max_positions)
+            return ctranslate2_search(self.ct2, self.vocab, src_ids, settings, self.cfg.model.max_positions, scores)
         return search_ids(self.model, src_ids, settings, self.device)
 
-    def translate_nbest(self, lines: Sequence[str], nbest: int | None = None) -> list[list[tuple[float, str]]]:
-        """Per line, up to `nbest` (default settings.nbest) (score, translation) pairs, best first."""
-        return self.texts(
-            self.search(self.encode(lines), None if nbest is None else replace(self.settings, nbest=nbest))
-        )
+    def translate_nbest(
+        self, lines: Sequence[str], nbest: int | None = None, scores: bool = True
+    ) -> list[list[tuple[float, str]]]:
+        """Per line, up to `nbest` (default settings.nbest) (score, translation) pairs, best first. scores=False:
+        the caller shows no score (search())."""
+        settings = None if nbest is None else replace(self.settings, nbest=nbest)
+        return self.texts(self.search(self.encode(lines), settings, scores))
 
     def texts(self, found: Sequence[Sequence[Hypothesis]]) -> list[list[tuple[float, str]]]:
         """search()'s hypotheses as (score, translation) pairs, one line each."""
@@ -400,4 +509,4 @@ class Translator:
         ]
 
     def translate(self, lines: Sequence[str]) -> list[str]:
-        return [hyps[0][1] for hyps in self.translate_nbest(lines, 1)]
+        return [hyps[0][1] for hyps in self.translate_nbest(lines, 1, scores=False)]

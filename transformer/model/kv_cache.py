@@ -14,10 +14,11 @@ import torch
 class KVCache:
     """Keys/values of one attention layer, (R, H, T, Dh) each, for incremental decoding.
 
-    Self-attention K/V grow by one position per step. They live in buffers with spare positions, so a step
-    writes its position in place, and reordering rows (beam search, finished sentences leaving) copies the
-    filled part once, straight into a new buffer with room again: torch.cat per step and index_select per
-    reorder copied the whole cache twice a step (docs/benchmarks/log.md, "Decoding on a CPU")."""
+    Self-attention K/V grow by one position per step. They live in buffers with spare positions (and, once rows
+    have left, spare rows), so a step writes its position in place, and reordering rows (beam search, finished
+    sentences leaving) moves only the rows that change, in place: torch.cat per step and index_select per reorder
+    copied the whole cache twice a step (docs/benchmarks/log.md, "Decoding on a CPU"), and a copy of every row
+    into a new buffer per step still read and wrote all of it, most of it rows that stay where they are."""
 
     SPARE = 8  # positions of room a new buffer gets beyond what it holds
 
@@ -28,13 +29,13 @@ class KVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Add new positions (R, H, t, Dh) after the ones held."""
         held = 0 if self.k is None else self.k.size(2)
-        end = held + k.size(2)
+        end, rows = held + k.size(2), k.size(0)
         if self._buffers is None or self._buffers[0].size(2) < end:
             size = end + max(self.SPARE, end)  # doubling: a long run without reorders re-buffers log(T) times
             self._buffers = (self._room(self.k, k, size), self._room(self.v, v, size))
         for buffer, new in zip(self._buffers, (k, v)):
-            buffer[:, :, held:end] = new
-        self.k, self.v = (buffer[:, :, :end] for buffer in self._buffers)
+            buffer[:rows, :, held:end] = new
+        self.k, self.v = (buffer[:rows, :, :end] for buffer in self._buffers)
 
     @staticmethod
     def _room(old: torch.Tensor | None, new: torch.Tensor, size: int) -> torch.Tensor:
@@ -45,14 +46,25 @@ class KVCache:
         return buffer
 
     def keep_rows(self, index: torch.Tensor) -> None:
-        """Keep rows `index`, in that order; one copy, into buffers with room to grow."""
+        """Keep rows `index`, in that order. On a CPU, when they fit the buffers: in place, copying only the rows
+        whose content changes (through a copy of what they take, so no row is overwritten before it is read);
+        otherwise one copy into new buffers with room to grow."""
         if self.k is None:
             return
-        held = self.k.size(2)
+        held, rows = self.k.size(2), index.numel()
+        if self._in_place(index):
+            moved = (index != torch.arange(rows)).nonzero().squeeze(1)  # row i takes row index[i]
+            if moved.numel():
+                taken = index.index_select(0, moved)
+                for buffer in self._buffers:
+                    filled = buffer[:, :, :held]
+                    filled.index_copy_(0, moved, filled.index_select(0, taken))
+            self.k, self.v = (buffer[:rows, :, :held] for buffer in self._buffers)
+            return
         buffers = []
         for filled in (self.k, self.v):
             heads, d_head = filled.size(1), filled.size(3)
-            buffer = filled.new_empty(index.numel(), heads, held + self.SPARE, d_head)
+            buffer = filled.new_empty(rows, heads, held + self.SPARE, d_head)
             if filled.requires_grad:  # out= cannot record a gradient: gather, then copy
                 buffer[:, :, :held] = filled.index_select(0, index)
             else:
@@ -60,6 +72,16 @@ class KVCache:
             buffers.append(buffer)
         self._buffers = (buffers[0], buffers[1])
         self.k, self.v = (buffer[:, :, :held] for buffer in self._buffers)
+
+    def _in_place(self, index: torch.Tensor) -> bool:
+        """Whether keep_rows(index) can move rows inside the buffers: on a CPU (the rows that change are found on
+        the host, which on CUDA would wait for the device), without autograd, and no more rows than they hold."""
+        return (
+            self._buffers is not None
+            and index.device.type == "cpu"
+            and not self.k.requires_grad
+            and index.numel() <= self._buffers[0].size(0)
+        )
 
 
 @dataclass
