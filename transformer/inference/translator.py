@@ -16,7 +16,7 @@ import torch
 
 from transformer.data.batch import prepare_sources, source_limit
 from transformer.data.batching import pack_by_size
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
+from transformer.data.vocab import AnyVocab
 from transformer.device import auto_precision, bounded_onednn_caches, native_bf16, pick_device
 from transformer.errors import UserError
 from transformer.inference.search import Hypothesis, SearchResult, length_penalty, max_output_lengths, search
@@ -111,7 +111,7 @@ def search_batches(
     batches = source_batches(src_ids, model.cfg.max_positions, settings.max_tokens, workers)
 
     def run(batch: list[int]) -> SearchResult:
-        src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
+        src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions, model.specials)  # (B, S)
         return search(
             model,
             src.to(device),
@@ -120,6 +120,7 @@ def search_batches(
             settings.max_len_offset,
             settings.nbest,
             settings.stop,
+            lenpen_kind=settings.lenpen_kind,
         )
 
     if workers == 1 or len(batches) == 1:
@@ -159,7 +160,7 @@ def translate_ids(model, src_ids: list[list[int]], settings: SearchSettings, dev
 
 
 def ctranslate2_search(
-    translator, vocab: Vocab, src_ids: Sequence[Sequence[int]], settings: SearchSettings, max_positions: int
+    translator, vocab: AnyVocab, src_ids: Sequence[Sequence[int]], settings: SearchSettings, max_positions: int
 ) -> list[list[Hypothesis]]:
     """search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
     limits and score definition; like ours, it never emits BOS or PAD (suppressed). settings.stop, .dtype and
@@ -187,7 +188,8 @@ def ctranslate2_search(
     beam, lenpen, nbest = settings.beam, settings.lenpen, settings.nbest
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     limit = source_limit(max_positions)
-    suppress = [[piece] for piece in vocab.pieces([BOS_ID, PAD_ID])]
+    specials = vocab.specials
+    suppress = [[piece] for piece in vocab.pieces(sorted({specials.bos, specials.pad}))]
     returned = nbest if lenpen == 0 else beam
     translating = []  # per call: its indices, sources, length limit and pending results
     for batch in source_batches(src_ids, max_positions, settings.max_tokens, translator.num_translators):
@@ -218,7 +220,7 @@ def ctranslate2_search(
         # count it, as ours does: else an empty output would rank last, divided by 0**lenpen), those the limit
         # ended have max_len tokens.
         found = [
-            [_without_eos(vocab.piece_ids(pieces))[:max_len] for pieces in result.result().hypotheses]
+            [_without_eos(vocab.piece_ids(pieces), specials.eos)[:max_len] for pieces in result.result().hypotheses]
             for result in pending
         ]
         pairs = [(source, tokens) for source, hyps in zip(sources, found) for tokens in hyps]
@@ -230,14 +232,18 @@ def ctranslate2_search(
         pending = iter(scores)
         for i, hyps in zip(indices, found):  # log_probs: each token's and EOS's, normalised over the vocabulary
             scored = [
-                Hypothesis(t, sum(next(pending).result().log_probs) / length_penalty(len(t) + 1, lenpen)) for t in hyps
+                Hypothesis(
+                    t,
+                    sum(next(pending).result().log_probs) / length_penalty(len(t) + 1, lenpen, settings.lenpen_kind),
+                )
+                for t in hyps
             ]
             out[i] = sorted(scored, key=lambda h: h.score, reverse=True)[:nbest]
     return out
 
 
-def _without_eos(ids: list[int]) -> list[int]:
-    return ids[:-1] if ids and ids[-1] == EOS_ID else ids
+def _without_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == eos else ids
 
 
 def same_limit(max_lens: Sequence[int]) -> list[tuple[int, list[int]]]:

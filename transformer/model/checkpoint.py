@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from transformer.config import Config, from_dict
-from transformer.data.vocab import Vocab
+from transformer.data.vocab import AnyVocab, vocab_from_stored
 from transformer.errors import UserError, first_line
 from transformer.files import atomic_write
 from transformer.model.transformer import Transformer
@@ -44,7 +44,7 @@ WEIGHT_KEYS = ("config", "vocab", "model")
 RESUMABLE_KEYS = WEIGHT_KEYS + ("optimizer", "scaler", "rng", "run")
 
 
-def weights_checkpoint(config: dict, vocab: bytes, model: dict, **about) -> dict:
+def weights_checkpoint(config: dict, vocab: bytes | dict, model: dict, **about) -> dict:
     """A checkpoint that translate, evaluate and attention load; `about` records where it came from."""
     return {"config": config, "vocab": vocab, "model": model, **about}
 
@@ -67,11 +67,11 @@ def resolve_checkpoint(run_dir_or_file: str | Path) -> Path:
     return p
 
 
-def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer, Vocab, Config]:
+def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer, AnyVocab, Config]:
     """Rebuild the model exactly as trained, from the config and vocabulary the checkpoint carries."""
     cfg = from_dict(state["config"])
-    vocab = Vocab(state["vocab"])
-    model = Transformer(cfg.model, len(vocab))
+    vocab = vocab_from_stored(state["vocab"])
+    model = Transformer(cfg.model, len(vocab), vocab.specials)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
@@ -94,5 +94,5 @@ def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer
     return model.to(device).eval(), vocab, cfg
 
 
-def load_model(run_dir_or_file: str | Path, device: Any = "cpu") -> tuple[Transformer, Vocab, Config]:
+def load_model(run_dir_or_file: str | Path, device: Any = "cpu") -> tuple[Transformer, AnyVocab, Config]:
     return model_from_checkpoint(load_checkpoint(resolve_checkpoint(run_dir_or_file)), device)

@@ -20,7 +20,7 @@ from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.batch import Batch
 from transformer.data.batching import BatchStream, Prefetcher, Update, eval_batches
 from transformer.data.store import Store, open_prepared, prepare
-from transformer.data.vocab import Vocab
+from transformer.data.vocab import AnyVocab, run_vocab, vocab_from_stored
 from transformer.device import (
     Peak,
     autocast_context,
@@ -84,7 +84,7 @@ class Run:
     precision: str  # fp32, bf16 or fp16: train.precision with `auto` resolved for this device
     run_dir: Path
     command: str  # what continues the run after a stop
-    vocab: Vocab
+    vocab: AnyVocab
     store: Store
     valid: list[Batch]
     model: Transformer
@@ -115,7 +115,7 @@ def prepare_only(cfg: Config) -> Path:
         # A run in progress keeps the vocabulary its checkpoint carries; a new run from a trained model takes its.
         vocab, origin = None, None
         if saved.is_file():
-            vocab = Vocab(load_checkpoint(saved)["vocab"])
+            vocab = vocab_from_stored(load_checkpoint(saved)["vocab"])
         elif cfg.train.init_from:
             cfg, origin = init_from.start(cfg)
             vocab = origin.vocab
@@ -264,10 +264,12 @@ def start(
 
 def load_data(
     cfg: Config, info: DistInfo, run_dir: Path, saved: dict | None, quiet: bool, origin: Origin | None = None
-) -> tuple[Vocab, Store]:
+) -> tuple[AnyVocab, Store]:
     """Rank 0 trains or reuses the SentencePiece model (takes the one of the model the run starts from) and builds or
     reuses the memory-mapped store; the other ranks wait, then map the same files."""
-    saved_vocab = Vocab(saved["vocab"]) if saved is not None else origin.vocab if origin is not None else None
+    saved_vocab = (
+        vocab_from_stored(saved["vocab"]) if saved is not None else origin.vocab if origin is not None else None
+    )
     if info.is_main:
         if origin is not None:
             init_from.install_vocab(run_dir, origin.vocab)
@@ -275,7 +277,7 @@ def load_data(
         if origin is not None:
             init_from.fit_report(cfg, origin)
     barrier(info)
-    vocab = saved_vocab or Vocab.load(RunDir(run_dir).vocab)
+    vocab = saved_vocab or run_vocab(run_dir)
     if not info.is_main:
         store = open_prepared(cfg, run_dir, vocab)
     if info.is_main and len(vocab) != cfg.data.vocab_size:  # so that config.yaml does not misstate it
@@ -305,7 +307,8 @@ class TrainingLoss(nn.Module):
 
     def forward(self, src, tgt_in, tgt_out, src_mask, tgt_mask) -> torch.Tensor:
         """The loss summed over the batch's target tokens (optim.label_smoothed_loss)."""
-        return label_smoothed_loss(self.model(src, tgt_in, src_mask, tgt_mask), tgt_out, self.smoothing)
+        logits = self.model(src, tgt_in, src_mask, tgt_mask)
+        return label_smoothed_loss(logits, tgt_out, self.smoothing, self.model.pad_id)
 
 
 def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
@@ -320,7 +323,7 @@ def build(
     device: torch.device,
     run_dir: Path,
     command: str,
-    vocab: Vocab,
+    vocab: AnyVocab,
     store: Store,
     saved: dict | None,
     started: float,
@@ -332,7 +335,7 @@ def build(
     precision, why = pick_precision(t.precision, device)
     random.seed(t.seed + info.rank)
     torch.manual_seed(t.seed + info.rank)
-    model = build_model(cfg.model, len(vocab)).to(device)
+    model = build_model(cfg.model, len(vocab), vocab.specials).to(device)
     forward = TrainingLoss(model, t.label_smoothing)
     if info.enabled:
         forward = wrap_ddp(forward, device)
@@ -345,7 +348,7 @@ def build(
     )
     peak = mfu_peak(device, precision, t.peak_tflops)
     log.info("precision: %s (%s); MFU below is against %s", precision, why, peak.describe())
-    valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple)
+    valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple, vocab.specials)
     return Run(
         cfg,
         info,
@@ -461,7 +464,7 @@ def save(run: Run, path: Path, rngs: list) -> None:
     save_checkpoint(
         training_checkpoint(
             to_dict(run.cfg),
-            run.vocab.proto,
+            run.vocab.stored,
             run.model,
             run.optimizer,
             run.scaler,
@@ -550,6 +553,7 @@ def update_loop(run: Run, quiet: bool) -> None:
         rank=info.rank,
         world_size=info.world_size,
         update_freq=t.update_freq,
+        specials=run.vocab.specials,
     )
     log.info(
         "model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
