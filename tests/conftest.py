@@ -368,11 +368,12 @@ def marian_sentences(seed: int, n: int, target: bool = False) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(2, 8))) for _ in range(n)]
 
 
-def write_marian_dir(directory: Path, seed: int = 0, init_std: float = 0.3, **config) -> Path:
+def write_marian_dir(directory: Path, seed: int = 0, init_std: float = 0.3, eos_bias: float = 3.5, **config) -> Path:
     """A small OPUS-MT-like MarianMTModel directory made as the real ones are, with save_pretrained: a SentencePiece
     model per side trained here on a corpus of its language, vocab.json numbering both sides' pieces (</s> 0, <unk>
-    1, two >>xx<< codes, <pad> last), swish, a non-zero final_logits_bias, random weights drawn wide (init_std) so
-    that outputs are peaky. `config`: MarianConfig keys that differ."""
+    1, two >>xx<< codes, <pad> last), swish, a non-zero final_logits_bias (N(0, 1), EOS's raised by eos_bias so that
+    about half the outputs end before the length limit), random weights drawn wide (init_std) so that outputs are
+    peaky. `config`: MarianConfig keys that differ."""
     import sentencepiece as spm
     import transformers
 
@@ -423,6 +424,7 @@ def write_marian_dir(directory: Path, seed: int = 0, init_std: float = 0.3, **co
     model = transformers.MarianMTModel(transformers.MarianConfig(**settings)).eval()
     with torch.no_grad():
         model.final_logits_bias.normal_(0.0, 1.0)
+        model.final_logits_bias[0, 0] += eos_bias
     model.generation_config = transformers.GenerationConfig(
         bad_words_ids=[[pad]],
         bos_token_id=0,

@@ -195,8 +195,10 @@ def our_weights(tensors: dict[str, torch.Tensor], cfg: Config, where: Path) -> d
 
     shared = ("model.shared.weight",) if m.share_embeddings else ()
     out["src_embed.weight"] = take("model.encoder.embed_tokens.weight", *shared)
-    if not m.share_embeddings:
-        out["tgt_embed.weight"] = take("model.decoder.embed_tokens.weight")
+    # One matrix under each name it has in our state_dict (shared or tied modules list it under both).
+    out["tgt_embed.weight"] = (
+        out["src_embed.weight"] if m.share_embeddings else take("model.decoder.embed_tokens.weight")
+    )
     for name in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", *shared):
         if name in tensors and m.share_embeddings:  # one matrix stored under several names: it must be one
             used.add(name)
@@ -205,9 +207,9 @@ def our_weights(tensors: dict[str, torch.Tensor], cfg: Config, where: Path) -> d
     if m.tie_output:
         if "lm_head.weight" in tensors:
             used.add("lm_head.weight")
-            target = out.get("tgt_embed.weight", out["src_embed.weight"])
-            if not torch.equal(tensors["lm_head.weight"], target):
+            if not torch.equal(tensors["lm_head.weight"], out["tgt_embed.weight"]):
                 raise UserError(f"import hf: {where}: lm_head.weight differs from the embeddings it is tied to")
+        out["output.weight"] = out["tgt_embed.weight"]
     else:
         out["output.weight"] = take("lm_head.weight")
     table = positions.marian_table(m.d_model, m.max_positions)
@@ -284,13 +286,16 @@ def imported(hf_dir: Path, run_dir: Path) -> tuple[Config, MarianVocab, dict[str
     except UserError as e:
         raise UserError(f"import hf: {hf_dir}: its settings make no model of ours ({e})") from None
     weights = our_weights(tensors, cfg, path)
-    model_state = Transformer(cfg.model, len(vocab), vocab.specials).state_dict()
-    for name, tensor in weights.items():
-        if name not in model_state or model_state[name].shape != tensor.shape:
-            expected = tuple(model_state[name].shape) if name in model_state else "none"
+    model = Transformer(cfg.model, len(vocab), vocab.specials)
+    for name, tensor in model.state_dict().items():
+        if name not in weights or weights[name].shape != tensor.shape:
+            found = tuple(weights[name].shape) if name in weights else "none"
             raise UserError(
-                f"import hf: {path}: {name} has shape {tuple(tensor.shape)}, config.json's model needs {expected}"
+                f"import hf: {path}: {name} should have shape {tuple(tensor.shape)} for config.json's model, "
+                f"it has {found}"
             )
+    model.load_state_dict(weights)  # the shapes checked above: strict loading cannot fail now
+    weights = model.state_dict()  # shared and tied matrices shared again, as a model of ours saves them
     notes = []
     if generation.get("renormalize_logits"):
         notes.append(
