@@ -359,7 +359,6 @@ def copy_model(tmp_path_factory) -> Path:
 # --------------------------------------------------------------------------- Hugging Face MarianMTModel directories
 
 MARIAN_SOURCE_WORDS, MARIAN_TARGET_WORDS = WORDS[:17], WORDS[17:]  # the German-like and the English-like words
-MARIAN_CODES = (">>fra<<", ">>deu<<")  # a multilingual model's target-language codes, pieces of vocab.json
 
 
 def marian_sentences(seed: int, n: int, target: bool = False) -> list[str]:
@@ -368,40 +367,14 @@ def marian_sentences(seed: int, n: int, target: bool = False) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(2, 8))) for _ in range(n)]
 
 
-def write_marian_dir(directory: Path, seed: int = 0, init_std: float = 0.3, eos_bias: float = 3.5, **config) -> Path:
-    """A small OPUS-MT-like MarianMTModel directory made as the real ones are, with save_pretrained: a SentencePiece
-    model per side trained here on a corpus of its language, vocab.json numbering both sides' pieces (</s> 0, <unk>
-    1, two >>xx<< codes, <pad> last), swish, a non-zero final_logits_bias (N(0, 1), EOS's raised by eos_bias so that
-    about half the outputs end before the length limit), random weights drawn wide (init_std) so that outputs are
-    peaky. `config`: MarianConfig keys that differ."""
-    import sentencepiece as spm
-    import transformers
+def write_marian_dir(directory: Path, seed: int = 0, **config) -> Path:
+    """A small OPUS-MT-like MarianMTModel directory, made as scripts/make_marian_dir.py makes the real-size one (a
+    SentencePiece model per side trained here, vocab.json of both sides' pieces and two >>xx<< codes, swish, a
+    non-zero final_logits_bias with EOS's raised so that about half the outputs end before the length limit, wide
+    random weights). `config`: MarianConfig keys that differ from these tiny ones."""
+    from scripts.make_marian_dir import write_marian_dir as write
 
-    directory.mkdir(parents=True, exist_ok=True)
-    spms = {}
-    for name, target in (("source.spm", False), ("target.spm", True)):
-        model = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(marian_sentences(seed + target, 400, target)),
-            model_writer=model,
-            vocab_size=40,
-            model_type="unigram",
-            hard_vocab_limit=False,
-            minloglevel=2,
-        )
-        (directory / name).write_bytes(model.getvalue())
-        spms[name] = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    pieces = ["</s>", "<unk>", *MARIAN_CODES]
-    for sp in spms.values():
-        pieces += [
-            p for p in (sp.id_to_piece(i) for i in range(sp.get_piece_size())) if p not in pieces and p[0] != "<"
-        ]
-    pieces.append("<pad>")
-    (directory / "vocab.json").write_text(json.dumps({p: i for i, p in enumerate(pieces)}, ensure_ascii=False))
-    pad = len(pieces) - 1
-    settings = {
-        "vocab_size": len(pieces),
-        "decoder_vocab_size": len(pieces),
+    tiny = {
         "d_model": 32,
         "encoder_layers": 2,
         "decoder_layers": 2,
@@ -410,42 +383,9 @@ def write_marian_dir(directory: Path, seed: int = 0, init_std: float = 0.3, eos_
         "encoder_ffn_dim": 64,
         "decoder_ffn_dim": 64,
         "max_position_embeddings": 64,
-        "activation_function": "swish",
-        "pad_token_id": pad,
-        "eos_token_id": 0,
-        "bos_token_id": 0,
-        "forced_eos_token_id": 0,
-        "decoder_start_token_id": pad,
-        "scale_embedding": True,
-        "init_std": init_std,
-        **config,
     }
-    torch.manual_seed(seed)
-    model = transformers.MarianMTModel(transformers.MarianConfig(**settings)).eval()
-    with torch.no_grad():
-        model.final_logits_bias.normal_(0.0, 1.0)
-        model.final_logits_bias[0, 0] += eos_bias
-    model.generation_config = transformers.GenerationConfig(
-        bad_words_ids=[[pad]],
-        bos_token_id=0,
-        decoder_start_token_id=pad,
-        eos_token_id=0,
-        forced_eos_token_id=0,
-        max_length=64,
-        num_beams=4,
-        pad_token_id=pad,
-        renormalize_logits=True,
-    )
-    model.save_pretrained(directory)
-    tokenizer = transformers.MarianTokenizer(
-        source_spm=str(directory / "source.spm"),
-        target_spm=str(directory / "target.spm"),
-        vocab=str(directory / "vocab.json"),
-        source_lang="de",
-        target_lang="en",
-    )
-    tokenizer.save_pretrained(directory)
-    return directory
+    sources, targets = marian_sentences(seed, 400), marian_sentences(seed + 1, 400, target=True)
+    return write(directory, sources, targets, seed=seed, **{**tiny, **config})
 
 
 @pytest.fixture(scope="session")

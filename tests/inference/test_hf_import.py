@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import MARIAN_CODES, marian_sentences, write_marian_dir
+from scripts.make_marian_dir import CODES as MARIAN_CODES
+from tests.conftest import marian_sentences, write_marian_dir
 from transformer.data.batch import Batch, prepare_sources
 from transformer.data.vocab import MarianVocab
 from transformer.inference.hf_export import export_hf
