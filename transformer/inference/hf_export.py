@@ -110,7 +110,7 @@ def generation_config(cfg: Config, vocab: AnyVocab) -> dict:
     """generation_config.json: our decode settings in `generate`'s terms. Their length penalty divides a hypothesis's
     summed log-probability by length ** length_penalty, which is ours with decode.lenpen_kind "length"; GNMT's
     ((5 + length) / 6) ** lenpen (both count the tokens with EOS) has the same alpha but not the same normalisation
-    unless it is 0 (docs/fine-tuning.md). Our exact stop rule is their early_stopping "never", our early one their
+    unless it is 0 (docs/opus-mt.md). Our exact stop rule is their early_stopping "never", our early one their
     True, our hf their False. generate has no per-source limit (ours: source length + decode.max_len_offset):
     max_length is the model's own, BOS and EOS included."""
     d, specials = cfg.decode, vocab.specials
