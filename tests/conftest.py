@@ -59,8 +59,8 @@ def change_training_loss(monkeypatch, change) -> list:
 
     real, seen = loop.label_smoothed_loss, []
 
-    def changed(logits, target, smoothing):
-        loss = real(logits, target, smoothing)
+    def changed(logits, target, smoothing, pad_id=PAD_ID):
+        loss = real(logits, target, smoothing, pad_id)
         seen.append(loss)
         return change(len(seen), loss)
 
@@ -386,6 +386,13 @@ def write_marian_dir(directory: Path, seed: int = 0, **config) -> Path:
     }
     sources, targets = marian_sentences(seed, 400), marian_sentences(seed + 1, 400, target=True)
     return write(directory, sources, targets, seed=seed, **{**tiny, **config})
+
+
+@pytest.fixture
+def hf_offline(monkeypatch):
+    """transformers and the hub client read local files alone: a request to the hub fails the test."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")

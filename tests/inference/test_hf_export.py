@@ -29,11 +29,7 @@ LINES = sentences(7, 24)  # the source sentences every comparison translates
 OFFSET = 4  # translation_config's decode.max_len_offset
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """Every load here reads the export alone: a request to the hub would fail the test."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("hf_offline")  # every load here reads the export alone
 
 
 def train_copy_model(path: Path, **model) -> Path:

@@ -19,13 +19,8 @@ from transformer.model.checkpoint import load_checkpoint
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+pytestmark = pytest.mark.usefixtures("hf_offline")
 LINES = marian_sentences(11, 10)
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +53,9 @@ def test_translate_and_evaluate_take_the_imported_run(imported, corpus, call):
     )
     assert status == 0 and "BLEU" in out + err, err
     assert any((imported / "eval").iterdir())
+    long_line = " ".join(["ein mann"] * 40)  # past the model's own limit, max_positions 64
+    status, out, err = call("translate", imported, long_line, "--dtype", "fp32")
+    assert status == 0 and "truncated to the first 62 subwords (model.max_positions - 2)" in err
 
 
 def test_ctranslate2_greedy_is_ours(imported, ctranslate2, tmp_path, call):
