@@ -30,6 +30,15 @@ engine's beam outputs can differ from ours (its own stop rule and penalty: ctran
 weights; `pip install -e '.[bench]'`) is forced to run exactly as many decoder steps per batch as our first
 setting of that beam (min_new_tokens = max_new_tokens); ours also drops finished sentences from the batch, Marian
 keeps every row.
+
+An imported OPUS-MT model (`transformer import hf HF_DIR RUN_DIR`; scripts/make_marian_dir.py builds one at the
+real size): --checkpoint RUN_DIR --hf-dir HF_DIR runs MarianMTModel.generate on HF_DIR itself (its weights, its
+generation_config, our beam and length penalty, each stop rule's early_stopping; outputs scored like ours, one limit
+per batch: the longest of our per-sentence limits), and --ct2-hf adds CTranslate2 converted from HF_DIR by its own
+TransformersConverter (offline; once, into --ct2-hf-out), in --ct2-dtype's compute types, on the same source pieces:
+
+    python scripts/bench_decode.py test.de --checkpoint RUN_DIR --hf-dir HF_DIR --ct2-hf --beam 4 --stop hf \
+        --dtype fp32 bf16 int8 --json bench.json
 """
 
 from __future__ import annotations
@@ -47,7 +56,6 @@ import torch
 
 from transformer.data.batch import prepare_sources, source_limit
 from transformer.data.corpus import read_lines
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from transformer.device import cpu_description
 from transformer.inference.scoring import bleu_chrf
 from transformer.inference.settings import STOP_RULES, SearchFlags, SearchSettings, search_settings
@@ -103,7 +111,7 @@ def count_steps(model, src_ids, settings: SearchSettings, device):
 def build_marian(model, vocab_size: int, device: torch.device):
     from transformers import MarianConfig, MarianMTModel
 
-    c = model.cfg
+    c, specials = model.cfg, model.specials
     config = MarianConfig(
         vocab_size=vocab_size,
         decoder_vocab_size=vocab_size,
@@ -120,9 +128,9 @@ def build_marian(model, vocab_size: int, device: torch.device):
         dropout=0.0,
         attention_dropout=0.0,
         activation_dropout=0.0,
-        pad_token_id=PAD_ID,
-        eos_token_id=EOS_ID,
-        decoder_start_token_id=BOS_ID,
+        pad_token_id=specials.pad,
+        eos_token_id=specials.eos,
+        decoder_start_token_id=specials.bos,
         forced_eos_token_id=None,
         share_encoder_decoder_embeddings=c.share_embeddings,
         tie_word_embeddings=c.tie_output,
@@ -136,7 +144,7 @@ def run_marian(marian, tensors, steps: list[int], beam: int) -> None:
         for src, n in zip(tensors, steps):
             marian.generate(
                 input_ids=src,
-                attention_mask=(src != PAD_ID).long(),
+                attention_mask=(src != marian.config.pad_token_id).long(),
                 num_beams=beam,
                 do_sample=False,
                 min_new_tokens=n,
@@ -145,6 +153,72 @@ def run_marian(marian, tensors, steps: list[int], beam: int) -> None:
                 early_stopping=False,
                 num_return_sequences=1,
             )
+
+
+# Our stop rule -> generate's early_stopping (--hf-dir): the rule of each that matches ours.
+EARLY_STOPPING = {"exact": "never", "early": True, "hf": False}
+
+
+def batch_limits(src_ids, batches, settings: SearchSettings, max_positions: int) -> list[int]:
+    """Per batch, the longest of its sentences' output limits (search.max_output_lengths): one call's limit."""
+    from transformer.inference.search import max_output_lengths
+
+    return [
+        int(
+            max_output_lengths(
+                torch.tensor([len(src_ids[i]) + 1 for i in b]), settings.max_len_offset, max_positions
+            ).max()
+        )
+        for b in batches
+    ]
+
+
+def run_generate(marian, tensors, batches, limits, settings: SearchSettings, n: int) -> list[list[int]]:
+    """generate() on each batch with our beam, length penalty and the stop rule's early_stopping (the rest from the
+    directory's generation_config): outputs by sentence, without start, EOS and padding."""
+    c = marian.config
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    with torch.inference_mode():
+        for src, batch, limit in zip(tensors, batches, limits):
+            found = marian.generate(
+                input_ids=src,
+                attention_mask=(src != c.pad_token_id).long(),
+                num_beams=settings.beam,
+                length_penalty=settings.lenpen,
+                early_stopping=EARLY_STOPPING[settings.stop],
+                max_length=limit + 2,  # the start token, `limit` tokens and EOS
+                do_sample=False,
+            )
+            for i, row in zip(batch, found.tolist()):
+                outputs[i] = [t for t in row[1:] if t not in (c.pad_token_id, c.eos_token_id)]
+    return outputs
+
+
+def convert_hf_ct2(hf_dir: str, out_dir: str) -> str:
+    """CTranslate2's own conversion of a MarianMTModel directory (its TransformersConverter), once: a directory that
+    holds model.bin already is taken as it is."""
+    if not (Path(out_dir) / "model.bin").is_file():
+        from ctranslate2.converters import TransformersConverter
+
+        TransformersConverter(hf_dir).convert(out_dir, force=True)
+    return out_dir
+
+
+def run_ct2_hf(translator, vocab, src_ids, batches, limits, settings: SearchSettings) -> list[list[int]]:
+    """CTranslate2 (converted from the HF directory) on our source pieces, batch by batch: outputs by sentence."""
+    outputs: list[list[int]] = [[] for _ in range(len(src_ids))]
+    for batch, limit in zip(batches, limits):
+        found = translator.translate_batch(
+            [vocab.pieces(src_ids[i]) for i in batch],
+            beam_size=settings.beam,
+            length_penalty=settings.lenpen,
+            max_decoding_length=limit,
+            min_decoding_length=0,
+            max_input_length=0,
+        )
+        for i, result in zip(batch, found):
+            outputs[i] = vocab.piece_ids(result.hypotheses[0])
+    return outputs
 
 
 def score(row: dict, outputs, reference_outputs, vocab, refs) -> None:
@@ -192,10 +266,27 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
     marian = None
     if not args.no_hf:
         try:
-            marian = build_marian(base.model, len(vocab), device)
+            if args.hf_dir:  # the directory an imported model came from: its own weights and generation settings
+                from transformers import MarianMTModel
+
+                marian = MarianMTModel.from_pretrained(args.hf_dir).to(device).eval()
+            else:
+                marian = build_marian(base.model, len(vocab), device)
         except ImportError:
             print("transformers is not installed: no Marian comparison (pip install -e '.[bench]')", file=sys.stderr)
-    tensors = [prepare_sources([src_ids[i] for i in b], cfg.model.max_positions)[0].to(device) for b in batches]
+    ct2_hf = {}
+    if args.ct2_hf:
+        import ctranslate2
+
+        converted = convert_hf_ct2(args.hf_dir, args.ct2_hf_out)
+        ct2_hf = {
+            d: ctranslate2.Translator(converted, device=device.type, compute_type=CT2_COMPUTE_TYPES[d])
+            for d in args.ct2_dtype
+        }
+    specials = base.model.specials
+    tensors = [
+        prepare_sources([src_ids[i] for i in b], cfg.model.max_positions, specials)[0].to(device) for b in batches
+    ]
     # CTranslate2 itself's input, cut where our engines cut it (the model has no positions beyond)
     pieces = [vocab.pieces(ids[: source_limit(cfg.model.max_positions)]) for ids in src_ids]
 
@@ -258,7 +349,47 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
                 if impl == "ctranslate2_itself":  # how it was called
                     row.update(max_batch_tokens=batch_tokens, max_decoding_length=cfg.model.max_positions - 1)
                 settings.append({"row": row, "warm_up": run, "timed_pass": run})
-        if marian is not None:  # as many steps per batch as our first setting took (warmed up before it)
+        hf_settings = replace(search_settings(dec), beam=beam, stop=stops[0], max_tokens=max_tokens)
+        limits = batch_limits(src_ids, batches, hf_settings, cfg.model.max_positions)
+        for dtype, translator in ct2_hf.items():  # CTranslate2's conversion of the HF directory
+
+            def ct2_hf_pass(translator=translator):
+                return run_ct2_hf(translator, vocab, src_ids, batches, limits, hf_settings)
+
+            settings.append(
+                {
+                    "row": {
+                        "device": device_name,
+                        "beam": beam,
+                        "impl": "ct2_from_hf",
+                        "stop": "ctranslate2",
+                        "dtype": dtype,
+                        "workers": 1,
+                    },
+                    "warm_up": ct2_hf_pass,
+                    "timed_pass": ct2_hf_pass,
+                }
+            )
+        if marian is not None and args.hf_dir:  # generate() on the directory's model, under the first stop rule's
+
+            def generate_pass():
+                return run_generate(marian, tensors, batches, limits, hf_settings, len(src_ids))
+
+            settings.append(
+                {
+                    "row": {
+                        "device": device_name,
+                        "beam": beam,
+                        "impl": "hf_generate",
+                        "stop": stops[0],
+                        "dtype": "fp32",
+                        "workers": 1,
+                    },
+                    "warm_up": generate_pass,
+                    "timed_pass": generate_pass,
+                }
+            )
+        elif marian is not None:  # as many steps per batch as our first setting took (warmed up before it)
 
             def marian_pass():
                 run_marian(marian, tensors, first["steps"], beam)
@@ -281,8 +412,10 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
 
         for setting in settings:
             row, times, result = setting["row"], setting["times"], setting["result"]
-            # Marian searches the first setting's batches in one process (workers 1).
-            searched = batches if row["impl"] == "hf_marian" else batches_for[row["workers"]]
+            # Marian and the HF directory's engines search the first setting's batches in one process (workers 1).
+            searched = (
+                batches if row["impl"] in ("hf_marian", "hf_generate", "ct2_from_hf") else batches_for[row["workers"]]
+            )
             row.update(
                 sentences=len(src_ids),
                 batches=len(searched),
@@ -294,7 +427,7 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
             if row["impl"] == "ours":
                 outputs, batch_steps, sentence_steps = result
                 row.update(decoder_steps=sum(batch_steps), steps_per_sentence=statistics.mean(sentence_steps))
-            elif row["impl"].startswith("ctranslate2"):
+            elif row["impl"].startswith("ctranslate2") or row["impl"] in ("hf_generate", "ct2_from_hf"):
                 outputs = result
             else:  # Marian has random weights: no outputs worth scoring
                 row["decoder_steps"] = sum(first["steps"])
@@ -361,8 +494,8 @@ def main() -> None:
         "--stop",
         nargs="+",
         choices=STOP_RULES,
-        default=list(STOP_RULES),
-        help="beam-search stop rules to time (default: exact early)",
+        default=["exact", "early"],
+        help="beam-search stop rules to time (default: exact early; hf: generate's, an imported model's default)",
     )
     ap.add_argument(
         "--dtype",
@@ -390,6 +523,22 @@ def main() -> None:
         help="CTranslate2 compute types with --ctranslate2 (default: fp32 int8)",
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face Marian comparison")
+    ap.add_argument(
+        "--hf-dir",
+        metavar="DIR",
+        help="the MarianMTModel directory --checkpoint was imported from: generate() runs on it (its weights)",
+    )
+    ap.add_argument(
+        "--ct2-hf",
+        action="store_true",
+        help="with --hf-dir: also time CTranslate2 converted from it by ctranslate2's TransformersConverter",
+    )
+    ap.add_argument(
+        "--ct2-hf-out",
+        metavar="DIR",
+        default="ct2_from_hf",
+        help="where --ct2-hf's conversion is written (reused when it holds model.bin; default ./ct2_from_hf)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for every engine (default: torch's)")
     ap.add_argument(
         "--workers",
@@ -402,6 +551,8 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args()
 
+    if args.ct2_hf and not args.hf_dir:
+        ap.error("--ct2-hf needs --hf-dir")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "all":

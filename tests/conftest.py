@@ -59,8 +59,8 @@ def change_training_loss(monkeypatch, change) -> list:
 
     real, seen = loop.label_smoothed_loss, []
 
-    def changed(logits, target, smoothing):
-        loss = real(logits, target, smoothing)
+    def changed(logits, target, smoothing, pad_id=PAD_ID):
+        loss = real(logits, target, smoothing, pad_id)
         seen.append(loss)
         return change(len(seen), loss)
 
@@ -354,6 +354,51 @@ def copy_model(tmp_path_factory) -> Path:
     train_copy_task(model, (data[step * 32 : step * 32 + 32] for step in range(100)), lr=5e-3)
     save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, root / "model.pt")
     return root / "model.pt"
+
+
+# --------------------------------------------------------------------------- Hugging Face MarianMTModel directories
+
+MARIAN_SOURCE_WORDS, MARIAN_TARGET_WORDS = WORDS[:17], WORDS[17:]  # the German-like and the English-like words
+
+
+def marian_sentences(seed: int, n: int, target: bool = False) -> list[str]:
+    rng = random.Random(seed)
+    words = MARIAN_TARGET_WORDS if target else MARIAN_SOURCE_WORDS
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(2, 8))) for _ in range(n)]
+
+
+def write_marian_dir(directory: Path, seed: int = 0, **config) -> Path:
+    """A small OPUS-MT-like MarianMTModel directory, made as scripts/make_marian_dir.py makes the real-size one (a
+    SentencePiece model per side trained here, vocab.json of both sides' pieces and two >>xx<< codes, swish, a
+    non-zero final_logits_bias with EOS's raised so that about half the outputs end before the length limit, wide
+    random weights). `config`: MarianConfig keys that differ from these tiny ones."""
+    from scripts.make_marian_dir import write_marian_dir as write
+
+    tiny = {
+        "d_model": 32,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64,
+        "max_position_embeddings": 64,
+    }
+    sources, targets = marian_sentences(seed, 400), marian_sentences(seed + 1, 400, target=True)
+    return write(directory, sources, targets, seed=seed, **{**tiny, **config})
+
+
+@pytest.fixture
+def hf_offline(monkeypatch):
+    """transformers and the hub client read local files alone: a request to the hub fails the test."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def marian_dir(tmp_path_factory) -> Path:
+    """write_marian_dir's directory (shared: read, never written)."""
+    return write_marian_dir(tmp_path_factory.mktemp("marian") / "opus-mt-tiny")
 
 
 @pytest.fixture(scope="session")

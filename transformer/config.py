@@ -33,12 +33,19 @@ class ModelConfig:
     d_ff: int = 2048  # inner width of the position-wise feed-forward
     dropout: float = 0.1  # on embeddings+positions and on each sub-layer output
     attention_dropout: float = 0.0  # on the attention probabilities
-    activation_dropout: float = 0.0  # after the ReLU inside the feed-forward
+    activation_dropout: float = 0.0  # after the activation inside the feed-forward
     max_positions: int = 1024  # longest sequence the model accepts (and the sinusoid table's length)
-    positions: Literal["sinusoidal"] = "sinusoidal"  # how positions are told apart: model/positions.py
+    # How positions are told apart (model/positions.py): "sinusoidal", the paper's sines and cosines interleaved;
+    # "marian", the same sinusoids as transformers' MarianMTModel lays them out (all sines, then all cosines).
+    positions: Literal["sinusoidal", "marian"] = "sinusoidal"
     norm: Literal["post", "pre"] = "post"  # post: the paper's Add&Norm; pre: LayerNorm before each sub-layer
     share_embeddings: bool = True  # one embedding matrix for source and target (joint vocabulary)
     tie_output: bool = True  # output projection reuses the target embedding matrix
+    # The feed-forward's non-linearity: the paper's "relu", or "swish" (SiLU, x * sigmoid(x): OPUS-MT's).
+    activation: Literal["relu", "swish"] = "relu"
+    # A bias on the output projection (Marian's final_logits_bias), trained like every other weight; the paper has none.
+    output_bias: bool = False
+    layer_norm_eps: float = 1e-5  # every LayerNorm's epsilon (torch's default, and MarianMTModel's)
 
 
 @dataclass(frozen=True)
@@ -103,18 +110,26 @@ class TrainConfig:
 # Beam search's stop rules, defined here once: decode.stop is checked against them, and
 # transformer/inference/settings.py (--stop's choices, SearchSettings) re-exports them; the rules themselves are in
 # inference/search.py. A type and its values in one: STOP_RULES is read from the Literal.
-StopRule = Literal["exact", "early"]
+StopRule = Literal["exact", "early", "hf"]
 STOP_RULES: tuple[str, ...] = typing.get_args(StopRule)
+# The forms of the length penalty (search.length_penalty): GNMT's ((5 + len) / 6) ** lenpen, or len ** lenpen
+# (transformers' and CTranslate2's), defined here once as the stop rules are.
+LenpenKind = Literal["gnmt", "length"]
+LENPEN_KINDS: tuple[str, ...] = typing.get_args(LenpenKind)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     beam: int = 4
-    lenpen: float = 0.6  # GNMT length penalty alpha
+    lenpen: float = 0.6  # the length penalty's alpha (GNMT's unless lenpen_kind says otherwise)
+    # The length penalty's form: "gnmt", ((5 + len) / 6) ** lenpen; "length", len ** lenpen (transformers' generate,
+    # which an imported OPUS-MT model's config keeps).
+    lenpen_kind: LenpenKind = "gnmt"
     max_len_offset: int = 50  # output may be source length + this many tokens
     max_tokens: int = 8192  # source tokens per translation batch
     # When beam search ends a sentence (search.py): "exact" (no live hypothesis can still win) or "early"
-    # (fairseq's: once `beam` hypotheses have finished; faster). Exact stays the default: early scored 0.26
+    # (fairseq's: once `beam` hypotheses have finished; faster), or "hf" (transformers' generate with
+    # early_stopping=False: a heuristic bound at the current length). Exact stays the default: early scored 0.26
     # test BLEU below it on Multi30k, more than the 0.1 allowed for a default (docs/benchmarks/log.md).
     stop: StopRule = "exact"
     # Searches run side by side on a CPU, each on its own batches with threads / workers of torch's threads
@@ -256,6 +271,7 @@ def validate(cfg: Config) -> None:
         (m.n_encoder_layers >= 1 and m.n_decoder_layers >= 1, "model needs at least one encoder and one decoder layer"),
         (m.d_ff >= 1, "model.d_ff must be positive"),
         (m.max_positions >= 2, "model.max_positions must be at least 2"),
+        (0 < m.layer_norm_eps < 1, f"model.layer_norm_eps must be in (0, 1), got {m.layer_norm_eps}"),
         (8 <= d.vocab_size < SPM_INT32, f"data.vocab_size must be in [8, {SPM_INT32 - 1}] (SentencePiece's range)"),
         (d.spm_max_sentences >= 0, "data.spm_max_sentences must not be negative (0 = every sentence)"),
         (d.max_len >= 1, "data.max_len must be positive"),
@@ -444,10 +460,10 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 SAVED_HEADER = "# The effective config of the run in this directory (file + --set), written by transformer train."
 
 
-def save_config(cfg: Config, path: str | Path, pieces: int | None = None) -> None:
+def save_config(cfg: Config, path: str | Path, pieces: int | None = None, header: str = SAVED_HEADER) -> None:
     """config.yaml of a run; pieces: the vocabulary's size, noted when SentencePiece made fewer than asked (the
-    setting stays as asked: a resume compares it)."""
-    comments = [SAVED_HEADER]
+    setting stays as asked: a resume compares it). header: the first line(s), `# ...` (another writer's)."""
+    comments = [header]
     if pieces is not None and pieces != cfg.data.vocab_size:
         comments.append(
             f"# The vocabulary has {pieces} pieces (data.vocab_size {cfg.data.vocab_size} is an upper "

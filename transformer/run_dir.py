@@ -12,6 +12,9 @@ class RunDir:
 
     CONFIG = "config.yaml"  # the effective config (file + --set), written by train
     VOCAB = "spm.model"  # the SentencePiece model (from `prepare` on)
+    # An imported Marian vocabulary's files, verbatim, in place of spm.model (import hf, and runs started from one)
+    MARIAN_VOCAB = ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json")
+    IMPORT = "transformer-import.json"  # `import hf`'s record: where the model came from, and the files it wrote
     STORE = "store"  # the prepared, encoded corpus (data/store.py owns what lies inside)
     METRICS = "metrics.jsonl"  # one JSON record per log line and validation
     LOG = "train.log"
@@ -29,13 +32,29 @@ class RunDir:
 
     # What a training run writes in its directory (besides step_XXXXXXXX.pt and eval/): no other command may write
     # over these, and a new run refuses a directory that holds anything else.
-    FILES = (CONFIG, VOCAB, METRICS, LOG, LOCK, LAST, BEST, STORE, FINAL, SUMMARY, TENSORBOARD, CT2)
+    FILES = (
+        CONFIG,
+        VOCAB,
+        *MARIAN_VOCAB,
+        IMPORT,
+        METRICS,
+        LOG,
+        LOCK,
+        LAST,
+        BEST,
+        STORE,
+        FINAL,
+        SUMMARY,
+        TENSORBOARD,
+        CT2,
+    )
     # Inside a run directory, also run files: whatever lies under the directories that training fills, and the test
     # translations that the end of training writes to eval/ (evaluate's own eval/ results, by settings, may go).
     SUBDIRS = (STORE, TENSORBOARD, CT2)
-    # A run directory holds one of these from its first step on (spm.model from `prepare`). An export's spm.model
-    # makes its directory look like a run too: that errs on the side of refusing.
-    MARKERS = (LAST, VOCAB, LOCK)
+    # A run directory holds one of these from its first step on (spm.model or source.spm from `prepare`, the record
+    # from `import hf`). An export's spm.model or source.spm makes its directory look like a run too: that errs on
+    # the side of refusing.
+    MARKERS = (LAST, VOCAB, MARIAN_VOCAB[0], IMPORT, LOCK)
     # What a run directory means to translate, evaluate, attention and serve: the model the end of training chose
     # (with its tuned search settings), else the best validation checkpoint, else the latest.
     CHECKPOINTS = (FINAL, BEST, LAST)

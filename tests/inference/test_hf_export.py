@@ -3,6 +3,7 @@ residual stream), generates our search's tokens, tokenizes as we do, and is writ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -15,8 +16,9 @@ from tests.conftest import sentences, translation_config
 from transformer.config import from_dict, to_dict
 from transformer.data.batch import Batch, prepare_sources
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, train_vocab
-from transformer.inference.hf_export import export_hf, residual_permutation
+from transformer.inference.hf_export import export_hf
 from transformer.inference.search import length_penalty, search
+from transformer.model import positions
 from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
 from transformer.model.transformer import Transformer
 
@@ -27,11 +29,7 @@ LINES = sentences(7, 24)  # the source sentences every comparison translates
 OFFSET = 4  # translation_config's decode.max_len_offset
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """Every load here reads the export alone: a request to the hub would fail the test."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("hf_offline")  # every load here reads the export alone
 
 
 def train_copy_model(path: Path, **model) -> Path:
@@ -96,9 +94,8 @@ def tokens(sequence) -> list[int]:
 
 
 def test_the_permutation_is_marians_sinusoid_layout():
-    """Our table with its columns in residual_permutation's order is the table a new MarianMTModel computes itself."""
-    from transformer.model.positions import PositionalEncoding
-
+    """Our table with its columns in positions.marian_order is the table a new MarianMTModel computes itself; the
+    "marian" kind is that table exactly (computed as Marian computes it), in the identity order."""
     for d_model in (32, 512):
         config = transformers.MarianConfig(
             vocab_size=8,
@@ -114,8 +111,13 @@ def test_the_permutation_is_marians_sinusoid_layout():
             decoder_start_token_id=2,
         )
         theirs = transformers.MarianMTModel(config).model.encoder.embed_positions.weight.detach()
-        ours = PositionalEncoding(d_model, 64).table[:, residual_permutation(d_model)]
+        cfg = from_dict(
+            {"model": {"d_model": d_model, "n_heads": 1, "max_positions": 64}, "data": {"max_len": 8}}
+        ).model
+        ours = positions.table("sinusoidal", d_model, 64)[:, positions.marian_order(cfg)]
         assert torch.allclose(ours, theirs, atol=2e-5), (ours - theirs).abs().max()
+        marian = dataclasses.replace(cfg, positions="marian")
+        assert torch.equal(positions.table("marian", d_model, 64)[:, positions.marian_order(marian)], theirs)
 
 
 def test_the_export_computes_our_function(exported):

@@ -40,7 +40,7 @@ BAD = [
     ("beam", 2.5, "--beam must be a whole number, got 2.5"),
     ("lenpen", -0.1, "--lenpen must be a number from 0 to 10"),
     ("lenpen", float("nan"), "--lenpen must be a number from 0 to 10"),
-    ("stop", "late", "--stop must be one of exact, early, got 'late'"),
+    ("stop", "late", "--stop must be one of exact, early, hf, got 'late'"),
     ("max_len_offset", 0, "max_len_offset must be at least 1, got 0"),
     ("max_tokens", 0, "--max-tokens must be at least 1, got 0"),
     ("workers", -1, "--workers must be at least 1, got -1"),

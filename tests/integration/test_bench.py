@@ -350,3 +350,58 @@ def test_bench_phases_splits_encoder_from_decoder(untrained_checkpoint, tmp_path
         assert sum(op["share"] for op in profile) <= 1 + 1e-9 and profile[0]["op"] in result.stdout
     else:
         assert profile == []
+
+
+def test_bench_decode_on_an_imported_model_beside_generate_and_ctranslate2_from_the_hf_directory(
+    marian_dir, ctranslate2, tmp_path
+):
+    """--hf-dir runs MarianMTModel.generate on the directory the run was imported from, --ct2-hf CTranslate2's own
+    conversion of it, on the same sentences in the same rounds: greedy outputs are generate's."""
+    pytest.importorskip("transformers")
+    from tests.conftest import marian_sentences
+    from transformer.inference.hf_import import import_hf
+
+    run, _ = import_hf(marian_dir, tmp_path / "run")
+    (tmp_path / "test.de").write_text("\n".join(marian_sentences(5, 8)) + "\n", encoding="utf-8")
+    out = tmp_path / "decode.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_decode.py",
+            str(tmp_path / "test.de"),
+            "--checkpoint",
+            str(run),
+            "--hf-dir",
+            str(marian_dir),
+            "--ct2-hf",
+            "--ct2-hf-out",
+            str(tmp_path / "ct2"),
+            "--ct2-dtype",
+            "fp32",
+            "--beam",
+            "1",
+            "2",
+            "--stop",
+            "hf",
+            "--device",
+            "cpu",
+            "--repeats",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {(r["beam"], r["impl"]): r for r in json.loads(out.read_text())["results"]}
+    assert sorted(rows) == sorted((b, i) for b in (1, 2) for i in ("ours", "ct2_from_hf", "hf_generate"))
+    assert (tmp_path / "ct2" / "model.bin").is_file()
+    for beam in (1, 2):
+        _check_rounds([r for r in rows.values() if r["beam"] == beam], 2)
+    assert rows[1, "hf_generate"]["same_as_first"] == 1.0  # greedy: generate gives our outputs
+    for row in rows.values():
+        assert row["sentences"] == 8 and len(row["times_s"]) == 2 and 0 <= row["same_as_first"] <= 1

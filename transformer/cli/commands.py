@@ -45,6 +45,7 @@ def _search_flags(args: argparse.Namespace) -> SearchFlags:
     return SearchFlags(
         beam=args.beam,
         lenpen=args.lenpen,
+        lenpen_kind=args.lenpen_kind,
         stop=args.stop,
         max_tokens=args.max_tokens,
         workers=args.workers,
@@ -143,6 +144,12 @@ def cmd_export(args: argparse.Namespace) -> None:
     from transformer.inference.ctranslate2_engine import run_export
 
     run_export(args.checkpoint, args.out, args.quantization, args.force)
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    from transformer.inference.hf_import import run_import_hf
+
+    run_import_hf(args.source, args.run, args.force)
 
 
 SERVE_MODULES = ("fastapi", "uvicorn", "starlette", "pydantic")

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from transformer.cli import commands
 from transformer.errors import UserError
-from transformer.inference.settings import DTYPES, ENGINES, STOP_RULES  # imports no torch: --help stays fast
+from transformer.inference.settings import DTYPES, ENGINES, LENPEN_KINDS, STOP_RULES  # no torch: --help stays fast
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -440,12 +440,42 @@ def _add_export(sub) -> None:
     p.set_defaults(func=commands.cmd_export)
 
 
+def _add_import(sub) -> None:
+    p = sub.add_parser(
+        "import",
+        help="make a run directory of a Hugging Face MarianMTModel (an OPUS-MT model), for every command",
+        description="Read a transformers MarianMTModel directory, as MarianMTModel.save_pretrained and "
+        "MarianTokenizer.save_pretrained write it (config.json; model.safetensors or pytorch_model.bin, fp16 or "
+        "fp32; source.spm, target.spm, vocab.json, tokenizer_config.json; generation_config.json when present), "
+        "and write RUN_DIR: final.pt, config.yaml, the tokenizer's four files and transformer-import.json. "
+        "translate, evaluate, serve, attention, export and train.init_from (fine-tuning) take it as they take a "
+        "run of ours, and translate as transformers' generate() does (docs/opus-mt.md says where the two differ). "
+        "Nothing is downloaded: fetch a model first (huggingface-cli download Helsinki-NLP/opus-mt-de-en "
+        "--local-dir DIR). A directory of another architecture (BART, T5, M2M100, ...) or a setting we cannot "
+        "honour is refused, naming it (pip install 'transformer[hf]').",
+    )
+    p.add_argument("format", choices=("hf",), help="the source format")
+    p.add_argument("source", metavar="HF_DIR", help="the MarianMTModel directory to read")
+    p.add_argument("run", metavar="RUN_DIR", help="the run directory to write (new, or empty)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace RUN_DIR if it is an earlier import (its transformer-import.json lists every file in it), "
+        "never any other directory",
+    )
+    p.set_defaults(func=commands.cmd_import)
+
+
 # What the search options say in translate's and evaluate's --help; SERVE_SEARCH_HELP rewords some for serve.
 SEARCH_HELP = {
     "--beam": "beam size; 1 = greedy (default: decode.beam of the checkpoint's config)",
-    "--lenpen": "GNMT length penalty alpha, 0 to 10: score = log p / ((5 + len) / 6)^A (default: decode.lenpen)",
-    "--stop": "when beam search ends a sentence: exact (once no live hypothesis can beat the n-best finished ones) "
-    "or early (fairseq's: once BEAM hypotheses have finished; fewer decoder steps) (default: decode.stop)",
+    "--lenpen": "length penalty alpha, 0 to 10: score = log p / ((5 + len) / 6)^A (GNMT's; with --lenpen-kind length "
+    "log p / len^A) (default: decode.lenpen)",
+    "--lenpen-kind": "the length penalty's form: gnmt ((5 + len) / 6)^A, or length (len^A, as transformers' generate "
+    "and CTranslate2) (default: decode.lenpen_kind)",
+    "--stop": "when beam search ends a sentence: exact (once no live hypothesis can beat the n-best finished ones), "
+    "early (fairseq's: once BEAM hypotheses have finished; fewer decoder steps) or hf (transformers' generate with "
+    "early_stopping=False, a heuristic) (default: decode.stop)",
     "--max-tokens": "source tokens per batch (default: decode.max_tokens)",
     "--workers": "searches run side by side on a CPU, each on its own batches of max-tokens / N tokens with torch's "
     "threads / N threads (CTranslate2: its inter_threads); 1 = one search on all threads, the lowest "
@@ -483,6 +513,7 @@ def add_search_options(p: argparse.ArgumentParser, wording: Mapping[str, str] | 
     g = p.add_argument_group("search options")
     g.add_argument("--beam", type=int, metavar="N", help=words["--beam"])
     g.add_argument("--lenpen", type=float, metavar="A", help=words["--lenpen"])
+    g.add_argument("--lenpen-kind", choices=LENPEN_KINDS, help=words["--lenpen-kind"])
     g.add_argument("--stop", choices=STOP_RULES, help=words["--stop"])
     g.add_argument("--max-tokens", type=int, metavar="N", help=words["--max-tokens"])
     g.add_argument("--workers", type=int, metavar="N", help=words["--workers"])
@@ -512,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_average(sub)
     _add_export(sub)
+    _add_import(sub)
     return parser
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from transformer.config import round_up
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.data.vocab import OURS, PAD_ID, Specials
 
 if TYPE_CHECKING:
     from transformer.data.store import Corpus
@@ -37,8 +37,11 @@ def causal_mask(length: int, device=None) -> torch.Tensor:
 
 
 def target_mask(tgt_in: torch.Tensor, pad_id: int = PAD_ID) -> torch.Tensor:
-    """(B, T) decoder input ids -> (B, 1, T, T): causal and key padding together, what a teacher-forced pass uses."""
-    return padding_mask(tgt_in, pad_id) & causal_mask(tgt_in.size(1), tgt_in.device)
+    """(B, T) decoder input ids -> (B, 1, T, T): causal and key padding together, what a teacher-forced pass uses.
+    Column 0 is the decoder's start, real even where its id is the padding id (a Marian vocabulary's is)."""
+    keys = padding_mask(tgt_in, pad_id).clone()
+    keys[..., 0] = True
+    return keys & causal_mask(tgt_in.size(1), tgt_in.device)
 
 
 class Causal:
@@ -79,37 +82,46 @@ def source_limit(max_positions: int) -> int:
     return max_positions - 2
 
 
-def prepare_sources(sources: Sequence[Sequence[int]], max_positions: int) -> tuple[torch.Tensor, list[bool]]:
+def prepare_sources(
+    sources: Sequence[Sequence[int]], max_positions: int, specials: Specials = OURS
+) -> tuple[torch.Tensor, list[bool]]:
     """Subword ids per sentence (no EOS) -> (src (B, S): each cut to source_limit(max_positions), EOS
     appended, right-padded with PAD; which sentences were cut). The one place translation builds sources."""
     limit = source_limit(max_positions)
     truncated = [len(s) > limit for s in sources]
-    return pad_sequences([list(s[:limit]) + [EOS_ID] for s in sources]), truncated
+    return pad_sequences([list(s[:limit]) + [specials.eos] for s in sources], pad_id=specials.pad), truncated
 
 
 @dataclass
 class Batch:
-    """src (B, S) = ids + EOS; tgt_in (B, T) = BOS + ids; tgt_out (B, T) = ids + EOS."""
+    """src (B, S) = ids + EOS; tgt_in (B, T) = BOS + ids; tgt_out (B, T) = ids + EOS; the special ids are the
+    vocabulary's (`specials`: ours unless given; a Marian vocabulary's BOS is its PAD)."""
 
     src: torch.Tensor
     tgt_in: torch.Tensor
     tgt_out: torch.Tensor
     n_src_tokens: int  # real (non-pad) tokens, counted on the host so no device sync is needed
     n_tgt_tokens: int
+    pad_id: int = PAD_ID
 
     @classmethod
-    def from_pairs(cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_to_multiple: int = 1) -> Batch:
-        src = pad_sequences([list(s) + [EOS_ID] for s, _ in pairs], pad_to_multiple)
+    def from_pairs(
+        cls, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_to_multiple: int = 1, specials: Specials = OURS
+    ) -> Batch:
+        bos, eos, pad = specials.bos, specials.eos, specials.pad
+        src = pad_sequences([list(s) + [eos] for s, _ in pairs], pad_to_multiple, pad)
         # Shift by one: the decoder reads BOS y1 .. yn and must predict y1 .. yn EOS. (Built
         # separately, not as slices of one BOS..EOS row, which would leave EOS in shorter tgt_in rows.)
-        tgt_in = pad_sequences([[BOS_ID] + list(t) for _, t in pairs], pad_to_multiple)
-        tgt_out = pad_sequences([list(t) + [EOS_ID] for _, t in pairs], pad_to_multiple)
+        tgt_in = pad_sequences([[bos] + list(t) for _, t in pairs], pad_to_multiple, pad)
+        tgt_out = pad_sequences([list(t) + [eos] for _, t in pairs], pad_to_multiple, pad)
         n_src = sum(len(s) + 1 for s, _ in pairs)
         n_tgt = sum(len(t) + 1 for _, t in pairs)
-        return cls(src, tgt_in, tgt_out, n_src, n_tgt)
+        return cls(src, tgt_in, tgt_out, n_src, n_tgt, pad)
 
     @classmethod
-    def from_corpus(cls, corpus: Corpus, indices: np.ndarray, pad_to_multiple: int = 1) -> Batch:
+    def from_corpus(
+        cls, corpus: Corpus, indices: np.ndarray, pad_to_multiple: int = 1, specials: Specials = OURS
+    ) -> Batch:
         """The same Batch as from_pairs, gathered straight from a corpus's flat token arrays (which may be
         memory-mapped): no Python list per sentence."""
         indices = np.asarray(indices, dtype=np.int64)
@@ -117,25 +129,26 @@ class Batch:
         tgt_start, tgt_len = corpus.tgt_offsets[indices], corpus.tgt_lengths[indices]
         src_width = round_up(int(src_len.max()) + 1, pad_to_multiple)
         tgt_width = round_up(int(tgt_len.max()) + 1, pad_to_multiple)
-        src = _gather(corpus.src_tokens, src_start, src_len, src_width, first=0)
-        tgt_out = _gather(corpus.tgt_tokens, tgt_start, tgt_len, tgt_width, first=0)
+        src = _gather(corpus.src_tokens, src_start, src_len, src_width, specials.pad)
+        tgt_out = _gather(corpus.tgt_tokens, tgt_start, tgt_len, tgt_width, specials.pad)
         tgt_in = np.empty_like(tgt_out)  # the shift, from the one gather: the corpus is read once per side
-        tgt_in[:, 0] = BOS_ID
+        tgt_in[:, 0] = specials.bos
         tgt_in[:, 1:] = tgt_out[:, :-1]  # tgt_width > longest target, so every last id moves in
         rows = np.arange(len(indices))
-        src[rows, src_len] = EOS_ID
-        tgt_out[rows, tgt_len] = EOS_ID
+        src[rows, src_len] = specials.eos
+        tgt_out[rows, tgt_len] = specials.eos
         return cls(
             torch.from_numpy(src),
             torch.from_numpy(tgt_in),
             torch.from_numpy(tgt_out),
             int(src_len.sum()) + len(indices),
             int(tgt_len.sum()) + len(indices),
+            specials.pad,
         )
 
     @property
     def src_mask(self) -> torch.Tensor:
-        return padding_mask(self.src)
+        return padding_mask(self.src, self.pad_id)
 
     @property
     def tgt_mask(self) -> Causal:
@@ -150,17 +163,17 @@ class Batch:
 
     def to(self, device, non_blocking: bool = False) -> Batch:
         src, tgt_in, tgt_out = (t.to(device, non_blocking=non_blocking) for t in (self.src, self.tgt_in, self.tgt_out))
-        return Batch(src, tgt_in, tgt_out, self.n_src_tokens, self.n_tgt_tokens)
+        return Batch(src, tgt_in, tgt_out, self.n_src_tokens, self.n_tgt_tokens, self.pad_id)
 
     def pin_memory(self) -> Batch:
         pinned = (t.pin_memory() for t in (self.src, self.tgt_in, self.tgt_out))
-        return Batch(*pinned, self.n_src_tokens, self.n_tgt_tokens)
+        return Batch(*pinned, self.n_src_tokens, self.n_tgt_tokens, self.pad_id)
 
 
-def _gather(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int, first: int) -> np.ndarray:
-    """(B, width) int64 filled with PAD, row b holding tokens[starts[b]:starts[b] + lengths[b]] from column `first`."""
-    out = np.full((len(starts), width), PAD_ID, dtype=np.int64)
-    column = np.arange(width)[None, :] - first  # (1, W): offset into each sentence
+def _gather(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int, pad_id: int) -> np.ndarray:
+    """(B, width) int64 filled with pad_id, row b holding tokens[starts[b]:starts[b] + lengths[b]] from column 0."""
+    out = np.full((len(starts), width), pad_id, dtype=np.int64)
+    column = np.arange(width)[None, :]  # (1, W): offset into each sentence
     inside = (column >= 0) & (column < lengths[:, None])  # (B, W)
     out[inside] = tokens[(starts[:, None] + column)[inside]]  # one gather; reads only these tokens
     return out

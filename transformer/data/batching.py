@@ -14,6 +14,7 @@ import torch
 
 from transformer.config import DataConfig, round_up
 from transformer.data.batch import Batch
+from transformer.data.vocab import OURS, Specials
 from transformer.device import cuda_index
 from transformer.errors import UserError
 
@@ -122,12 +123,12 @@ def make_batches(
     return Batches(order, starts, ends)
 
 
-def eval_batches(corpus, max_tokens: int, pad_to_multiple: int = 1) -> list[Batch]:
-    """Fixed, unshuffled batches of a (small) corpus, for validation."""
+def eval_batches(corpus, max_tokens: int, pad_to_multiple: int = 1, specials: Specials = OURS) -> list[Batch]:
+    """Fixed, unshuffled batches of a (small) corpus, for validation (`specials`: the vocabulary's ids)."""
     batches = make_batches(
         corpus.src_lengths, corpus.tgt_lengths, max_tokens, 0, 0, shuffle=False, pad_to_multiple=pad_to_multiple
     )
-    return [Batch.from_corpus(corpus, batches[i], pad_to_multiple) for i in range(len(batches))]
+    return [Batch.from_corpus(corpus, batches[i], pad_to_multiple, specials) for i in range(len(batches))]
 
 
 # --------------------------------------------------------------------------- the training stream
@@ -164,15 +165,17 @@ class BatchStream:
         rank: int = 0,
         world_size: int = 1,
         update_freq: int = 1,
+        specials: Specials = OURS,
     ):
         """batches_done: batches of the epoch already consumed by all ranks together (what state() saves),
-        so that a run may resume with another number of ranks or another update_freq."""
+        so that a run may resume with another number of ranks or another update_freq. specials: the vocabulary's
+        ids (ours unless given)."""
         if batches_done % (world_size * update_freq):
             raise UserError(
                 f"data: cannot resume after {batches_done} batches of an epoch with updates of "
                 f"{world_size} ranks x update_freq {update_freq}"
             )
-        self.corpus, self.cfg, self.seed = corpus, cfg, seed
+        self.corpus, self.cfg, self.seed, self.specials = corpus, cfg, seed, specials
         self.src_len, self.tgt_len = corpus.src_lengths, corpus.tgt_lengths
         self.rank, self.world_size, self.update_freq = rank, world_size, update_freq
         self.epoch, self.position = epoch, batches_done // world_size  # position: this rank's next batch
@@ -217,7 +220,7 @@ class BatchStream:
         self._roll_epoch()
         indices = self._batches[self._global_index(self.position)]
         self.position += 1
-        return Batch.from_corpus(self.corpus, indices, self.cfg.pad_to_multiple)
+        return Batch.from_corpus(self.corpus, indices, self.cfg.pad_to_multiple, self.specials)
 
     def next_update(self) -> Update:
         """This rank's update_freq batches, and the token counts of the whole update across all ranks."""

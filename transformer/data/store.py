@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from transformer.config import Config
 from transformer.data.corpus import SPLIT_ALIASES, RawSplit, chain_lines, has_split, open_split
-from transformer.data.vocab import Vocab, train_vocab
+from transformer.data.vocab import AnyVocab, Vocab, train_vocab, vocab_in
 from transformer.errors import UserError
 from transformer.files import atomic_write, remove_stale_temporaries
 from transformer.run_dir import RunDir
@@ -102,30 +102,30 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # --------------------------------------------------------------------------- fingerprint and checks
 
 
-def fingerprint(cfg: Config, vocab: Vocab, raw: dict[str, RawSplit]) -> dict:
+def fingerprint(cfg: Config, vocab: AnyVocab, raw: dict[str, RawSplit]) -> dict:
     """Everything that changes the store's contents: the inputs, the vocabulary and the filtering keys."""
     return {"inputs": {split: raw[split].fingerprint for split in SPLITS}, **_encoding(cfg, vocab)}
 
 
-def _encoding(cfg: Config, vocab: Vocab) -> dict:
+def _encoding(cfg: Config, vocab: AnyVocab) -> dict:
     """The fingerprint's keys besides the input files: how their text became the stored tokens."""
     d = cfg.data
     return {
-        "vocab_sha256": hashlib.sha256(vocab.proto).hexdigest(),
+        "vocab_sha256": vocab.sha256,
         "src_lang": d.src_lang,
         "tgt_lang": d.tgt_lang,
         "max_len": d.max_len,
     }
 
 
-def _store_without_corpus(cfg: Config, run_dir: Path, vocab: Vocab | None, missing: UserError) -> Store:
+def _store_without_corpus(cfg: Config, run_dir: Path, vocab: AnyVocab | None, missing: UserError) -> Store:
     """run_dir's complete store when data.dir is not there at all (a machine given only the run directory, or a
     corpus directory moved away): usable if it was encoded from files of these split names and languages, with
     this vocabulary, these filtering keys and pair limits. Otherwise `missing` is raised as it was: a data.dir
     that exists but lacks a file is a mistake to report, not a reason to train on something else."""
     directory, d = RunDir(run_dir).store, cfg.data
-    if vocab is None and RunDir(run_dir).vocab.is_file():
-        vocab = Vocab.load(RunDir(run_dir).vocab)
+    if vocab is None:
+        vocab = vocab_in(run_dir)
     if d.source != "local" or Path(d.dir).exists() or vocab is None or problem(directory) is not None:
         raise missing
     store = Store(directory, checked=True)
@@ -445,7 +445,7 @@ class _Appender:
 
 
 def _encode_split(
-    vocab: Vocab,
+    vocab: AnyVocab,
     raw: RawSplit,
     split: str,
     max_len: int,
@@ -478,7 +478,7 @@ def _encode_split(
             )
         )
         for src_lines, tgt_lines in raw.chunks():
-            ids = {"src": vocab.encode(src_lines), "tgt": vocab.encode(tgt_lines)}
+            ids = {"src": vocab.encode(src_lines), "tgt": vocab.encode_target(tgt_lines)}
             lengths = {side: np.fromiter(map(len, ids[side]), dtype=np.int64, count=len(ids[side])) for side in SIDES}
             kept, blank, long = keep_mask(lengths["src"], lengths["tgt"], max_len)
             rows = np.flatnonzero(kept)
@@ -546,7 +546,7 @@ def _clear(directory: Path) -> None:
 
 
 def build(
-    directory: Path, cfg: Config, vocab: Vocab, raw: dict[str, RawSplit], expected: dict, quiet: bool = False
+    directory: Path, cfg: Config, vocab: AnyVocab, raw: dict[str, RawSplit], expected: dict, quiet: bool = False
 ) -> None:
     """Write a new store into `directory`, replacing the store that is there (never a directory that is not a
     store of ours: refuse_foreign); the manifest goes last."""
@@ -605,12 +605,17 @@ def count_pairs(raw: dict[str, RawSplit]) -> None:
         _ = split.n_pairs  # cached: counted once
 
 
-def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
-    """Reuse run_dir/spm.model, or train one on (a sample of) the training split and store it there."""
+def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> AnyVocab:
+    """Reuse run_dir/spm.model (or the Marian vocabulary there), or train one on (a sample of) the training split and
+    store it there."""
     path = RunDir(run_dir).vocab
     if path.is_file():
         log.info("vocab: reusing %s", path)
         return Vocab.load(path).check_reuse(path, cfg.data.vocab_size)
+    marian = vocab_in(run_dir)
+    if marian is not None:
+        log.info("vocab: reusing the Marian vocabulary in %s", run_dir)
+        return marian
     d = cfg.data
     if 0 < d.spm_max_sentences <= 100:  # checked here, not in the config: a run that reuses its vocabulary may keep it
         raise UserError(
@@ -641,7 +646,7 @@ def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> Vocab:
     return vocab
 
 
-def prepare(cfg: Config, run_dir: Path, vocab: Vocab | None = None, quiet: bool = False) -> Store:
+def prepare(cfg: Config, run_dir: Path, vocab: AnyVocab | None = None, quiet: bool = False) -> Store:
     """The vocabulary (given, reused from run_dir or trained) and the store in run_dir/store (reused when its
     inputs are unchanged, else rebuilt with a log line saying why). One process only: under torchrun rank 0.
     Without the raw corpus, a complete store that fits is used as it is (_store_without_corpus)."""
@@ -654,7 +659,7 @@ def prepare(cfg: Config, run_dir: Path, vocab: Vocab | None = None, quiet: bool 
     if cfg.train.finish:  # half a test split stops the end of training: said now, not hours from now
         has_split(cfg.data, cfg.data.test_split)
     if vocab is None:
-        if not RunDir(run_dir).vocab.is_file():
+        if vocab_in(run_dir) is None:
             count_pairs(raw)  # a bad validation split found before the vocabulary is trained, not after
         vocab = prepare_vocab(cfg, run_dir, raw["train"])
     directory = RunDir(run_dir).store
@@ -674,7 +679,7 @@ def prepare(cfg: Config, run_dir: Path, vocab: Vocab | None = None, quiet: bool 
     return store
 
 
-def open_prepared(cfg: Config, run_dir: Path, vocab: Vocab) -> Store:
+def open_prepared(cfg: Config, run_dir: Path, vocab: AnyVocab) -> Store:
     """The store rank 0 prepared, checked against this rank's view of the inputs (other ranks)."""
     directory = RunDir(run_dir).store
     try:

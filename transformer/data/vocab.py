@@ -1,23 +1,42 @@
-"""The joint SentencePiece vocabulary: special-token ids, training, loading, encoding and decoding."""
+"""The vocabularies, with their special-token ids, loading, encoding and decoding: ours, one joint SentencePiece
+model that this package trains; and Marian's (an imported OPUS-MT model's, as transformers' MarianTokenizer reads it:
+a source and a target SentencePiece model whose pieces are numbered by vocab.json). Both answer the same calls:
+encode (sources), encode_target, decode, pieces, piece_ids, len(); `stored` is what a checkpoint keeps of them."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
+import json
 import logging
 import os
 import random
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import sentencepiece as spm
 
 from transformer.errors import UserError
 from transformer.files import atomic_write
+from transformer.run_dir import RunDir
+
+
+@dataclass(frozen=True)
+class Specials:
+    """The ids a vocabulary reserves: padding, unknown pieces, the decoder's first input (bos) and the end (eos)."""
+
+    pad: int = 0
+    unk: int = 1
+    bos: int = 2
+    eos: int = 3
+
 
 # The special ids, fixed for every model this package trains.
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+OURS = Specials()
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = OURS.pad, OURS.unk, OURS.bos, OURS.eos
 
 log = logging.getLogger("transformer")
 
@@ -33,7 +52,9 @@ def valid_text(text: str) -> str:
 
 
 class Vocab:
-    """A SentencePiece model whose special ids are the ones above."""
+    """A SentencePiece model whose special ids are the ones above (OURS), for both sides."""
+
+    specials = OURS
 
     def __init__(self, model_proto: bytes):
         self.proto = model_proto
@@ -79,6 +100,20 @@ class Vocab:
     def save(self, path: str | Path) -> None:
         atomic_write(path, lambda f: f.write(self.proto))
 
+    @property
+    def stored(self) -> bytes:
+        """What a checkpoint holds of it: the SentencePiece model's bytes."""
+        return self.proto
+
+    @property
+    def files(self) -> dict[str, bytes]:
+        """What a run directory holds of it: spm.model."""
+        return {SPM_FILE: self.proto}
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.proto).hexdigest()
+
     def __len__(self) -> int:
         return self.sp.get_piece_size()
 
@@ -90,6 +125,10 @@ class Vocab:
         except TypeError:  # a str that UTF-8 cannot encode; retried only then, so files pay nothing for it
             return self.sp.encode([valid_text(t) for t in texts], out_type=int, num_threads=os.cpu_count() or 1)
 
+    def encode_target(self, texts: Sequence[str]) -> list[list[int]]:
+        """Target sentences: one joint model splits both sides alike."""
+        return self.encode(texts)
+
     def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
         return [self.sp.decode([int(i) for i in seq if i not in _NOT_TEXT]) for seq in ids]
 
@@ -99,6 +138,173 @@ class Vocab:
     def piece_ids(self, pieces: Sequence[str]) -> list[int]:
         """The inverse of pieces(): for engines that speak in pieces (CTranslate2)."""
         return [self.sp.piece_to_id(p) for p in pieces]
+
+
+SPM_FILE = RunDir.VOCAB  # our vocabulary's one file
+# What MarianTokenizer.save_pretrained writes and an imported vocabulary keeps, verbatim.
+MARIAN_FILES = RunDir.MARIAN_VOCAB
+SOURCE_SPM, TARGET_SPM, VOCAB_JSON, TOKENIZER_CONFIG = MARIAN_FILES
+SPIECE_UNDERLINE = "\u2581"
+
+
+def _special_token(config: dict, key: str, default: str) -> str:
+    """A special token's text in tokenizer_config.json: a string, or an AddedToken written as {"content": ...}."""
+    value = config.get(key) or default
+    return str(value.get("content", default)) if isinstance(value, dict) else str(value)
+
+
+def _sentencepiece(data: bytes, name: str) -> spm.SentencePieceProcessor:
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(data)
+    except Exception as e:  # sentencepiece raises bare RuntimeError/OSError
+        raise UserError(f"Marian vocabulary: {name} is not a valid SentencePiece model ({e})") from None
+    return sp
+
+
+class MarianVocab:
+    """A Marian vocabulary, read as transformers' MarianTokenizer reads it: sources split by source.spm, targets by
+    target.spm, every piece numbered by vocab.json (SentencePiece's own ids are not used; a piece vocab.json lacks is
+    <unk>); a language code such as >>fra<< that starts a sentence is one piece, kept whole. Its special ids are
+    vocab.json's: </s> (0 in OPUS-MT), <unk> (1) and <pad> (the last), which is also the decoder's first input
+    (Marian's decoder_start_token_id) unless `start` names another piece (a model of ours exported to Marian's
+    format starts from its <s>). Decoding leaves out every special piece, as MarianTokenizer's
+    decode(skip_special_tokens=True) does, and joins the rest with target.spm. One vocabulary for both sides only:
+    a tokenizer with separate_vocabs (its own target_vocab.json) is refused."""
+
+    def __init__(self, files: dict[str, bytes], start: str | None = None):
+        missing = [name for name in MARIAN_FILES if name not in files]
+        if missing:
+            raise UserError(f"Marian vocabulary: {', '.join(missing)} missing")
+        self.files = {name: bytes(files[name]) for name in MARIAN_FILES}
+        self.source = _sentencepiece(self.files[SOURCE_SPM], SOURCE_SPM)
+        self.target = _sentencepiece(self.files[TARGET_SPM], TARGET_SPM)
+        try:
+            config = json.loads(self.files[TOKENIZER_CONFIG].decode("utf-8"))
+            vocab = json.loads(self.files[VOCAB_JSON].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise UserError(f"Marian vocabulary: tokenizer_config.json or vocab.json is not JSON ({e})") from None
+        if not isinstance(config, dict) or not isinstance(vocab, dict):
+            raise UserError("Marian vocabulary: tokenizer_config.json and vocab.json must each hold a JSON object")
+        if config.get("separate_vocabs"):
+            raise UserError(
+                "Marian vocabulary: separate_vocabs is true (a target vocabulary of its own, target_vocab.json): "
+                "not supported, only models whose source and target share vocab.json"
+            )
+        ids = sorted(vocab.values()) if all(type(i) is int for i in vocab.values()) else None
+        if ids != list(range(len(vocab))):
+            raise UserError("Marian vocabulary: vocab.json must number its pieces 0, 1, ... without gaps")
+        self.piece_to_id: dict[str, int] = vocab
+        self.id_to_piece = [""] * len(vocab)
+        for piece, i in vocab.items():
+            self.id_to_piece[i] = piece
+        tokens = {
+            key: _special_token(config, key, d)
+            for key, d in (("unk_token", "<unk>"), ("eos_token", "</s>"), ("pad_token", "<pad>"))
+        }
+        absent = [t for t in tokens.values() if t not in vocab]
+        if absent:
+            raise UserError(f"Marian vocabulary: vocab.json lacks the special pieces {', '.join(absent)}")
+        if start is not None and start not in vocab:
+            raise UserError(f"Marian vocabulary: the decoder's start piece {start!r} is not in vocab.json")
+        self.start = start
+        pad = vocab[tokens["pad_token"]]
+        bos = pad if start is None else vocab[start]
+        self.specials = Specials(pad=pad, unk=vocab[tokens["unk_token"]], bos=bos, eos=vocab[tokens["eos_token"]])
+        self._not_text = frozenset((self.specials.pad, self.specials.unk, self.specials.eos, bos))
+        self.source_lang, self.target_lang = config.get("source_lang"), config.get("target_lang")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> MarianVocab:
+        directory = Path(directory)
+        missing = [name for name in MARIAN_FILES if not (directory / name).is_file()]
+        if missing:
+            raise UserError(f"Marian vocabulary: {directory} has no {', '.join(missing)}")
+        return cls({name: (directory / name).read_bytes() for name in MARIAN_FILES})
+
+    @property
+    def stored(self) -> dict:
+        """What a checkpoint holds of it: its four files, verbatim (and the decoder's start piece, where not <pad>)."""
+        return {"kind": "marian", "files": dict(self.files), **({"start": self.start} if self.start else {})}
+
+    @property
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        for name in MARIAN_FILES:
+            digest.update(hashlib.sha256(self.files[name]).digest())
+        if self.start:
+            digest.update(self.start.encode("utf-8"))
+        return digest.hexdigest()
+
+    def __len__(self) -> int:
+        return len(self.id_to_piece)
+
+    @staticmethod
+    def _language_code(text: str) -> tuple[list[str], str]:
+        """MarianTokenizer.remove_language_code: a leading >>xx<< as one piece, and the text after it."""
+        end = text.find("<<") if text.startswith(">>") else -1
+        return ([text[: end + 2]], text[end + 2 :]) if end != -1 else ([], text)
+
+    def _encode(self, sp: spm.SentencePieceProcessor, texts: Sequence[str]) -> list[list[int]]:
+        split = [self._language_code(valid_text(t)) for t in texts]
+        pieces = sp.encode([rest for _, rest in split], out_type=str, num_threads=os.cpu_count() or 1)
+        unk, lookup = self.specials.unk, self.piece_to_id
+        return [[lookup.get(p, unk) for p in code + found] for (code, _), found in zip(split, pieces)]
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Source sentences, split by source.spm."""
+        return self._encode(self.source, texts)
+
+    def encode_target(self, texts: Sequence[str]) -> list[list[int]]:
+        """Target sentences, split by target.spm."""
+        return self._encode(self.target, texts)
+
+    def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        out = []
+        for seq in ids:
+            pieces = [self.id_to_piece[int(i)] for i in seq if int(i) not in self._not_text]
+            out.append(self.target.decode_pieces(pieces).replace(SPIECE_UNDERLINE, " ").strip())
+        return out
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.id_to_piece[int(i)] for i in ids]
+
+    def piece_ids(self, pieces: Sequence[str]) -> list[int]:
+        return [self.piece_to_id.get(p, self.specials.unk) for p in pieces]
+
+
+AnyVocab = Vocab | MarianVocab
+
+
+def vocab_from_stored(stored: bytes | dict) -> AnyVocab:
+    """The vocabulary a checkpoint holds: our SentencePiece model's bytes, or a Marian vocabulary's files."""
+    if isinstance(stored, dict):
+        if stored.get("kind") != "marian" or not isinstance(stored.get("files"), dict):
+            raise UserError(f"checkpoint: a vocabulary of unknown kind {stored.get('kind')!r}")
+        return MarianVocab(stored["files"], stored.get("start"))
+    return Vocab(stored)
+
+
+def vocab_in(directory: str | Path) -> AnyVocab | None:
+    """The vocabulary a run directory holds (spm.model, or a Marian vocabulary's files), or None."""
+    directory = Path(directory)
+    if (directory / SPM_FILE).is_file():
+        return Vocab.load(directory / SPM_FILE)
+    if all((directory / name).is_file() for name in MARIAN_FILES):
+        return MarianVocab.load(directory)
+    return None
+
+
+def run_vocab(directory: str | Path) -> AnyVocab:
+    """vocab_in(directory), or the error that names the SentencePiece model it lacks."""
+    found = vocab_in(directory)
+    return found if found is not None else Vocab.load(Path(directory) / SPM_FILE)
+
+
+def save_vocab_files(vocab: AnyVocab, directory: str | Path) -> None:
+    """The vocabulary's files into a directory (each atomically)."""
+    for name, data in vocab.files.items():
+        atomic_write(Path(directory) / name, lambda f, data=data: f.write(data))
 
 
 def sample_sentences(sentences: Iterable[str], k: int, seed: int) -> list[str]:

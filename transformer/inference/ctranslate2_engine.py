@@ -19,13 +19,15 @@ from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.model.positions import ctranslate2_encodings
 from transformer.run_dir import RunDir
 
-LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which our model uses
 # The records that make a directory ours to replace (never its file names: a user's folder may hold a model.bin).
 SOURCE_RECORD = "source.json"  # in a cached conversion: which checkpoint file it was made from, and its files
 EXPORT_RECORD = "transformer-export.json"  # in an export: that `export` wrote it, and its files
 EXPORT_FORMAT = "transformer-ctranslate2-export-v1"
 # Every export of ours (hf_export.HF_EXPORT_FORMAT too): --force may replace any of them, and nothing else.
 EXPORT_FORMATS = (EXPORT_FORMAT, "transformer-hf-export-v1")
+# What `import hf` writes (RunDir.IMPORT, hf_import.IMPORT_FORMAT): --force there replaces an earlier import alone.
+IMPORT_FORMATS = ("transformer-hf-import-v1",)
+RECORD_FORMATS = {EXPORT_RECORD: EXPORT_FORMATS, RunDir.IMPORT: IMPORT_FORMATS}
 
 
 def require_ctranslate2():
@@ -52,16 +54,18 @@ def _norm(spec, norm) -> None:
 
 
 def build_spec(model, pieces: list[str]):
-    """A ctranslate2 TransformerSpec holding our model's weights and vocabulary."""
+    """A ctranslate2 TransformerSpec holding our model's weights and vocabulary (pieces in id order; the special
+    tokens are the model's vocabulary's: a Marian vocabulary's decoder starts from <pad>)."""
     from ctranslate2.specs import common_spec, transformer_spec
 
     c = model.cfg
+    activation = {"relu": common_spec.Activation.RELU, "swish": common_spec.Activation.SWISH}[c.activation]
     spec = transformer_spec.TransformerSpec.from_config(
         (c.n_encoder_layers, c.n_decoder_layers),
         c.n_heads,
         pre_norm=c.norm == "pre",
         no_final_norm=c.norm == "post",
-        activation=common_spec.Activation.RELU,
+        activation=activation,
     )
     table = ctranslate2_encodings(model)  # (P, C)
     for side, embedding, final_norm in (
@@ -94,11 +98,15 @@ def build_spec(model, pieces: list[str]):
         _linear(layer_spec.ffn.linear_0, layer.ffn.fc1)
         _linear(layer_spec.ffn.linear_1, layer.ffn.fc2)
         _norm(layer_spec.ffn.layer_norm, layer.sub_ffn.norm)
-    _linear(spec.decoder.projection, model.output)
+    _linear(spec.decoder.projection, model.output)  # with its bias where model.output_bias
 
+    specials = model.specials
     spec.config.add_source_eos = True  # our encoder always saw the source followed by </s>
-    spec.config.decoder_start_token = "<s>"
-    spec.config.layer_norm_epsilon = LAYER_NORM_EPS
+    spec.config.bos_token = pieces[specials.bos]
+    spec.config.eos_token = pieces[specials.eos]
+    spec.config.unk_token = pieces[specials.unk]
+    spec.config.decoder_start_token = pieces[specials.bos]
+    spec.config.layer_norm_epsilon = c.layer_norm_eps
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
     return spec
@@ -111,7 +119,8 @@ def _write_model(checkpoint: Path, out_dir: Path, quantization: str | None) -> N
     spec.optimize(quantization=quantization)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec.save(str(out_dir))
-    RunDir(out_dir).vocab.write_bytes(vocab.proto)  # CTranslate2 takes pieces: this makes them
+    for name, data in vocab.files.items():  # CTranslate2 takes pieces: these make them (spm.model, or Marian's)
+        (out_dir / name).write_bytes(data)
 
 
 def _read_record(path: Path) -> dict:
@@ -140,8 +149,8 @@ def _replaceable(target: Path, record_name: str) -> set[str] | None:
         return set()
     record = _read_record(target / record_name)
     ours = (
-        record.get("format") in EXPORT_FORMATS
-        if record_name == EXPORT_RECORD
+        record.get("format") in RECORD_FORMATS[record_name]
+        if record_name in RECORD_FORMATS
         else {"checkpoint", "size", "mtime_ns"} <= record.keys()
     )
     files = record.get("files", entries)  # an earlier version's source.json lists none
@@ -192,26 +201,34 @@ def export_ctranslate2(
     return write_export(out_dir, force, EXPORT_FORMAT, write)
 
 
-def write_export(out_dir: str | Path, force: bool, export_format: str, write: Callable[[Path], dict]) -> Path:
+def write_export(
+    out_dir: str | Path,
+    force: bool,
+    export_format: str,
+    write: Callable[[Path], dict],
+    record_name: str = EXPORT_RECORD,
+    what: str = "export",
+) -> Path:
     """The export directory `out_dir`, made by write(staging) (which returns what the record says besides the format
     and the files) in a directory beside it, then put in its place: an existing out_dir only with force, and only
-    when it is an earlier export of ours (EXPORT_FORMATS) or empty. Returns out_dir as given."""
+    when it is an earlier export of ours (EXPORT_FORMATS; for `import hf`, record_name RunDir.IMPORT: an earlier
+    import) or empty. Returns out_dir as given."""
     if not str(out_dir).strip():  # realpath('') is the working directory: it would be "replaced"
-        raise UserError("export: the output directory is an empty name; give the directory to write")
+        raise UserError(f"{what}: the output directory is an empty name; give the directory to write")
     given, out_dir = out_dir, Path(os.path.realpath(out_dir))  # a link to the directory stays a link
     if out_dir.exists():
         if not force:
-            raise UserError(f"export: {given} exists; add --force to replace it")
-        if _replaceable(out_dir, EXPORT_RECORD) is None:
-            raise _not_ours(Path(given), EXPORT_RECORD, "export")
+            raise UserError(f"{what}: {given} exists; add --force to replace it")
+        if _replaceable(out_dir, record_name) is None:
+            raise _not_ours(Path(given), record_name, what)
     # Converted beside it first: a conversion that fails leaves the earlier export as it was.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging_dir(out_dir)
     try:
         about = write(staging)
         record = {"format": export_format, **about, "files": _file_stamps(staging)}
-        (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        _replace_ours(out_dir, staging, EXPORT_RECORD, "export")
+        (staging / record_name).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        _replace_ours(out_dir, staging, record_name, what)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Path(given)

@@ -146,6 +146,7 @@ def run_evaluate(
         "ref": ref,
         "beam": settings.beam,
         "lenpen": settings.lenpen,
+        "lenpen_kind": settings.lenpen_kind,
         "stop": settings.stop if settings.engine == "ours" else None,
         "dtype": settings.dtype,
         "engine": settings.engine,

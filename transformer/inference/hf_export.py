@@ -10,7 +10,15 @@ import torch
 
 from transformer.config import Config
 from transformer.data.batch import source_limit
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab
+from transformer.data.vocab import (
+    MARIAN_FILES,
+    SOURCE_SPM,
+    TARGET_SPM,
+    TOKENIZER_CONFIG,
+    VOCAB_JSON,
+    AnyVocab,
+    MarianVocab,
+)
 from transformer.errors import UserError
 from transformer.inference.ctranslate2_engine import write_export
 from transformer.model import positions
@@ -20,17 +28,9 @@ from transformer.model.transformer import Transformer
 HF_EXPORT_FORMAT = "transformer-hf-export-v1"
 INSTALL = "pip install 'transformer[hf]' (or pip install transformers safetensors)"
 # What a MarianMTModel directory holds besides our record: MarianTokenizer reads the vocabulary from vocab.json and
-# splits text with source.spm (and target.spm for targets): ours is one joint model, written twice.
-FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "source.spm",
-    "target.spm",
-    "vocab.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
+# splits text with source.spm (and target.spm for targets): ours is one joint model, written twice; an imported
+# Marian vocabulary's files go back as they came.
+FILES = ("config.json", "generation_config.json", "model.safetensors", *MARIAN_FILES, "special_tokens_map.json")
 
 
 def require_transformers() -> None:
@@ -42,31 +42,34 @@ def require_transformers() -> None:
             raise UserError(f"export hf needs the 'hf' extra ({name} is not installed): {INSTALL}") from None
 
 
-def residual_permutation(d_model: int) -> torch.Tensor:
-    """Our model dimension -> Marian's: Marian's sinusoids put the sines in the first half and the cosines in the
-    second (MarianSinusoidalPositionalEmbedding), ours interleave them (sin at 2i, cos at 2i + 1) at the same
-    frequencies. Indexing every residual-stream vector with this order gives Marian's layout: marian = ours[perm]."""
-    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
+# Our model.activation -> MarianConfig's activation_function (transformers' ACT2FN: "swish" is SiLU).
+ACTIVATIONS = {"relu": "relu", "swish": "swish"}
+LAYER_NORM_EPS = 1e-5  # MarianMTModel's LayerNorms take torch's default; its config has no key for it
 
 
 def refusal(cfg: Config) -> str | None:
     """Why a model of this config cannot become a MarianMTModel that computes the same function, or None. Every key of
     model.* was checked: d_model, n_heads, the layer counts, d_ff, the dropouts and max_positions map to Marian's
-    settings one to one; the feed-forward's ReLU is Marian's "relu"; post-norm is Marian's only layout (LayerNorm after
-    each residual add, no final LayerNorm); the embeddings are scaled by sqrt(d_model) (scale_embedding); shared or
-    separate source and target embeddings and a tied or separate output projection all exist in Marian."""
+    settings one to one; the feed-forward's activation is Marian's activation_function; the output bias its
+    final_logits_bias; either kind of sinusoids is Marian's table once the residual stream is permuted
+    (positions.marian_order); post-norm is Marian's only layout (LayerNorm after each residual add, no final
+    LayerNorm), with LayerNorm's default epsilon; the embeddings are scaled by sqrt(d_model) (scale_embedding); shared
+    or separate source and target embeddings and a tied or separate output projection all exist in Marian."""
     m = cfg.model
     if m.norm != "post":
         return (
             f"model.norm is {m.norm!r}: MarianMTModel is post-norm only (a LayerNorm after each residual add, no "
             "final LayerNorm), so a pre-norm model has no Marian equivalent"
         )
+    if m.layer_norm_eps != LAYER_NORM_EPS:
+        return f"model.layer_norm_eps is {m.layer_norm_eps:g}: MarianMTModel's LayerNorms use {LAYER_NORM_EPS:g}"
     return None
 
 
-def marian_config(cfg: Config, vocab_size: int) -> dict:
-    """config.json: MarianConfig's keys for our model (token ids: ours; decoding starts with our BOS, not pad)."""
-    m = cfg.model
+def marian_config(cfg: Config, vocab: AnyVocab) -> dict:
+    """config.json: MarianConfig's keys for our model (token ids: the vocabulary's; decoding starts with its BOS: ours,
+    or a Marian vocabulary's <pad>)."""
+    m, specials, vocab_size = cfg.model, vocab.specials, len(vocab)
     return {
         "architectures": ["MarianMTModel"],
         "model_type": "marian",
@@ -79,7 +82,7 @@ def marian_config(cfg: Config, vocab_size: int) -> dict:
         "decoder_attention_heads": m.n_heads,
         "encoder_ffn_dim": m.d_ff,
         "decoder_ffn_dim": m.d_ff,
-        "activation_function": "relu",
+        "activation_function": ACTIVATIONS[m.activation],
         "dropout": m.dropout,
         "attention_dropout": m.attention_dropout,
         "activation_dropout": m.activation_dropout,
@@ -89,46 +92,52 @@ def marian_config(cfg: Config, vocab_size: int) -> dict:
         "scale_embedding": True,
         "share_encoder_decoder_embeddings": m.share_embeddings,
         "tie_word_embeddings": m.tie_output,
-        "pad_token_id": PAD_ID,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": BOS_ID,
-        "forced_eos_token_id": EOS_ID,
-        "decoder_start_token_id": BOS_ID,
+        "pad_token_id": specials.pad,
+        "eos_token_id": specials.eos,
+        "bos_token_id": specials.bos,
+        "forced_eos_token_id": specials.eos,
+        "decoder_start_token_id": specials.bos,
         "is_encoder_decoder": True,
         "use_cache": True,
         "init_std": 0.02,
     }
 
 
-def generation_config(cfg: Config) -> dict:
+# Our stop rule -> generate's early_stopping: exact is their "never", early their True, hf their False.
+EARLY_STOPPING = {"exact": "never", "early": True, "hf": False}
+
+
+def generation_config(cfg: Config, vocab: AnyVocab) -> dict:
     """generation_config.json: our decode settings in `generate`'s terms. Their length penalty divides a hypothesis's
-    summed log-probability by length ** length_penalty where ours divides by ((5 + length) / 6) ** lenpen (both count
-    the tokens with EOS): the same alpha, but not the same normalisation unless it is 0 (docs/fine-tuning.md). Our
-    exact stop rule is their early_stopping "never", our early one their True. generate has no per-source limit
-    (ours: source length + decode.max_len_offset): max_length is the model's own, BOS and EOS included."""
-    d = cfg.decode
+    summed log-probability by length ** length_penalty, which is ours with decode.lenpen_kind "length"; GNMT's
+    ((5 + length) / 6) ** lenpen (both count the tokens with EOS) has the same alpha but not the same normalisation
+    unless it is 0 (docs/opus-mt.md). Our exact stop rule is their early_stopping "never", our early one their
+    True, our hf their False. generate has no per-source limit (ours: source length + decode.max_len_offset):
+    max_length is the model's own, BOS and EOS included."""
+    d, specials = cfg.decode, vocab.specials
     return {
-        "decoder_start_token_id": BOS_ID,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": PAD_ID,
-        "forced_eos_token_id": EOS_ID,
+        "decoder_start_token_id": specials.bos,
+        "bos_token_id": specials.bos,
+        "eos_token_id": specials.eos,
+        "pad_token_id": specials.pad,
+        "forced_eos_token_id": specials.eos,
         "num_beams": d.beam,
         "length_penalty": d.lenpen,
-        "early_stopping": "never" if d.stop == "exact" else True,
+        "early_stopping": EARLY_STOPPING[d.stop],
         "max_length": cfg.model.max_positions + 1,
         # Our search never emits PAD or BOS (their -inf comes after the log-softmax there too).
-        "bad_words_ids": [[PAD_ID], [BOS_ID]],
+        "bad_words_ids": [[i] for i in sorted({specials.pad, specials.bos})],
         "do_sample": False,
     }
 
 
 def marian_weights(model: Transformer) -> dict[str, torch.Tensor]:
-    """Our weights under MarianMTModel's names, with the residual stream permuted (residual_permutation): rows of
+    """Our weights under MarianMTModel's names, with the residual stream permuted (positions.marian_order): rows of
     what writes into it (out_proj, fc2), columns of what reads from it (q/k/v, fc1, the output projection), the
-    embeddings' columns, every LayerNorm; the positions table written too (Marian recomputes its own when absent)."""
+    embeddings' columns, every LayerNorm; the positions table written too (Marian recomputes its own when absent);
+    the output bias as final_logits_bias (zeros without one)."""
     c = model.cfg
-    perm = residual_permutation(c.d_model)
+    perm = positions.marian_order(c)
     out: dict[str, torch.Tensor] = {}
 
     def reads(name: str, linear) -> None:
@@ -174,19 +183,28 @@ def marian_weights(model: Transformer) -> dict[str, torch.Tensor]:
         writes(f"{p}.fc2", layer.ffn.fc2)
         norm(f"{p}.final_layer_norm", layer.sub_ffn.norm)
     out["lm_head.weight"] = model.output.weight.detach()[:, perm]
-    out["final_logits_bias"] = torch.zeros(1, model.vocab_size)
+    bias = model.output.bias
+    out["final_logits_bias"] = bias.detach()[None] if bias is not None else torch.zeros(1, model.vocab_size)
     # safetensors stores each tensor on its own: contiguous fp32 copies, none sharing memory with another.
     return {name: t.float().contiguous().clone() for name, t in out.items()}
 
 
-def tokenizer_files(vocab: Vocab, cfg: Config) -> dict[str, bytes]:
-    """source.spm and target.spm (our joint model twice), vocab.json (piece -> our id), the tokenizer's config."""
-    pieces = {vocab.sp.id_to_piece(i): i for i in range(len(vocab))}
+def tokenizer_files(vocab: AnyVocab, cfg: Config) -> dict[str, bytes]:
+    """source.spm and target.spm (our joint model twice), vocab.json (piece -> our id), the tokenizer's config; an
+    imported Marian vocabulary's own four files, verbatim."""
+    specials = vocab.specials
     special = {
-        "unk_token": vocab.sp.id_to_piece(UNK_ID),
-        "eos_token": vocab.sp.id_to_piece(EOS_ID),
-        "pad_token": vocab.sp.id_to_piece(PAD_ID),
+        "unk_token": vocab.pieces([specials.unk])[0],
+        "eos_token": vocab.pieces([specials.eos])[0],
+        "pad_token": vocab.pieces([specials.pad])[0],
     }
+
+    def text(value) -> bytes:
+        return (json.dumps(value, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+
+    if isinstance(vocab, MarianVocab):
+        return {**vocab.files, "special_tokens_map.json": text(special)}
+    pieces = {vocab.sp.id_to_piece(i): i for i in range(len(vocab))}
     tokenizer = {
         "tokenizer_class": "MarianTokenizer",
         "source_lang": cfg.data.src_lang,
@@ -198,15 +216,11 @@ def tokenizer_files(vocab: Vocab, cfg: Config) -> dict[str, bytes]:
         "split_special_tokens": True,
         **special,
     }
-
-    def text(value) -> bytes:
-        return (json.dumps(value, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
-
     return {
-        "source.spm": vocab.proto,
-        "target.spm": vocab.proto,
-        "vocab.json": text(pieces),
-        "tokenizer_config.json": text(tokenizer),
+        SOURCE_SPM: vocab.proto,
+        TARGET_SPM: vocab.proto,
+        VOCAB_JSON: text(pieces),
+        TOKENIZER_CONFIG: text(tokenizer),
         "special_tokens_map.json": text(special),
     }
 
@@ -219,7 +233,7 @@ def write_marian(checkpoint: Path, out_dir: Path) -> None:
     problem = refusal(cfg)
     if problem is not None:
         raise UserError(f"export hf: {checkpoint}: {problem}")
-    files = {"config.json": marian_config(cfg, len(vocab)), "generation_config.json": generation_config(cfg)}
+    files = {"config.json": marian_config(cfg, vocab), "generation_config.json": generation_config(cfg, vocab)}
     for name, value in files.items():
         (out_dir / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
     for name, data in tokenizer_files(vocab, cfg).items():

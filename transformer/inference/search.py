@@ -8,7 +8,8 @@ Conventions:
   its non-PAD source positions (EOS included), capped so decoder positions stay below max_positions.
   At that length EOS is forced, so every hypothesis ends with EOS.
 - `Hypothesis.tokens` excludes BOS and EOS; `score` is the sum of the token log-probabilities, EOS
-  included, divided by the GNMT length penalty lp(len) = ((5 + len) / 6) ** lenpen with len = tokens + 1.
+  included, divided by the length penalty lp(len) (GNMT's ((5 + len) / 6) ** lenpen unless lenpen_kind
+  says otherwise) with len = tokens + 1.
 
 Stop rules (beam > 1; `stop`):
 - "exact": a sentence stops when no live hypothesis can still reach a score above its nbest-th finished
@@ -31,8 +32,24 @@ Stop rules (beam > 1; `stop`):
   whatever the beam would still finish scores at most the bound, at most the nbest-th kept score, so it
   could not enter the n-best ahead of a hypothesis kept already (a tie keeps the earlier one, as a stable
   sort does); the outputs are fairseq's and the steps never more than either rule's alone.
-Greedy search (beam 1) ends a sentence at its first EOS under either rule: with one hypothesis the first
+- "hf": transformers' generate() with its default early_stopping=False: a sentence stops once `beam`
+  hypotheses have finished and the `beam`-th best of them scores at least the best live summed
+  log-probability divided by the penalty at the live hypotheses' *current* length (a heuristic: with
+  lenpen > 0 a live hypothesis may still reach more, see "exact"). The EOS forced at the length limit
+  counts 0 there, as generate's ForcedEOSTokenLogitsProcessor makes it, where the other rules keep its
+  log-probability. With lenpen_kind "length" (generate's length ** lenpen) and the same length limit, the
+  outputs are generate()'s (tests/inference/test_hf_import.py); generate's renormalize_logits (OPUS-MT's
+  generation_config sets it) rescales each step's log-probabilities by 1 - p(<pad>), which this search does
+  not (docs/opus-mt.md).
+Greedy search (beam 1) ends a sentence at its first EOS under every rule: with one hypothesis the first
 to finish is the answer, as the early rule says.
+
+Length penalties (`lenpen_kind`): "gnmt", lp(len) = ((5 + len) / 6) ** lenpen (Wu et al. 2016, the default);
+"length", lp(len) = len ** lenpen (transformers' and CTranslate2's length_penalty). Both grow with the length
+for lenpen >= 0, which is all the exact bound needs.
+
+Special ids (BOS, EOS, PAD) are the model's vocabulary's (`model.specials`): ours, or an imported Marian
+vocabulary's, whose BOS is its PAD.
 
 Tracing (`trace`, a list): search() appends one TraceStep per decoder step, for showing the search at work
 (`transformer serve`'s page). It only reads what the search computed; without a trace nothing extra is done.
@@ -53,8 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer.data.batch import causal_mask, padding_mask
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
-from transformer.inference.settings import STOP_RULES, StopRule
+from transformer.inference.settings import LENPEN_KINDS, STOP_RULES, LenpenKind, StopRule
 from transformer.model.transformer import evaluating
 
 
@@ -84,8 +100,11 @@ class TraceStep:
     finished: list[list[Hypothesis]]  # hypotheses that ended with EOS at this step; score as in the n-best lists
 
 
-def length_penalty(length, alpha: float):
-    """GNMT (Wu et al. 2016): lp = ((5 + length) / 6) ** alpha; works on floats and tensors."""
+def length_penalty(length, alpha: float, kind: LenpenKind = "gnmt"):
+    """What a hypothesis's summed log-probability is divided by: GNMT's (Wu et al. 2016) ((5 + length) / 6) ** alpha,
+    or with kind "length" length ** alpha (transformers', CTranslate2's); works on floats and tensors."""
+    if kind == "length":
+        return length**alpha
     return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -99,6 +118,7 @@ def search(
     stop: StopRule = "exact",
     use_cache: bool = True,
     trace: list[TraceStep] | None = None,
+    lenpen_kind: LenpenKind = "gnmt",
 ) -> SearchResult:
     """Translate source rows `src` (B, S): per row its `nbest` best hypotheses, best first.
 
@@ -106,16 +126,31 @@ def search(
     per sentence at each step: the best `beam` that do not end in EOS stay alive, and an EOS candidate
     finishes only when it ranks within the top `beam`. `stop` picks when a sentence is done (module
     docstring). use_cache=False recomputes every step from scratch (for tests). `trace`, when given, receives
-    a TraceStep per decoder step; a sentence has no live hypotheses at the step it is done.
+    a TraceStep per decoder step; a sentence has no live hypotheses at the step it is done. lenpen_kind: the
+    form of the length penalty (module docstring).
     """
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if stop not in STOP_RULES:
         raise ValueError(f"stop must be one of {', '.join(STOP_RULES)}, got {stop!r}")
+    if lenpen_kind not in LENPEN_KINDS:
+        raise ValueError(f"lenpen_kind must be one of {', '.join(LENPEN_KINDS)}, got {lenpen_kind!r}")
     with evaluating(model):  # dropout off while searching; the trainer decodes mid-training
         if beam == 1:
-            return _greedy_search(model, src, lenpen, max_len_offset, use_cache, trace)
-        return _beam_search(model, src, beam, lenpen, max_len_offset, nbest, stop, use_cache, trace)
+            return _greedy_search(model, src, lenpen, max_len_offset, use_cache, trace, lenpen_kind, stop)
+        return _beam_search(model, src, beam, lenpen, max_len_offset, nbest, stop, use_cache, trace, lenpen_kind)
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """How hypotheses are scored and when a sentence stops: the length penalty and its form, and the stop rule."""
+
+    lenpen: float
+    kind: LenpenKind
+    stop: StopRule
+
+    def penalty(self, length):
+        return length_penalty(length, self.lenpen, self.kind)
 
 
 class _Decoder:
@@ -123,9 +158,10 @@ class _Decoder:
     live row; with the cache (which owns the encoder K/V and the memory mask), or from scratch for tests."""
 
     def __init__(self, model, src: torch.Tensor, use_cache: bool):
-        src_mask = padding_mask(src)
+        src_mask = padding_mask(src, model.specials.pad)
         memory = model.encode(src, src_mask)  # (B, S, C)
         self.model, self.steps = model, 0
+        self.never = sorted({model.specials.pad, model.specials.bos})  # never emitted: not training targets
         self.cache = model.new_cache(memory, src_mask) if use_cache else None
         # Uncached only: the memory and its mask, kept in row order here since no cache holds them.
         self.memory, self.memory_mask = (None, None) if use_cache else (memory, src_mask)
@@ -139,8 +175,7 @@ class _Decoder:
             mask = causal_mask(prefix.size(1), prefix.device)
             logits = self.model.decode(prefix, self.memory, self.memory_mask, mask)
         lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)
-        lprobs[:, PAD_ID] = float("-inf")  # never emitted by training targets
-        lprobs[:, BOS_ID] = float("-inf")
+        lprobs[:, self.never] = float("-inf")
         return lprobs
 
     def keep_rows(self, index: torch.Tensor, sources: torch.Tensor | None = None) -> None:
@@ -160,7 +195,7 @@ def max_output_lengths(src_lengths: torch.Tensor, max_len_offset: int, max_posit
 
 
 def _max_lengths(model, src: torch.Tensor, max_len_offset: int) -> torch.Tensor:
-    src_len = padding_mask(src).view(src.size(0), -1).sum(dim=1)  # (B, 1, 1, S) -> (B,)
+    src_len = padding_mask(src, model.specials.pad).view(src.size(0), -1).sum(dim=1)  # (B, 1, 1, S) -> (B,)
     return max_output_lengths(src_len, max_len_offset, model.cfg.max_positions)
 
 
@@ -185,13 +220,17 @@ def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
     return index if device.type == "cpu" else index.pin_memory().to(device, non_blocking=True)
 
 
-def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor | None) -> torch.Tensor:
-    """Rows at their length limit may only emit EOS; at_limit None: no row is (known on the host)."""
+def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor | None, eos: int, free: bool = False) -> torch.Tensor:
+    """Rows at their length limit may only emit EOS; at_limit None: no row is (known on the host). free: that EOS
+    costs nothing (log-probability 0, as generate() forces it: the "hf" stop rule)."""
     if at_limit is None:  # the common case: skip a full (rows, vocab) rewrite
         return lprobs
     not_eos = torch.ones(lprobs.size(1), dtype=torch.bool, device=lprobs.device)
-    not_eos[EOS_ID] = False
-    return lprobs.masked_fill(at_limit[:, None] & not_eos[None, :], float("-inf"))
+    not_eos[eos] = False
+    forced = lprobs.masked_fill(at_limit[:, None] & not_eos[None, :], float("-inf"))
+    if free:
+        forced[:, eos] = torch.where(at_limit, 0.0, forced[:, eos])
+    return forced
 
 
 def _new_step(rows: int) -> TraceStep:
@@ -199,30 +238,40 @@ def _new_step(rows: int) -> TraceStep:
 
 
 def _greedy_search(
-    model, src: torch.Tensor, lenpen: float, max_len_offset: int, use_cache: bool, trace: list[TraceStep] | None = None
+    model,
+    src: torch.Tensor,
+    lenpen: float,
+    max_len_offset: int,
+    use_cache: bool,
+    trace: list[TraceStep] | None = None,
+    lenpen_kind: LenpenKind = "gnmt",
+    stop: StopRule = "exact",
 ) -> SearchResult:
     """Most probable next token at each step; finished sentences leave the batch."""
+    rules = _Rules(lenpen, lenpen_kind, stop)
+    bos, eos = model.specials.bos, model.specials.eos
     decoder = _Decoder(model, src, use_cache)
     max_len = _max_lengths(model, src, max_len_offset)  # (B,)
     limits = _to_host(max_len)[0]  # the same on the host
     alive = list(range(src.size(0)))  # original index of each row
-    prefix = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)  # (R, t+1)
+    prefix = torch.full((src.size(0), 1), bos, dtype=torch.long, device=src.device)  # (R, t+1)
     scores = torch.zeros(src.size(0), device=src.device)
     out: list[list[Hypothesis] | None] = [None] * src.size(0)
     sentence_steps = [0] * src.size(0)
     t = 0
     while alive:
-        lprobs = _force_eos(decoder.log_probs(prefix), (t >= max_len) if t >= limits.min() else None)
+        at_limit = (t >= max_len) if t >= limits.min() else None
+        lprobs = _force_eos(decoder.log_probs(prefix), at_limit, eos, rules.stop == "hf")
         best, token = lprobs.max(dim=-1)  # (R,)
         scores = scores + best
         prefix = torch.cat([prefix, token[:, None]], dim=1)
         tokens, totals, prefixes = _to_host(token, scores, prefix)  # the step's one read
-        done = tokens == EOS_ID
+        done = tokens == eos
         if trace is not None:
-            trace.append(_greedy_step(src.size(0), alive, prefixes, totals, done, length_penalty(t + 1, lenpen)))
+            trace.append(_greedy_step(src.size(0), alive, prefixes, totals, done, rules.penalty(t + 1)))
         if done.any():
             rows = np.flatnonzero(done)
-            penalty = length_penalty(t + 1, lenpen)
+            penalty = rules.penalty(t + 1)
             for row, row_tokens, total in zip(rows.tolist(), prefixes[rows, 1:-1].tolist(), totals[rows].tolist()):
                 out[alive[row]] = [Hypothesis(row_tokens, total / penalty)]
                 sentence_steps[alive[row]] = t + 1
@@ -256,22 +305,26 @@ def _still_searching(
     best_live: list[float],
     limit_hit: list[bool],
     best_lp: list[float],
+    now_lp: float,
     k: int,
     nbest: int,
-    lenpen: float,
-    stop: StopRule,
+    rules: _Rules,
     sentence_steps: list[int],
     steps: int,
 ) -> list[int]:
     """Positions in `alive` of the sentences that search on; a sentence stops at its length limit or when its
-    stop rule says so, and then keeps its `nbest` best finished hypotheses, best first, and records `steps`."""
+    stop rule says so, and then keeps its `nbest` best finished hypotheses, best first, and records `steps`.
+    now_lp: the penalty at the live hypotheses' length (the "hf" rule's divisor)."""
     keep = []
     for s, index in enumerate(alive):
         hyps = finished[index]
-        done = limit_hit[s] or (stop == "early" and len(hyps) >= k)
-        if not done and len(hyps) >= nbest:  # the exact bound, which can settle "early" sooner too
+        done = limit_hit[s] or (rules.stop == "early" and len(hyps) >= k)
+        if not done and rules.stop == "hf" and len(hyps) >= k:  # generate's heuristic
+            kth = sorted((h.score for h in hyps), reverse=True)[k - 1]
+            done = kth >= best_live[s] / now_lp
+        elif not done and rules.stop != "hf" and len(hyps) >= nbest:  # the exact bound; it can settle "early" sooner
             kth = sorted((h.score for h in hyps), reverse=True)[nbest - 1]
-            done = kth >= best_live[s] / (best_lp[index] if lenpen > 0 else 1.0)
+            done = kth >= best_live[s] / (best_lp[index] if rules.lenpen > 0 else 1.0)
         if done:
             hyps.sort(key=lambda h: h.score, reverse=True)
             del hyps[nbest:]
@@ -291,21 +344,24 @@ def _beam_search(
     stop: StopRule,
     use_cache: bool,
     trace: list[TraceStep] | None = None,
+    lenpen_kind: LenpenKind = "gnmt",
 ) -> SearchResult:
     device, k = src.device, beam
+    rules = _Rules(lenpen, lenpen_kind, stop)
+    bos, eos = model.specials.bos, model.specials.eos
     inf = float("-inf")
     # Encoded once per sentence; rows are copied per beam after the first step.
     decoder = _Decoder(model, src, use_cache)
     max_len = _max_lengths(model, src, max_len_offset)  # (B,) per live sentence
     # The exact rule's divisor: the largest penalty a live hypothesis can reach (module docstring). The limits,
     # the same on the host.
-    limits, best_lp = _to_host(max_len, length_penalty(max_len.double() + 1, lenpen))
+    limits, best_lp = _to_host(max_len, rules.penalty(max_len.double() + 1))
     best_lp = best_lp.tolist()
     alive = list(range(src.size(0)))  # original index of each live sentence
     finished: list[list[Hypothesis]] = [[] for _ in alive]  # by original index
     sentence_steps = [0] * src.size(0)
     n = 1  # rows per live sentence: one (just BOS) before the first step, then `beam`
-    prefix = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=device)  # (B*n, t+1)
+    prefix = torch.full((src.size(0), 1), bos, dtype=torch.long, device=device)  # (B*n, t+1)
     scores = torch.zeros(src.size(0), device=device)  # (B*n,) summed log-probabilities
     rank = torch.arange(2 * k, device=device)
     host_rank = np.arange(2 * k)
@@ -318,16 +374,16 @@ def _beam_search(
         # A sentence's 2k best (row, token) candidates are among each of its rows' 2k best tokens: rank
         # those, rather than adding every row's score to all V log-probabilities and ranking n*V per sentence.
         per_row = min(2 * k, lprobs.size(1))
-        row_lprobs, row_tokens = _force_eos(lprobs, at_limit).topk(per_row, dim=1)  # (B*n, per_row)
+        row_lprobs, row_tokens = _force_eos(lprobs, at_limit, eos, stop == "hf").topk(per_row, dim=1)  # (B*n, per_row)
         cand = (scores[:, None] + row_lprobs).view(b, n * per_row)  # -> (B, n*per_row)
         row_tokens = row_tokens.view(b, n * per_row)
         if cand.size(1) < 2 * k:  # vocabulary smaller than 2*beam: pad with impossible candidates
             cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=inf)
-            row_tokens = F.pad(row_tokens, (0, 2 * k - row_tokens.size(1)), value=PAD_ID)
+            row_tokens = F.pad(row_tokens, (0, 2 * k - row_tokens.size(1)), value=model.specials.pad)
         top_scores, top_idx = cand.topk(2 * k, dim=1)  # (B, 2k), best first
         origin = (top_idx // per_row).clamp(max=n - 1)  # the beam each candidate extends
         token = row_tokens.gather(1, top_idx)
-        is_eos = token == EOS_ID
+        is_eos = token == eos
 
         # The k best non-EOS candidates stay alive (there are at least k: each beam adds one EOS at most).
         order = (is_eos.long() * (2 * k) + rank).argsort(dim=1)[:, :k]  # (B, k) positions among the 2k
@@ -341,11 +397,11 @@ def _beam_search(
         )
         # Finish EOS candidates ranked within the top k; under "early" only until k have finished (module
         # docstring). nonzero() gives them by sentence, then by rank: the better summed score first.
-        finishing = (host_token == EOS_ID) & (host_rank < k) & (host_scores > inf)
+        finishing = (host_token == eos) & (host_rank < k) & (host_scores > inf)
         if finishing.any():
             sent, pos = np.nonzero(finishing)
             rows = sent * n + host_origin[sent, pos]
-            penalty = length_penalty(t + 1, lenpen)
+            penalty = rules.penalty(t + 1)
             for s, row_tokens, total in zip(
                 sent.tolist(), host_prefix[rows, 1:].tolist(), host_scores[sent, pos].tolist()
             ):
@@ -362,10 +418,10 @@ def _beam_search(
             best_live.tolist(),
             (t >= limits).tolist(),
             best_lp,
+            rules.penalty(t + 1),
             k,
             nbest,
-            lenpen,
-            stop,
+            rules,
             sentence_steps,
             t + 1,
         )

@@ -20,16 +20,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from transformer.config import STOP_RULES, DecodeConfig, StopRule, lenpen_problem
+from transformer.config import LENPEN_KINDS, STOP_RULES, DecodeConfig, LenpenKind, StopRule, lenpen_problem
 from transformer.errors import UserError
 
 __all__ = [
     "DTYPES",
     "ENGINES",
     "FLAGS",
+    "LENPEN_KINDS",
     "STOP_RULES",
     "Dtype",
     "Engine",
+    "LenpenKind",
     "SearchFlags",
     "SearchSettings",
     "StopRule",
@@ -49,6 +51,7 @@ ENGINES: tuple[str, ...] = typing.get_args(Engine)
 FLAGS = {
     "beam": "--beam",
     "lenpen": "--lenpen",
+    "lenpen_kind": "--lenpen-kind",
     "stop": "--stop",
     "max_len_offset": "max_len_offset",
     "max_tokens": "--max-tokens",
@@ -75,6 +78,7 @@ def _one_of(allowed: tuple[str, ...]) -> Callable[[str, object], str | None]:
 _PROBLEMS: dict[str, Callable[[str, object], str | None]] = {
     "beam": lambda flag, value: _at_least_one(flag, value, " (1 = greedy)"),
     "lenpen": lambda flag, value: lenpen_problem(value, flag),
+    "lenpen_kind": _one_of(LENPEN_KINDS),
     "stop": _one_of(STOP_RULES),
     "max_len_offset": _at_least_one,
     "max_tokens": _at_least_one,
@@ -99,7 +103,8 @@ class SearchSettings:
     only a model can tell (search_settings with vocab_size)."""
 
     beam: int = DecodeConfig.beam  # 1 = greedy
-    lenpen: float = DecodeConfig.lenpen  # GNMT length penalty alpha, 0 to MAX_LENPEN
+    lenpen: float = DecodeConfig.lenpen  # the length penalty's alpha, 0 to MAX_LENPEN
+    lenpen_kind: LenpenKind = DecodeConfig.lenpen_kind  # its form: GNMT's, or length ** lenpen
     stop: StopRule = DecodeConfig.stop  # beam search's stop rule (search.py); CTranslate2 has its own
     max_len_offset: int = DecodeConfig.max_len_offset  # an output may be source length + this many tokens
     max_tokens: int = DecodeConfig.max_tokens  # source tokens per batch (all workers together)
@@ -114,8 +119,11 @@ class SearchSettings:
             raise UserError(f"--nbest ({self.nbest}) cannot exceed the beam size ({self.beam}); raise --beam")
 
     def describe(self) -> str:
-        """The settings that change outputs, for evaluate's file names: beam4.lp0.6[.early][.bf16|.int8][.ct2]."""
+        """The settings that change outputs, for evaluate's file names:
+        beam4.lp0.6[.length][.early|.hf][.bf16|.int8][.ct2]."""
         name = f"beam{self.beam}.lp{self.lenpen:g}"
+        if self.lenpen_kind != "gnmt" and self.lenpen > 0:
+            name += f".{self.lenpen_kind}"
         if self.stop != "exact" and self.beam > 1 and self.engine == "ours":
             name += f".{self.stop}"
         if self.dtype != "fp32":
@@ -131,6 +139,7 @@ class SearchFlags:
 
     beam: int | None = None
     lenpen: float | None = None
+    lenpen_kind: LenpenKind | None = None
     stop: StopRule | None = None
     max_len_offset: int | None = None
     max_tokens: int | None = None

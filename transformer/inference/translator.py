@@ -16,7 +16,7 @@ import torch
 
 from transformer.data.batch import prepare_sources, source_limit
 from transformer.data.batching import pack_by_size
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
+from transformer.data.vocab import AnyVocab
 from transformer.device import auto_precision, bounded_onednn_caches, native_bf16, pick_device
 from transformer.errors import UserError
 from transformer.inference.search import Hypothesis, SearchResult, length_penalty, max_output_lengths, search
@@ -111,7 +111,7 @@ def search_batches(
     batches = source_batches(src_ids, model.cfg.max_positions, settings.max_tokens, workers)
 
     def run(batch: list[int]) -> SearchResult:
-        src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
+        src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions, model.specials)  # (B, S)
         return search(
             model,
             src.to(device),
@@ -120,6 +120,7 @@ def search_batches(
             settings.max_len_offset,
             settings.nbest,
             settings.stop,
+            lenpen_kind=settings.lenpen_kind,
         )
 
     if workers == 1 or len(batches) == 1:
@@ -160,7 +161,7 @@ def translate_ids(model, src_ids: list[list[int]], settings: SearchSettings, dev
 
 def ctranslate2_search(
     translator,
-    vocab: Vocab,
+    vocab: AnyVocab,
     src_ids: Sequence[Sequence[int]],
     settings: SearchSettings,
     max_positions: int,
@@ -203,7 +204,7 @@ def ctranslate2_search(
     label smoothing leaves each ~smoothing / vocabulary). With several workers (the translator's
     inter_threads) the batches are sized and run side by side as search_batches runs ours.
     """
-    lenpen, nbest = settings.lenpen, settings.nbest
+    nbest = settings.nbest
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     limit = source_limit(max_positions)
     workers = translator.num_translators
@@ -230,26 +231,25 @@ def ctranslate2_search(
     again = []  # sentences to search under their own limit
     for indices, pending in calls:
         for i, result in zip(indices, pending):
-            hyps = _hypotheses(vocab, result.result(), lenpen)
+            hyps = _hypotheses(vocab, result.result(), settings)
             if any(len(h.tokens) >= own[i] - 1 for h in hyps):
                 again.append(i)
             else:  # every hypothesis ended with EOS: its score is ours but for the renormalisation
                 found[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest]
     limited = ctranslate2_limited(translator, vocab, {i: sources[i] for i in again}, own, settings)
     if scores:
-        found = dict(zip(found, _scored(translator, vocab, sources, found, lenpen, tokens_per_batch)))
+        found = dict(zip(found, _scored(translator, vocab, sources, found, settings, tokens_per_batch)))
     for i, hyps in (*found.items(), *limited.items()):
         out[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest]
     return out
 
 
 def ctranslate2_limited(
-    translator, vocab: Vocab, sources: dict[int, list[str]], limits: dict[int, int], settings: SearchSettings
+    translator, vocab: AnyVocab, sources: dict[int, list[str]], limits: dict[int, int], settings: SearchSettings
 ) -> dict[int, list[Hypothesis]]:
     """Sources (pieces, by index) searched each under its own length limit (`limits`, by index): one call per
     distinct limit, every returned hypothesis scored again (ours: the EOS that the limit ended added), best
     first."""
-    lenpen = settings.lenpen
     tokens_per_batch = max(1, settings.max_tokens // translator.num_translators)
     calls = []
     by_limit = same_limit([limits[i] for i in sources])
@@ -261,8 +261,8 @@ def ctranslate2_limited(
     found = {}
     for batch, pending in calls:
         for i, result in zip(batch, pending):
-            found[i] = _hypotheses(vocab, result.result(), lenpen)
-    scored = _scored(translator, vocab, sources, found, lenpen, tokens_per_batch)
+            found[i] = _hypotheses(vocab, result.result(), settings)
+    scored = _scored(translator, vocab, sources, found, settings, tokens_per_batch)
     return {i: sorted(hyps, key=lambda h: h.score, reverse=True) for i, hyps in zip(found, scored)}
 
 
@@ -274,7 +274,7 @@ def limit_bucket(max_len: int, max_positions: int) -> int:
 
 
 def _translate_async(
-    translator, vocab: Vocab, sources: list[list[str]], settings: SearchSettings, max_len: int, max_tokens: int = 0
+    translator, vocab: AnyVocab, sources: list[list[str]], settings: SearchSettings, max_len: int, max_tokens: int = 0
 ) -> list:
     """One asynchronous translate_batch call under length limit `max_len`, as ours searches: BOS and PAD never
     emitted, EOS allowed at once, the sources as given (cut already), the hypotheses with their EOS (which its
@@ -286,7 +286,7 @@ def _translate_async(
         num_hypotheses=settings.nbest if settings.lenpen == 0 else settings.beam,
         length_penalty=settings.lenpen,
         max_decoding_length=max_len,
-        suppress_sequences=[[piece] for piece in vocab.pieces([BOS_ID, PAD_ID])],
+        suppress_sequences=[[piece] for piece in vocab.pieces(sorted({vocab.specials.bos, vocab.specials.pad}))],
         min_decoding_length=0,
         return_end_token=True,
         return_scores=True,
@@ -297,29 +297,31 @@ def _translate_async(
     )
 
 
-def _hypotheses(vocab: Vocab, result, lenpen: float) -> list[Hypothesis]:
+def _hypotheses(vocab: AnyVocab, result, settings: SearchSettings) -> list[Hypothesis]:
     """A TranslationResult's hypotheses as ours, without EOS, scored by our penalty from its normalised score:
     summed log-probability = score * length**lenpen (length counting EOS, as return_end_token makes it). A
     hypothesis the length limit ended has no EOS: neither its tokens nor its score count one."""
-    hyps = []
+    lenpen, hyps = settings.lenpen, []
     for pieces, score in zip(result.hypotheses, result.scores):
         length = len(pieces)
         total = score * length**lenpen if length else score
-        hyps.append(Hypothesis(_without_eos(vocab.piece_ids(pieces)), total / length_penalty(length, lenpen)))
+        ids = _without_eos(vocab.piece_ids(pieces), vocab.specials.eos)
+        hyps.append(Hypothesis(ids, total / length_penalty(length, lenpen, settings.lenpen_kind)))
     return hyps
 
 
 def _scored(
     translator,
-    vocab: Vocab,
+    vocab: AnyVocab,
     sources: dict[int, list[str]],
     found: dict[int, list[Hypothesis]],
-    lenpen: float,
+    settings: SearchSettings,
     tokens_per_batch: int,
 ) -> list[list[Hypothesis]]:
     """found's hypotheses (by source index) scored again by CTranslate2's scorer in one asynchronous call split
     into batches of about tokens_per_batch: ours, each token's and EOS's log-probability normalised over the
     whole vocabulary, divided by our length penalty."""
+    lenpen, kind = settings.lenpen, settings.lenpen_kind
     pairs = [(sources[i], h.tokens) for i, hyps in found.items() for h in hyps]
     if not pairs:
         return []
@@ -335,15 +337,17 @@ def _scored(
     )
     return [
         [
-            Hypothesis(h.tokens, sum(next(pending).result().log_probs) / length_penalty(len(h.tokens) + 1, lenpen))
+            Hypothesis(
+                h.tokens, sum(next(pending).result().log_probs) / length_penalty(len(h.tokens) + 1, lenpen, kind)
+            )
             for h in hyps
         ]
         for hyps in found.values()
     ]
 
 
-def _without_eos(ids: list[int]) -> list[int]:
-    return ids[:-1] if ids and ids[-1] == EOS_ID else ids
+def _without_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == eos else ids
 
 
 def same_limit(max_lens: Sequence[int]) -> list[tuple[int, list[int]]]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from transformer.config import Config, from_dict
-from transformer.data.vocab import Vocab
+from transformer.data.vocab import AnyVocab, vocab_from_stored
 from transformer.errors import UserError, first_line
 from transformer.files import atomic_write
 from transformer.model.transformer import Transformer
@@ -42,16 +42,17 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
 
 def _weights_problem(state: dict) -> str | None:
     """Why a checkpoint of our format cannot rebuild a model, or None: a key of WEIGHT_KEYS missing or of the wrong
-    kind (a hand-edited file), or a vocabulary that is not a SentencePiece model."""
+    kind (a hand-edited file), or a vocabulary that is not one of ours (a SentencePiece model, a Marian vocabulary's
+    files)."""
     missing = [key for key in WEIGHT_KEYS if key not in state]
     if missing:
         return f"has no {' or '.join(repr(k) for k in missing)} (every checkpoint holds {', '.join(WEIGHT_KEYS)})"
-    kinds = {"config": dict, "vocab": bytes, "model": dict}
+    kinds = {"config": dict, "vocab": (bytes, dict), "model": dict}
     wrong = [key for key, kind in kinds.items() if not isinstance(state[key], kind)]
     if wrong:
         return f"holds {' and '.join(repr(k) for k in wrong)} of the wrong kind"
     try:
-        Vocab(state["vocab"])
+        vocab_from_stored(state["vocab"])
     except UserError as e:
         return f"holds a vocabulary that is {e}"
     return None
@@ -64,7 +65,7 @@ WEIGHT_KEYS = ("config", "vocab", "model")
 RESUMABLE_KEYS = WEIGHT_KEYS + ("optimizer", "scaler", "rng", "run")
 
 
-def weights_checkpoint(config: dict, vocab: bytes, model: dict, **about) -> dict:
+def weights_checkpoint(config: dict, vocab: bytes | dict, model: dict, **about) -> dict:
     """A checkpoint that translate, evaluate and attention load; `about` records where it came from."""
     return {"config": config, "vocab": vocab, "model": model, **about}
 
@@ -89,11 +90,11 @@ def resolve_checkpoint(run_dir_or_file: str | Path) -> Path:
     return p
 
 
-def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer, Vocab, Config]:
+def model_from_checkpoint(state: dict, device: Any = "cpu") -> tuple[Transformer, AnyVocab, Config]:
     """Rebuild the model exactly as trained, from the config and vocabulary the checkpoint carries."""
     cfg = from_dict(state["config"])
-    vocab = Vocab(state["vocab"])
-    model = Transformer(cfg.model, len(vocab))
+    vocab = vocab_from_stored(state["vocab"])
+    model = Transformer(cfg.model, len(vocab), vocab.specials)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
@@ -121,5 +122,5 @@ def check_finite(weights: dict, what: str) -> None:
         )
 
 
-def load_model(run_dir_or_file: str | Path, device: Any = "cpu") -> tuple[Transformer, Vocab, Config]:
+def load_model(run_dir_or_file: str | Path, device: Any = "cpu") -> tuple[Transformer, AnyVocab, Config]:
     return model_from_checkpoint(load_checkpoint(resolve_checkpoint(run_dir_or_file)), device)

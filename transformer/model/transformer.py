@@ -21,6 +21,7 @@ from torch import nn
 
 from transformer.config import ModelConfig
 from transformer.data.batch import CAUSAL, Causal, attention_bias, causal_mask
+from transformer.data.vocab import OURS, Specials
 from transformer.errors import UserError, out_of_memory_names
 from transformer.model import positions
 from transformer.model.kv_cache import DecoderCache, KVCache, by_row, by_source
@@ -140,25 +141,30 @@ def attention_reference(q, k, v, mask, dropout: float = 0.0, training: bool = Fa
     return dropped @ v, probs
 
 
-class FeedForward(nn.Module):
-    """Position-wise FFN(x) = max(0, x W1 + b1) W2 + b2."""
+# model.activation -> the function: the paper's ReLU, or swish (SiLU, x * sigmoid(x)) as OPUS-MT's models use.
+ACTIVATIONS = {"relu": F.relu, "swish": F.silu}
 
-    def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
+
+class FeedForward(nn.Module):
+    """Position-wise FFN(x) = act(x W1 + b1) W2 + b2, act the paper's max(0, .) or swish (model.activation)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float, activation: str = "relu"):
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
         self.dropout = nn.Dropout(activation_dropout)
+        self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.dropout(F.relu(self.fc1(x))))
+        return self.fc2(self.dropout(self.activation(self.fc1(x))))
 
 
 class SublayerConnection(nn.Module):
     """Residual around a sub-layer with dropout; LayerNorm after the add (post) or before the sub-layer (pre)."""
 
-    def __init__(self, d_model: int, dropout: float, norm: str):
+    def __init__(self, d_model: int, dropout: float, norm: str, eps: float = 1e-5):
         super().__init__()
-        self.norm = nn.LayerNorm(d_model)
+        self.norm = nn.LayerNorm(d_model, eps=eps)
         self.dropout = nn.Dropout(dropout)
         self.pre_norm = norm == "pre"
 
@@ -174,9 +180,9 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
-        self.sub_attn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
-        self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, cfg.activation)
+        self.sub_attn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm, cfg.layer_norm_eps)
+        self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm, cfg.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, src_mask: torch.Tensor, packing: TokenPacking | None = None) -> torch.Tensor:
         """x (B, S, C), or (N, C) real tokens with their `packing`."""
@@ -191,10 +197,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
-        self.sub_self = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
-        self.sub_cross = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
-        self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, cfg.activation)
+        self.sub_self = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm, cfg.layer_norm_eps)
+        self.sub_cross = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm, cfg.layer_norm_eps)
+        self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm, cfg.layer_norm_eps)
 
     def forward(self, x, memory, tgt_mask, memory_mask, self_cache=None, cross_cache=None):
         x = self.sub_self(x, lambda h: self.self_attn(h, h, tgt_mask, self_cache))
@@ -203,13 +209,15 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Embeddings, N encoder layers, N decoder layers and the output projection to the vocabulary."""
+    """Embeddings, N encoder layers, N decoder layers and the output projection to the vocabulary. `specials`: the
+    vocabulary's special ids (vocab.Specials: ours, or a Marian vocabulary's), which batches and searches use."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, pad_id: int = 0):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, specials: Specials = OURS):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self.pad_id = pad_id
+        self.specials = specials
+        self.pad_id = pad_id = specials.pad
         self.src_embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
         self.tgt_embed = (
             self.src_embed if cfg.share_embeddings else nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
@@ -219,9 +227,10 @@ class Transformer(nn.Module):
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         # Pre-norm leaves the residual stream un-normalised, so it needs one last LayerNorm.
-        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
-        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
-        self.output = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        eps = cfg.layer_norm_eps
+        self.encoder_norm = nn.LayerNorm(cfg.d_model, eps=eps) if cfg.norm == "pre" else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(cfg.d_model, eps=eps) if cfg.norm == "pre" else nn.Identity()
+        self.output = nn.Linear(cfg.d_model, vocab_size, bias=cfg.output_bias)
         self._init_weights()
         if cfg.tie_output:
             self.output.weight = self.tgt_embed.weight
@@ -357,7 +366,7 @@ def _physical_memory() -> int | None:
         return None
 
 
-def build_model(cfg: ModelConfig, vocab_size: int) -> Transformer:
+def build_model(cfg: ModelConfig, vocab_size: int, specials: Specials = OURS) -> Transformer:
     """A new Transformer, or a UserError naming the settings whose tensors cannot be allocated."""
     d, f = cfg.d_model, cfg.d_ff
     embeddings = (1 if cfg.share_embeddings else 2) + (0 if cfg.tie_output else 1)
@@ -376,4 +385,4 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> Transformer:
             f"{memory / 2**30:,.1f} GiB of memory; the largest part is {largest}"
         )
     with out_of_memory_names(largest):
-        return Transformer(cfg, vocab_size)
+        return Transformer(cfg, vocab_size, specials)

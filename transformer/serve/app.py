@@ -220,6 +220,7 @@ class Service:
                 "engine": d.engine,
                 "beam": d.beam,
                 "lenpen": d.lenpen,
+                "lenpen_kind": d.lenpen_kind,
                 "stop": "early" if d.engine == "ctranslate2" else d.stop,
                 "max_len_offset": d.max_len_offset,
                 "max_tokens": d.max_tokens,
@@ -281,7 +282,7 @@ class Service:
         """layers x heads x queries x keys of the three kinds, with the longest translation the search may give."""
         m = self.cfg.model
         s = len(ids) + 1  # with EOS
-        t = 1 + (self.output_limit(ids) if target is None else len(self.vocab.encode([target])[0]))  # with BOS
+        t = 1 + (self.output_limit(ids) if target is None else len(self.vocab.encode_target([target])[0]))  # with BOS
         values = m.n_heads * (m.n_encoder_layers * s * s + m.n_decoder_layers * (t * t + t * s))
         self.check_answer(values, "attention weights", "send a shorter sentence or target")
 
@@ -330,10 +331,18 @@ class Service:
 
     def beam_trace(self, ids: list[int], beam: int, nbest: int) -> dict:
         d = self.translator.settings
-        src, _ = prepare_sources([ids], self.cfg.model.max_positions)  # (1, S)
+        src, _ = prepare_sources([ids], self.cfg.model.max_positions, self.vocab.specials)  # (1, S)
         trace: list[TraceStep] = []
         found = search(
-            self.model, src.to(self.model_device), beam, d.lenpen, d.max_len_offset, nbest, d.stop, trace=trace
+            self.model,
+            src.to(self.model_device),
+            beam,
+            d.lenpen,
+            d.max_len_offset,
+            nbest,
+            d.stop,
+            trace=trace,
+            lenpen_kind=d.lenpen_kind,
         )
 
         def show(hyps):
@@ -346,6 +355,7 @@ class Service:
             "source_pieces": self.vocab.pieces(src[0].tolist()),
             "beam": beam,
             "lenpen": d.lenpen,
+            "lenpen_kind": d.lenpen_kind,
             "stop": d.stop,
             "nbest": show(found.hypotheses[0]),
             "steps": [{"alive": show(step.alive[0]), "finished": show(step.finished[0])} for step in trace],

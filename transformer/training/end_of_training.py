@@ -14,7 +14,7 @@ import torch
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.corpus import has_split, load_split
 from transformer.data.store import Store
-from transformer.data.vocab import Vocab
+from transformer.data.vocab import vocab_from_stored
 from transformer.device import tf32_matmuls
 from transformer.errors import UserError
 from transformer.files import atomic_write
@@ -148,7 +148,7 @@ def end_of_training(run_dir: Path, cfg: Config, step: int, device: torch.device)
             data=replace(trained.data, dir=cfg.data.dir),
         ),
         RunDir(run_dir).config,
-        pieces=len(Vocab(last["vocab"])),
+        pieces=len(vocab_from_stored(last["vocab"])),
     )
     log.info(
         "finish: nothing left to train; keeping final.pt and summary.json from the end of this training "

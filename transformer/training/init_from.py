@@ -13,11 +13,10 @@ import torch
 
 from transformer.config import Config, DataConfig, from_dict, to_dict
 from transformer.data.corpus import open_split
-from transformer.data.vocab import UNK_ID, Vocab
+from transformer.data.vocab import AnyVocab, save_vocab_files, vocab_from_stored, vocab_in
 from transformer.errors import UserError, first_line
 from transformer.files import file_sha256
 from transformer.model.checkpoint import check_finite, load_checkpoint, resolve_checkpoint
-from transformer.run_dir import RunDir
 
 log = logging.getLogger("transformer")
 
@@ -37,7 +36,7 @@ class Origin:
     path: Path  # the checkpoint file (a run directory resolved to its final.pt, best.pt or last.pt)
     sha256: str
     config: Config  # the config it was trained with
-    vocab: Vocab
+    vocab: AnyVocab
     weights: dict  # its state_dict
     fit: dict = field(default_factory=dict)  # the vocabulary-fit figures, once measured (fit_report)
 
@@ -68,7 +67,7 @@ def load_origin(cfg: Config) -> Origin:
     except UserError as e:
         raise UserError(f"train.init_from: {path}: its own {e}") from None
     check_finite(state["model"], f"train.init_from: {path}")  # before a store is built and updates are skipped
-    return Origin(path, sha256, config, Vocab(state["vocab"]), state["model"])
+    return Origin(path, sha256, config, vocab_from_stored(state["vocab"]), state["model"])
 
 
 def check_settings(origin: Origin, cfg: Config) -> list[str]:
@@ -134,29 +133,35 @@ def copy_weights(model: torch.nn.Module, origin: Origin) -> None:
         ) from None
 
 
-def install_vocab(run_dir: Path, vocab: Vocab) -> None:
-    """run_dir/spm.model becomes the checkpoint's vocabulary (one that `prepare` trained there before is replaced)."""
-    path = RunDir(run_dir).vocab
-    if path.is_file():
-        if path.read_bytes() == vocab.proto:
+def install_vocab(run_dir: Path, vocab: AnyVocab) -> None:
+    """The run directory's vocabulary (spm.model, or a Marian vocabulary's files) becomes the checkpoint's (one that
+    `prepare` trained there before is replaced)."""
+    there = vocab_in(run_dir)
+    if there is not None:
+        if there.stored == vocab.stored:
             return
-        log.warning("init_from: replacing %s with the vocabulary of the model the run starts from", path)
-    vocab.save(path)
+        log.warning("init_from: replacing the vocabulary in %s with that of the model the run starts from", run_dir)
+        if type(there) is not type(vocab):  # the other kind's files would be read first
+            for name in there.files:
+                (Path(run_dir) / name).unlink(missing_ok=True)
+    save_vocab_files(vocab, run_dir)
 
 
 # --------------------------------------------------------------------------- how well the vocabulary fits
 
 
-def measure(vocab: Vocab, lines: list[str]) -> dict:
-    """Over the whitespace-separated words of `lines`: pieces per word, the share of unknown pieces and the share of
-    words in LONG_WORD or more pieces (SentencePiece never joins words, so each word is encoded on its own, once)."""
+def measure(vocab: AnyVocab, lines: list[str], target: bool = False) -> dict:
+    """Over the whitespace-separated words of `lines` (target: split as targets are): pieces per word, the share of
+    unknown pieces and the share of words in LONG_WORD or more pieces (SentencePiece never joins words, so each word
+    is encoded on its own, once)."""
     words = Counter(word for line in lines for word in line.split())
     unique = list(words)
     pieces = unknown = long = 0
-    for word, ids in zip(unique, vocab.encode(unique)):
+    unk = vocab.specials.unk
+    for word, ids in zip(unique, (vocab.encode_target if target else vocab.encode)(unique)):
         n = words[word]
         pieces += n * len(ids)
-        unknown += n * sum(1 for i in ids if i == UNK_ID)
+        unknown += n * sum(1 for i in ids if i == unk)
         long += n * (len(ids) >= LONG_WORD)
     total = sum(words.values())
     return {
@@ -167,14 +172,14 @@ def measure(vocab: Vocab, lines: list[str]) -> dict:
     }
 
 
-def measure_split(vocab: Vocab, data: DataConfig, limit: int) -> dict[str, dict]:
+def measure_split(vocab: AnyVocab, data: DataConfig, limit: int) -> dict[str, dict]:
     """measure() for each side of data's training split (its first `limit` pairs)."""
     raw = open_split(data, data.train_split, limit)
     sides: dict[str, list[str]] = {"src": [], "tgt": []}
     for src, tgt in raw.chunks():
         sides["src"] += src
         sides["tgt"] += tgt
-    return {side: measure(vocab, lines) for side, lines in sides.items()}
+    return {side: measure(vocab, lines, side == "tgt") for side, lines in sides.items()}
 
 
 def _at_hand(data: DataConfig) -> bool:

@@ -21,7 +21,7 @@ from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.batch import Batch
 from transformer.data.batching import BatchStream, Prefetcher, Update, eval_batches
 from transformer.data.store import Store, open_prepared, prepare
-from transformer.data.vocab import Vocab
+from transformer.data.vocab import AnyVocab, run_vocab, vocab_from_stored
 from transformer.device import (
     Peak,
     autocast_context,
@@ -85,7 +85,7 @@ class Run:
     precision: str  # fp32, bf16 or fp16: train.precision with `auto` resolved for this device
     run_dir: Path
     command: str  # what continues the run after a stop
-    vocab: Vocab
+    vocab: AnyVocab
     store: Store
     valid: list[Batch]
     model: Transformer
@@ -116,7 +116,7 @@ def prepare_only(cfg: Config) -> Path:
         # A run in progress keeps the vocabulary its checkpoint carries; a new run from a trained model takes its.
         vocab, origin = None, None
         if saved.is_file():
-            vocab = Vocab(load_checkpoint(saved)["vocab"])
+            vocab = vocab_from_stored(load_checkpoint(saved)["vocab"])
         elif cfg.train.init_from:
             cfg, origin = init_from.start(cfg)
             vocab = origin.vocab
@@ -300,11 +300,13 @@ def same_on_every_rank(cfg: Config, resume: bool, info: DistInfo) -> None:
 
 def load_data(
     cfg: Config, info: DistInfo, run_dir: Path, saved: dict | None, quiet: bool, origin: Origin | None = None
-) -> tuple[Vocab, Store]:
+) -> tuple[AnyVocab, Store]:
     """Rank 0 trains or reuses the SentencePiece model (takes the one of the model the run starts from) and builds or
     reuses the memory-mapped store; the other ranks wait, then map the same files, checked against their own view of
     the inputs (a node whose data differs stops every rank)."""
-    saved_vocab = Vocab(saved["vocab"]) if saved is not None else origin.vocab if origin is not None else None
+    saved_vocab = (
+        vocab_from_stored(saved["vocab"]) if saved is not None else origin.vocab if origin is not None else None
+    )
     with all_or_none(info, "prepare the data"):
         if info.is_main:
             if origin is not None:
@@ -312,7 +314,7 @@ def load_data(
             store = prepare(cfg, run_dir, saved_vocab, quiet)
             if origin is not None:
                 init_from.fit_report(cfg, origin)
-    vocab = saved_vocab or Vocab.load(RunDir(run_dir).vocab)
+    vocab = saved_vocab or run_vocab(run_dir)
     with all_or_none(info, "read the prepared data"):
         if not info.is_main:
             store = open_prepared(cfg, run_dir, vocab)
@@ -343,7 +345,8 @@ class TrainingLoss(nn.Module):
 
     def forward(self, src, tgt_in, tgt_out, src_mask, tgt_mask) -> torch.Tensor:
         """The loss summed over the batch's target tokens (optim.label_smoothed_loss)."""
-        return label_smoothed_loss(self.model(src, tgt_in, src_mask, tgt_mask), tgt_out, self.smoothing)
+        logits = self.model(src, tgt_in, src_mask, tgt_mask)
+        return label_smoothed_loss(logits, tgt_out, self.smoothing, self.model.pad_id)
 
 
 def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
@@ -358,7 +361,7 @@ def build(
     device: torch.device,
     run_dir: Path,
     command: str,
-    vocab: Vocab,
+    vocab: AnyVocab,
     store: Store,
     saved: dict | None,
     started: float,
@@ -370,7 +373,7 @@ def build(
     precision, why = pick_precision(t.precision, device)
     random.seed(t.seed + info.rank)
     torch.manual_seed(t.seed + info.rank)
-    model = build_model(cfg.model, len(vocab)).to(device)
+    model = build_model(cfg.model, len(vocab), vocab.specials).to(device)
     forward = TrainingLoss(model, t.label_smoothing)
     if info.enabled:
         forward = wrap_ddp(forward, device)
@@ -383,7 +386,7 @@ def build(
     )
     peak = mfu_peak(device, precision, t.peak_tflops)
     log.info("precision: %s (%s); MFU below is against %s", precision, why, peak.describe())
-    valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple)
+    valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple, vocab.specials)
     return Run(
         cfg,
         info,
@@ -499,7 +502,7 @@ def save(run: Run, path: Path, rngs: list) -> None:
     save_checkpoint(
         training_checkpoint(
             to_dict(run.cfg),
-            run.vocab.proto,
+            run.vocab.stored,
             run.model,
             run.optimizer,
             run.scaler,
@@ -588,6 +591,7 @@ def update_loop(run: Run, quiet: bool) -> None:
         rank=info.rank,
         world_size=info.world_size,
         update_freq=t.update_freq,
+        specials=run.vocab.specials,
     )
     log.info(
         "model: %s parameters; device %s x %d; precision %s; %d updates per epoch",

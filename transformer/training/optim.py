@@ -12,8 +12,11 @@ from transformer.config import Config
 from transformer.data.vocab import PAD_ID
 
 
-def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
-    """Summed over non-pad target tokens: (1 - eps) * NLL + eps * mean over the vocabulary of -log p.
+def label_smoothed_loss(
+    logits: torch.Tensor, target: torch.Tensor, smoothing: float, pad_id: int = PAD_ID
+) -> torch.Tensor:
+    """Summed over non-pad target tokens (pad_id: the vocabulary's): (1 - eps) * NLL + eps * mean over the
+    vocabulary of -log p.
 
     logits (B, T, V), target (B, T). The caller divides by the token count of the whole update,
     so that accumulation and data parallelism normalise per target token, as one big batch would.
@@ -21,7 +24,7 @@ def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: f
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)),
         target.reshape(-1),
-        ignore_index=PAD_ID,
+        ignore_index=pad_id,
         label_smoothing=smoothing,
         reduction="sum",
     )

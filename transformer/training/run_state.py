@@ -92,7 +92,7 @@ class RunState:
 
 def training_checkpoint(
     config: dict,
-    vocab: bytes,
+    vocab: bytes | dict,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,

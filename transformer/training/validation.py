@@ -24,8 +24,8 @@ def evaluate_loss(model, batches, device, precision: str, smoothing: float, info
             with autocast_context(device, precision):
                 logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
             logits = logits.float()
-            total[0] += label_smoothed_loss(logits, batch.tgt_out, smoothing)
-            total[1] += label_smoothed_loss(logits, batch.tgt_out, 0.0)
+            total[0] += label_smoothed_loss(logits, batch.tgt_out, smoothing, batch.pad_id)
+            total[1] += label_smoothed_loss(logits, batch.tgt_out, 0.0, batch.pad_id)
             total[2] += batch.n_tgt_tokens
     loss, nll, tokens = all_reduce_sum(total, info).tolist()
     nll = nll / max(tokens, 1)

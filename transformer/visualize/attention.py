@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from transformer.data.batch import causal_mask, padding_mask, prepare_sources, source_limit, target_mask
-from transformer.data.vocab import BOS_ID, Vocab
+from transformer.data.vocab import AnyVocab
 from transformer.errors import UserError
 from transformer.inference.search import search
 from transformer.inference.settings import SearchSettings
@@ -115,7 +115,7 @@ class AttentionMaps:
 
 def inspect_attention(
     model: Transformer,
-    vocab: Vocab,
+    vocab: AnyVocab,
     source: str,
     target: str | None = None,
     settings: SearchSettings = SearchSettings(beam=1),
@@ -126,7 +126,7 @@ def inspect_attention(
         raise UserError("the source sentence is empty")
     device = next(model.parameters()).device
     pieces = vocab.encode([source])[0]
-    src, (truncated,) = prepare_sources([pieces], model.cfg.max_positions)  # (1, S): pieces + EOS
+    src, (truncated,) = prepare_sources([pieces], model.cfg.max_positions, model.specials)  # (1, S): pieces + EOS
     if truncated:
         raise UserError(
             f"the source sentence is {len(pieces)} pieces long; this model accepts at most "
@@ -143,15 +143,16 @@ def inspect_attention(
             lenpen=settings.lenpen,
             max_len_offset=settings.max_len_offset,
             stop=settings.stop,
+            lenpen_kind=settings.lenpen_kind,
         )
         tgt_ids = found.hypotheses[0][0].tokens
         target = vocab.decode([tgt_ids])[0]
     else:
-        tgt_ids = vocab.encode([target])[0]
+        tgt_ids = vocab.encode_target([target])[0]
     limit = model.cfg.max_positions - 1  # decoder positions, one of them BOS's
     if len(tgt_ids) > limit:
         raise UserError(f"the target sentence is {len(tgt_ids)} pieces long; this model accepts at most {limit}")
-    tgt_ids = [BOS_ID] + tgt_ids
+    tgt_ids = [model.specials.bos] + tgt_ids
     tgt_in = torch.tensor([tgt_ids], dtype=torch.long, device=device)
     _, weights = collect_attention(model, src, tgt_in)
     return AttentionMaps(

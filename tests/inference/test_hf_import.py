@@ -1,0 +1,265 @@
+"""`transformer import hf`: a MarianMTModel directory built here as OPUS-MT's are (two SentencePiece models and a
+vocab.json made from a corpus, swish, a non-zero final_logits_bias, saved with save_pretrained) becomes a run whose
+logits, greedy and beam outputs are transformers' own; what cannot be honoured is refused in one line; the files it
+writes are only ever its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.make_marian_dir import CODES as MARIAN_CODES
+from tests.conftest import marian_sentences, write_marian_dir
+from transformer.data.batch import Batch, prepare_sources
+from transformer.data.vocab import MarianVocab
+from transformer.inference.hf_export import export_hf
+from transformer.inference.hf_import import import_hf
+from transformer.inference.search import search
+from transformer.model.checkpoint import load_checkpoint, load_model
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytestmark = pytest.mark.usefixtures("hf_offline")
+LINES = marian_sentences(7, 24)
+OFFSET = 6  # the searches' max_len_offset here: about half the outputs end before it
+
+
+@pytest.fixture(scope="module")
+def imported(marian_dir, tmp_path_factory) -> Path:
+    out, _ = import_hf(marian_dir, tmp_path_factory.mktemp("imported") / "run")
+    return out
+
+
+def marian(directory: Path):
+    return transformers.MarianMTModel.from_pretrained(directory).eval()
+
+
+def generate(hf, src: torch.Tensor, pad: int, beam: int, **kwargs) -> list[int]:
+    """generate() for one source row (ids + EOS) with our search's limit: at most source length + OFFSET tokens
+    before the EOS forced there (max_length counts the start token and EOS); the output without start, EOS, pad."""
+    out = hf.generate(
+        input_ids=src,
+        attention_mask=(src != pad).long(),
+        num_beams=beam,
+        max_length=src.size(1) + OFFSET + 2,
+        do_sample=False,
+        renormalize_logits=False,
+        **kwargs,
+    )
+    return [t for t in out[0, 1:].tolist() if t not in (pad, hf.config.eos_token_id)]
+
+
+def test_the_tokenizer_and_ours_split_and_number_alike(marian_dir):
+    """Sources by source.spm, targets by target.spm, ids from vocab.json; a leading >>xx<< code is one piece; decoded
+    text is the tokenizer's with skip_special_tokens (which, in transformers 5, joins with source.spm)."""
+    tokenizer = transformers.MarianTokenizer.from_pretrained(marian_dir)
+    vocab = MarianVocab.load(marian_dir)
+    assert (vocab.specials.eos, vocab.specials.unk, vocab.specials.pad) == (0, 1, len(vocab) - 1)
+    assert vocab.specials.bos == vocab.specials.pad  # Marian's decoder starts from <pad>
+    sources = LINES + [f"{MARIAN_CODES[0]} {LINES[0]}", "Zoë xyz", ""]
+    for text in sources:
+        assert tokenizer(text).input_ids == vocab.encode([text])[0] + [0], text
+    assert vocab.pieces(vocab.encode([sources[-3]])[0])[0] == MARIAN_CODES[0]
+    targets = marian_sentences(8, 10, target=True)
+    assert [tokenizer(text_target=t).input_ids[:-1] for t in targets] == vocab.encode_target(targets)
+    assert vocab.encode_target(targets) != vocab.encode(targets)  # the two sides' models split differently
+    ids = vocab.encode_target(targets)
+    assert vocab.decode(ids) == tokenizer.batch_decode(ids, skip_special_tokens=True, use_source_tokenizer=False)
+
+
+def test_logits_are_transformers_own(imported, marian_dir):
+    model, vocab, cfg = load_model(imported)
+    assert (cfg.model.activation, cfg.model.positions, cfg.model.output_bias) == ("swish", "marian", True)
+    hf = marian(marian_dir)
+    targets = vocab.encode_target(marian_sentences(9, len(LINES), target=True))
+    batch = Batch.from_pairs(list(zip(vocab.encode(LINES), targets)), specials=vocab.specials)
+    with torch.no_grad():
+        ours = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+        theirs = hf(
+            input_ids=batch.src,
+            attention_mask=(batch.src != vocab.specials.pad).long(),
+            decoder_input_ids=batch.tgt_in,
+        ).logits
+    real = batch.tgt_out != vocab.specials.pad  # Marian attends to padded decoder positions' own keys; ours not read
+    difference = (ours - theirs)[real].abs().max().item()
+    print(f"max logit difference over {int(real.sum())} positions: {difference:.2e}")
+    assert difference < 1e-4
+
+
+def test_greedy_outputs_are_generates(imported, marian_dir):
+    model, vocab, cfg = load_model(imported)
+    hf = marian(marian_dir)
+    pad = vocab.specials.pad
+    for source in vocab.encode(LINES):
+        src, _ = prepare_sources([source], cfg.model.max_positions, vocab.specials)
+        ours = search(model, src, beam=1, max_len_offset=OFFSET).best()[0].tokens
+        assert generate(hf, src, pad, 1) == ours, source
+        assert pad not in ours  # <pad> starts the decoder and is never produced
+    print(f"greedy: {len(LINES)} of {len(LINES)} identical")
+
+
+@pytest.mark.parametrize("lenpen", [1.0, 0.6])
+def test_beam_outputs_are_generates_under_its_rules(imported, marian_dir, lenpen):
+    """decode.stop hf and lenpen_kind length (what the import sets) are generate()'s early_stopping=False and
+    length ** length_penalty: beam 4 gives its outputs, sentence for sentence."""
+    model, vocab, cfg = load_model(imported)
+    assert (cfg.decode.stop, cfg.decode.lenpen_kind, cfg.decode.beam) == ("hf", "length", 4)
+    hf = marian(marian_dir)
+    same = 0
+    for source in vocab.encode(LINES):
+        src, _ = prepare_sources([source], cfg.model.max_positions, vocab.specials)
+        ours = search(model, src, 4, lenpen, OFFSET, stop="hf", lenpen_kind="length").best()[0].tokens
+        theirs = generate(hf, src, vocab.specials.pad, 4, length_penalty=lenpen, early_stopping=False)
+        same += ours == theirs
+    print(f"beam 4, lenpen {lenpen}, stop hf: {same} of {len(LINES)} identical")
+    assert same == len(LINES)
+
+
+def test_beam_outputs_agree_where_the_rules_agree(imported, marian_dir):
+    """Without a length penalty our exact rule is generate's early_stopping "never": the same best hypothesis, except
+    where one of them runs to the length limit, whose forced EOS costs its log-probability here and nothing there
+    (the "hf" rule counts it as generate does)."""
+    model, vocab, cfg = load_model(imported)
+    hf = marian(marian_dir)
+    same = compared = 0
+    for source in vocab.encode(LINES):
+        src, _ = prepare_sources([source], cfg.model.max_positions, vocab.specials)
+        ours = search(model, src, 4, 0.0, OFFSET, stop="exact").best()[0].tokens
+        theirs = generate(hf, src, vocab.specials.pad, 4, length_penalty=0.0, early_stopping="never")
+        same += ours == theirs
+        if len(source) + 1 + OFFSET not in (len(ours), len(theirs)):
+            assert ours == theirs, source
+            compared += 1
+    print(f"beam 4, lenpen 0, stop exact vs never: {same} of {len(LINES)} identical ({compared} end before the limit)")
+    assert compared >= len(LINES) // 3
+
+
+def test_the_run_directory_holds_the_tokenizer_files_verbatim(imported, marian_dir):
+    for name in ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json"):
+        assert (imported / name).read_bytes() == (marian_dir / name).read_bytes()
+    stored = load_checkpoint(imported / "final.pt")["vocab"]
+    assert stored["kind"] == "marian" and stored["files"]["vocab.json"] == (marian_dir / "vocab.json").read_bytes()
+    record = json.loads((imported / "transformer-import.json").read_text())
+    assert record["format"] == "transformer-hf-import-v1" and set(record["files"]) == {
+        p.name for p in imported.iterdir() if p.name != "transformer-import.json"
+    }
+
+
+def test_import_then_export_gives_the_same_model_back(imported, marian_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    out = export_hf(imported, tmp_path / "hf")
+    for name in ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (marian_dir / name).read_bytes()
+    theirs, ours = load_file(marian_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    original, again = marian(marian_dir), marian(out)
+    vocab = MarianVocab.load(marian_dir)
+    for line in LINES[:6]:  # generation_config.json is ours (max_length: our limit): the same limit given to both
+        src = torch.tensor([vocab.encode([line])[0] + [0]])
+        for beam in (1, 4):
+            first, second = (m.generate(input_ids=src, num_beams=beam, max_length=20) for m in (original, again))
+            assert torch.equal(first, second)
+
+
+def test_ours_exported_and_imported_back_translates_the_same(copy_model, tmp_path):
+    """A model of ours (interleaved sinusoids, our special ids) -> export hf -> import hf: the same outputs, the
+    weights now in Marian's layout ("marian" positions)."""
+    exported = export_hf(copy_model, tmp_path / "hf")
+    back, _ = import_hf(exported, tmp_path / "back")
+    ours, vocab, _ = load_model(copy_model)
+    again, again_vocab, cfg = load_model(back)
+    assert cfg.model.positions == "marian" and again_vocab.specials == vocab.specials
+    for source in vocab.encode(LINES[:12]):
+        assert again_vocab.encode([vocab.decode([source])[0]])[0] == source
+        src, _ = prepare_sources([source], 40)
+        for beam in (1, 3):
+            assert search(ours, src, beam, 0.6, 4).best()[0].tokens == search(again, src, beam, 0.6, 4).best()[0].tokens
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"activation_function": "gelu"}, "activation_function is 'gelu'"),
+        ({"decoder_ffn_dim": 48}, "decoder_ffn_dim is 48"),
+        ({"scale_embedding": False}, "scale_embedding is False"),
+        ({"decoder_vocab_size": 7}, "decoder_vocab_size is 7"),
+    ],
+)
+def test_a_setting_we_cannot_honour_is_refused_in_one_line(marian_dir, tmp_path, call, change, message):
+    config = json.loads((marian_dir / "config.json").read_text())
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    for p in marian_dir.iterdir():
+        (hf_dir / p.name).write_bytes(p.read_bytes())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
+    status, _, err = call("import", "hf", hf_dir, tmp_path / "run")
+    assert status == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["BartConfig", "T5Config", "M2M100Config"])
+def test_another_architecture_is_refused_in_one_line(tmp_path, call, name):
+    getattr(transformers, name)().save_pretrained(tmp_path / "hf")
+    status, _, err = call("import", "hf", tmp_path / "hf", tmp_path / "run")
+    assert status == 2 and "model_type is" in err and "MarianMTModel" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_separate_vocabularies_are_refused_in_one_line(marian_dir, tmp_path, call):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    for p in marian_dir.iterdir():
+        (hf_dir / p.name).write_bytes(p.read_bytes())
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({**config, "separate_vocabs": True}))
+    status, _, err = call("import", "hf", hf_dir, tmp_path / "run")
+    assert status == 2 and "separate_vocabs" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_fp16_checkpoint_imports_to_the_same_model_in_fp32(marian_dir, tmp_path):
+    hf = marian(marian_dir).half()
+    hf.save_pretrained(tmp_path / "hf16")
+    transformers.MarianTokenizer.from_pretrained(marian_dir).save_pretrained(tmp_path / "hf16")
+    run, _ = import_hf(tmp_path / "hf16", tmp_path / "run")
+    model, _, _ = load_model(run)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert torch.equal(model.src_embed.weight, hf.model.shared.weight.float())
+
+
+def test_it_writes_only_its_own_directory(marian_dir, tmp_path, call):
+    run = tmp_path / "run"
+    status, out, err = call("import", "hf", marian_dir, run)
+    assert status == 0 and out.strip().endswith(f"wrote {run}") and "renormalize_logits" in err
+    status, _, err = call("import", "hf", marian_dir, run)
+    assert status == 2 and "add --force" in err
+    assert call("import", "hf", marian_dir, run, "--force")[0] == 0
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    status, _, err = call("import", "hf", marian_dir, foreign, "--force")
+    assert status == 2 and "never replaced" in err and (foreign / "notes.txt").read_text() == "keep me"
+    (run / "eval").mkdir()  # evaluate wrote there since: no longer only the import's
+    status, _, err = call("import", "hf", marian_dir, run, "--force")
+    assert status == 2 and "never replaced" in err and (run / "final.pt").is_file()
+
+
+def test_a_missing_directory_or_file_is_named(tmp_path, call, marian_dir):
+    status, _, err = call("import", "hf", tmp_path / "nothing", tmp_path / "run")
+    assert status == 2 and "is not a directory" in err
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_bytes((marian_dir / "config.json").read_bytes())
+    status, _, err = call("import", "hf", partial, tmp_path / "run")
+    assert status == 2 and "source.spm" in err
+
+
+def test_a_real_size_directory_builds(tmp_path):
+    """The benchmark's OPUS-MT-sized directory (scripts/make_marian_dir.py) at a small size: it imports."""
+    directory = write_marian_dir(tmp_path / "hf", d_model=64, encoder_layers=1, decoder_layers=1)
+    run, _ = import_hf(directory, tmp_path / "run")
+    assert load_model(run)[2].model.d_model == 64

@@ -1,0 +1,344 @@
+"""`transformer import hf`: a transformers MarianMTModel directory (an OPUS-MT model, as save_pretrained writes it) as a
+run directory that every verb takes; a directory of another architecture, or a setting we cannot honour, is refused.
+
+What an OPUS-MT model differs in from the paper's base model, and the setting each maps to (docs/opus-mt.md):
+activation_function "swish" -> model.activation; final_logits_bias -> model.output_bias (kept only where it is not
+all zeros); MarianSinusoidalPositionalEmbedding (sines, then cosines) -> model.positions "marian";
+max_position_embeddings -> model.max_positions; its vocabulary (source.spm, target.spm, vocab.json, </s> = 0,
+<pad> last and the decoder's start) -> the Marian vocabulary kind (data/vocab.py); generate's defaults
+(length ** length_penalty, early_stopping False) -> decode.lenpen_kind "length", decode.stop "hf".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from transformer.config import Config, from_dict, lenpen_problem, save_config, to_dict
+from transformer.data.vocab import MarianVocab
+from transformer.errors import UserError
+from transformer.inference.ctranslate2_engine import IMPORT_FORMATS, write_export
+from transformer.model import positions
+from transformer.model.checkpoint import save_checkpoint, weights_checkpoint
+from transformer.model.transformer import Transformer
+from transformer.run_dir import RunDir
+
+IMPORT_FORMAT = IMPORT_FORMATS[0]
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # the first found is read
+# MarianConfig's activation_function -> model.activation (ACT2FN's "swish" and "silu" are one function).
+ACTIVATIONS = {"relu": "relu", "swish": "swish", "silu": "swish"}
+# generate's early_stopping -> decode.stop
+STOP_RULES = {False: "hf", True: "early", "never": "exact"}
+CONFIG_HEADER = "# The config of a model that `transformer import hf` imported (the source: transformer-import.json)."
+POSITIONS_TOLERANCE = 1e-4  # a stored sinusoid table may be fp16: its values within this of the computed one
+
+
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"import hf: {path} is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"import hf: {path} is not a JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"import hf: {path} does not hold a JSON object")
+    return value
+
+
+def marian_settings(config: dict, where: Path) -> dict:
+    """model.* for a MarianConfig, or a one-line refusal naming the first setting we cannot honour and its value."""
+
+    def refuse(key: str, why: str):
+        raise UserError(f"import hf: {where}: {key} is {config.get(key)!r}: {why}")
+
+    model_type = config.get("model_type")
+    if model_type != "marian":
+        refuse(
+            "model_type",
+            "only transformers MarianMTModel directories (model_type 'marian': OPUS-MT) can be imported; BART, T5, "
+            "M2M100 and the others are other architectures",
+        )
+    architectures = config.get("architectures") or ["MarianMTModel"]
+    if architectures != ["MarianMTModel"]:
+        refuse("architectures", "only MarianMTModel (an encoder-decoder) can be imported")
+    get = config.get
+    checks = [
+        ("scale_embedding", get("scale_embedding", False) is True, "our embeddings are always scaled by sqrt(d_model)"),
+        ("activation_function", get("activation_function", "gelu") in ACTIVATIONS, "only relu and swish are supported"),
+        (
+            "decoder_attention_heads",
+            get("decoder_attention_heads") == get("encoder_attention_heads"),
+            "the encoder and decoder must have as many heads (model.n_heads)",
+        ),
+        ("decoder_ffn_dim", get("decoder_ffn_dim") == get("encoder_ffn_dim"), "one model.d_ff for both sides"),
+        ("encoder_layerdrop", not get("encoder_layerdrop", 0.0), "layer drop is not supported"),
+        ("decoder_layerdrop", not get("decoder_layerdrop", 0.0), "layer drop is not supported"),
+        (
+            "decoder_vocab_size",
+            get("decoder_vocab_size") in (None, get("vocab_size")),
+            "a target vocabulary of another size (separate vocabularies) is not supported",
+        ),
+    ]
+    for key, ok, why in checks:
+        if not ok:
+            refuse(key, why)
+    for key in ("d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "encoder_ffn_dim"):
+        if not isinstance(get(key), int) or get(key) < 1:
+            refuse(key, "it must be a positive whole number")
+    return {
+        "d_model": get("d_model"),
+        "n_heads": get("encoder_attention_heads"),
+        "n_encoder_layers": get("encoder_layers"),
+        "n_decoder_layers": get("decoder_layers"),
+        "d_ff": get("encoder_ffn_dim"),
+        "dropout": get("dropout", 0.1),
+        "attention_dropout": get("attention_dropout", 0.0),
+        "activation_dropout": get("activation_dropout", 0.0),
+        "max_positions": get("max_position_embeddings", 512),
+        "positions": "marian",
+        "norm": "post",
+        "share_embeddings": get("share_encoder_decoder_embeddings", True),
+        "tie_output": get("tie_word_embeddings", True),
+        "activation": ACTIVATIONS[get("activation_function")],
+        "layer_norm_eps": 1e-5,  # MarianMTModel's LayerNorms: torch's default
+    }
+
+
+def start_piece(config: dict, vocab: MarianVocab, where: Path) -> str | None:
+    """The piece the decoder starts from (config.json's decoder_start_token_id): None for <pad>, OPUS-MT's."""
+    start = config.get("decoder_start_token_id", vocab.specials.pad)
+    if not isinstance(start, int) or not 0 <= start < len(vocab):
+        raise UserError(f"import hf: {where}: decoder_start_token_id is {start!r}: not an id of vocab.json")
+    return None if start == vocab.specials.pad else vocab.pieces([start])[0]
+
+
+def check_special_ids(config: dict, vocab: MarianVocab, where: Path) -> None:
+    """config.json's token ids must be the tokenizer's: pad and eos."""
+    s = vocab.specials
+    for key, expected in (("pad_token_id", s.pad), ("eos_token_id", s.eos)):
+        if config.get(key, expected) != expected:
+            raise UserError(
+                f"import hf: {where}: {key} is {config.get(key)!r} but the tokenizer's is {expected} "
+                f"({vocab.pieces([expected])[0]}): the model and its tokenizer disagree"
+            )
+    if config.get("vocab_size") != len(vocab):
+        raise UserError(
+            f"import hf: {where}: vocab_size is {config.get('vocab_size')!r} but vocab.json holds {len(vocab)} pieces"
+        )
+
+
+def decode_settings(generation: dict, config: dict, where: Path) -> dict:
+    """decode.* that search as generate() would with this directory's generation settings (its generation_config.json,
+    else config.json's keys, else generate's defaults)."""
+
+    def get(key, default):
+        return generation.get(key, config.get(key, default))
+
+    beam, lenpen, early = get("num_beams", 1), get("length_penalty", 1.0), get("early_stopping", False)
+    if not isinstance(beam, int) or isinstance(beam, bool) or beam < 1:
+        raise UserError(f"import hf: {where}: num_beams is {beam!r}: it must be a whole number from 1")
+    problem = lenpen_problem(lenpen, "length_penalty")
+    if problem is not None:
+        raise UserError(f"import hf: {where}: {problem}")
+    if early not in STOP_RULES:
+        raise UserError(f'import hf: {where}: early_stopping is {early!r}: it must be true, false or "never"')
+    return {"beam": beam, "lenpen": float(lenpen), "lenpen_kind": "length", "stop": STOP_RULES[early]}
+
+
+def read_weights(hf_dir: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The checkpoint's tensors in float32, from model.safetensors or pytorch_model.bin."""
+    for name in WEIGHT_FILES:
+        path = hf_dir / name
+        if path.is_file():
+            break
+    else:
+        raise UserError(f"import hf: {hf_dir} holds no {' or '.join(WEIGHT_FILES)}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            tensors = load_file(path)
+        else:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # both readers report a torn or foreign file through many exception types
+        raise UserError(f"import hf: {path} cannot be read as a weights file ({str(e).splitlines()[0]})") from None
+    if not isinstance(tensors, dict):
+        raise UserError(f"import hf: {path} holds no dictionary of tensors")
+    return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, path
+
+
+def our_weights(tensors: dict[str, torch.Tensor], cfg: Config, where: Path) -> dict[str, torch.Tensor]:
+    """MarianMTModel's weights under our names (hf_export.marian_weights read backwards; "marian" positions need no
+    permutation), final_logits_bias as the output's bias where model.output_bias. Tied matrices that the file stores
+    once are read from the one it stores; every tensor of the file must find its place."""
+    m, used = cfg.model, set()
+
+    def take(*names: str) -> torch.Tensor:
+        for name in names:
+            if name in tensors:
+                used.add(name)
+                return tensors[name]
+        raise UserError(f"import hf: {where} lacks the weight {names[0]}")
+
+    out: dict[str, torch.Tensor] = {}
+
+    def linear(ours: str, theirs: str) -> None:
+        out[f"{ours}.weight"], out[f"{ours}.bias"] = take(f"{theirs}.weight"), take(f"{theirs}.bias")
+
+    def attention(ours: str, theirs: str) -> None:
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            linear(f"{ours}.{proj}", f"{theirs}.{proj}")
+
+    shared = ("model.shared.weight",) if m.share_embeddings else ()
+    out["src_embed.weight"] = take("model.encoder.embed_tokens.weight", *shared)
+    # One matrix under each name it has in our state_dict (shared or tied modules list it under both).
+    out["tgt_embed.weight"] = (
+        out["src_embed.weight"] if m.share_embeddings else take("model.decoder.embed_tokens.weight")
+    )
+    for name in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", *shared):
+        if name in tensors and m.share_embeddings:  # one matrix stored under several names: it must be one
+            used.add(name)
+            if not torch.equal(tensors[name], out["src_embed.weight"]):
+                raise UserError(f"import hf: {where}: {name} differs from the shared embeddings")
+    if m.tie_output:
+        if "lm_head.weight" in tensors:
+            used.add("lm_head.weight")
+            if not torch.equal(tensors["lm_head.weight"], out["tgt_embed.weight"]):
+                raise UserError(f"import hf: {where}: lm_head.weight differs from the embeddings it is tied to")
+        out["output.weight"] = out["tgt_embed.weight"]
+    else:
+        out["output.weight"] = take("lm_head.weight")
+    table = positions.marian_table(m.d_model, m.max_positions)
+    for side in ("encoder", "decoder"):
+        name = f"model.{side}.embed_positions.weight"
+        if name in tensors:  # transformers 5 saves none (it recomputes them); earlier versions did
+            used.add(name)
+            stored = tensors[name]
+            if stored.shape != table.shape or (stored - table).abs().max() > POSITIONS_TOLERANCE:
+                raise UserError(
+                    f"import hf: {where}: {name} is not MarianMTModel's sinusoid table of {m.max_positions} x "
+                    f"{m.d_model}: learned or other positions are not supported"
+                )
+    for i in range(m.n_encoder_layers):
+        p, q = f"encoder_layers.{i}", f"model.encoder.layers.{i}"
+        attention(f"{p}.self_attn", f"{q}.self_attn")
+        linear(f"{p}.sub_attn.norm", f"{q}.self_attn_layer_norm")
+        linear(f"{p}.ffn.fc1", f"{q}.fc1")
+        linear(f"{p}.ffn.fc2", f"{q}.fc2")
+        linear(f"{p}.sub_ffn.norm", f"{q}.final_layer_norm")
+    for i in range(m.n_decoder_layers):
+        p, q = f"decoder_layers.{i}", f"model.decoder.layers.{i}"
+        attention(f"{p}.self_attn", f"{q}.self_attn")
+        linear(f"{p}.sub_self.norm", f"{q}.self_attn_layer_norm")
+        attention(f"{p}.cross_attn", f"{q}.encoder_attn")
+        linear(f"{p}.sub_cross.norm", f"{q}.encoder_attn_layer_norm")
+        linear(f"{p}.ffn.fc1", f"{q}.fc1")
+        linear(f"{p}.ffn.fc2", f"{q}.fc2")
+        linear(f"{p}.sub_ffn.norm", f"{q}.final_layer_norm")
+    used.add("final_logits_bias")
+    if m.output_bias:
+        out["output.bias"] = tensors["final_logits_bias"].reshape(-1)
+    unplaced = sorted(set(tensors) - used)
+    if unplaced:
+        raise UserError(
+            f"import hf: {where} holds weights a MarianMTModel of its config.json has no place for "
+            f"({', '.join(unplaced[:3])}{', ...' if len(unplaced) > 3 else ''})"
+        )
+    return out
+
+
+def imported(hf_dir: Path, run_dir: Path) -> tuple[Config, MarianVocab, dict[str, torch.Tensor], list[str]]:
+    """What `import hf` writes: the run's config, its vocabulary and our model's weights, checked by building the
+    model; and notes for the user (what generate does that our search does not)."""
+    config = _json(hf_dir / "config.json")
+    model = marian_settings(config, hf_dir / "config.json")
+    vocab = MarianVocab.load(hf_dir)
+    start = start_piece(config, vocab, hf_dir / "config.json")
+    if start is not None:
+        vocab = MarianVocab(vocab.files, start)
+    check_special_ids(config, vocab, hf_dir / "config.json")
+    generation_path = hf_dir / "generation_config.json"
+    generation = _json(generation_path) if generation_path.is_file() else {}
+    decode = decode_settings(generation, config, generation_path if generation else hf_dir / "config.json")
+    # generate has one limit for every source; ours is per source, capped by the positions: this makes it the cap.
+    decode["max_len_offset"] = model["max_positions"]
+    src_lang, tgt_lang = vocab.source_lang or "src", vocab.target_lang or "tgt"
+    raw = {
+        "model": model,
+        "data": {
+            "src_lang": src_lang,
+            "tgt_lang": tgt_lang if tgt_lang != src_lang else f"{tgt_lang}2",
+            "vocab_size": len(vocab),
+            "spm_model_type": "unigram",  # OPUS-MT's SentencePiece models; recorded only, never trained again
+            "max_len": min(256, model["max_positions"] - 2),
+        },
+        "train": {"run_dir": str(run_dir)},
+        "decode": decode,
+    }
+    tensors, path = read_weights(hf_dir)
+    raw["model"]["output_bias"] = bool(tensors.get("final_logits_bias", torch.zeros(1)).any())
+    try:
+        cfg = from_dict(raw)
+    except UserError as e:
+        raise UserError(f"import hf: {hf_dir}: its settings make no model of ours ({e})") from None
+    weights = our_weights(tensors, cfg, path)
+    model = Transformer(cfg.model, len(vocab), vocab.specials)
+    for name, tensor in model.state_dict().items():
+        if name not in weights or weights[name].shape != tensor.shape:
+            found = tuple(weights[name].shape) if name in weights else "none"
+            raise UserError(
+                f"import hf: {path}: {name} should have shape {tuple(tensor.shape)} for config.json's model, "
+                f"it has {found}"
+            )
+    model.load_state_dict(weights)  # the shapes checked above: strict loading cannot fail now
+    weights = model.state_dict()  # shared and tied matrices shared again, as a model of ours saves them
+    notes = []
+    if generation.get("renormalize_logits"):
+        notes.append(
+            "note: its generation_config.json sets renormalize_logits: generate() rescales each step's "
+            "log-probabilities by 1 - p(<pad>), which our search does not (beam outputs can differ where <pad> is "
+            "given probability; docs/opus-mt.md)"
+        )
+    return cfg, vocab, weights, notes
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False) -> tuple[Path, list[str]]:
+    """Write RUN_DIR (final.pt, config.yaml, the tokenizer's four files, transformer-import.json) for the
+    MarianMTModel directory hf_dir; returns it and the notes. force: replace an earlier import of ours (its record
+    lists every file there) or an empty directory, nothing else."""
+    from transformer.inference.hf_export import require_transformers
+
+    require_transformers()
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise UserError(f"import hf: {hf_dir} is not a directory (a MarianMTModel's, as save_pretrained writes it)")
+    cfg, vocab, weights, notes = imported(hf_dir, Path(run_dir))
+
+    def write(staging: Path) -> dict:
+        final = RunDir(staging).final
+        save_checkpoint(
+            weights_checkpoint(to_dict(cfg), vocab.stored, weights, imported_from=str(hf_dir.resolve())), final
+        )
+        save_config(cfg, RunDir(staging).config, header=CONFIG_HEADER)
+        for name, data in vocab.files.items():
+            (staging / name).write_bytes(data)
+        read = [p for p in sorted(hf_dir.iterdir()) if p.is_file()]
+        return {"source": str(hf_dir.resolve()), "source_files": {p.name: _sha256(p) for p in read}}
+
+    return write_export(run_dir, force, IMPORT_FORMAT, write, RunDir.IMPORT, "import hf"), notes
+
+
+def run_import_hf(hf_dir: str, run_dir: str, force: bool) -> None:
+    """The `import hf` command."""
+    out, notes = import_hf(hf_dir, run_dir, force)
+    for note in notes:
+        print(note, file=sys.stderr)
+    print(f"wrote {out}")
