@@ -375,14 +375,14 @@ def test_a_decoder_step_reads_the_device_once(copy_model, monkeypatch, as_on_cud
     expected = search(model, src, beam=beam, max_len_offset=8)
     transfers = []
     counter = HostReads(monkeypatch)
-    real = search_module._to_host
+    real = search_module.to_host
 
     def to_host(*tensors):
         transfers.append(len(tensors))
         with counter.pause():  # one copy on CUDA (the CPU reads each tensor's own memory)
             return real(*tensors)
 
-    monkeypatch.setattr(search_module, "_to_host", to_host)
+    monkeypatch.setattr(search_module, "to_host", to_host)
     found = search(model, src, beam=beam, max_len_offset=8)
     assert [h.tokens for h in found.best()] == [h.tokens for h in expected.best()]
     assert counter.reads == [] and counter.copies == 0
