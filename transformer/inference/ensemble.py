@@ -25,6 +25,9 @@ class Ensemble(nn.Module):
         self.models = nn.ModuleList(models)
         self.cfg = replace(models[0].cfg, max_positions=min(m.cfg.max_positions for m in models))
         self.pad_id = models[0].pad_id
+        # nn.Module starts in training mode; evaluating() puts back the mode it found, which would switch members
+        # loaded for inference into training (dropout on) for whoever runs them outside a search.
+        self.train(models[0].training)
 
     def __len__(self) -> int:
         return len(self.models)

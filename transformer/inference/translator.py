@@ -1,15 +1,18 @@
-"""Text in, text out: a Translator that loads a checkpoint once and runs it on a device, in a dtype
-(fp32/bf16/int8), through an engine (ours or CTranslate2), with the SearchSettings its flags and the checkpoint
-make (settings.py); batching by length (the command's own input and output: translate_io.py)."""
+"""Text in, text out: a Translator that loads a checkpoint (or an ensemble of several) once and runs it on a
+device, in a dtype (fp32/bf16/int8), through an engine (ours or CTranslate2), with the SearchSettings its flags
+and the checkpoint make (settings.py); batching by length; which search a batch gets (beam or greedy, sampling,
+constraints) and what each sentence asks of it (SentenceOptions: a forced prefix, constraints); word alignments
+with the outputs (the command's own input and output: translate_io.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import random
 import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,8 +22,19 @@ from transformer.data.batching import pack_by_size
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocab
 from transformer.device import auto_precision, bounded_onednn_caches, native_bf16, pick_device
 from transformer.errors import UserError
-from transformer.inference.search import Hypothesis, SearchResult, length_penalty, max_output_lengths, search
-from transformer.inference.settings import SearchFlags, SearchSettings, search_settings
+from transformer.inference.alignment import default_layer, pharaoh, piece_alignments, word_alignments
+from transformer.inference.constraints import constrained_search
+from transformer.inference.ensemble import Ensemble, check_vocabularies
+from transformer.inference.sampling import Sampler, sample_search
+from transformer.inference.search import (
+    Hypothesis,
+    SearchResult,
+    device_index,
+    length_penalty,
+    max_output_lengths,
+    search,
+)
+from transformer.inference.settings import SearchFlags, SearchSettings, parse_sample, search_settings
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from transformer.model.transformer import count_parameters, evaluating
 
@@ -96,8 +110,74 @@ def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor]:
         torch.set_num_threads(threads)
 
 
+@dataclass(frozen=True)
+class SentenceOptions:
+    """What one sentence asks of the search beyond the settings: target ids its outputs must start with (search.py's
+    forced prefix), and target phrases (ids) each of its outputs must contain (constraints.py)."""
+
+    prefix: tuple[int, ...] = ()
+    constraints: tuple[tuple[int, ...], ...] = ()
+
+
+def run_search(
+    model, src: torch.Tensor, settings: SearchSettings, options: Sequence[SentenceOptions] | None = None
+) -> SearchResult:
+    """One batch of sources (B, S) through the search its settings and options call for: sampling
+    (settings.sample), else beam or greedy search with the prefixes, and with constraints.py's search for the
+    sentences that have constraints. Without options, exactly search(). A sentence whose constraints could not
+    all be met gets the unconstrained search's outputs, and its row in SearchResult.unmet."""
+    prefixes = None if options is None or not any(o.prefix for o in options) else [o.prefix for o in options]
+    if settings.sample is not None:
+        kind, value = parse_sample(settings.sample)
+        sampler = Sampler(kind, value, settings.temperature, settings.seed or 0)
+        return sample_search(model, src, sampler, settings.nbest, settings.lenpen, settings.max_len_offset, prefixes)
+
+    def plain(rows: list[int] | None) -> SearchResult:
+        """search() over every row (None), or over `rows`."""
+        part = src if rows is None else src.index_select(0, device_index(rows, src.device))
+        forced = prefixes if rows is None or prefixes is None else [prefixes[r] for r in rows]
+        d = settings
+        return search(model, part, d.beam, d.lenpen, d.max_len_offset, d.nbest, d.stop, prefixes=forced)
+
+    constrained = [] if options is None else [r for r, o in enumerate(options) if o.constraints]
+    if not constrained:
+        return plain(None)
+    hypotheses: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
+    sentence_steps, steps = [0] * src.size(0), 0
+    free = [r for r in range(src.size(0)) if r not in set(constrained)]
+    found = constrained_search(
+        model,
+        src.index_select(0, device_index(constrained, src.device)),
+        [options[r].constraints for r in constrained],
+        settings.beam,
+        settings.lenpen,
+        settings.max_len_offset,
+        settings.nbest,
+        settings.stop,
+        None if prefixes is None else [prefixes[r] for r in constrained],
+    )
+    unmet = [r for r, hyps in zip(constrained, found.hypotheses) if not hyps]
+    parts = [(constrained, found)]
+    for rows in (free, unmet):
+        if rows:
+            parts.append((rows, plain(rows)))
+    for rows, part in parts:
+        steps += part.steps
+        for r, hyps, n in zip(rows, part.hypotheses, part.sentence_steps):
+            if hyps:
+                # The limit can end a sentence with fewer than nbest constrained hypotheses finished: the n-best
+                # list keeps its length with empty ones of score -inf (never an unconstrained one among them).
+                hypotheses[r] = hyps + [Hypothesis([], float("-inf")) for _ in range(settings.nbest - len(hyps))]
+            sentence_steps[r] += n
+    return SearchResult(hypotheses, steps, sentence_steps, unmet)
+
+
 def search_batches(
-    model, src_ids: Sequence[Sequence[int]], settings: SearchSettings, device
+    model,
+    src_ids: Sequence[Sequence[int]],
+    settings: SearchSettings,
+    device,
+    options: Sequence[SentenceOptions] | None = None,
 ) -> Iterator[tuple[list[int], SearchResult]]:
     """search() over the non-empty sources (subword ids, no EOS) in length batches of settings.max_tokens: per
     batch, in order, the indices of its sources and what search() found for them (hypotheses in that order, and
@@ -106,21 +186,23 @@ def search_batches(
 
     With settings.workers > 1 on a CPU (search_workers), that many searches run side by side, each on its own
     batches (source_batches). Input that fits one batch is searched in the calling thread on all threads:
-    one sentence is not slower for it."""
+    one sentence is not slower for it. `options`: per source, what it asks beyond the settings (run_search)."""
     workers = search_workers(settings.workers, device)
     batches = source_batches(src_ids, model.cfg.max_positions, settings.max_tokens, workers)
 
     def run(batch: list[int]) -> SearchResult:
         src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
-        return search(
-            model,
-            src.to(device),
-            settings.beam,
-            settings.lenpen,
-            settings.max_len_offset,
-            settings.nbest,
-            settings.stop,
-        )
+        if options is None and settings.sample is None:  # the plain search, as it always was
+            return search(
+                model,
+                src.to(device),
+                settings.beam,
+                settings.lenpen,
+                settings.max_len_offset,
+                settings.nbest,
+                settings.stop,
+            )
+        return run_search(model, src.to(device), settings, None if options is None else [options[i] for i in batch])
 
     if workers == 1 or len(batches) == 1:
         for batch in batches:
@@ -132,12 +214,23 @@ def search_batches(
         yield from zip(batches, pool.map(run, batches))
 
 
-def search_ids(model, src_ids: Sequence[Sequence[int]], settings: SearchSettings, device) -> list[list[Hypothesis]]:
+def search_ids(
+    model,
+    src_ids: Sequence[Sequence[int]],
+    settings: SearchSettings,
+    device,
+    options: Sequence[SentenceOptions] | None = None,
+    unmet: list[int] | None = None,
+) -> list[list[Hypothesis]]:
     """Per source (subword ids, no EOS), its settings.nbest best hypotheses, input order kept. An empty source
-    gives nbest empty hypotheses without running the model. Batches and workers: as for search_batches."""
+    gives nbest empty hypotheses without running the model. Batches and workers: as for search_batches.
+    `unmet`, when given, receives the indices of the sources whose constraints could not all be met (their
+    outputs are unconstrained)."""
     nbest = settings.nbest
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
-    for batch, found in search_batches(model, src_ids, settings, device):
+    for batch, found in search_batches(model, src_ids, settings, device, options):
+        if unmet is not None:
+            unmet.extend(batch[row] for row in found.unmet)
         for i, hyps in zip(batch, found.hypotheses):
             if not hyps or math.isnan(hyps[0].score):
                 # One sentence out of a batch (of serve's clients, of a file's lines) must not fail the rest:
@@ -159,7 +252,12 @@ def translate_ids(model, src_ids: list[list[int]], settings: SearchSettings, dev
 
 
 def ctranslate2_search(
-    translator, vocab: Vocab, src_ids: Sequence[Sequence[int]], settings: SearchSettings, max_positions: int
+    translator,
+    vocab: Vocab,
+    src_ids: Sequence[Sequence[int]],
+    settings: SearchSettings,
+    max_positions: int,
+    options: Sequence[SentenceOptions] | None = None,
 ) -> list[list[Hypothesis]]:
     """search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
     limits and score definition; like ours, it never emits BOS or PAD (suppressed). settings.stop, .dtype and
@@ -183,33 +281,47 @@ def ctranslate2_search(
     candidates of rows that give BOS and PAD different probabilities (an untrained model; after training
     label smoothing leaves each ~smoothing / vocabulary). With several workers (the translator's
     inter_threads) the batches are sized and run side by side as search_batches runs ours.
+
+    What else it maps (ctranslate2_options): sampling (its sampling_topk, sampling_topp, sampling_temperature; one
+    random stream per process, seeded by settings.seed, so a sentence's samples depend on its batch and on the
+    order the workers take the calls), a forced prefix (target_prefix; its limit counts the prefix, as ours does)
+    and alignments (return_attention: the conversion asks for the last layer's cross-attention averaged over all
+    heads, alignment.py's default, and the source's EOS is not in it). Constraints and ensembles it does not have
+    (the Translator refuses them).
     """
     beam, lenpen, nbest = settings.beam, settings.lenpen, settings.nbest
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     limit = source_limit(max_positions)
     suppress = [[piece] for piece in vocab.pieces([BOS_ID, PAD_ID])]
-    returned = nbest if lenpen == 0 else beam
+    returned = nbest if lenpen == 0 or settings.sample is not None else beam
+    if settings.sample is not None:
+        _seed_ctranslate2(settings.seed)
     translating = []  # per call: its indices, sources, length limit and pending results
     for batch in source_batches(src_ids, max_positions, settings.max_tokens, translator.num_translators):
         sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
+        prefixes = [() if options is None else options[i].prefix for i in batch]
         max_lens = max_output_lengths(
             torch.tensor([len(s) + 1 for s in sources]),
             settings.max_len_offset,  # + EOS
             max_positions,
-        ).tolist()
-        for max_len, rows in same_limit(max_lens):
+        )
+        # At least the prefix, as search.max_lengths says.
+        max_lens = torch.maximum(max_lens, torch.tensor([len(p) for p in prefixes])).clamp(max=max_positions - 1)
+        for max_len, rows in same_limit(max_lens.tolist()):
             pending = translator.translate_batch(  # asynchronous: every worker takes calls from the queue
                 [sources[r] for r in rows],
-                beam_size=beam,
+                [vocab.pieces(prefixes[r]) for r in rows] if any(prefixes[r] for r in rows) else None,
                 num_hypotheses=returned,
                 length_penalty=lenpen,
                 max_decoding_length=max_len,
                 suppress_sequences=suppress,
                 min_decoding_length=0,
                 return_end_token=True,
+                return_attention=settings.alignments,
                 max_input_length=0,
                 max_batch_size=0,
                 asynchronous=True,
+                **ctranslate2_options(settings),
             )
             translating.append(([batch[r] for r in rows], [sources[r] for r in rows], max_len, pending))
     scoring = []  # per call: its indices, their hypotheses' tokens and the pending scores
@@ -217,23 +329,56 @@ def ctranslate2_search(
         # Without EOS: the hypotheses that ended with one have it (return_end_token, which also makes its penalty
         # count it, as ours does: else an empty output would rank last, divided by 0**lenpen), those the limit
         # ended have max_len tokens.
-        found = [
-            [_without_eos(vocab.piece_ids(pieces))[:max_len] for pieces in result.result().hypotheses]
-            for result in pending
+        results = [result.result() for result in pending]
+        found = [[_without_eos(vocab.piece_ids(pieces))[:max_len] for pieces in r.hypotheses] for r in results]
+        links = [
+            [_attended(weights, len(t)) for weights, t in zip(r.attention, hyps)] if settings.alignments else None
+            for r, hyps in zip(results, found)
         ]
         pairs = [(source, tokens) for source, hyps in zip(sources, found) for tokens in hyps]
         scores = translator.score_batch(
             [source for source, _ in pairs], [vocab.pieces(t) for _, t in pairs], max_input_length=0, asynchronous=True
         )
-        scoring.append((indices, found, scores))
-    for indices, found, scores in scoring:
+        scoring.append((indices, found, links, scores))
+    for indices, found, links, scores in scoring:
         pending = iter(scores)
-        for i, hyps in zip(indices, found):  # log_probs: each token's and EOS's, normalised over the vocabulary
+        for i, hyps, attended in zip(indices, found, links):  # log_probs: each token's and EOS's, over the vocabulary
             scored = [
-                Hypothesis(t, sum(next(pending).result().log_probs) / length_penalty(len(t) + 1, lenpen)) for t in hyps
+                Hypothesis(
+                    t,
+                    sum(next(pending).result().log_probs) / length_penalty(len(t) + 1, lenpen),
+                    None if attended is None else attended[h],
+                )
+                for h, t in enumerate(hyps)
             ]
             out[i] = sorted(scored, key=lambda h: h.score, reverse=True)[:nbest]
     return out
+
+
+def ctranslate2_options(settings: SearchSettings) -> dict:
+    """translate_batch's search options for `settings`: beam search, or sampling (top-k 0 is its whole vocabulary)."""
+    if settings.sample is None:
+        return {"beam_size": settings.beam}
+    kind, value = parse_sample(settings.sample)
+    return {
+        "beam_size": 1,
+        "sampling_topk": int(value) if kind == "topk" else 0,
+        "sampling_topp": value if kind == "topp" else 1.0,
+        "sampling_temperature": settings.temperature,
+    }
+
+
+def _seed_ctranslate2(seed: int | None) -> None:
+    """CTranslate2's random stream, seeded (one per process: set before each search)."""
+    from transformer.inference.ctranslate2_engine import require_ctranslate2
+
+    require_ctranslate2().set_random_seed(seed or 0)
+
+
+def _attended(weights: Sequence[Sequence[float]], length: int) -> list[int]:
+    """CTranslate2's attention of one hypothesis (a row per output piece, a column per source piece, EOS's
+    dropped) -> per output piece the source piece it attends to most."""
+    return [max(range(len(row)), key=row.__getitem__) if len(row) else 0 for row in list(weights)[:length]]
 
 
 def _without_eos(ids: list[int]) -> list[int]:
@@ -254,64 +399,114 @@ def _one_line(text: str) -> str:
     return " ".join(text.splitlines()) if ("\n" in text or "\r" in text) else text
 
 
-class Translator:
-    """A model, its vocabulary and search settings, loaded once; translate() maps lines to lines.
+@dataclass
+class Translation:
+    """One translation of a line: its score (search.py's), its text on one line, and with alignments asked for,
+    (source word, output word) pairs (alignment.py)."""
 
-    flags: what the caller asked for (SearchFlags; None = the checkpoint's decode section), made into
-    `settings` (SearchSettings, search_settings) once the checkpoint is read, with the dtype picked for the
-    device. dtype: fp32, bf16 (weights cast; log-probabilities still in fp32), int8 (CPU: dynamic quantization
-    of the linear layers) or auto (pick_dtype; `note` says what it picked; a library caller's default is fp32).
-    engine: ours (PyTorch search) or ctranslate2 (the checkpoint converted once, cached beside it:
-    ctranslate2_engine.cached_conversion). workers: searches side by side on a CPU (search_batches);
-    CTranslate2 gets them as its inter_threads. keep_model: with CTranslate2, keep the PyTorch model too (fp32,
-    on the CPU), for what only it can show (serve's attention maps and beam traces); otherwise it is dropped
-    once converted.
+    score: float
+    text: str
+    alignment: list[tuple[int, int]] | None = None
+    constrained: bool = True  # False: the line's constraints could not all be met, and this is unconstrained
+
+    def alignment_text(self) -> str:
+        return pharaoh(self.alignment or [])
+
+
+class Translator:
+    """A model (or an ensemble), its vocabulary and search settings, loaded once; translate() maps lines to lines.
+
+    checkpoint: a run directory or checkpoint file, or several: an ensemble (ensemble.py; one vocabulary, checked
+    here; the first one's config, decode section and run state; ours only). flags: what the caller asked for
+    (SearchFlags; None = the checkpoint's decode section), made into `settings` (SearchSettings, search_settings)
+    once the checkpoint is read, with the dtype picked for the device, and with sampling a seed (drawn here when
+    none is given, and said in `note`). dtype: fp32, bf16 (weights cast; log-probabilities still in fp32), int8
+    (CPU: dynamic quantization of the linear layers) or auto (pick_dtype; `note` says what it picked; a library
+    caller's default is fp32). engine: ours (PyTorch search) or ctranslate2 (the checkpoint converted once,
+    cached beside it: ctranslate2_engine.cached_conversion). workers: searches side by side on a CPU
+    (search_batches); CTranslate2 gets them as its inter_threads. keep_model: with CTranslate2, keep the PyTorch
+    model too (fp32, on the CPU), for what only it can show (serve's attention maps and beam traces); otherwise
+    it is dropped once converted.
     """
 
     def __init__(
-        self, checkpoint: str | Path, device: str = "auto", flags: SearchFlags = SearchFlags(), keep_model: bool = False
+        self,
+        checkpoint: str | Path | Sequence[str | Path],
+        device: str = "auto",
+        flags: SearchFlags = SearchFlags(),
+        keep_model: bool = False,
     ):
         bounded_onednn_caches()  # a library caller's first CPU work may be ours
+        checkpoints = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
         self.device = pick_device(device)
         engine = flags.engine or SearchSettings.engine
+        if engine == "ctranslate2" and len(checkpoints) > 1:
+            raise UserError("an ensemble runs on --engine ours only: CTranslate2 searches one model at a time")
         dtype, why = pick_dtype(flags.dtype or SearchSettings.dtype, self.device, engine)
-        state = load_checkpoint(resolve_checkpoint(checkpoint))
-        self.model, self.vocab, self.cfg = model_from_checkpoint(state, self.device if engine == "ours" else "cpu")
-        self.run: dict = state.get("run") or {}  # the training state it was saved at (step, best), for serve's /info
-        self.parameters = count_parameters(self.model)  # as trained: the dtypes and layouts below hide some
-        del state
-        self.settings = search_settings(self.cfg.decode, replace(flags, dtype=dtype), len(self.vocab))
+        models, vocabs = [], []
+        for path in checkpoints:
+            state = load_checkpoint(resolve_checkpoint(path))
+            model, vocab, cfg = model_from_checkpoint(state, self.device if engine == "ours" else "cpu")
+            if not models:  # the first: its config, decode section and run state are the translator's
+                self.vocab, self.cfg = vocab, cfg
+                self.run: dict = state.get("run") or {}  # the training state it was saved at, for serve's /info
+            del state
+            vocabs.append(vocab)
+            check_vocabularies(vocabs, [str(c) for c in checkpoints])  # before the next one loads
+            models.append(model)
+        if len(models) > 1:  # a source or an output must fit every member
+            shortest = min(m.cfg.max_positions for m in models)
+            self.cfg = replace(self.cfg, model=replace(self.cfg.model, max_positions=shortest))
+        self.parameters = sum(map(count_parameters, models))  # as trained: the dtypes and layouts below hide some
+        self.settings = search_settings(
+            self.cfg.decode, replace(flags, dtype=dtype), len(self.vocab), self.cfg.model.n_decoder_layers
+        )
         # For the commands to print once their own checks have passed (a library caller may ignore it).
-        self.note = f"dtype: {dtype} ({why})" if flags.dtype == "auto" else None
+        notes = [f"dtype: {dtype} ({why})"] if flags.dtype == "auto" else []
         if dtype == "bf16" and self.device.type == "cpu" and not native_bf16(self.device)[0]:
-            self.note = (
+            notes = [
                 "warning: this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 runs emulated, "
                 "much slower than fp32"
-            )
+            ]
         if engine == "ctranslate2" and flags.stop == "exact":  # asked for, not the checkpoint's default
-            warning = "warning: --stop exact does not apply to --engine ctranslate2, which stops like --stop early"
-            self.note = f"{self.note}\n{warning}" if self.note else warning
+            notes.append("warning: --stop exact does not apply to --engine ctranslate2, which stops like --stop early")
+        if self.settings.sample is not None and self.settings.seed is None:
+            self.settings = replace(self.settings, seed=random.SystemRandom().randrange(2**32))
+            notes.append(f"sampling with seed {self.settings.seed} (--seed {self.settings.seed} draws these again)")
+        last = self.cfg.model.n_decoder_layers
+        if engine == "ctranslate2" and self.settings.alignments and self.settings.alignment_layer not in (None, last):
+            raise UserError(
+                f"--engine ctranslate2 returns the attention of the last decoder layer ({last}) only; "
+                "drop --alignment-layer, or use --engine ours"
+            )
+        self.note = "\n".join(notes) if notes else None
         self.ct2 = None
         if engine == "ctranslate2":
-            self.ct2 = self._load_ctranslate2(checkpoint)
-            if not keep_model:
-                self.model = None  # converted: the PyTorch copy is not needed any more
-        elif dtype == "bf16" and self.device.type == "cpu":
+            self.ct2 = self._load_ctranslate2(checkpoints[0])
+            models = models if keep_model else []  # converted: the PyTorch copy is not needed any more
+        else:
+            models = [self._in_format(m, dtype) for m in models]
+        self.model = (models[0] if len(models) == 1 else Ensemble(models)) if models else None
+        self.lines_seen = 0  # numbers the lines in warnings across streamed chunks
+        self.lines_truncated = 0
+
+    def _in_format(self, model, dtype: str):
+        """The model with its weights as `dtype` and the device want them (weight_formats.py)."""
+        if dtype == "bf16" and self.device.type == "cpu":
             from transformer.inference.weight_formats import pack_bf16
 
-            self.model = pack_bf16(self.model)
-        elif dtype == "bf16":
-            self.model = self.model.to(torch.bfloat16)
-        elif dtype == "int8":
+            return pack_bf16(model)
+        if dtype == "bf16":
+            return model.to(torch.bfloat16)
+        if dtype == "int8":
             from transformer.inference.weight_formats import quantize_int8
 
-            self.model = quantize_int8(self.model)
-        elif self.device.type == "cpu":
+            return quantize_int8(model)
+        if self.device.type == "cpu":
             from transformer.inference.weight_formats import input_major
 
-            self.model = input_major(self.model)
-        self.lines_seen = 0  # numbers the lines in truncation warnings across streamed chunks
-        self.lines_truncated = 0
+            return input_major(model)
+        return model
 
     def _load_ctranslate2(self, checkpoint):
         from transformer.inference.ctranslate2_engine import cached_conversion, require_ctranslate2
@@ -376,15 +571,105 @@ class Translator:
             )
 
     def search(
-        self, src_ids: Sequence[Sequence[int]], settings: SearchSettings | None = None
+        self,
+        src_ids: Sequence[Sequence[int]],
+        settings: SearchSettings | None = None,
+        options: Sequence[SentenceOptions] | None = None,
+        unmet: list[int] | None = None,
     ) -> list[list[Hypothesis]]:
-        """Per source (subword ids), its settings.nbest best hypotheses, through this translator's engine.
-        settings: this translator's, or a variant of them (serve's request beam and n-best: dataclasses.replace
-        of these; their dtype and engine are this translator's whatever they say)."""
+        """Per source (subword ids), its settings.nbest best hypotheses, through this translator's engine, each
+        with its alignment when settings.alignments. settings: this translator's, or a variant of them (serve's
+        request settings: dataclasses.replace of these; their dtype and engine are this translator's whatever
+        they say). options and unmet: as for search_ids."""
         settings = self.settings if settings is None else settings
         if self.ct2 is not None:
-            return ctranslate2_search(self.ct2, self.vocab, src_ids, settings, self.cfg.model.max_positions)
-        return search_ids(self.model, src_ids, settings, self.device)
+            if options is not None and any(o.constraints for o in options):
+                raise UserError("--engine ctranslate2 has no terminology constraints; use --engine ours")
+            return ctranslate2_search(self.ct2, self.vocab, src_ids, settings, self.cfg.model.max_positions, options)
+        found = search_ids(self.model, src_ids, settings, self.device, options, unmet)
+        if settings.alignments:
+            limit = source_limit(self.cfg.model.max_positions)
+            pairs = [(src_ids[i][:limit], h.tokens) for i, hyps in enumerate(found) for h in hyps]
+            layer = settings.alignment_layer or default_layer(self.cfg.model.n_decoder_layers)
+            links = iter(piece_alignments(self.model, pairs, layer, settings.max_tokens))
+            for hyps in found:
+                for h in hyps:
+                    h.alignment = next(links)
+        return found
+
+    def sentence_options(
+        self,
+        count: int,
+        prefixes: Sequence[str] | None = None,
+        constraints: Sequence[Sequence[str]] | None = None,
+        first_line: int = 0,
+    ) -> list[SentenceOptions] | None:
+        """What `count` sentences ask beyond the settings, from text: per sentence a target prefix ("" = none) and
+        target phrases, encoded into pieces (None: no sentence asks anything). A prefix longer than
+        model.max_positions - 2 pieces is cut there, with a warning naming its line (first_line + 1 onwards)."""
+        if not prefixes and not constraints:
+            return None
+        limit = source_limit(self.cfg.model.max_positions)
+        prefix_ids = self.vocab.encode([p if p.strip() else "" for p in prefixes]) if prefixes else [[]] * count
+        for i, ids in enumerate(prefix_ids):
+            if len(ids) > limit:
+                print(
+                    f"warning: the prefix of input line {first_line + i + 1} has {len(ids)} pieces; only the first "
+                    f"{limit} are forced (model.max_positions - 2)",
+                    file=sys.stderr,
+                )
+        phrases = []
+        for line in constraints or [[]] * count:
+            texts = [p for p in line if p.strip()]
+            phrases.append(tuple(tuple(ids) for ids in self.vocab.encode(texts) if ids) if texts else ())
+        return [SentenceOptions(tuple(p[:limit]), c) for p, c in zip(prefix_ids, phrases)]
+
+    def translations(
+        self, src_ids: Sequence[Sequence[int]], found: Sequence[Sequence[Hypothesis]], unmet: Sequence[int] = ()
+    ) -> list[list[Translation]]:
+        """search()'s hypotheses as Translations: text on one line, word alignments where the hypotheses have them."""
+        limit = source_limit(self.cfg.model.max_positions)
+        out = []
+        for i, (ids, hyps) in enumerate(zip(src_ids, found)):
+            texts = self.vocab.decode([h.tokens for h in hyps])
+            source_pieces = self.vocab.pieces(list(ids[:limit]))
+            out.append(
+                [
+                    Translation(
+                        h.score,
+                        _one_line(text),
+                        None
+                        if h.alignment is None
+                        else word_alignments(source_pieces, self.vocab.pieces(h.tokens), h.alignment),
+                        i not in unmet,
+                    )
+                    for h, text in zip(hyps, texts)
+                ]
+            )
+        return out
+
+    def translate_lines(
+        self,
+        lines: Sequence[str],
+        prefixes: Sequence[str] | None = None,
+        constraints: Sequence[Sequence[str]] | None = None,
+        settings: SearchSettings | None = None,
+    ) -> list[list[Translation]]:
+        """Per line, its settings.nbest Translations, best first; per line optionally a forced target prefix and
+        target phrases its translations must contain. A line whose phrases cannot all be met gets its best
+        unconstrained translations and a warning on stderr."""
+        first = self.lines_seen
+        ids = self.encode(lines)
+        options = self.sentence_options(len(lines), prefixes, constraints, first)
+        unmet: list[int] = []
+        found = self.search(ids, settings, options, unmet)
+        for i in sorted(unmet):
+            print(
+                f"warning: input line {first + i + 1}: its translations could not contain every constraint "
+                "within the length limit; it has the unconstrained ones",
+                file=sys.stderr,
+            )
+        return self.translations(ids, found, unmet)
 
     def translate_nbest(self, lines: Sequence[str], nbest: int | None = None) -> list[list[tuple[float, str]]]:
         """Per line, up to `nbest` (default settings.nbest) (score, translation) pairs, best first."""
