@@ -65,13 +65,13 @@ def _is_checkpoint(item: str) -> bool:
     from transformer.model.checkpoint import resolve_checkpoint
 
     path = Path(item)
-    if path.is_file():
-        return path.suffix == ".pt"
-    if not path.is_dir():
-        return False
     try:
+        if path.is_file():
+            return path.suffix == ".pt"
+        if not path.is_dir():
+            return False
         resolve_checkpoint(path)
-    except UserError:
+    except (UserError, OSError, ValueError):  # no checkpoint there; a name too long or with a NUL byte
         return False
     return True
 
