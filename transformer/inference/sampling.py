@@ -67,12 +67,16 @@ class Sampler:
             logits = torch.full_like(logits, inf).scatter(1, order, ranked)
         return logits.softmax(dim=1)
 
-    def keys(self, sources: Sequence[Sequence[int]], samples: int) -> np.ndarray:
+    def keys(
+        self, sources: Sequence[Sequence[int]], samples: int, seeds: Sequence[int | None] | None = None
+    ) -> np.ndarray:
         """One 64-bit stream key per (source, sample), in that order: a hash of the seed, the source's ids and
-        the sample's number, so that nothing else (the batch) enters it."""
+        the sample's number, so that nothing else (the batch) enters it. `seeds`: per source, a seed of its own
+        (None: self.seed), as serve gives each request's sentences theirs."""
         keys = np.empty(len(sources) * samples, dtype=np.uint64)
         for s, ids in enumerate(sources):
-            text = f"{self.seed}|{','.join(map(str, ids))}|".encode()
+            seed = self.seed if seeds is None or seeds[s] is None else seeds[s]
+            text = f"{seed}|{','.join(map(str, ids))}|".encode()
             for i in range(samples):
                 digest = hashlib.blake2b(text + str(i).encode(), digest_size=8).digest()
                 keys[s * samples + i] = np.frombuffer(digest, dtype=np.uint64)[0]
@@ -109,12 +113,14 @@ def sample_search(
     lenpen: float = 0.6,
     max_len_offset: int = 50,
     prefixes: Sequence[Sequence[int]] | None = None,
+    seeds: Sequence[int | None] | None = None,
 ) -> SearchResult:
     """`samples` samples for each source row of `src` (B, S) (module docstring), best first; SearchResult's
-    steps count the decoder calls, and a row's sentence_steps those of its longest sample."""
+    steps count the decoder calls, and a row's sentence_steps those of its longest sample. `seeds`: per row, a
+    seed of its own (None: the sampler's)."""
     rows = src.size(0)
     sources = [[t for t in row if t != PAD_ID] for row in src.tolist()]
-    keys = sampler.keys(sources, samples)
+    keys = sampler.keys(sources, samples, seeds)
     if samples > 1:  # one row per sample: row b*samples + i is source b's i-th
         src = src.index_select(0, device_index([b for b in range(rows) for _ in range(samples)], src.device))
         prefixes = None if prefixes is None else [p for p in prefixes for _ in range(samples)]

@@ -113,10 +113,12 @@ def worker_threads(workers: int) -> Iterator[ThreadPoolExecutor]:
 @dataclass(frozen=True)
 class SentenceOptions:
     """What one sentence asks of the search beyond the settings: target ids its outputs must start with (search.py's
-    forced prefix), and target phrases (ids) each of its outputs must contain (constraints.py)."""
+    forced prefix), target phrases (ids) each of its outputs must contain (constraints.py), and with sampling a
+    seed of its own (serve's requests: one search may hold several; None: settings.seed)."""
 
     prefix: tuple[int, ...] = ()
     constraints: tuple[tuple[int, ...], ...] = ()
+    seed: int | None = None
 
 
 def run_search(
@@ -130,7 +132,9 @@ def run_search(
     if settings.sample is not None:
         kind, value = parse_sample(settings.sample)
         sampler = Sampler(kind, value, settings.temperature, settings.seed or 0)
-        return sample_search(model, src, sampler, settings.nbest, settings.lenpen, settings.max_len_offset, prefixes)
+        seeds = None if options is None else [o.seed for o in options]
+        d = settings
+        return sample_search(model, src, sampler, d.nbest, d.lenpen, d.max_len_offset, prefixes, seeds)
 
     def plain(rows: list[int] | None) -> SearchResult:
         """search() over every row (None), or over `rows`."""
@@ -282,9 +286,10 @@ def ctranslate2_search(
     label smoothing leaves each ~smoothing / vocabulary). With several workers (the translator's
     inter_threads) the batches are sized and run side by side as search_batches runs ours.
 
-    What else it maps (ctranslate2_options): sampling (its sampling_topk, sampling_topp, sampling_temperature; one
-    random stream per process, seeded by settings.seed, so a sentence's samples depend on its batch and on the
-    order the workers take the calls), a forced prefix (target_prefix; its limit counts the prefix, as ours does)
+    What else it maps (ctranslate2_options): sampling (its sampling_topk, sampling_topp, sampling_temperature; a
+    random stream per worker, seeded when the Translator is made, so that a run repeats itself with the same seed,
+    the same input and one worker, but a sentence's samples depend on its batch, on what was drawn before it and,
+    with several workers, on which worker takes its batch), a forced prefix (target_prefix; its limit counts the prefix, as ours does)
     and alignments (return_attention: the conversion asks for the last layer's cross-attention averaged over all
     heads, alignment.py's default, and the source's EOS is not in it). Constraints and ensembles it does not have
     (the Translator refuses them).
@@ -294,8 +299,6 @@ def ctranslate2_search(
     limit = source_limit(max_positions)
     suppress = [[piece] for piece in vocab.pieces([BOS_ID, PAD_ID])]
     returned = nbest if lenpen == 0 or settings.sample is not None else beam
-    if settings.sample is not None:
-        _seed_ctranslate2(settings.seed)
     translating = []  # per call: its indices, sources, length limit and pending results
     for batch in source_batches(src_ids, max_positions, settings.max_tokens, translator.num_translators):
         sources = [vocab.pieces(src_ids[i][:limit]) for i in batch]  # CTranslate2 appends </s> itself
@@ -366,13 +369,6 @@ def ctranslate2_options(settings: SearchSettings) -> dict:
         "sampling_topp": value if kind == "topp" else 1.0,
         "sampling_temperature": settings.temperature,
     }
-
-
-def _seed_ctranslate2(seed: int | None) -> None:
-    """CTranslate2's random stream, seeded (one per process: set before each search)."""
-    from transformer.inference.ctranslate2_engine import require_ctranslate2
-
-    require_ctranslate2().set_random_seed(seed or 0)
 
 
 def _attended(weights: Sequence[Sequence[float]], length: int) -> list[int]:
@@ -513,6 +509,8 @@ class Translator:
 
         ctranslate2 = require_ctranslate2()
         model_dir = cached_conversion(checkpoint)
+        if self.settings.seed is not None:  # its workers seed their random streams when they start
+            ctranslate2.set_random_seed(self.settings.seed)
         workers = search_workers(self.settings.workers, self.device)  # laid out over the CPU's threads as ours
         ours = torch.get_num_threads()
         threads = threads_per_worker(workers) if self.device.type == "cpu" else 1
