@@ -40,6 +40,7 @@ from transformer.inference.search import (
     Hypothesis,
     SearchResult,
     device_index,
+    device_tensor,
     force_eos,
     length_penalty,
     max_lengths,
@@ -234,8 +235,8 @@ class _ConstrainedBeam:
                 if forced is not None:
                     forced.keep(keep_t)
             index = device_index([r for s in keep for r in parents[s]], device)
-            new_token = torch.tensor([x for s in keep for x in tokens[s]], dtype=torch.long).to(device)
-            scores = torch.tensor([x for s in keep for x in new_scores[s]], dtype=torch.float32).to(device)
+            new_token = device_tensor([x for s in keep for x in tokens[s]], device)
+            scores = device_tensor([x for s in keep for x in new_scores[s]], device, torch.float32)
             progress = [new_progress[s] for s in keep]
             prefix = torch.cat([prefix.index_select(0, index), new_token[:, None]], dim=1)
             decoder.keep_rows(index, keep_t)

@@ -209,8 +209,10 @@ class ForcedPrefix:
         table = torch.full((len(prefixes), self.length), -1, dtype=torch.long)
         for row, ids in enumerate(prefixes):
             table[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
-        self.lengths = torch.tensor([len(p) for p in prefixes], device=device)  # (rows,)
-        self.table = table.to(device)
+        lengths = torch.tensor([len(p) for p in prefixes])  # (rows,)
+        if device.type != "cpu":  # from pinned memory without waiting (device_index)
+            table, lengths = (t.pin_memory().to(device, non_blocking=True) for t in (table, lengths))
+        self.table, self.lengths = table, lengths
 
     @staticmethod
     def of(prefixes: Sequence[Sequence[int]] | None, src: torch.Tensor) -> ForcedPrefix | None:
@@ -268,10 +270,15 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
 
 
 def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices chosen on the host, as a tensor on `device`; to a GPU from pinned memory without waiting (a copy
+    """Row indices chosen on the host, as a tensor on `device` (device_tensor)."""
+    return device_tensor(rows, device)
+
+
+def device_tensor(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Values chosen on the host, as a tensor on `device`; to a GPU from pinned memory without waiting (a copy
     from ordinary host memory waits until the GPU has done its queued work)."""
-    index = torch.tensor(rows, dtype=torch.long)
-    return index if device.type == "cpu" else index.pin_memory().to(device, non_blocking=True)
+    values = torch.tensor(values, dtype=dtype)
+    return values if device.type == "cpu" else values.pin_memory().to(device, non_blocking=True)
 
 
 def force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor | None) -> torch.Tensor:
