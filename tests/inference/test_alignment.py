@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import LINES, train_copy_task
-from tests.inference.test_search import VOCAB, make_sources
+from tests.inference.test_search import VOCAB, copy_batches, make_sources
 from transformer.config import ModelConfig
 from transformer.inference.alignment import default_layer, pharaoh, piece_alignments, word_alignments, word_index
 from transformer.inference.settings import SearchFlags
@@ -22,15 +22,7 @@ def copier():
     """A one-layer copy-task model, trained until it copies (300 updates)."""
     cfg = ModelConfig(d_model=32, n_heads=4, n_encoder_layers=1, n_decoder_layers=1, d_ff=64, dropout=0.0)
     torch.manual_seed(0)
-    model = Transformer(cfg, VOCAB)
-    g = torch.Generator().manual_seed(1)
-
-    def batches():
-        for _ in range(300):
-            lengths = torch.randint(2, 9, (32,), generator=g).tolist()
-            yield [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-    return train_copy_task(model, batches(), lr=1e-2).eval()
+    return train_copy_task(Transformer(cfg, VOCAB), copy_batches(300), lr=1e-2).eval()
 
 
 def test_a_copy_task_models_alignments_are_the_diagonal(copier):

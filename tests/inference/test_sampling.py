@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.inference.test_search import CFG, VOCAB, as_batch, make_sources
+from tests.inference.test_search import CFG, VOCAB, as_batch, make_sources, peaky_model
 from transformer.data.batch import padding_mask
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from transformer.inference.sampling import Sampler, draw, sample_search, uniforms
@@ -31,11 +31,7 @@ def flat():
 
 @pytest.fixture(scope="module")
 def peaky():
-    torch.manual_seed(3)
-    model = Transformer(CFG, VOCAB)
-    with torch.no_grad():
-        model.output.weight.mul_(4.0)
-    return model.eval()
+    return peaky_model()
 
 
 def first_token_probs(model, source: list[int]) -> np.ndarray:

@@ -16,6 +16,14 @@ VOCAB = 24
 CFG = ModelConfig(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64, dropout=0.0, max_positions=64)
 
 
+def copy_batches(updates: int, vocab: int = VOCAB):
+    """A copy task's batches: per update 32 sequences of 2 to 8 random ids (seeded: the same every run)."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(updates):
+        lengths = torch.randint(2, 9, (32,), generator=g).tolist()
+        yield [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
 def make_sources(seed: int, n: int = 6, lo: int = 2, hi: int = 9) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
@@ -38,25 +46,21 @@ def nbest_lists(model, src, beam, lenpen, offset, nbest=1, stop="exact", use_cac
 def trained():
     """A copy-task model after a few hundred updates: peaky, and it emits EOS at varied lengths."""
     torch.manual_seed(0)
-    model = Transformer(CFG, VOCAB)
-    g = torch.Generator().manual_seed(1)
-
-    def copy_batches():
-        for _ in range(150):
-            lengths = torch.randint(2, 9, (32,), generator=g).tolist()
-            yield [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-    return train_copy_task(model, copy_batches(), lr=3e-3).eval()
+    return train_copy_task(Transformer(CFG, VOCAB), copy_batches(150), lr=3e-3).eval()
 
 
-@pytest.fixture(scope="module")
-def peaky():
+def peaky_model() -> Transformer:
     """Random weights with scaled-up logits, so the argmax is rarely a near-tie."""
     torch.manual_seed(3)
     model = Transformer(CFG, VOCAB)
     with torch.no_grad():
         model.output.weight.mul_(4.0)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def peaky():
+    return peaky_model()
 
 
 @pytest.fixture(params=["trained", "peaky"])

@@ -148,7 +148,7 @@ def run_search(
         return plain(None)
     hypotheses: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
     sentence_steps, steps = [0] * src.size(0), 0
-    free = [r for r in range(src.size(0)) if r not in set(constrained)]
+    free = sorted(set(range(src.size(0))) - set(constrained))
     found = constrained_search(
         model,
         src.index_select(0, device_index(constrained, src.device)),
@@ -196,16 +196,6 @@ def search_batches(
 
     def run(batch: list[int]) -> SearchResult:
         src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions)  # (B, S)
-        if options is None and settings.sample is None:  # the plain search, as it always was
-            return search(
-                model,
-                src.to(device),
-                settings.beam,
-                settings.lenpen,
-                settings.max_len_offset,
-                settings.nbest,
-                settings.stop,
-            )
         return run_search(model, src.to(device), settings, None if options is None else [options[i] for i in batch])
 
     if workers == 1 or len(batches) == 1:
