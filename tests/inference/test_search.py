@@ -9,11 +9,19 @@ from tests.conftest import train_copy_task
 from transformer.config import ModelConfig
 from transformer.data.batch import causal_mask, pad_sequences, padding_mask
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
-from transformer.inference.search import Hypothesis, SearchResult, _beam_search, length_penalty, search
+from transformer.inference.search import Hypothesis, Rules, SearchResult, _beam_search, length_penalty, search
 from transformer.model.transformer import Transformer
 
 VOCAB = 24
 CFG = ModelConfig(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64, dropout=0.0, max_positions=64)
+
+
+def copy_batches(updates: int, vocab: int = VOCAB):
+    """A copy task's batches: per update 32 sequences of 2 to 8 random ids (seeded: the same every run)."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(updates):
+        lengths = torch.randint(2, 9, (32,), generator=g).tolist()
+        yield [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def make_sources(seed: int, n: int = 6, lo: int = 2, hi: int = 9) -> list[list[int]]:
@@ -38,19 +46,10 @@ def nbest_lists(model, src, beam, lenpen, offset, nbest=1, stop="exact", use_cac
 def trained():
     """A copy-task model after a few hundred updates: peaky, and it emits EOS at varied lengths."""
     torch.manual_seed(0)
-    model = Transformer(CFG, VOCAB)
-    g = torch.Generator().manual_seed(1)
-
-    def copy_batches():
-        for _ in range(150):
-            lengths = torch.randint(2, 9, (32,), generator=g).tolist()
-            yield [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-    return train_copy_task(model, copy_batches(), lr=3e-3).eval()
+    return train_copy_task(Transformer(CFG, VOCAB), copy_batches(150), lr=3e-3).eval()
 
 
-@pytest.fixture(scope="module")
-def peaky():
+def peaky_model() -> Transformer:
     """Random weights with scaled-up logits, so the argmax is rarely a near-tie."""
     torch.manual_seed(3)
     model = Transformer(CFG, VOCAB)
@@ -59,13 +58,26 @@ def peaky():
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def peaky():
+    return peaky_model()
+
+
 @pytest.fixture(params=["trained", "peaky"])
 def model(request):
     return request.getfixturevalue(request.param)
 
 
 def reference_search(
-    model, source: list[int], beam: int, lenpen: float, offset: int, nbest: int, stop: str, keep_all: bool = False
+    model,
+    source: list[int],
+    beam: int,
+    lenpen: float,
+    offset: int,
+    nbest: int,
+    stop: str,
+    keep_all: bool = False,
+    prefix: tuple[int, ...] = (),
 ) -> list[Hypothesis]:
     """The stop rules written plainly: one sentence, every hypothesis's prefix decoded from scratch each step.
 
@@ -73,12 +85,13 @@ def reference_search(
     the first `beam` others stay alive. exact: stop once the nbest-th finished score >= the best live sum
     divided by the largest penalty it can reach, lp(max_len + 1); early: once `beam` have finished, keeping
     the first `beam` to finish, in rank order within a step (fairseq's finalize_hypos); keep_all: every one
-    finished at the stopping step (the rule before, and CTranslate2's).
+    finished at the stopping step (the rule before, and CTranslate2's); prefix: at step t < len(prefix) only
+    prefix[t] may be emitted, and the length limit is at least len(prefix).
     """
     src = torch.tensor([source])  # (1, S)
     mask = padding_mask(src)
     memory = model.encode(src, mask)
-    max_len = min(len(source) + offset, model.cfg.max_positions - 1)
+    max_len = max(min(len(source) + offset, model.cfg.max_positions - 1), len(prefix))
     vocab = model.output.out_features
     live = [([], torch.tensor(0.0))]  # (tokens, summed log-probability as float32, as search.py keeps it)
     finished: list[Hypothesis] = []
@@ -91,6 +104,8 @@ def reference_search(
         lprobs[:, [PAD_ID, BOS_ID]] = float("-inf")
         if t == max_len:
             lprobs[:, [i for i in range(vocab) if i != EOS_ID]] = float("-inf")
+        if t < len(prefix):
+            lprobs[:, [i for i in range(vocab) if i != prefix[t]]] = float("-inf")
         candidates = [
             (total + lprobs[b, tok], tokens, tok) for b, (tokens, total) in enumerate(live) for tok in range(vocab)
         ]
@@ -152,7 +167,7 @@ def test_early_rule_beam_one_equals_greedy(model, lenpen):
     """search() runs beam 1 as greedy; the beam machinery under the early rule must agree with it."""
     src = as_batch(make_sources(11))
     fast = search(model, src, beam=1, lenpen=lenpen, max_len_offset=10)
-    beam = _beam_search(model.eval(), src, 1, lenpen, 10, 1, "early", True)
+    beam = _beam_search(model.eval(), src, 1, Rules(lenpen, stop="early"), 10, 1, True)
     assert_same(fast.hypotheses, beam.hypotheses)
     assert fast.sentence_steps == beam.sentence_steps
 
@@ -208,7 +223,9 @@ def test_early_rule_keeps_at_most_beam_finished_and_equals_the_reference(random_
             kept = [h for step in trace for h in step.finished[row]]
             assert len(hyps) == nbest and nbest <= len(kept) <= beam
         if beam == 1:
-            assert_same(found, _beam_search(model, as_batch(sources), 1, lenpen, 6, 1, "early", True).hypotheses)
+            assert_same(
+                found, _beam_search(model, as_batch(sources), 1, Rules(lenpen, stop="early"), 6, 1, True).hypotheses
+            )
 
 
 def test_early_rule_drops_what_finishes_beyond_the_beam():
@@ -440,3 +457,70 @@ def test_trace_steps_extend_earlier_live_hypotheses(trained):
             prefixes = {tuple(h.tokens) for h in before.alive[row]}
             assert all(tuple(h.tokens[:-1]) in prefixes for h in after.alive[row])
             assert all(tuple(h.tokens) in prefixes for h in after.finished[row])
+
+
+# ----------------------------------------------------------------------------- a forced target prefix
+
+
+def random_prefixes(seed: int, vocab: int, n: int, longest: int = 4) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(4, vocab, (int(k),), generator=g).tolist()
+        for k in torch.randint(0, longest + 1, (n,), generator=g)
+    ]
+
+
+@pytest.mark.parametrize("stop", ["exact", "early"])
+def test_a_forced_prefix_starts_every_output_and_the_search_equals_the_reference(random_seed, stop):
+    """Random models, beams, n-best sizes and prefixes (some empty): every hypothesis starts with its row's prefix,
+    and the n-best lists are the plainly written rules' with the prefix forced (so "exact" keeps its guarantee
+    among the hypotheses that start with the prefix)."""
+    rng = torch.Generator().manual_seed(random_seed)
+    for trial in range(6):
+        model = random_model(random_seed + trial)
+        beam = int(torch.randint(1, 5, (1,), generator=rng))
+        nbest = int(torch.randint(1, beam + 1, (1,), generator=rng))
+        sources = random_sources(random_seed + 50 + trial, model.output.out_features)
+        prefixes = random_prefixes(random_seed + trial, model.output.out_features, len(sources))
+        for use_cache in (True, False):
+            found = search(model, as_batch(sources), beam, 0.6, 4, nbest, stop, use_cache, prefixes=prefixes)
+            for hyps, prefix in zip(found.hypotheses, prefixes):
+                assert len(hyps) == nbest and all(h.tokens[: len(prefix)] == prefix for h in hyps)
+        expected = [
+            reference_search(model, s, beam, 0.6, 4, nbest, stop, prefix=tuple(p)) for s, p in zip(sources, prefixes)
+        ]
+        if beam > 1:  # greedy search: one hypothesis, EOS at its first chance; compared in the test below
+            assert_same(found.hypotheses, expected)
+
+
+def test_a_prefix_that_is_greedy_searchs_own_start_changes_nothing(model):
+    src = as_batch(make_sources(23, n=8))
+    plain = search(model, src, beam=1, lenpen=0.6, max_len_offset=10)
+    for cut in (1, 2, 100):
+        prefixes = [h.tokens[:cut] for h in plain.best()]
+        forced = search(model, src, beam=1, lenpen=0.6, max_len_offset=10, prefixes=prefixes)
+        assert [h.tokens for h in forced.best()] == [h.tokens for h in plain.best()]
+        assert [h.score for h in forced.best()] == [h.score for h in plain.best()]
+
+
+def test_no_prefix_is_the_plain_search_bit_for_bit(model):
+    src = as_batch(make_sources(24))
+    for beam in (1, 3):
+        plain = search(model, src, beam, 0.6, 8, nbest=beam)
+        for none in (None, [[] for _ in range(src.size(0))]):
+            same = search(model, src, beam, 0.6, 8, nbest=beam, prefixes=none)
+            assert [[(h.tokens, h.score) for h in hyps] for hyps in same.hypotheses] == [
+                [(h.tokens, h.score) for h in hyps] for hyps in plain.hypotheses
+            ]
+
+
+def test_a_prefix_longer_than_the_length_limit_raises_it(forced):
+    """The limit is at least the prefix: a prefix is never cut, and EOS is forced right after it when the source's
+    own limit has passed."""
+    forced.eos_at = None
+    sources = make_sources(25, n=3, lo=2, hi=3)  # 2 pieces + EOS: a limit of 3 + offset 1 = 4
+    prefixes = [[5] * 9, [6, 7], []]
+    for beam in (1, 2):
+        found = search(forced, as_batch(sources), beam, 0.6, 1, prefixes=prefixes)
+        assert [h.tokens[:9] for h in found.best()][0] == [5] * 9
+        assert [len(h.tokens) for h in found.best()] == [9, 4, 4]

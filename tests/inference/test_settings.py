@@ -47,6 +47,13 @@ BAD = [
     ("dtype", "fp16", "--dtype must be one of auto, fp32, bf16, int8, got 'fp16'"),
     ("engine", "onnx", "--engine must be one of ours, ctranslate2, got 'onnx'"),
     ("nbest", 0, "--nbest must be at least 1, got 0"),
+    ("sample", "topk:0", "--sample takes topk:K (K a whole number >= 1) or topp:P (0 < P <= 1), got 'topk:0'"),
+    ("sample", "topp:1.5", "--sample takes topk:K (K a whole number >= 1) or topp:P (0 < P <= 1), got 'topp:1.5'"),
+    ("sample", "nucleus", "--sample takes topk:K (K a whole number >= 1) or topp:P (0 < P <= 1), got 'nucleus'"),
+    ("temperature", 0.0, "--temperature must be a number above 0 and at most 100 (1 = the model's own), got 0.0"),
+    ("temperature", float("nan"), "--temperature must be a number above 0 and at most 100"),
+    ("seed", -1, "--seed must be a whole number from 0 to"),
+    ("alignment_layer", 0, "--alignment-layer must be at least 1, got 0"),
 ]
 
 
@@ -184,7 +191,8 @@ def test_every_verb_refuses_a_bad_flag_before_it_reads_the_checkpoint(verb, flag
 def test_translate_evaluate_and_serve_take_exactly_the_same_search_options():
     options = {verb: search_options(verb) for verb in SEARCH_VERBS}
     assert options["translate"] == options["evaluate"] == options["serve"]
-    flags = {flag for field, flag in FLAGS.items() if field not in ("max_len_offset", "nbest")}
+    translate_only = ("max_len_offset", "nbest", "alignments", "alignment_layer")  # outputs of translate's own
+    flags = {flag for field, flag in FLAGS.items() if field not in translate_only}
     assert set(options["translate"]) == flags | {"--device", "--int8"}
     # And they reach SearchFlags on each verb: a flag each verb parses into the same value.
     argv = [

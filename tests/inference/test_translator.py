@@ -23,6 +23,7 @@ from transformer.device import (
     cpu_bf16_flags,
     cpu_description,
 )
+from transformer.errors import UserError
 from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import (
     Translator,
@@ -534,9 +535,8 @@ def test_ctranslate2_engine_in_few_calls_is_the_search_under_each_sentences_own_
     settings = translator.settings
     found = ctranslate2_search(counting, translator.vocab, ids, settings, translator.cfg.model.max_positions)
     vocab = translator.vocab
-    one_per_limit = ctranslate2_limited(
-        translator.ct2, vocab, {i: vocab.pieces(s) for i, s in enumerate(ids)}, limits, settings
-    )
+    sources, none = {i: vocab.pieces(s) for i, s in enumerate(ids)}, {i: [] for i in range(len(ids))}
+    one_per_limit = ctranslate2_limited(translator.ct2, vocab, sources, none, list(sources), limits, settings)
     for i, hyps in enumerate(found):
         assert [h.tokens for h in hyps] == [h.tokens for h in one_per_limit[i]], i
         assert [h.score for h in hyps] == pytest.approx([h.score for h in one_per_limit[i]], abs=1e-4)
@@ -668,3 +668,47 @@ def test_every_entry_bounds_onednn_caches_before_its_work(run, call, monkeypatch
             from_dict(tiny_config(tmp_path)), quiet=True
         ) if verb == "train" else Translator(run)
     assert seen == {**bounded, "LRU_CACHE_CAPACITY": "64"}
+
+
+# ----------------------------------------------------------------------------- issue 43's features on CTranslate2
+
+
+def test_ctranslate2_engine_forces_a_prefix_as_ours_does(ctranslate2, copy_model):
+    flags = SearchFlags(beam=1, dtype="fp32")
+    ours, theirs = (
+        Translator(copy_model, "cpu", flags),
+        Translator(copy_model, "cpu", replace(flags, engine="ctranslate2")),
+    )
+    prefixes = ["der", "", "ein rot", *[line.split()[0] for line in LINES[3:12]]]
+    ours_found = ours.translate_lines(LINES[:12], prefixes)
+    theirs_found = theirs.translate_lines(LINES[:12], prefixes)
+    assert [h[0].text for h in theirs_found] == [h[0].text for h in ours_found]
+    assert all(h[0].text.startswith(p) for h, p in zip(ours_found, prefixes))
+    assert [h[0].score for h in theirs_found] == pytest.approx([h[0].score for h in ours_found], abs=1e-3)
+
+
+def test_ctranslate2_engine_samples_and_top_k_1_is_greedy(ctranslate2, copy_model):
+    greedy = Translator(copy_model, "cpu", SearchFlags(beam=1, dtype="fp32")).translate(LINES[:10])
+    flags = SearchFlags(sample="topk:1", seed=3, dtype="fp32", engine="ctranslate2", workers=1)
+    assert Translator(copy_model, "cpu", flags).translate(LINES[:10]) == greedy
+    sampler = Translator(copy_model, "cpu", replace(flags, sample="topp:0.95", temperature=2.0, nbest=3))
+    drawn = [[t.text for t in hyps] for hyps in sampler.translate_lines(LINES[:10])]
+    assert all(len(hyps) == 3 for hyps in drawn) and drawn != [[g] * 3 for g in greedy]
+    # A seed repeats a run (the same input, one worker): CTranslate2 seeds a worker's stream when it starts.
+    again = Translator(copy_model, "cpu", replace(flags, sample="topp:0.95", temperature=2.0, nbest=3))
+    assert [[t.text for t in hyps] for hyps in again.translate_lines(LINES[:10])] == drawn
+
+
+def test_ctranslate2_engine_gives_our_alignments(ctranslate2, copy_model):
+    """return_attention of the conversion is the last layer's cross-attention averaged over all heads, without
+    the source's EOS: the same alignments as ours."""
+    flags = SearchFlags(beam=1, dtype="fp32", alignments=True)
+    ours = Translator(copy_model, "cpu", flags).translate_lines(LINES[:12])
+    theirs = Translator(copy_model, "cpu", replace(flags, engine="ctranslate2")).translate_lines(LINES[:12])
+    assert [h[0].alignment for h in theirs] == [h[0].alignment for h in ours]
+    with pytest.raises(UserError, match=r"^--engine ctranslate2 returns the attention of the last decoder layer \(2\)"):
+        Translator(copy_model, "cpu", replace(flags, engine="ctranslate2", alignment_layer=1))
+    with pytest.raises(UserError, match="^--engine ctranslate2 has no terminology constraints"):
+        Translator(copy_model, "cpu", replace(flags, engine="ctranslate2")).translate_lines(
+            ["ein hund"], None, [["dog"]]
+        )

@@ -405,3 +405,46 @@ def test_bench_decode_on_an_imported_model_beside_generate_and_ctranslate2_from_
     assert rows[1, "hf_generate"]["same_as_first"] == 1.0  # greedy: generate gives our outputs
     for row in rows.values():
         assert row["sentences"] == 8 and len(row["times_s"]) == 2 and 0 <= row["same_as_first"] <= 1
+
+
+def test_bench_features_times_every_decoding_feature_beside_plain_beam(untrained_checkpoint, tmp_path):
+    """bench_features.py on a 12-sentence toy set: a row per feature of issue 43, each paired with plain beam."""
+    (tmp_path / "test.de").write_text("\n".join(sentences(1, 12)) + "\n", encoding="utf-8")
+    (tmp_path / "test.en").write_text("\n".join(sentences(2, 12)) + "\n", encoding="utf-8")
+    out = tmp_path / "features.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_features.py",
+            str(tmp_path / "test.de"),
+            "--checkpoint",
+            str(untrained_checkpoint),
+        ]
+        + ["--ref", str(tmp_path / "test.en"), "--rounds", "1", "--threads", "1", "--beam", "2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=subprocess_env(),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert list(rows) == [
+        "beam 2",
+        "greedy",
+        "sample topk:10",
+        "sample topp:0.9",
+        "prefix (first word)",
+        "constraints (1 word)",
+        "alignments",
+        "ensemble of 2",
+    ]
+    assert report["sentences"] == 12 and rows["beam 2"]["vs_beam"] == 1.0
+    for row in rows.values():
+        assert len(row["times_s"]) == 1 and row["sentences_per_s"] == pytest.approx(12 / row["times_s"][0])
+        assert "bleu" in row and 0 <= row["outputs_like_beam"] <= 1
+    # An ensemble of the checkpoint with itself and the alignment pass leave the outputs as they are.
+    assert rows["ensemble of 2"]["outputs_like_beam"] == rows["alignments"]["outputs_like_beam"] == 1.0
+    assert 0 <= rows["constraints (1 word)"]["constraints_met"] <= 1
+    assert result.stdout.splitlines()[-1] == f"wrote {out}"

@@ -626,7 +626,7 @@ def test_translate_that_fails_keeps_the_previous_output(env, monkeypatch, tmp_pa
     def fail(*args, **kwargs):  # after the output was opened: the model is loaded, the input read
         raise failure
 
-    monkeypatch.setattr(Translator, "translate_nbest", fail)
+    monkeypatch.setattr(Translator, "translate_lines", fail)
     assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == status
     assert output.read_text(encoding="utf-8") == "yesterday's translations\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]  # and no temporary file left beside it
@@ -647,9 +647,9 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(
     output = tmp_path / "out.txt"
     output.write_text("yesterday's translations\n", encoding="utf-8")
     output.chmod(0o600)  # private translations stay private when replaced
-    real, calls, before = Translator.translate_nbest, [], signal.getsignal(signal.SIGTERM)
+    real, calls, before = Translator.translate_lines, [], signal.getsignal(signal.SIGTERM)
 
-    def stop_in_second_chunk(self, lines, nbest=1, scores=True):
+    def stop_in_second_chunk(self, lines, *options, **keywords):
         calls.append(lines)
         if len(calls) == 2 and signal_name == "SIGINT":
             raise KeyboardInterrupt
@@ -657,10 +657,10 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(
             handler = signal.getsignal(signal.SIGTERM)
             assert callable(handler), "SIGTERM would end the process before FILE.partial is reported"
             handler(signal.SIGTERM, None)  # as its delivery would, without risking this test process
-        return real(self, lines, nbest, scores)
+        return real(self, lines, *options, **keywords)
 
     monkeypatch.setattr(translate_io, "CHUNK_LINES", 1)
-    monkeypatch.setattr(Translator, "translate_nbest", stop_in_second_chunk)
+    monkeypatch.setattr(Translator, "translate_lines", stop_in_second_chunk)
     got, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
     assert got == status and output.read_text(encoding="utf-8") == "yesterday's translations\n"
     partial = tmp_path / "out.txt.partial"
@@ -668,7 +668,7 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(
     assert f"{output} is unchanged, and what was translated is in {partial}" in err
     assert signal.getsignal(signal.SIGTERM) == before  # given back
 
-    monkeypatch.setattr(Translator, "translate_nbest", real)
+    monkeypatch.setattr(Translator, "translate_lines", real)
     kept = partial.read_text(encoding="utf-8")  # the lines done: never written over by the next run
     status, _, err = call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)
     assert (status, err) == (

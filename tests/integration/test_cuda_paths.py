@@ -44,7 +44,10 @@ from transformer.device import (
 )
 from transformer.distributed import DistInfo, init_distributed, wrap_ddp
 from transformer.errors import UserError
+from transformer.inference import constraints as constraints_module
 from transformer.inference import search as search_module
+from transformer.inference.constraints import constrained_search
+from transformer.inference.sampling import Sampler, sample_search
 from transformer.inference.search import search
 from transformer.model import transformer as model_module
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
@@ -379,18 +382,52 @@ def test_a_decoder_step_reads_the_device_once(copy_model, monkeypatch, as_on_cud
     expected = search(model, src, beam=beam, max_len_offset=8)
     transfers = []
     counter = HostReads(monkeypatch)
-    real = search_module._to_host
+    real = search_module.to_host
 
     def to_host(*tensors):
         transfers.append(len(tensors))
         with counter.pause():  # one copy on CUDA (the CPU reads each tensor's own memory)
             return real(*tensors)
 
-    monkeypatch.setattr(search_module, "_to_host", to_host)
+    monkeypatch.setattr(search_module, "to_host", to_host)
     found = search(model, src, beam=beam, max_len_offset=8)
     assert [h.tokens for h in found.best()] == [h.tokens for h in expected.best()]
     assert counter.reads == [] and counter.copies == 0
     assert len(transfers) == found.steps + 1  # the length limits once, then one read per decoder step
+
+
+def test_a_forced_prefix_and_sampling_read_the_device_no_more(copy_model, monkeypatch, as_on_cuda):
+    """A forced prefix goes to the device once, without waiting, and its steps read nothing more; sampling reads
+    the sources once (the keys of its random streams), then draws without a read: its random numbers are made on
+    the host and go to the device without waiting; the constrained search reads once a step too."""
+    model, vocab, _ = model_from_checkpoint(load_checkpoint(copy_model))
+    ids = vocab.encode(LINES[:12])
+    src, _ = prepare_sources(ids, model.cfg.max_positions)
+    prefixes = [s[:2] for s in ids]
+    sampler = Sampler("topp", 0.9, seed=1)
+    expected = [search(model, src, beam=4, max_len_offset=8, prefixes=prefixes), sample_search(model, src, sampler)]
+    counter = HostReads(monkeypatch)
+    transfers = []
+    real = search_module.to_host
+
+    def to_host(*tensors):
+        transfers.append(len(tensors))
+        with counter.pause():  # the step's one read, counted here
+            return real(*tensors)
+
+    monkeypatch.setattr(search_module, "to_host", to_host)
+    monkeypatch.setattr(constraints_module, "to_host", to_host)
+    found = search(model, src, beam=4, max_len_offset=8, prefixes=prefixes)
+    assert counter.reads == [] and counter.copies == 0 and len(transfers) == found.steps + 1
+    transfers.clear()
+    drawn = sample_search(model, src, sampler)
+    assert counter.reads == ["tolist"] and counter.copies == 0 and len(transfers) == drawn.steps + 1
+    counter.reads.clear()
+    transfers.clear()
+    kept = constrained_search(model, src, [[tuple(s[-2:])] for s in ids], 4, 0.6, 8, 1, "exact", prefixes)
+    assert counter.reads == [] and counter.copies == 0 and len(transfers) == kept.steps + 1
+    assert all(h.tokens[:2] == p for h, p in zip(kept.best(), prefixes))
+    assert [[h.tokens for h in r.best()] for r in (found, drawn)] == [[h.tokens for h in r.best()] for r in expected]
 
 
 # --------------------------------------------------------------------------- the peak MFU divides by

@@ -292,6 +292,33 @@ BAD = [
     ("get", "/positions?d_model=512&length=100", {}, 422, "limit"),
     ("get", "/positions?d_model=eight", {}, 422, "d_model"),
     ("get", "/translate", {}, 405, "Method Not Allowed"),
+    # issue 43's fields: sampling, prefixes, constraints, alignments
+    ("post", "/translate", {"json": {"text": ["ein"], "sample": "topk:0"}}, 422, "sample takes topk:K"),
+    ("post", "/translate", {"json": {"text": ["ein"], "sample": "topk:2", "beam": 3}}, 422, "cannot go with beam 3"),
+    ("post", "/translate", {"json": {"text": ["ein"], "sample": "topk:2", "nbest": 17}}, 422, "between 1 and 16"),
+    ("post", "/translate", {"json": {"text": ["ein"], "temperature": 0.5}}, 422, "temperature and seed go with sample"),
+    (
+        "post",
+        "/translate",
+        {"json": {"text": ["ein"], "sample": "topp:1", "temperature": 0}},
+        422,
+        "temperature must be",
+    ),
+    ("post", "/translate", {"json": {"text": ["ein"], "sample": "topk:2", "seed": -1}}, 422, "seed must be a whole"),
+    ("post", "/translate", {"json": {"text": ["ein"], "sample": "topk:2", "seed": 1.5}}, 422, "seed"),
+    ("post", "/translate", {"json": {"text": ["ein", "zwei"], "prefix": ["a"]}}, 422, "prefix must have one item per"),
+    ("post", "/translate", {"json": {"text": ["ein"], "prefix": ["the " * 50]}}, 422, "pieces long; the limit is 38"),
+    ("post", "/translate", {"json": {"text": ["ein"], "constraints": [["a"] * 9]}}, 422, "9 constraints for one"),
+    ("post", "/translate", {"json": {"text": ["ein"], "constraints": [[5]]}}, 422, "constraints.0.0"),
+    ("post", "/translate", {"json": {"text": ["ein"], "constraints": [["x" * 399]]}}, 413, "characters"),
+    (
+        "post",
+        "/translate",
+        {"json": {"text": ["ein"], "constraints": [["dog"]], "sample": "topk:2"}},
+        422,
+        "constraints need beam search",
+    ),
+    ("post", "/translate", {"json": {"text": ["ein"], "alignments": "yes"}}, 422, "alignments"),
     ("get", "/nothing", {}, 404, "Not Found"),
     ("get", "/static/..%2Fserve.py", {}, 404, "Not Found"),
     ("get", "/static/../serve.py", {}, 404, "Not Found"),
@@ -687,3 +714,75 @@ def test_bench_serve_soak_reports_rss_over_time(run, tmp_path):
     assert all(x["rss_mb"] > 0 for x in soak["samples"]) and soak["samples"][-1]["requests"] > 10
     assert any(k.startswith("/translate 200") for k in soak["outcomes"])
     assert "RSS" in result.stdout and "errors: 0" in result.stdout
+
+
+# ----------------------------------------------------------------------------- sampling, prefixes, constraints, alignments
+
+
+def test_sampling_requests_are_seeded_and_equal_the_translator(client, translator):
+    body = {"text": SENTENCES[:3], "sample": "topp:0.9", "temperature": 1.3, "seed": 11, "nbest": 2}
+    first, again = post(client, "/translate", body), post(client, "/translate", body)
+    assert first == again and (first["sample"], first["seed"], first["beam"]) == ("topp:0.9", 11, 1)
+    settings = replace(translator.settings, beam=1, sample="topp:0.9", temperature=1.3, seed=11, nbest=2)
+    expected = translator.translate_lines(SENTENCES[:3], settings=settings)
+    assert [[h["text"] for h in t["nbest"]] for t in first["translations"]] == [[h.text for h in t] for t in expected]
+    unseeded = post(client, "/translate", {"text": SENTENCES[:1], "sample": "topk:5"})
+    assert isinstance(unseeded["seed"], int)  # a new one, in the answer so that the request can be repeated
+
+
+def test_requests_that_differ_only_in_their_seeds_share_a_search_and_get_their_own_samples(run, translator):
+    settings = replace(SETTINGS, batch_window_ms=1500)
+    with TestClient(create_app(Service(run, settings, "cpu", SearchFlags(dtype="fp32")))) as c:
+        bodies = [{"text": [SENTENCES[i]], "sample": "topk:6", "seed": 20 + i} for i in range(3)]
+        results = [None] * 3
+
+        def send(i):
+            results[i] = c.post("/translate", json=bodies[i]).json()
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert c.get("/health").json()["batches"] == 1
+    for i, result in enumerate(results):
+        alone = replace(translator.settings, beam=1, nbest=1, sample="topk:6", seed=20 + i)
+        assert (
+            result["translations"][0]["text"] == translator.translate_lines([SENTENCES[i]], settings=alone)[0][0].text
+        )
+
+
+def test_a_prefix_starts_each_translation(client, translator):
+    prefixes = ["the red", "", "blue dog"]
+    result = post(client, "/translate", {"text": SENTENCES[:3], "prefix": prefixes, "beam": 2})
+    texts = [t["text"] for t in result["translations"]]
+    assert texts[0].startswith("the red") and texts[2].startswith("blue dog")
+    expected = translator.translate_lines(SENTENCES[:3], prefixes, settings=replace(translator.settings, beam=2))
+    assert texts == [t[0].text for t in expected]
+    one = post(client, "/translate", {"text": SENTENCES[0], "prefix": "the red"})  # strings, as for text
+    assert one["translations"][0]["text"].startswith("the red")
+
+
+def test_constraints_are_met_or_said_not_to_be(client):
+    asked = [["blue"], [], ["red dog", "the"]]
+    result = post(client, "/translate", {"text": SENTENCES[:3], "constraints": asked, "nbest": 2})
+    for t, phrases in zip(result["translations"], asked):
+        assert ("constraints_met" in t) == bool(phrases)
+        if t.get("constraints_met"):
+            assert all(p in h["text"] for h in t["nbest"] if h["score"] is not None for p in phrases)
+    assert sum(t.get("constraints_met", False) for t in result["translations"]) >= 1
+
+
+def test_alignments_come_with_each_translation(client, translator):
+    result = post(client, "/translate", {"text": SENTENCES[:3], "alignments": True, "nbest": 2})
+    settings = replace(translator.settings, alignments=True, nbest=2)
+    expected = translator.translate_lines(SENTENCES[:3], settings=settings)
+    for t, hyps in zip(result["translations"], expected):
+        assert t["alignment"] == [list(p) for p in hyps[0].alignment]
+        assert [h["alignment"] for h in t["nbest"]] == [[list(p) for p in h.alignment] for h in hyps]
+    assert "alignment" not in post(client, "/translate", {"text": SENTENCES[:1]})["translations"][0]
+
+
+def test_info_shows_the_new_limits(client):
+    limits = client.get("/info").json()["limits"]
+    assert (limits["max_samples"], limits["max_constraints"], limits["max_prefix"]) == (16, 8, 128)

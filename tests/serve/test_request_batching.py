@@ -9,7 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from transformer.inference.settings import SearchSettings
+from transformer.inference.translator import Translation
 from transformer.serve.request_batching import Batcher, _Job
+
+GREEDY = SearchSettings(beam=1)
 
 
 class StubTranslator:
@@ -18,21 +21,21 @@ class StubTranslator:
     def __init__(self, max_tokens: int = 64, fail_first: bool = False):
         self.settings, self.fail_first, self.searches = SearchSettings(beam=1, max_tokens=max_tokens), fail_first, []
 
-    def search(self, ids, settings):
+    def search(self, ids, settings, options=None, unmet=None):
         self.searches.append([len(s) for s in ids])
         if self.fail_first:
             self.fail_first = False
             raise RuntimeError("out of memory")
         return [[len(s)] for s in ids]
 
-    def texts(self, found):
-        return [[(0.0, str(n)) for n in hyps] for hyps in found]
+    def translations(self, ids, found, unmet=()):
+        return [[Translation(0.0, str(n)) for n in hyps] for hyps in found]
 
 
 def test_a_jobs_tokens_count_eos_like_decode_max_tokens():
     loop = asyncio.new_event_loop()
     try:
-        assert _Job([[5, 6, 7], [8]], 1, 1, loop.create_future()).tokens == 6  # 3 + EOS, 1 + EOS
+        assert _Job([[5, 6, 7], [8]], GREEDY, loop.create_future()).tokens == 6  # 3 + EOS, 1 + EOS
     finally:
         loop.close()
 
@@ -43,12 +46,14 @@ def test_requests_beyond_max_tokens_wait_for_the_next_batch():
         with ThreadPoolExecutor(1) as worker:
             batcher = Batcher(translator, worker, window_s=0.05)
             task = asyncio.create_task(batcher.run())
-            results = await asyncio.gather(batcher.translate([[1, 2, 3]], 1, 1), batcher.translate([[4, 5, 6]], 1, 1))
+            results = await asyncio.gather(
+                batcher.translate([[1, 2, 3]], GREEDY), batcher.translate([[4, 5, 6]], GREEDY)
+            )
             task.cancel()
         return translator.searches, results
 
     searches, results = asyncio.run(scenario())
-    assert searches == [[3], [3]] and results == [[[(0.0, "3")]], [[(0.0, "3")]]]
+    assert searches == [[3], [3]] and results == [[[Translation(0.0, "3")]], [[Translation(0.0, "3")]]]
 
 
 def test_a_failed_search_while_a_client_has_gone_leaves_the_service_answering():
@@ -60,19 +65,19 @@ def test_a_failed_search_while_a_client_has_gone_leaves_the_service_answering():
         with ThreadPoolExecutor(1) as worker:
             batcher = Batcher(translator, worker, window_s=0.2)
             runner = asyncio.create_task(batcher.run())
-            gone = asyncio.create_task(batcher.translate([[1, 2]], 1, 1))
-            stays = asyncio.create_task(batcher.translate([[3]], 1, 1))
+            gone = asyncio.create_task(batcher.translate([[1, 2]], GREEDY))
+            stays = asyncio.create_task(batcher.translate([[3]], GREEDY))
             await asyncio.sleep(0.05)
             gone.cancel()  # the client disconnects inside the window
             with pytest.raises(RuntimeError, match="out of memory"):
                 await asyncio.wait_for(stays, timeout=5)
-            later = await asyncio.wait_for(batcher.translate([[4, 5, 6]], 1, 1), timeout=5)
+            later = await asyncio.wait_for(batcher.translate([[4, 5, 6]], GREEDY), timeout=5)
             alive = not runner.done()
             runner.cancel()
         return later, alive
 
     later, alive = asyncio.run(scenario())
-    assert later == [[(0.0, "3")]] and alive
+    assert later == [[Translation(0.0, "3")]] and alive
 
 
 def test_freed_memory_is_given_back_when_the_worker_goes_idle(monkeypatch):
@@ -89,7 +94,7 @@ def test_freed_memory_is_given_back_when_the_worker_goes_idle(monkeypatch):
             runner = asyncio.create_task(batcher.run())
             await asyncio.sleep(0.05)
             idle_before = len(trims)
-            await batcher.translate([[1, 2]], 1, 1)
+            await batcher.translate([[1, 2]], GREEDY)
             await batcher.inspect(lambda: None)
             await asyncio.sleep(0.05)
             runner.cancel()

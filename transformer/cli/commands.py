@@ -52,7 +52,42 @@ def _search_flags(args: argparse.Namespace) -> SearchFlags:
         dtype="int8" if args.int8 else args.dtype or "auto",
         engine=args.engine,
         nbest=getattr(args, "nbest", None),
+        sample=args.sample,
+        temperature=args.temperature,
+        seed=args.seed,
+        alignments=getattr(args, "alignments", None),
+        alignment_layer=getattr(args, "alignment_layer", None),
     )
+
+
+def _is_checkpoint(item: str) -> bool:
+    """Whether a positional argument names a checkpoint (a .pt file, or a directory holding one) rather than a
+    sentence."""
+    from transformer.model.checkpoint import resolve_checkpoint
+
+    path = Path(item)
+    try:
+        if path.is_file():
+            return path.suffix == ".pt"
+        if not path.is_dir():
+            return False
+        resolve_checkpoint(path)
+    except (UserError, OSError, ValueError):  # no checkpoint there; a name too long or with a NUL byte
+        return False
+    return True
+
+
+def _checkpoints(verb: str, args: argparse.Namespace, items: list[str]) -> tuple[list[str], list[str]]:
+    """(checkpoints, the rest): --checkpoint's if given (then every positional is the rest), else the first
+    positional and every checkpoint right after it (an ensemble)."""
+    if args.checkpoints:
+        return args.checkpoints, items
+    if not items:
+        raise UserError(f"{verb}: give a run directory or checkpoint (or --checkpoint PATH)")
+    count = 1
+    while count < len(items) and _is_checkpoint(items[count]):
+        count += 1
+    return items[:count], items[count:]
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -118,16 +153,30 @@ def cmd_translate(args: argparse.Namespace) -> None:
     from transformer.cli.translate_io import run_translate
 
     flags = _search_flags(args)
+    positional = ([args.checkpoint] if args.checkpoint is not None else []) + list(args.sentences)
+    checkpoints, sentences = _checkpoints("translate", args, positional)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
-        run_translate(args.checkpoint, args.sentences, args.input, args.output, args.device, flags)
+        run_translate(
+            checkpoints,
+            sentences,
+            args.input,
+            args.output,
+            args.device,
+            flags,
+            prefix_file=args.prefix_file,
+            constraints_file=args.constraints_file,
+        )
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from transformer.inference.evaluation import run_evaluate
 
     flags = _search_flags(args)
+    checkpoints, rest = _checkpoints("evaluate", args, list(args.run))
+    if rest:
+        raise UserError(f"evaluate: {rest[0]} is not a run directory or checkpoint file")
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
-        run_evaluate(args.run, args.split, args.src, args.ref, args.device, flags)
+        run_evaluate(checkpoints, args.split, args.src, args.ref, args.device, flags)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -172,6 +221,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_sentences=args.max_sentences,
         max_chars=args.max_chars,
         max_beam=args.max_beam,
+        max_samples=args.max_samples,
+        max_constraints=args.max_constraints,
+        max_prefix=args.max_prefix,
         max_pending=args.max_pending,
         max_answer_values=args.max_answer_values,
         max_connections=args.max_connections,

@@ -218,12 +218,18 @@ def _add_translate(sub) -> None:
         "  SCORE<TAB>TRANSLATION\n"
         "where SCORE is the sum of the token log-probabilities (EOS included) divided by the\n"
         "length penalty ((5 + length) / 6)^lenpen, length counting EOS; an empty input gives N\n"
-        "lines '0.0000<TAB>'.",
+        "lines '0.0000<TAB>'. With --alignments, each translation is followed by a tab and its\n"
+        "word alignment, 'i-j' pairs (source word i, output word j, from 0).\n\n"
+        "Ensembles: several run directories or checkpoints before the sentences (each an existing\n"
+        "directory with a checkpoint, or a .pt file), or --checkpoint PATH repeated, are searched as\n"
+        "one model: their log-probabilities averaged at each step. They must share one vocabulary.",
     )
     p.add_argument(
         "checkpoint",
+        nargs="?",
         metavar="RUN_DIR_OR_CHECKPOINT",
-        help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file",
+        help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file; more of them, before "
+        "the sentences, make an ensemble",
     )
     p.add_argument(
         "sentences",
@@ -249,7 +255,34 @@ def _add_translate(sub) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam)",
+        help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam; with --sample, N samples)",
+    )
+    _add_checkpoints(p)
+    p.add_argument(
+        "--prefix-file",
+        metavar="FILE",
+        help="one target prefix per input line (an empty line: none): each translation of that line starts with "
+        "it, and the search continues from there; the output keeps it",
+    )
+    p.add_argument(
+        "--constraints-file",
+        metavar="FILE",
+        help="per input line, target phrases separated by tabs (an empty line: none): each translation of that "
+        "line contains every one (constrained beam search); a line whose phrases cannot all fit gets a warning "
+        "and its best unconstrained translation",
+    )
+    p.add_argument(
+        "--alignments",
+        action="store_true",
+        default=None,
+        help="print each translation's word alignment after a tab: i-j pairs, source word i to output word j "
+        "(from 0), read from a decoder layer's cross-attention averaged over its heads",
+    )
+    p.add_argument(
+        "--alignment-layer",
+        type=int,
+        metavar="L",
+        help="the decoder layer alignments come from, from 1 (default: the last)",
     )
     add_search_options(p)
     p.set_defaults(func=commands.cmd_translate)
@@ -269,9 +302,12 @@ def _add_evaluate(sub) -> None:
     )
     p.add_argument(
         "run",
+        nargs="*",
         metavar="RUN_DIR_OR_CHECKPOINT",
-        help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file",
+        help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file; several make an "
+        "ensemble (its results go to the first one's eval/, named .ensembleN)",
     )
+    _add_checkpoints(p)
     p.add_argument(
         "--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)"
     )
@@ -326,6 +362,27 @@ def _add_serve(sub) -> None:
     )
     p.add_argument(
         "--max-beam", type=int, default=16, metavar="N", help="largest beam a request may ask for (default 16)"
+    )
+    p.add_argument(
+        "--max-samples",
+        type=int,
+        default=16,
+        metavar="N",
+        help="most samples per sentence a sampling request may ask for (its nbest; default 16)",
+    )
+    p.add_argument(
+        "--max-constraints",
+        type=int,
+        default=8,
+        metavar="N",
+        help="most target phrases a request may constrain one sentence with (default 8)",
+    )
+    p.add_argument(
+        "--max-prefix",
+        type=int,
+        default=128,
+        metavar="N",
+        help="most pieces of a sentence's forced target prefix (default 128, and never more than the model takes)",
     )
     p.add_argument(
         "--max-pending",
@@ -466,6 +523,18 @@ def _add_import(sub) -> None:
     p.set_defaults(func=commands.cmd_import)
 
 
+def _add_checkpoints(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="PATH",
+        dest="checkpoints",
+        help="a run directory or checkpoint to search with (repeat it for an ensemble: the models' "
+        "log-probabilities averaged at each step; one vocabulary); instead of the positional one",
+    )
+
+
 # What the search options say in translate's and evaluate's --help; SERVE_SEARCH_HELP rewords some for serve.
 SEARCH_HELP = {
     "--beam": "beam size; 1 = greedy (default: decode.beam of the checkpoint's config)",
@@ -490,7 +559,14 @@ SEARCH_HELP = {
     "--engine": "ours (PyTorch search, default) or ctranslate2: the checkpoint is converted once (kept in "
     "CHECKPOINT_DIR/ct2/, rebuilt when the checkpoint changes) and run by CTranslate2 (pip install "
     "'transformer[ctranslate2]'), with its own stop rule (like --stop early) and length penalty "
-    "(length^A rather than GNMT's; scores are still reported in ours)",
+    "(length^A rather than GNMT's; scores are still reported in ours); it samples, forces prefixes and gives "
+    "alignments, but has no constraints or ensembles",
+    "--sample": "sample instead of searching: topk:K draws each token from the K most probable, topp:P from the "
+    "fewest whose probabilities add up to P (nucleus); --nbest N gives N samples per line, best first",
+    "--temperature": "with --sample: draw from p^(1/T), renormalised (default 1: the model's own; lower is more "
+    "conservative)",
+    "--seed": "with --sample: the random seed (default: a new one each run, printed on stderr); a sentence's "
+    "samples depend only on the seed and the sentence, not on its batch",
 }
 SERVE_SEARCH_HELP = {
     "--beam": "beam size when a request gives none (default: decode.beam)",
@@ -499,6 +575,9 @@ SERVE_SEARCH_HELP = {
     "(default: decode.workers)",
     "--dtype": "number format (default auto: fp32, so that each answer is what its request would get alone; in "
     "bf16 or int8 an answer may depend on the other requests batched with it)",
+    "--sample": 'sample when a /translate request asks for nothing else (a request\'s "sample" overrides it); '
+    "as for translate",
+    "--seed": "the seed of a request that sends none (default: a new one per request)",
     "--engine": "what runs /translate: ours (default) or ctranslate2, as for translate (pip install "
     "'transformer[ctranslate2]'; on a CPU it answers sooner). The page's attention maps and beam traces "
     "always come from our model, so with beam > 1 they may show a different translation (CTranslate2 "
@@ -522,6 +601,9 @@ def add_search_options(p: argparse.ArgumentParser, wording: Mapping[str, str] | 
     g.add_argument("--dtype", choices=DTYPES, help=words["--dtype"])
     g.add_argument("--int8", action="store_true", help=words["--int8"])
     g.add_argument("--engine", choices=ENGINES, default="ours", help=words["--engine"])
+    g.add_argument("--sample", metavar="topk:K|topp:P", help=words["--sample"])
+    g.add_argument("--temperature", type=float, metavar="T", help=words["--temperature"])
+    g.add_argument("--seed", type=int, metavar="S", help=words["--seed"])
 
 
 def build_parser() -> argparse.ArgumentParser:

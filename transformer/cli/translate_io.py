@@ -1,5 +1,6 @@
 """The `translate` command's lines in and out: stdin streamed as lines arrive, an --input file in chunks with a
-progress bar, and --output written as FILE.partial, renamed over FILE once every line is translated."""
+progress bar, a prefix or constraints file read beside them line for line, and --output written as FILE.partial,
+renamed over FILE once every line is translated."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tqdm import tqdm
 
 from transformer.errors import UserError
 from transformer.inference.settings import SearchFlags
-from transformer.inference.translator import MAX_LINE_CHARS, Translator
+from transformer.inference.translator import MAX_LINE_CHARS, Translation, Translator
 
 # An --input file is translated and written this many lines at a time: a stop keeps what was done, and each
 # chunk is still large enough for length batching to leave little padding.
@@ -205,44 +206,93 @@ def _terminate_as_exit() -> Iterator[None]:
         restore_handlers(previous, handle)
 
 
-def write_nbest(out: TextIO, results: list[list[tuple[float, str]]], nbest: int) -> None:
+def write_translations(out: TextIO, results: list[list[Translation]], nbest: int, alignments: bool = False) -> None:
+    """One line per translation: TEXT (nbest 1) or SCORE<TAB>TEXT, and <TAB>ALIGNMENT with alignments."""
     for hyps in results:
-        if nbest == 1:
-            out.write(hyps[0][1] + "\n")
-        else:
-            for score, text in hyps:
-                out.write(f"{score:.4f}\t{text}\n")
+        for t in hyps[:1] if nbest == 1 else hyps:
+            line = t.text if nbest == 1 else f"{t.score:.4f}\t{t.text}"
+            out.write(f"{line}\t{t.alignment_text()}\n" if alignments else line + "\n")
     out.flush()
 
 
+class LineFile:
+    """A --prefix-file or --constraints-file: one line per input line, handed out in step with the input's chunks;
+    its line count is checked against the input's (before anything is translated where the input is known)."""
+
+    def __init__(self, flag: str, path: str):
+        from transformer.data.corpus import read_lines
+
+        self.flag, self.path, self.lines, self.used = flag, path, read_lines(path), 0
+
+    def check_count(self, count: int) -> None:
+        if len(self.lines) != count:
+            raise UserError(
+                f"translate: {self.flag} {self.path} has {len(self.lines)} lines for {count} input lines; it needs "
+                "one per input line (an empty line where a sentence has none)"
+            )
+
+    def take(self, count: int) -> list[str]:
+        if self.used + count > len(self.lines):
+            raise UserError(
+                f"translate: {self.flag} {self.path} has {len(self.lines)} lines, and the input goes on past them; "
+                "it needs one per input line"
+            )
+        self.used += count
+        return self.lines[self.used - count : self.used]
+
+
+def _per_line(files: dict[str, LineFile], count: int) -> tuple[list[str] | None, list[list[str]] | None]:
+    """The prefixes and constraints of the next `count` input lines (None where no file gives them)."""
+    prefixes = files["prefix"].take(count) if "prefix" in files else None
+    constraints = [line.split("\t") for line in files["constraints"].take(count)] if "constraints" in files else None
+    return prefixes, constraints
+
+
 def run_translate(
-    checkpoint: str,
+    checkpoint: str | Sequence[str],
     sentences: Sequence[str],
     input: str | None,
     output: str | None,
     device: str = "auto",
     flags: SearchFlags = SearchFlags(),
+    prefix_file: str | None = None,
+    constraints_file: str | None = None,
 ) -> None:
     """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line (or
-    flags.nbest), searched with `flags` over the checkpoint's decode section."""
+    flags.nbest), searched with `flags` over the checkpoint's decode section; `checkpoint` several: an ensemble.
+    prefix_file, constraints_file: one line per input line (LineFile)."""
     from transformer.data.corpus import read_lines
     from transformer.files import check_output_path
 
+    checkpoints = [checkpoint] if isinstance(checkpoint, str) else list(checkpoint)
     if sentences and input:
         raise UserError("translate: give sentences as arguments or --input FILE, not both")
+    if constraints_file and flags.sample is not None:
+        raise UserError("translate: --constraints-file needs beam search; it cannot go with --sample")
+    if constraints_file and flags.engine == "ctranslate2":
+        raise UserError("translate: --engine ctranslate2 has no terminology constraints; use --engine ours")
     input = None if input == "-" else input  # standard input, streamed as without --input
     if output is None and sys.stdout is None:
         raise UserError("translate: standard output is closed; give --output FILE")
     if not sentences and not input and sys.stdin is None:
         raise UserError("translate: standard input is closed; give sentences as arguments or --input FILE")
     if output:  # before anything is opened: never truncate an input or a checkpoint
-        check_output_path(output, [input, checkpoint], command="translate")
+        check_output_path(output, [input, prefix_file, constraints_file, *checkpoints], command="translate")
         if not in_place(output):
             check_partial(output, input)
     # Read once (a pipe cannot be read again), before the model loads and before the output is opened.
     lines = list(sentences) if sentences else read_lines(input) if input else None
-    translator = Translator(checkpoint, device, flags)  # --nbest above the beam is refused here
-    nbest = translator.settings.nbest
+    files = {}
+    for name, flag, path in (
+        ("prefix", "--prefix-file", prefix_file),
+        ("constraints", "--constraints-file", constraints_file),
+    ):
+        if path is not None:
+            files[name] = LineFile(flag, path)
+            if lines is not None:
+                files[name].check_count(len(lines))
+    translator = Translator(checkpoints, device, flags)  # --nbest above the beam is refused here
+    nbest, alignments = translator.settings.nbest, translator.settings.alignments
     if translator.note:
         print(translator.note, file=sys.stderr)
     if output is None and hasattr(sys.stdout, "reconfigure"):
@@ -255,9 +305,12 @@ def run_translate(
             # A progress bar for a file; sentences given as arguments come back at once.
             chunks = file_chunks(lines, progress=input is not None) if lines is not None else stdin_chunks()
             for chunk in chunks:
-                write_nbest(
-                    out, translator.translate_nbest(chunk, scores=nbest > 1), nbest
-                )  # scores only in n-best lists
+                prefixes, constraints = _per_line(files, len(chunk))
+                write_translations(
+                    out, translator.translate_lines(chunk, prefixes, constraints, scores=nbest > 1), nbest, alignments
+                )
+            for line_file in files.values():  # stdin: the input ended; the file must have ended too
+                line_file.check_count(line_file.used)
         translator.report_truncation()
     except OSError as e:
         if isinstance(e, BrokenPipeError) or e.filename is not None:

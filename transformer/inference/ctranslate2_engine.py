@@ -23,6 +23,9 @@ from transformer.run_dir import RunDir
 SOURCE_RECORD = "source.json"  # in a cached conversion: which checkpoint file it was made from, and its files
 EXPORT_RECORD = "transformer-export.json"  # in an export: that `export` wrote it, and its files
 EXPORT_FORMAT = "transformer-ctranslate2-export-v1"
+# What build_spec writes, in a cached conversion's record: one without it (or another) is converted again. 2: the
+# attention return_attention gives is the last layer's averaged over all heads (alignment.py's), not the first head's.
+SPEC_VERSION = 2
 # Every export of ours (hf_export.HF_EXPORT_FORMAT too): --force may replace any of them, and nothing else.
 EXPORT_FORMATS = (EXPORT_FORMAT, "transformer-hf-export-v1")
 # What `import hf` writes (RunDir.IMPORT, hf_import.IMPORT_FORMAT): --force there replaces an earlier import alone.
@@ -66,6 +69,10 @@ def build_spec(model, pieces: list[str]):
         pre_norm=c.norm == "pre",
         no_final_norm=c.norm == "post",
         activation=activation,
+        # return_attention's weights: the last decoder layer's cross-attention averaged over all its heads, as
+        # alignment.py's default (CTranslate2's own default is the first head alone).
+        alignment_layer=-1,
+        alignment_heads=c.n_heads,
     )
     table = ctranslate2_encodings(model)  # (P, C)
     for side, embedding, final_norm in (
@@ -253,10 +260,10 @@ def _fingerprint(path: Path, with_hash: bool) -> dict:
 def _cache_is_current(model_dir: Path, checkpoint: Path) -> bool:
     """Every file the conversion wrote still there with its size and mtime (a deleted, torn or edited file: not
     current), and the checkpoint's size and mtime unchanged or (a copied or touched file) the same bytes by sha256.
-    A record of an earlier version lists no files: converted again, once."""
+    A record of an earlier version (no files listed, another SPEC_VERSION): converted again, once."""
     record = _read_record(model_dir / SOURCE_RECORD)
     files = record.get("files")
-    if not isinstance(files, dict) or "model.bin" not in files:
+    if not isinstance(files, dict) or "model.bin" not in files or record.get("spec") != SPEC_VERSION:
         return False
     for name, stamp in files.items():
         try:
@@ -296,7 +303,7 @@ def cached_conversion(checkpoint: str | Path) -> Path:
         return staging
     try:
         _write_model(source, staging, None)
-        record = {**_fingerprint(source, with_hash=True), "files": _file_stamps(staging)}
+        record = {**_fingerprint(source, with_hash=True), "spec": SPEC_VERSION, "files": _file_stamps(staging)}
         (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         # Readers load model.bin when they start, so swapping the directory under them is safe.
         try:

@@ -68,7 +68,7 @@ def _results_name(eval_dir: Path, name: str, settings: str, source: list | None,
 
 
 def run_evaluate(
-    run_dir: str,
+    run_dir: str | list[str],
     split: str | None,
     src: str | None,
     ref: str | None,
@@ -76,7 +76,8 @@ def run_evaluate(
     flags: SearchFlags = SearchFlags(),
 ) -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files) with the search `flags` over the
-    checkpoint's decode section, score, write .hyp and .json."""
+    checkpoint's decode section, score, write .hyp and .json. Several run directories or checkpoints: an ensemble,
+    evaluated into the first one's eval/ (its data section and decode settings), named .ensembleN."""
     from transformer.config import split_name_problem
     from transformer.data.corpus import load_split, read_parallel, resolve_split
     from transformer.inference.translator import Translator
@@ -87,8 +88,11 @@ def run_evaluate(
         raise UserError("evaluate: give --split or --src/--ref, not both")
     if split is not None and split_name_problem(split, "--split") is not None:  # never a path out of the run
         raise UserError(f"evaluate: {split_name_problem(split, '--split')}; for other files pass --src FILE --ref FILE")
-    translator = Translator(run_dir, device, flags)
+    members = [run_dir] if isinstance(run_dir, str) else list(run_dir)
+    run_dir = members[0]
+    translator = Translator(members, device, flags)
     settings = translator.settings
+    described = settings.describe() + (f".ensemble{len(members)}" if len(members) > 1 else "")
     if src is not None:
         sources, references = read_parallel(src, ref)
         # A pipe (`--src <(zcat test.de.gz)` is /dev/fd/63) would name the results "63"
@@ -127,7 +131,7 @@ def run_evaluate(
             if Path(src).is_file() and Path(ref).is_file()
             else None
         )
-    name = _results_name(eval_dir, name, settings.describe(), source, digest)
+    name = _results_name(eval_dir, name, described, source, digest)
     _check_writable(eval_dir)  # before the translating, not after it
     start = time.perf_counter()
     hypotheses = translator.translate(sources)
@@ -141,6 +145,10 @@ def run_evaluate(
     atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
     record = {
         "checkpoint": str(run_dir),
+        "ensemble": members if len(members) > 1 else None,
+        "sample": settings.sample,
+        "temperature": settings.temperature if settings.sample else None,
+        "seed": settings.seed if settings.sample else None,
         "split": split,
         "src": src,
         "ref": ref,
@@ -158,5 +166,5 @@ def run_evaluate(
     }
     summary = json.dumps(record, indent=2) + "\n"
     atomic_write(json_path, lambda f: f.write(summary.encode("utf-8")))
-    print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({settings.describe()}); wrote {hyp_path} and {json_path}")
+    print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({described}); wrote {hyp_path} and {json_path}")
     return record

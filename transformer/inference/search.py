@@ -46,16 +46,27 @@ to finish is the answer, as the early rule says.
 
 Length penalties (`lenpen_kind`): "gnmt", lp(len) = ((5 + len) / 6) ** lenpen (Wu et al. 2016, the default);
 "length", lp(len) = len ** lenpen (transformers' and CTranslate2's length_penalty). Both grow with the length
-for lenpen >= 0, which is all the exact bound needs.
+for lenpen >= 0, which is all the exact bound needs. `Rules` carries the penalty and the stop rule.
 
 Special ids (BOS, EOS, PAD) are the model's vocabulary's (`model.specials`): ours, or an imported Marian
 vocabulary's, whose BOS is its PAD.
+
+A forced target prefix (`prefixes`, per source row a list of target ids, possibly empty): until a row's prefix is
+emitted, every other token's log-probability is -inf at its steps (ForcedPrefix), so every hypothesis starts with
+the prefix and its score is the model's, the prefix's tokens included. Beam search then holds one live hypothesis
+per sentence until the prefix ends. The stop rules are unchanged and keep their guarantee: under "exact" the
+n-best list is the one the beam would hold at the length limit, among hypotheses that start with the prefix.
+A row's output limit is at least its prefix's length (then EOS is forced right after it).
+
+An ensemble (ensemble.Ensemble) searches as one model: each member encodes the source and keeps its own KV
+cache, and a step's log-probabilities are the mean of the members' (EnsembleDecoder), each <= 0, so the stop
+rules' bound holds as it is; a hypothesis's score is the mean of its members' scores of it.
 
 Tracing (`trace`, a list): search() appends one TraceStep per decoder step, for showing the search at work
 (`transformer serve`'s page). It only reads what the search computed; without a trace nothing extra is done.
 
 The host and the device: what the search decides in Python (which hypotheses finish, which sentences stop) it
-reads from the device once per decoder step, in one copy (`_to_host`); on CUDA every read is a synchronisation
+reads from the device once per decoder step, in one copy (`to_host`); on CUDA every read is a synchronisation
 that leaves the GPU idle until the host has queued the next step, and a step used to make four to seven of them.
 The length limits live on the host from the start, and row indices go to the device from pinned memory without
 waiting. On a CPU the reads are the tensors' own memory.
@@ -63,13 +74,15 @@ waiting. On a CPU the reads are the tensors' own memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from transformer.data.batch import causal_mask, padding_mask
+from transformer.inference.ensemble import Ensemble
 from transformer.inference.settings import LENPEN_KINDS, STOP_RULES, LenpenKind, StopRule
 from transformer.model.transformer import evaluating
 
@@ -78,6 +91,8 @@ from transformer.model.transformer import evaluating
 class Hypothesis:
     tokens: list[int]  # output ids without BOS/EOS
     score: float
+    # With alignments asked for: per output id, the source position it attends to most (alignment.py).
+    alignment: list[int] | None = None
 
 
 @dataclass
@@ -87,6 +102,8 @@ class SearchResult:
     hypotheses: list[list[Hypothesis]]
     steps: int  # decoder calls for the whole batch (one per output position with the cache)
     sentence_steps: list[int]  # per source row, the decoder steps it took part in
+    # Rows whose constraints could not all be met: their hypotheses are unconstrained (translator.run_search).
+    unmet: list[int] = field(default_factory=list)
 
     def best(self) -> list[Hypothesis]:
         return [hyps[0] for hyps in self.hypotheses]
@@ -108,6 +125,18 @@ def length_penalty(length, alpha: float, kind: LenpenKind = "gnmt"):
     return ((5.0 + length) / 6.0) ** alpha
 
 
+@dataclass(frozen=True)
+class Rules:
+    """How hypotheses are scored and when a sentence stops: the length penalty and its form, and the stop rule."""
+
+    lenpen: float
+    kind: LenpenKind = "gnmt"
+    stop: StopRule = "exact"
+
+    def penalty(self, length):
+        return length_penalty(length, self.lenpen, self.kind)
+
+
 def search(
     model,
     src: torch.Tensor,
@@ -118,6 +147,7 @@ def search(
     stop: StopRule = "exact",
     use_cache: bool = True,
     trace: list[TraceStep] | None = None,
+    prefixes: Sequence[Sequence[int]] | None = None,
     lenpen_kind: LenpenKind = "gnmt",
 ) -> SearchResult:
     """Translate source rows `src` (B, S): per row its `nbest` best hypotheses, best first.
@@ -126,7 +156,8 @@ def search(
     per sentence at each step: the best `beam` that do not end in EOS stay alive, and an EOS candidate
     finishes only when it ranks within the top `beam`. `stop` picks when a sentence is done (module
     docstring). use_cache=False recomputes every step from scratch (for tests). `trace`, when given, receives
-    a TraceStep per decoder step; a sentence has no live hypotheses at the step it is done. lenpen_kind: the
+    a TraceStep per decoder step; a sentence has no live hypotheses at the step it is done. `prefixes`: per row,
+    target ids its hypotheses must start with (module docstring); None or all empty: none. lenpen_kind: the
     form of the length penalty (module docstring).
     """
     if beam < 1 or not 1 <= nbest <= beam:
@@ -135,25 +166,22 @@ def search(
         raise ValueError(f"stop must be one of {', '.join(STOP_RULES)}, got {stop!r}")
     if lenpen_kind not in LENPEN_KINDS:
         raise ValueError(f"lenpen_kind must be one of {', '.join(LENPEN_KINDS)}, got {lenpen_kind!r}")
+    rules = Rules(lenpen, lenpen_kind, stop)
+    forced = ForcedPrefix.of(prefixes, src)
     with evaluating(model):  # dropout off while searching; the trainer decodes mid-training
         if beam == 1:
-            return _greedy_search(model, src, lenpen, max_len_offset, use_cache, trace, lenpen_kind, stop)
-        return _beam_search(model, src, beam, lenpen, max_len_offset, nbest, stop, use_cache, trace, lenpen_kind)
+            return greedy_search(model, src, rules, max_len_offset, use_cache, trace, forced)
+        return _beam_search(model, src, beam, rules, max_len_offset, nbest, use_cache, trace, forced)
 
 
-@dataclass(frozen=True)
-class _Rules:
-    """How hypotheses are scored and when a sentence stops: the length penalty and its form, and the stop rule."""
-
-    lenpen: float
-    kind: LenpenKind
-    stop: StopRule
-
-    def penalty(self, length):
-        return length_penalty(length, self.lenpen, self.kind)
+def new_decoder(model, src: torch.Tensor, use_cache: bool) -> Decoder | EnsembleDecoder:
+    """The decoder side of a search over `model`: one model's, or an ensemble's."""
+    if isinstance(model, Ensemble):
+        return EnsembleDecoder(model, src, use_cache)
+    return Decoder(model, src, use_cache)
 
 
-class _Decoder:
+class Decoder:
     """The decoder side of a search: the source encoded once, then one step for the newest token of every
     live row; with the cache (which owns the encoder K/V and the memory mask), or from scratch for tests."""
 
@@ -187,6 +215,66 @@ class _Decoder:
             self.memory_mask = self.memory_mask.index_select(0, index)
 
 
+class EnsembleDecoder:
+    """An ensemble's decoder side: each member's own Decoder (its encoder output and KV cache), and per step the
+    mean of their log-probabilities (module docstring). Summed in member order and divided once: one member gives
+    its own values exactly, and two copies of one model give them too (a + a and the halving are exact)."""
+
+    def __init__(self, ensemble: Ensemble, src: torch.Tensor, use_cache: bool):
+        self.members = [Decoder(model, src, use_cache) for model in ensemble.models]
+        self.steps = 0
+
+    def log_probs(self, prefix: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        total = self.members[0].log_probs(prefix)
+        for member in self.members[1:]:
+            total = total + member.log_probs(prefix)
+        return total / len(self.members)
+
+    def keep_rows(self, index: torch.Tensor, sources: torch.Tensor | None = None) -> None:
+        for member in self.members:
+            member.keep_rows(index, sources)
+
+
+class ForcedPrefix:
+    """Target ids each source row's hypotheses must start with (module docstring), as a (rows, longest) table
+    padded with -1 (nothing forced), kept in step with the rows that stay (`keep`)."""
+
+    def __init__(self, prefixes: Sequence[Sequence[int]], device: torch.device):
+        self.length = max(len(p) for p in prefixes)  # steps that force anything
+        table = torch.full((len(prefixes), self.length), -1, dtype=torch.long)
+        for row, ids in enumerate(prefixes):
+            table[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in prefixes])  # (rows,)
+        if device.type != "cpu":  # from pinned memory without waiting (device_index)
+            table, lengths = (t.pin_memory().to(device, non_blocking=True) for t in (table, lengths))
+        self.table, self.lengths = table, lengths
+
+    @staticmethod
+    def of(prefixes: Sequence[Sequence[int]] | None, src: torch.Tensor) -> ForcedPrefix | None:
+        """The prefixes of src's rows, or None when no row has one (nothing extra is done then)."""
+        if prefixes is None or not any(len(p) for p in prefixes):
+            return None
+        if len(prefixes) != src.size(0):
+            raise ValueError(f"{len(prefixes)} prefixes for {src.size(0)} source rows")
+        return ForcedPrefix(prefixes, src.device)
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep the rows `index` of the sentences that stay, in order."""
+        self.table, self.lengths = self.table[index], self.lengths[index]
+
+    def apply(self, lprobs: torch.Tensor, t: int, group: int = 1) -> torch.Tensor:
+        """lprobs (rows * group, V) of step t -> the same with each forced row's other tokens at -inf."""
+        if t >= self.length:
+            return lprobs
+        forced = self.table[:, t]
+        if group > 1:
+            forced = forced.repeat_interleave(group)
+        token = forced.clamp(min=0)[:, None]
+        only = torch.full_like(lprobs, float("-inf")).scatter_(1, token, lprobs.gather(1, token))
+        return torch.where((forced >= 0)[:, None], only, lprobs)
+
+
 def max_output_lengths(src_lengths: torch.Tensor, max_len_offset: int, max_positions: int) -> torch.Tensor:
     """(B,) source lengths (non-PAD positions, EOS included) -> (B,) output-length limits in tokens (EOS
     excluded): max_len_offset more than the source, capped so that BOS + max_len tokens, the decoder positions
@@ -194,12 +282,16 @@ def max_output_lengths(src_lengths: torch.Tensor, max_len_offset: int, max_posit
     return (src_lengths + max_len_offset).clamp(max=max_positions - 1)
 
 
-def _max_lengths(model, src: torch.Tensor, max_len_offset: int) -> torch.Tensor:
+def max_lengths(model, src: torch.Tensor, max_len_offset: int, forced: ForcedPrefix | None = None) -> torch.Tensor:
+    """(B,) output-length limits of src's rows: max_output_lengths, and at least a forced prefix's length."""
     src_len = padding_mask(src, model.specials.pad).view(src.size(0), -1).sum(dim=1)  # (B, 1, 1, S) -> (B,)
-    return max_output_lengths(src_len, max_len_offset, model.cfg.max_positions)
+    limits = max_output_lengths(src_len, max_len_offset, model.cfg.max_positions)
+    if forced is None:
+        return limits
+    return torch.maximum(limits, forced.lengths).clamp(max=model.cfg.max_positions - 1)
 
 
-def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     """The tensors as numpy arrays of their own dtypes, read from a GPU in one copy (one synchronisation; float64
     holds token ids and float32 scores exactly); on a CPU, views of the tensors' memory."""
     if tensors[0].device.type == "cpu":
@@ -213,14 +305,19 @@ def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     return out
 
 
-def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices chosen on the host, as a tensor on `device`; to a GPU from pinned memory without waiting (a copy
+def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices chosen on the host, as a tensor on `device` (device_tensor)."""
+    return device_tensor(rows, device)
+
+
+def device_tensor(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Values chosen on the host, as a tensor on `device`; to a GPU from pinned memory without waiting (a copy
     from ordinary host memory waits until the GPU has done its queued work)."""
-    index = torch.tensor(rows, dtype=torch.long)
-    return index if device.type == "cpu" else index.pin_memory().to(device, non_blocking=True)
+    values = torch.tensor(values, dtype=dtype)
+    return values if device.type == "cpu" else values.pin_memory().to(device, non_blocking=True)
 
 
-def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor | None, eos: int, free: bool = False) -> torch.Tensor:
+def force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor | None, eos: int, free: bool = False) -> torch.Tensor:
     """Rows at their length limit may only emit EOS; at_limit None: no row is (known on the host). free: that EOS
     costs nothing (log-probability 0, as generate() forces it: the "hf" stop rule)."""
     if at_limit is None:  # the common case: skip a full (rows, vocab) rewrite
@@ -233,26 +330,32 @@ def _force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor | None, eos: int, fr
     return forced
 
 
-def _new_step(rows: int) -> TraceStep:
+def new_step(rows: int) -> TraceStep:
     return TraceStep([[] for _ in range(rows)], [[] for _ in range(rows)])
 
 
-def _greedy_search(
+def most_probable(lprobs: torch.Tensor, t: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy search's choice: per row, (the best log-probability, its token)."""
+    return lprobs.max(dim=-1)
+
+
+def greedy_search(
     model,
     src: torch.Tensor,
-    lenpen: float,
+    rules: Rules,
     max_len_offset: int,
-    use_cache: bool,
+    use_cache: bool = True,
     trace: list[TraceStep] | None = None,
-    lenpen_kind: LenpenKind = "gnmt",
-    stop: StopRule = "exact",
+    forced: ForcedPrefix | None = None,
+    pick=most_probable,
 ) -> SearchResult:
-    """Most probable next token at each step; finished sentences leave the batch."""
-    rules = _Rules(lenpen, lenpen_kind, stop)
+    """One hypothesis per row: at each step the token `pick` chooses (the most probable; sampling.py draws
+    one); finished rows leave the batch. pick(lprobs (R, V), step, rows' indices in src) -> (the chosen
+    tokens' log-probabilities (R,), the tokens (R,))."""
     bos, eos = model.specials.bos, model.specials.eos
-    decoder = _Decoder(model, src, use_cache)
-    max_len = _max_lengths(model, src, max_len_offset)  # (B,)
-    limits = _to_host(max_len)[0]  # the same on the host
+    decoder = new_decoder(model, src, use_cache)
+    max_len = max_lengths(model, src, max_len_offset, forced)  # (B,)
+    limits = to_host(max_len)[0]  # the same on the host
     alive = list(range(src.size(0)))  # original index of each row
     prefix = torch.full((src.size(0), 1), bos, dtype=torch.long, device=src.device)  # (R, t+1)
     scores = torch.zeros(src.size(0), device=src.device)
@@ -261,11 +364,13 @@ def _greedy_search(
     t = 0
     while alive:
         at_limit = (t >= max_len) if t >= limits.min() else None
-        lprobs = _force_eos(decoder.log_probs(prefix), at_limit, eos, rules.stop == "hf")
-        best, token = lprobs.max(dim=-1)  # (R,)
+        lprobs = force_eos(decoder.log_probs(prefix), at_limit, eos, rules.stop == "hf")
+        if forced is not None:
+            lprobs = forced.apply(lprobs, t)
+        best, token = pick(lprobs, t, alive)  # (R,)
         scores = scores + best
         prefix = torch.cat([prefix, token[:, None]], dim=1)
-        tokens, totals, prefixes = _to_host(token, scores, prefix)  # the step's one read
+        tokens, totals, prefixes = to_host(token, scores, prefix)  # the step's one read
         done = tokens == eos
         if trace is not None:
             trace.append(_greedy_step(src.size(0), alive, prefixes, totals, done, rules.penalty(t + 1)))
@@ -278,9 +383,11 @@ def _greedy_search(
             keep_list = np.flatnonzero(~done).tolist()
             if not keep_list:
                 break
-            keep = _device_index(keep_list, src.device)
+            keep = device_index(keep_list, src.device)
             alive = [alive[row] for row in keep_list]
             prefix, scores, max_len, limits = prefix[keep], scores[keep], max_len[keep], limits[keep_list]
+            if forced is not None:
+                forced.keep(keep)
             decoder.keep_rows(keep, keep)
         t += 1
     return SearchResult(out, decoder.steps, sentence_steps)  # type: ignore[arg-type]
@@ -290,7 +397,7 @@ def _greedy_step(
     rows: int, alive: list[int], prefix: np.ndarray, scores: np.ndarray, done: np.ndarray, penalty: float
 ) -> TraceStep:
     """The trace of one greedy step: each row's one hypothesis, alive or finished (prefix (R, t+2) from BOS)."""
-    step = _new_step(rows)
+    step = new_step(rows)
     for row, row_tokens, total, ended in zip(alive, prefix[:, 1:].tolist(), scores.tolist(), done.tolist()):
         if ended:
             step.finished[row].append(Hypothesis(row_tokens[:-1], total / penalty))
@@ -299,7 +406,7 @@ def _greedy_step(
     return step
 
 
-def _still_searching(
+def still_searching(
     alive: list[int],
     finished: list[list[Hypothesis]],
     best_live: list[float],
@@ -308,7 +415,7 @@ def _still_searching(
     now_lp: float,
     k: int,
     nbest: int,
-    rules: _Rules,
+    rules: Rules,
     sentence_steps: list[int],
     steps: int,
 ) -> list[int]:
@@ -338,24 +445,22 @@ def _beam_search(
     model,
     src: torch.Tensor,
     beam: int,
-    lenpen: float,
+    rules: Rules,
     max_len_offset: int,
     nbest: int,
-    stop: StopRule,
     use_cache: bool,
     trace: list[TraceStep] | None = None,
-    lenpen_kind: LenpenKind = "gnmt",
+    forced: ForcedPrefix | None = None,
 ) -> SearchResult:
-    device, k = src.device, beam
-    rules = _Rules(lenpen, lenpen_kind, stop)
+    device, k, stop = src.device, beam, rules.stop
     bos, eos = model.specials.bos, model.specials.eos
     inf = float("-inf")
     # Encoded once per sentence; rows are copied per beam after the first step.
-    decoder = _Decoder(model, src, use_cache)
-    max_len = _max_lengths(model, src, max_len_offset)  # (B,) per live sentence
+    decoder = new_decoder(model, src, use_cache)
+    max_len = max_lengths(model, src, max_len_offset, forced)  # (B,) per live sentence
     # The exact rule's divisor: the largest penalty a live hypothesis can reach (module docstring). The limits,
     # the same on the host.
-    limits, best_lp = _to_host(max_len, rules.penalty(max_len.double() + 1))
+    limits, best_lp = to_host(max_len, rules.penalty(max_len.double() + 1))
     best_lp = best_lp.tolist()
     alive = list(range(src.size(0)))  # original index of each live sentence
     finished: list[list[Hypothesis]] = [[] for _ in alive]  # by original index
@@ -368,13 +473,16 @@ def _beam_search(
     t = 0
     while alive:
         b = len(alive)
-        step = _new_step(src.size(0)) if trace is not None else None
+        step = new_step(src.size(0)) if trace is not None else None
         lprobs = decoder.log_probs(prefix)  # (B*n, V)
         at_limit = (t >= max_len).repeat_interleave(n) if t >= limits.min() else None  # (B,) -> (B*n,)
         # A sentence's 2k best (row, token) candidates are among each of its rows' 2k best tokens: rank
         # those, rather than adding every row's score to all V log-probabilities and ranking n*V per sentence.
         per_row = min(2 * k, lprobs.size(1))
-        row_lprobs, row_tokens = _force_eos(lprobs, at_limit, eos, stop == "hf").topk(per_row, dim=1)  # (B*n, per_row)
+        lprobs = force_eos(lprobs, at_limit, eos, stop == "hf")
+        if forced is not None:
+            lprobs = forced.apply(lprobs, t, n)
+        row_lprobs, row_tokens = lprobs.topk(per_row, dim=1)  # (B*n, per_row)
         cand = (scores[:, None] + row_lprobs).view(b, n * per_row)  # -> (B, n*per_row)
         row_tokens = row_tokens.view(b, n * per_row)
         if cand.size(1) < 2 * k:  # vocabulary smaller than 2*beam: pad with impossible candidates
@@ -392,7 +500,7 @@ def _beam_search(
         new_token = token.gather(1, order)  # (B, k)
 
         # The step's one read: the candidates, the prefixes they extend, each sentence's best live score.
-        host_scores, host_token, host_origin, host_prefix, best_live = _to_host(
+        host_scores, host_token, host_origin, host_prefix, best_live = to_host(
             top_scores, token, origin, prefix, scores[:, 0]
         )
         # Finish EOS candidates ranked within the top k; under "early" only until k have finished (module
@@ -412,7 +520,7 @@ def _beam_search(
                 if step is not None:
                     step.finished[alive[s]].append(hyp)
 
-        keep = _still_searching(
+        keep = still_searching(
             alive,
             finished,
             best_live.tolist(),
@@ -435,9 +543,11 @@ def _beam_search(
         sentence_set_changed = len(keep) < b
         if sentence_set_changed:
             alive = [alive[s] for s in keep]
-            keep_t = _device_index(keep, device)
+            keep_t = device_index(keep, device)
             scores, parent, new_token, max_len = scores[keep_t], parent[keep_t], new_token[keep_t], max_len[keep_t]
             limits = limits[keep]
+            if forced is not None:
+                forced.keep(keep_t)
         index = parent.reshape(-1)  # (B', k) -> (B'*k,)
         prefix = torch.cat([prefix.index_select(0, index), new_token.reshape(-1, 1)], dim=1)  # (B'*k, t+2)
         scores = scores.reshape(-1)

@@ -1,14 +1,14 @@
 """The search settings: one typed `SearchSettings` (beam, length penalty, stop rule, length limit, batching,
-workers, number format, engine, n-best), made by `search_settings` from the flags over the checkpoint's decode
-section, and the values each may take, checked in one place.
+workers, number format, engine, n-best, sampling, alignments), made by `search_settings` from the flags over the
+checkpoint's decode section, and the values each may take, checked in one place.
 
 Where a setting comes from, first found wins:
 1. a flag (`SearchFlags`: what translate's, evaluate's and serve's options asked for; None = not given);
 2. the checkpoint's `decode` section: in final.pt the beam and length penalty the end of training chose on the
    validation set, else the training config's;
 3. config.py's `DecodeConfig` defaults, for a key the checkpoint predates (config.from_dict fills them in);
-   dtype, engine and n-best have no config key: SearchSettings' own defaults (fp32, ours, 1; a command's
-   --dtype defaults to auto).
+   dtype, engine, n-best, sampling and alignments have no config key: SearchSettings' own defaults (fp32, ours,
+   1, beam search, none; a command's --dtype defaults to auto).
 
 Imports no torch: the command line's --help reads the choices from here.
 """
@@ -20,12 +20,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from transformer.config import LENPEN_KINDS, STOP_RULES, DecodeConfig, LenpenKind, StopRule, lenpen_problem
+from transformer.config import INT64, LENPEN_KINDS, STOP_RULES, DecodeConfig, LenpenKind, StopRule, lenpen_problem
 from transformer.errors import UserError
 
 __all__ = [
     "DTYPES",
     "ENGINES",
+    "SAMPLING_KINDS",
     "FLAGS",
     "LENPEN_KINDS",
     "STOP_RULES",
@@ -36,6 +37,7 @@ __all__ = [
     "SearchSettings",
     "StopRule",
     "beam_above_vocabulary",
+    "parse_sample",
     "search_settings",
 ]
 
@@ -45,6 +47,11 @@ Dtype = Literal["auto", "fp32", "bf16", "int8"]  # auto: bf16 where it is native
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 Engine = Literal["ours", "ctranslate2"]
 ENGINES: tuple[str, ...] = typing.get_args(Engine)
+# --sample KIND:VALUE: topk:K draws from the K most probable tokens, topp:P from the fewest whose probabilities
+# add up to P (nucleus sampling, Holtzman et al. 2020).
+SamplingKind = Literal["topk", "topp"]
+SAMPLING_KINDS: tuple[str, ...] = typing.get_args(SamplingKind)
+MAX_TEMPERATURE = 100.0
 
 # How each setting is named in an error: its flag (max_len_offset has none: decode.max_len_offset or a library
 # caller sets it).
@@ -59,6 +66,11 @@ FLAGS = {
     "dtype": "--dtype",
     "engine": "--engine",
     "nbest": "--nbest",
+    "sample": "--sample",
+    "temperature": "--temperature",
+    "seed": "--seed",
+    "alignments": "--alignments",
+    "alignment_layer": "--alignment-layer",
 }
 
 
@@ -74,6 +86,41 @@ def _one_of(allowed: tuple[str, ...]) -> Callable[[str, object], str | None]:
     )
 
 
+def parse_sample(text: str) -> tuple[SamplingKind, float]:
+    """--sample's value as (kind, K or P); the value is one that passed _sample_problem."""
+    kind, _, value = text.partition(":")
+    return kind, (int(value) if kind == "topk" else float(value))  # type: ignore[return-value]
+
+
+def _sample_problem(flag: str, value) -> str | None:
+    if value is None:
+        return None
+    usage = f"{flag} takes topk:K (K a whole number >= 1) or topp:P (0 < P <= 1), got {value!r}"
+    if not isinstance(value, str):
+        return usage
+    kind, _, number = value.partition(":")
+    try:
+        if kind == "topk" and number.strip().isdigit() and int(number) >= 1:
+            return None
+        if kind == "topp" and 0 < float(number) <= 1:
+            return None
+    except ValueError:
+        pass
+    return usage
+
+
+def _temperature_problem(flag: str, value) -> str | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= MAX_TEMPERATURE:
+        return None
+    return f"{flag} must be a number above 0 and at most {MAX_TEMPERATURE:g} (1 = the model's own), got {value}"
+
+
+def _seed_problem(flag: str, value) -> str | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < INT64):
+        return None
+    return f"{flag} must be a whole number from 0 to {INT64 - 1}, got {value!r}"
+
+
 # Why a value cannot be a setting (given the flag that names it), or None: the one check every value goes through.
 _PROBLEMS: dict[str, Callable[[str, object], str | None]] = {
     "beam": lambda flag, value: _at_least_one(flag, value, " (1 = greedy)"),
@@ -86,6 +133,11 @@ _PROBLEMS: dict[str, Callable[[str, object], str | None]] = {
     "dtype": _one_of(DTYPES),
     "engine": _one_of(ENGINES),
     "nbest": _at_least_one,
+    "sample": _sample_problem,
+    "temperature": _temperature_problem,
+    "seed": _seed_problem,
+    "alignments": lambda flag, value: None if isinstance(value, bool) else f"{flag} is on or off, got {value!r}",
+    "alignment_layer": lambda flag, value: None if value is None else _at_least_one(flag, value),
 }
 
 
@@ -111,20 +163,35 @@ class SearchSettings:
     workers: int = DecodeConfig.workers  # searches side by side on a CPU
     dtype: Dtype = "fp32"  # a Translator holds the one it picked, never auto
     engine: Engine = "ours"
-    nbest: int = 1  # hypotheses kept per sentence, best first
+    nbest: int = 1  # hypotheses kept per sentence, best first (with `sample`: samples drawn per sentence)
+    sample: str | None = None  # "topk:K" or "topp:P": sampling (sampling.py) instead of beam search; None: search
+    temperature: float = 1.0  # sampling draws from p ** (1 / temperature), renormalised
+    seed: int | None = None  # sampling's seed; None: the Translator draws one (and says which)
+    alignments: bool = False  # word alignments from cross-attention with each hypothesis (alignment.py)
+    alignment_layer: int | None = None  # the decoder layer they come from, from 1; None: alignment.default_layer
 
     def __post_init__(self) -> None:
         _check(asdict(self))
-        if self.nbest > self.beam:
+        if self.nbest > self.beam and self.sample is None:
             raise UserError(f"--nbest ({self.nbest}) cannot exceed the beam size ({self.beam}); raise --beam")
+
+    @property
+    def sampling(self) -> bool:
+        return self.sample is not None
 
     def describe(self) -> str:
         """The settings that change outputs, for evaluate's file names:
-        beam4.lp0.6[.length][.early|.hf][.bf16|.int8][.ct2]."""
-        name = f"beam{self.beam}.lp{self.lenpen:g}"
+        beam4.lp0.6[.length][.early|.hf][.bf16|.int8][.ct2], or with sampling topk10[.t0.8][.seed1].lp0.6[...]."""
+        if self.sample is not None:
+            name = self.sample.replace(":", "")
+            name += "" if self.temperature == 1 else f".t{self.temperature:g}"
+            name += "" if self.seed is None else f".seed{self.seed}"
+            name += f".lp{self.lenpen:g}"
+        else:
+            name = f"beam{self.beam}.lp{self.lenpen:g}"
         if self.lenpen_kind != "gnmt" and self.lenpen > 0:
             name += f".{self.lenpen_kind}"
-        if self.stop != "exact" and self.beam > 1 and self.engine == "ours":
+        if self.stop != "exact" and self.beam > 1 and self.engine == "ours" and self.sample is None:
             name += f".{self.stop}"
         if self.dtype != "fp32":
             name += f".{self.dtype}"
@@ -147,6 +214,11 @@ class SearchFlags:
     dtype: Dtype | None = None
     engine: Engine | None = None
     nbest: int | None = None
+    sample: str | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    alignments: bool | None = None
+    alignment_layer: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.given())
@@ -161,13 +233,41 @@ def beam_above_vocabulary(beam: int, vocab_size: int) -> str:
     return f"beam must be at most the vocabulary size ({vocab_size} pieces), got {beam}"
 
 
+def _combination_problem(flags: SearchFlags) -> str | None:
+    """Flags that cannot go together (what the checkpoint says is never refused: its beam under --sample)."""
+    if flags.sample is not None and flags.beam is not None and flags.beam > 1:
+        return f"--sample draws each token; it cannot go with --beam {flags.beam} (use --nbest N for N samples)"
+    if flags.sample is not None and flags.stop is not None:
+        return "--stop is beam search's; a sample ends at its first end of sentence"
+    for name in ("temperature", "seed"):
+        if getattr(flags, name) is not None and flags.sample is None:
+            return f"{FLAGS[name]} goes with --sample topk:K or --sample topp:P"
+    if flags.alignment_layer is not None and not flags.alignments:
+        return "--alignment-layer goes with --alignments"
+    return None
+
+
 def search_settings(
-    decode: DecodeConfig, flags: SearchFlags = SearchFlags(), vocab_size: int | None = None
+    decode: DecodeConfig,
+    flags: SearchFlags = SearchFlags(),
+    vocab_size: int | None = None,
+    decoder_layers: int | None = None,
 ) -> SearchSettings:
     """The settings a search runs with: each flag given, else the checkpoint's decode section (defaults filled
     by config.py), else SearchSettings' own (module docstring). With vocab_size, a beam wider than the
-    vocabulary is refused too."""
-    settings = SearchSettings(**{**asdict(decode), **flags.given()})
+    vocabulary is refused too; with decoder_layers, an alignment layer the model does not have."""
+    problem = _combination_problem(flags)
+    if problem is not None:
+        raise UserError(problem)
+    values = {**asdict(decode), **flags.given()}
+    if flags.sample is not None:
+        values["beam"] = 1  # the checkpoint's beam does not apply
+    settings = SearchSettings(**values)
     if vocab_size is not None and settings.beam > vocab_size:
         raise UserError(beam_above_vocabulary(settings.beam, vocab_size))
+    if decoder_layers is not None and (settings.alignment_layer or 1) > decoder_layers:
+        raise UserError(
+            f"--alignment-layer must be at most the model's decoder layers ({decoder_layers}), "
+            f"got {settings.alignment_layer}"
+        )
     return settings

@@ -5,7 +5,9 @@ the look-inside page in static/. What a connection may cost below the API is htt
 import asyncio
 import ipaddress
 import json
+import math
 import queue
+import random
 import socket
 import subprocess
 import sys
@@ -29,8 +31,8 @@ from transformer.data.batch import prepare_sources, source_limit
 from transformer.data.vocab import valid_text
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.inference.search import TraceStep, search
-from transformer.inference.settings import SearchFlags
-from transformer.inference.translator import Translator
+from transformer.inference.settings import SearchFlags, SearchSettings
+from transformer.inference.translator import SentenceOptions, Translation, Translator
 from transformer.model import positions as model_positions
 from transformer.model.checkpoint import resolve_checkpoint
 from transformer.serve.http_guard import (
@@ -57,6 +59,9 @@ class ServeSettings:
     max_sentences: int = 64  # sentences per /translate request
     max_chars: int = 10_000  # characters per request, all sentences together
     max_beam: int = 16
+    max_samples: int = 16  # samples per sentence a request may ask for (its nbest with "sample")
+    max_constraints: int = 8  # target phrases per sentence
+    max_prefix: int = 128  # pieces of a sentence's forced target prefix (and never more than the model takes)
     max_pending: int = 1024  # requests' sentences waiting for the model (an inspection counts one)
     max_position_values: int = 262_144  # d_model x length of one /positions table (about 2 MB of JSON)
     max_answer_values: int = 2_000_000  # attention weights in an /attention answer, pieces in a /beam trace
@@ -69,7 +74,17 @@ class ServeSettings:
     def __post_init__(self):
         if not 0 <= self.batch_window_ms <= 10_000:
             raise UserError(f"--batch-window-ms must be between 0 and 10000, got {self.batch_window_ms}")
-        for name in ("max_sentences", "max_chars", "max_beam", "max_pending", "max_answer_values", "max_connections"):
+        for name in (
+            "max_sentences",
+            "max_chars",
+            "max_beam",
+            "max_samples",
+            "max_constraints",
+            "max_prefix",
+            "max_pending",
+            "max_answer_values",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_position_values < 1:
@@ -120,21 +135,27 @@ class _Body(BaseModel):
 
 
 class _TextBody(_Body):
-    @field_validator("text", "target", mode="after", check_fields=False)
+    @field_validator("text", "target", "prefix", "constraints", mode="after", check_fields=False)
     @classmethod
     def valid_unicode(cls, value):
         """JSON may spell a lone surrogate ("\\ud800"), which no UTF-8 encodes: U+FFFD instead."""
         if isinstance(value, list):
-            return [valid_text(v) for v in value]
+            return [[valid_text(w) for w in v] if isinstance(v, list) else valid_text(v) for v in value]
         return value if value is None else valid_text(value)
 
 
 class TranslateBody(_TextBody):
     text: list[str]  # one sentence per item; a single string is taken as one sentence
     beam: int | None = None  # default: the checkpoint's decode.beam
-    nbest: int = 1
+    nbest: int = 1  # with sample: samples per sentence
+    sample: str | None = None  # "topk:K" or "topp:P": sampling instead of beam search (default: serve --sample)
+    temperature: float | None = None  # with sample (default: serve --temperature, else 1)
+    seed: int | None = None  # with sample (default: serve --seed, else a new one per request)
+    prefix: list[str] | None = None  # per sentence, a target prefix its translations start with ("": none)
+    constraints: list[list[str]] | None = None  # per sentence, target phrases its translations contain
+    alignments: bool = False  # word alignments with each translation
 
-    @field_validator("text", mode="before")
+    @field_validator("text", "prefix", mode="before")
     @classmethod
     def one_sentence(cls, value):
         return [value] if isinstance(value, str) else value
@@ -182,6 +203,7 @@ class Service:
         path = resolve_checkpoint(checkpoint)
         self.settings = settings
         check_beam_setting(flags.beam, settings)  # before the model loads
+        self.seed = flags.seed  # a request's seed when it sends none (None: a new one per request)
         # With CTranslate2, /translate runs on it; the page's attention maps and beam traces need our model's
         # internals, so the translator keeps that too.
         self.translator = Translator(path, device, serve_dtype(flags), keep_model=True)
@@ -225,6 +247,8 @@ class Service:
                 "max_len_offset": d.max_len_offset,
                 "max_tokens": d.max_tokens,
                 "workers": d.workers,
+                "sample": d.sample,
+                "temperature": d.temperature,
             },
             "device": str(self.translator.device),
             "dtype": d.dtype,
@@ -244,10 +268,72 @@ class Service:
             raise ApiError(422, f"nbest must be between 1 and the beam size ({beam}), got {nbest}")
         return beam
 
-    def check_size(self, lines: list[str]) -> None:
+    def request_settings(self, body: TranslateBody) -> tuple[SearchSettings, int | None]:
+        """The settings a /translate request searches with: the server's, with the request's beam, n-best,
+        sampling and alignments; and with sampling on our engine, the seed of its sentences (the request's, else
+        the server's, else a new one), which travels with them (SentenceOptions) so that requests that differ only
+        in their seeds share a search. A bad value or combination is a 422 in one line."""
+        d = self.translator.settings
+        sample = body.sample if body.sample is not None else d.sample
+        if sample is None:
+            if body.temperature is not None or body.seed is not None:
+                raise ApiError(422, "temperature and seed go with sample (topk:K or topp:P)")
+            beam = self.check_beam(body.beam, body.nbest)
+            return replace(d, beam=beam, nbest=body.nbest, alignments=body.alignments), None
+        if body.beam not in (None, 1):
+            raise ApiError(422, f"sample draws each token; it cannot go with beam {body.beam} (nbest N: N samples)")
+        if not 1 <= body.nbest <= self.settings.max_samples:
+            raise ApiError(422, f"nbest (samples) must be between 1 and {self.settings.max_samples}, got {body.nbest}")
+        if body.seed is not None and self.translator.ct2 is not None:
+            raise ApiError(422, "this server's engine (ctranslate2) draws from its own random stream: no seed")
+        temperature = d.temperature if body.temperature is None else body.temperature
+        try:
+            settings = replace(
+                d, beam=1, nbest=body.nbest, sample=sample, temperature=temperature, alignments=body.alignments
+            )
+            replace(settings, seed=body.seed)  # the request's seed is checked as a --seed is
+        except UserError as e:  # the settings' check names the command's flag: the field here
+            raise ApiError(422, str(e).removeprefix("--")) from None
+        if self.translator.ct2 is not None:
+            return settings, None
+        seeds = (body.seed, self.seed, random.SystemRandom().randrange(2**32))
+        return settings, next(s for s in seeds if s is not None)
+
+    def sentence_options(self, body: TranslateBody, lines: list[str], seed: int | None) -> list[SentenceOptions] | None:
+        """A /translate request's prefixes and constraints, one item per sentence, within the server's limits, and
+        its sentences' sampling seed."""
+        for name, given in (("prefix", body.prefix), ("constraints", body.constraints)):
+            if given is not None and len(given) != len(lines):
+                raise ApiError(422, f"{name} must have one item per sentence: {len(given)} for {len(lines)} sentences")
+        if body.constraints is not None and any(body.constraints):
+            if body.sample is not None or self.translator.settings.sample is not None:
+                raise ApiError(422, "constraints need beam search; they cannot go with sample")
+            if self.translator.ct2 is not None:
+                raise ApiError(422, "this server's engine (ctranslate2) has no terminology constraints")
+            most = max(len(c) for c in body.constraints)
+            if most > self.settings.max_constraints:
+                raise ApiError(
+                    422, f"{most} constraints for one sentence; the limit is {self.settings.max_constraints}"
+                )
+        # Their characters count against --max-chars with the sentences'.
+        self.check_size(
+            lines, sum(map(len, body.prefix or [])) + sum(len(p) for c in body.constraints or [] for p in c)
+        )
+        options = None
+        if body.prefix or body.constraints:
+            limit = min(self.settings.max_prefix, source_limit(self.cfg.model.max_positions))
+            for i, ids in enumerate(self.vocab.encode([p if p.strip() else "" for p in body.prefix or []])):
+                if len(ids) > limit:
+                    raise ApiError(422, f"prefix {i} is {len(ids)} pieces long; the limit is {limit}")
+            options = self.translator.sentence_options(len(lines), body.prefix, body.constraints)
+        if seed is not None:
+            options = [replace(o, seed=seed) for o in options or [SentenceOptions()] * len(lines)]
+        return options
+
+    def check_size(self, lines: list[str], extra_chars: int = 0) -> None:
         if len(lines) > self.settings.max_sentences:
             raise ApiError(413, f"{len(lines)} sentences in one request; the limit is {self.settings.max_sentences}")
-        chars = sum(len(line) for line in lines)
+        chars = sum(len(line) for line in lines) + extra_chars
         if chars > self.settings.max_chars:
             raise ApiError(413, f"{chars} characters in one request; the limit is {self.settings.max_chars}")
 
@@ -360,6 +446,15 @@ class Service:
             "nbest": show(found.hypotheses[0]),
             "steps": [{"alive": show(step.alive[0]), "finished": show(step.finished[0])} for step in trace],
         }
+
+
+def _shown(t: Translation, alignments: bool) -> dict:
+    """A translation in a /translate answer: text and score, and its alignment's [source word, output word]
+    pairs when asked for."""
+    shown = {"text": t.text, "score": t.score if math.isfinite(t.score) else None}  # JSON has no -inf
+    if alignments:
+        shown["alignment"] = [list(pair) for pair in t.alignment or []]
+    return shown
 
 
 def check_beam_setting(beam: int | None, settings: ServeSettings) -> None:
@@ -492,27 +587,31 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     async def translate(body: TranslateBody, request: Request) -> dict:
         lines = [" ".join(line.splitlines()) for line in body.text]  # one sentence per item, as one input line
         service.check_size(lines)
-        beam = service.check_beam(body.beam, body.nbest)
+        settings, seed = service.request_settings(body)
+        options = service.sentence_options(body, lines, seed)
         service.check_room(len(lines))
         ids = service.translator.encode(lines, warn=False)  # once: the batcher sizes batches by it and searches it
         try:
-            found = await until_gone(request, service.batcher.translate(ids, beam, body.nbest)) if lines else []
+            found = await until_gone(request, service.batcher.translate(ids, settings, options)) if lines else []
         except Exception as e:
             raise api_error(e, "translate") from None
         limit = source_limit(service.cfg.model.max_positions)  # longer sources were translated from their start
         service.batcher.stats["requests"] += 1
         service.batcher.stats["sentences"] += len(lines)
+        constrained = [bool(o.constraints) for o in options] if options else [False] * len(lines)
+        sampling = {"sample": settings.sample, "temperature": settings.temperature, "seed": seed}
         return {
-            "beam": beam,
+            "beam": settings.beam,
             "nbest": body.nbest,
+            **(sampling if settings.sample is not None else {}),
             "translations": [
                 {
-                    "text": hyps[0][1],
-                    "score": hyps[0][0],
+                    **_shown(hyps[0], body.alignments),
                     "truncated": len(src) > limit,
-                    "nbest": [{"text": text, "score": score} for score, text in hyps],
+                    **({"constraints_met": hyps[0].constrained} if asked else {}),
+                    "nbest": [_shown(t, body.alignments) for t in hyps],
                 }
-                for hyps, src in zip(found, ids)
+                for hyps, src, asked in zip(found, ids, constrained)
             ],
         }
 

@@ -11,18 +11,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from transformer.inference.translator import Translator
+from transformer.inference.settings import SearchSettings
+from transformer.inference.translator import SentenceOptions, Translation, Translator
 
 
 @dataclass
 class _Job:
     ids: list[list[int]]  # the sources, encoded once by the request's handler
-    beam: int
-    nbest: int
+    settings: SearchSettings  # the request's: the server's with its beam, n-best, sampling, alignments
     done: asyncio.Future
+    options: list[SentenceOptions] | None = None  # per source: its prefix and constraints
     arrived: float = field(default_factory=time.monotonic)
 
     @property
@@ -83,10 +84,12 @@ class Batcher:
         """What waits for the model: sentences to translate, and inspections (one each)."""
         return sum(len(job.ids) for job in _waiting(self.pending)) + len(_waiting(self.inspections))
 
-    async def translate(self, ids: list[list[int]], beam: int, nbest: int) -> list:
-        """Per source (subword ids), its n-best (score, translation) pairs, searched with whatever arrives
-        within the window."""
-        job = _Job(ids, beam, nbest, asyncio.get_running_loop().create_future())
+    async def translate(
+        self, ids: list[list[int]], settings: SearchSettings, options: list[SentenceOptions] | None = None
+    ) -> list[list[Translation]]:
+        """Per source (subword ids), its n-best Translations, searched with whatever arrives within the window and
+        asks for the same settings (`options`: per source, what it asks beyond them)."""
+        job = _Job(ids, settings, asyncio.get_running_loop().create_future(), options)
         self.pending.append(job)
         self.arrived.set()
         return await job.done
@@ -107,11 +110,11 @@ class Batcher:
                 inspect_next = False
                 continue
             jobs = await self._collect()
-            groups: dict[tuple[int, int], list[_Job]] = {}
-            for job in jobs:  # one search per setting: a batched search runs one beam size
-                groups.setdefault((job.beam, job.nbest), []).append(job)
-            for (beam, nbest), group in groups.items():
-                await self._search(_waiting(group), beam, nbest)  # a client may leave during another search
+            groups: dict[SearchSettings, list[_Job]] = {}
+            for job in jobs:  # one search per setting: a batched search runs one beam size, one sampling rule
+                groups.setdefault(job.settings, []).append(job)
+            for settings, group in groups.items():
+                await self._search(_waiting(group), settings)  # a client may leave during another search
             inspect_next = bool(jobs)
 
     async def _wait_for_work(self) -> None:
@@ -147,12 +150,15 @@ class Batcher:
         if not job.done.done():  # done already: its client went away, or the server stopped waiting
             job.done.set_result(result)
 
-    async def _search(self, group: list[_Job], beam: int, nbest: int) -> None:
+    async def _search(self, group: list[_Job], settings: SearchSettings) -> None:
         if not group:
             return
         ids = [source for job in group for source in job.ids]
+        options = None
+        if any(job.options for job in group):
+            options = [o for job in group for o in (job.options or [SentenceOptions()] * len(job.ids))]
         try:
-            found = await self._on_worker([job.done for job in group], self._translate, ids, beam, nbest)
+            found = await self._on_worker([job.done for job in group], self._translate, ids, settings, options)
         except Exception as e:  # the requests fail; the service goes on
             for job in group:
                 if not job.done.done():
@@ -188,9 +194,12 @@ class Batcher:
         jobs, self.pending = self.pending[:taken], self.pending[taken:]
         return jobs
 
-    def _translate(self, ids: list[list[int]], beam: int, nbest: int) -> list:
-        settings = replace(self.translator.settings, beam=beam, nbest=nbest)  # the request's, the rest the server's
-        return self.translator.texts(self.translator.search(ids, settings))
+    def _translate(
+        self, ids: list[list[int]], settings: SearchSettings, options: list[SentenceOptions] | None
+    ) -> list[list[Translation]]:
+        unmet: list[int] = []
+        found = self.translator.search(ids, settings, options, unmet)
+        return self.translator.translations(ids, found, unmet)
 
     def fail_all(self, error: Exception) -> None:
         """Answer every request still waiting, and those the worker computes now, with `error` (the server is

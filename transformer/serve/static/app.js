@@ -85,8 +85,9 @@ function describeModel(info) {
 
 // ------------------------------------------------------------------------------------------- translation
 
-function showTranslation(result) {
+function showTranslation(result, source) {
   const best = result.translations[0];
+  showAlignment(source, best);
   // A sentence longer than the model takes was translated from its start only: say so beside the translation.
   $("translation").textContent = (best.text || "(empty)") +
     (best.truncated ? "  (the sentence is longer than this model takes: only its start was translated)" : "");
@@ -96,6 +97,15 @@ function showTranslation(result) {
     el("td", {textContent: String(i + 1)}), el("td", {className: "score", textContent: h.score.toFixed(3)}),
     el("td", {textContent: h.text || "(empty)"})])));
   $("nbest-table").hidden = false;
+}
+
+function showAlignment(source, best) {
+  // Word alignment (i-j: source word i, output word j), read from the last decoder layer's cross-attention.
+  const words = source.trim().split(/\s+/), out = (best.text || "").trim().split(/\s+/);
+  const pairs = (best.alignment || []).filter(([i, j]) => i < words.length && j < out.length);
+  $("alignment").replaceChildren(...pairs.map(([i, j]) =>
+    el("span", {className: "link", textContent: `${words[i]} → ${out[j]}`, title: `${i}-${j}`})));
+  $("alignment-card").hidden = !pairs.length;
 }
 
 // ------------------------------------------------------------------------------------------- beam search
@@ -435,10 +445,10 @@ async function translate(text) {
   if (!text.trim()) { showError("Type a sentence first."); return; }
   $("go").disabled = true;
   document.body.dataset.state = "busy";
-  const [tr, att, beams] = await Promise.allSettled([api("/translate", {text: [text], beam, nbest}),
+  const [tr, att, beams] = await Promise.allSettled([api("/translate", {text: [text], beam, nbest, alignments: true}),
     api("/attention", {text, beam}), api("/beam", {text, beam, nbest})]);
   const errors = [tr, att, beams].filter((r) => r.status === "rejected").map((r) => r.reason.message);
-  if (tr.status === "fulfilled") showTranslation(tr.value);
+  if (tr.status === "fulfilled") showTranslation(tr.value, text);
   if (beams.status === "fulfilled") showBeam(beams.value);
   if (att.status === "fulfilled") showAttention(att.value);
   showError([...new Set(errors)].join("; "));

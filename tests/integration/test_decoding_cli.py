@@ -1,0 +1,102 @@
+"""translate's decoding features on the command line: --sample with its seed, --prefix-file and
+--constraints-file read line for line beside the input (arguments, --input, stdin), and their one-line refusals."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import SENTENCES
+
+FP32 = ("--dtype", "fp32")
+
+
+def test_sampling_top_k_1_prints_greedy_search_and_a_seed_repeats_a_run(run, call):
+    status, greedy, err = call("translate", run, *SENTENCES, "--beam", "1", *FP32)
+    assert status == 0, err
+    status, sampled, err = call("translate", run, *SENTENCES, "--sample", "topk:1", *FP32)
+    assert status == 0 and sampled == greedy, err
+    assert "sampling with seed " in err  # none given: a new one, said so that the run can be repeated
+    seed = err.split("sampling with seed ")[1].split()[0]
+    runs = [
+        call("translate", run, *SENTENCES, "--sample", "topp:0.9", "--nbest", "3", "--seed", s, *FP32)
+        for s in (seed, seed)
+    ]
+    assert runs[0][0] == 0 and runs[0][1] == runs[1][1] and len(runs[0][1].splitlines()) == 9
+    assert "sampling with seed" not in runs[0][2]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--sample", "topk:3", "--beam", "4"), "--sample draws each token; it cannot go with --beam 4"),
+        (("--sample", "top:3"), "--sample takes topk:K"),
+        (("--temperature", "0.5"), "--temperature goes with --sample topk:K or --sample topp:P"),
+        (("--seed", "1"), "--seed goes with --sample"),
+        (("--sample", "topk:2", "--stop", "early"), "--stop is beam search's"),
+        (("--sample", "topk:2", "--temperature", "0"), "--temperature must be a number above 0"),
+    ],
+)
+def test_sampling_flags_are_refused_in_one_line(run, call, argv, message):
+    status, out, err = call("translate", run, "ein hund", *argv)
+    assert (status, out) == (2, "") and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_a_prefix_file_starts_each_translation_with_its_line(run, call, tmp_path):
+    prefixes = tmp_path / "prefixes.txt"
+    prefixes.write_text("the dog\n\nblue red\n", encoding="utf-8")
+    status, plain, err = call("translate", run, *SENTENCES, *FP32)
+    assert status == 0, err
+    status, out, err = call("translate", run, *SENTENCES, "--prefix-file", prefixes, *FP32)
+    assert status == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("the dog") and lines[2].startswith("blue red")
+    assert lines[1] == plain.splitlines()[1]  # an empty line: no prefix
+    # The same through --input and through stdin, read chunk by chunk beside the prefixes.
+    source = tmp_path / "in.txt"
+    source.write_text("".join(s + "\n" for s in SENTENCES), encoding="utf-8")
+    assert call("translate", run, "--input", source, "--prefix-file", prefixes, *FP32)[1] == out
+    assert call("translate", run, "--prefix-file", prefixes, *FP32, stdin=source.read_text())[1] == out
+
+
+def test_a_constraints_file_puts_its_phrases_in_each_translation(run, call, tmp_path):
+    constraints = tmp_path / "constraints.tsv"
+    constraints.write_text("dog\tred\n\nthe cat\n", encoding="utf-8")
+    status, out, err = call("translate", run, *SENTENCES, "--constraints-file", constraints, "--nbest", "2", *FP32)
+    assert status == 0, err
+    lines = [line.split("\t") for line in out.splitlines()]
+    assert len(lines) == 6
+    unmet = {int(n) for n in re.findall(r"input line (\d+): its translations could not", err)}
+    for (score, text), phrases in zip(lines, [["dog", "red"]] * 2 + [[]] * 2 + [["the cat"]] * 2):
+        sentence = 1 + [["dog", "red"], [], ["the cat"]].index(phrases)
+        if sentence not in unmet and score != "-inf":
+            assert all(p in text for p in phrases), (text, phrases)
+
+
+@pytest.mark.parametrize("flag", ["--prefix-file", "--constraints-file"])
+def test_a_line_file_needs_one_line_per_input_line(run, call, tmp_path, flag):
+    short = tmp_path / "short.txt"
+    short.write_text("a\n", encoding="utf-8")
+    status, out, err = call("translate", run, *SENTENCES, flag, short)
+    assert (status, out) == (2, "")
+    assert (
+        err
+        == f"error: translate: {flag} {short} has 1 lines for 3 input lines; it needs one per input line (an empty line where a sentence has none)\n"
+    )
+    status, out, err = call("translate", run, flag, short, *FP32, stdin="ein hund\nzwei katzen\n")
+    assert status == 2 and f"{flag} {short} has 1 lines, and the input goes on past them" in err
+    status, out, err = call("translate", run, flag, short, *FP32, stdin="")
+    assert status == 2 and "has 1 lines for 0 input lines" in err
+
+
+def test_constraints_go_with_beam_search_and_our_engine(run, call, tmp_path):
+    constraints = tmp_path / "c.tsv"
+    constraints.write_text("dog\n", encoding="utf-8")
+    status, _, err = call("translate", run, "ein hund", "--constraints-file", constraints, "--sample", "topk:3")
+    assert (status, err) == (2, "error: translate: --constraints-file needs beam search; it cannot go with --sample\n")
+    status, _, err = call("translate", run, "ein hund", "--constraints-file", constraints, "--engine", "ctranslate2")
+    assert (
+        status == 2
+        and err == "error: translate: --engine ctranslate2 has no terminology constraints; use --engine ours\n"
+    )
