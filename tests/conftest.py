@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from transformer import cli as cli_module
+from transformer import device as device_module
 from transformer.config import from_dict, to_dict
 from transformer.data.batch import Batch
 from transformer.data.vocab import PAD_ID, train_vocab
@@ -80,6 +81,18 @@ def pytest_runtest_setup(item):
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def cpu_with_bf16_flags(monkeypatch):
+    """Sets the native bf16 flags this CPU seems to have (e.g. ["amx_bf16"], or [] for none), whatever the CPU at
+    hand and whatever TRANSFORMER_NATIVE_BF16 the suite runs under."""
+    monkeypatch.delenv(device_module.NATIVE_BF16_VARIABLE, raising=False)
+
+    def seem_to_have(flags: list[str]) -> None:
+        monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: flags)
+
+    return seem_to_have
+
+
 def subprocess_env(**extra: str) -> dict:
     """The environment of a child Python: single-threaded, so that parallel runs do not fight over 2 cores, and
     importing this checkout's package."""
@@ -88,12 +101,12 @@ def subprocess_env(**extra: str) -> dict:
 
 def cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     """`python -m transformer ARGS` in a child process (each costs ~2 s of importing torch: prefer `call`)."""
+    kwargs.setdefault("env", subprocess_env())
     return subprocess.run(
         [sys.executable, "-m", "transformer", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=subprocess_env(),
         cwd=ROOT,
         **kwargs,
     )
@@ -204,7 +217,9 @@ def write_hub_folder(
 
 
 def tiny_config(tmp_path: Path, run: str = "run", data_dir: Path | None = None, **sections) -> dict:
-    """A model of a few thousand parameters that trains in seconds; sections override key by key."""
+    """A model of a few thousand parameters that trains in seconds; sections override key by key. It trains in
+    fp32 on every CPU (`precision: auto` would be bf16 on one with AVX512-BF16 or AMX, and the numbers the tests
+    compare would differ from machine to machine); a test of another precision says so."""
     cfg = {
         "model": {
             "d_model": 32,
@@ -230,6 +245,7 @@ def tiny_config(tmp_path: Path, run: str = "run", data_dir: Path | None = None, 
             "log_every": 1,
             "valid_every": 4,
             "seed": 3,
+            "precision": "fp32",
             "finish": False,
         },  # the end-of-training summary has tests of its own (test_finish.py)
     }

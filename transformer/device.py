@@ -18,6 +18,10 @@ from transformer.errors import UserError
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _MAX_KHZ = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"  # absent in most virtual machines
+# Overrides what the CPU's flags say about native bf16: 1 or 0. For a virtual machine whose /proc/cpuinfo hides
+# the flags, and for running the test suite as it runs on a CPU of the other kind (`TRANSFORMER_NATIVE_BF16=1
+# make test` on an AVX2 machine: `auto` picks bf16 everywhere, emulated and slower, but the same code paths).
+NATIVE_BF16_VARIABLE = "TRANSFORMER_NATIVE_BF16"
 
 
 def device_type(name: str, setting: str = "--device") -> str:
@@ -97,6 +101,11 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return True, "this CUDA device supports bf16"
         return False, "this CUDA device has no native bf16"
+    forced = os.environ.get(NATIVE_BF16_VARIABLE, "")
+    if forced:
+        if forced not in ("0", "1"):
+            raise UserError(f"{NATIVE_BF16_VARIABLE} must be 1 (this CPU has native bf16) or 0, got {forced!r}")
+        return forced == "1", f"{NATIVE_BF16_VARIABLE}={forced}"
     flags = cpu_bf16_flags()
     if flags:
         return True, f"this CPU has {'/'.join(flags)}"

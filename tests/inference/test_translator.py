@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.conftest import LINES, SENTENCES, sentences, subprocess_env
-from transformer import device as device_module
 from transformer.cli import translate_io
 from transformer.data.vocab import BOS_ID, PAD_ID
 from transformer.device import (
@@ -271,11 +270,11 @@ def test_cpu_description_names_the_generation_and_vector_units(tmp_path):
     assert cpu_description(tmp_path / "missing") == {}
 
 
-def test_auto_dtype_is_bf16_only_where_native(monkeypatch):
+def test_auto_dtype_is_bf16_only_where_native(monkeypatch, cpu_with_bf16_flags):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
+    cpu_with_bf16_flags([])
     assert pick_dtype("auto", cpu)[0] == "fp32"  # emulated bf16 is far slower than fp32
-    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    cpu_with_bf16_flags(["amx_bf16"])
     assert pick_dtype("auto", cpu) == ("bf16", "auto: this CPU has amx_bf16")
     for supported, expected in ((True, "bf16"), (False, "fp32")):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: supported)
@@ -283,18 +282,18 @@ def test_auto_dtype_is_bf16_only_where_native(monkeypatch):
     assert pick_dtype("int8", cpu)[0] == "int8"  # an explicit choice is kept
 
 
-def test_translate_says_which_dtype_auto_picked(run, monkeypatch, call):
-    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
+def test_translate_says_which_dtype_auto_picked(run, call, cpu_with_bf16_flags):
+    cpu_with_bf16_flags([])
     status, out, err = call("translate", run, "--device", "cpu", SENTENCES[0])
     assert status == 0 and err.splitlines() == [
         "dtype: fp32 (auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16))"
     ]
-    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    cpu_with_bf16_flags(["avx512_bf16"])
     translator = Translator(run, "cpu", SearchFlags(dtype="auto"))
     assert translator.settings.dtype == "bf16" and next(translator.model.parameters()).dtype == torch.bfloat16
     status, _, err = call("translate", run, "--device", "cpu", "--dtype", "fp32", SENTENCES[0])
     assert status == 0 and err == ""  # nothing to say about an explicit choice
-    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
+    cpu_with_bf16_flags([])
     status, _, err = call("translate", run, "--device", "cpu", "--dtype", "bf16", SENTENCES[0])
     assert status == 0 and err.startswith("warning:") and "emulated" in err  # unless it is a slow choice
 
@@ -418,10 +417,12 @@ def test_ctranslate2_beam_outputs_are_ours_where_the_rules_agree(ctranslate2, co
                 assert b[0][0] <= a[0][0] + 1e-3
 
 
-def test_ctranslate2_engine_auto_dtype_is_one_ctranslate2_computes(ctranslate2, copy_model, monkeypatch, call):
+def test_ctranslate2_engine_auto_dtype_is_one_ctranslate2_computes(
+    ctranslate2, copy_model, monkeypatch, call, cpu_with_bf16_flags
+):
     """auto means bf16 for our engine on a CPU with native bf16, but CTranslate2's CPU builds compute no bf16:
     the default --dtype must not turn --engine ctranslate2 into an error there."""
-    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    cpu_with_bf16_flags(["amx_bf16"])
     monkeypatch.setattr(ctranslate2, "get_supported_compute_types", lambda device: {"float32", "int8"})
     status, out, err = call("translate", copy_model, "--engine", "ctranslate2", "--beam", "1", LINES[0])
     assert status == 0 and len(out.splitlines()) == 1, err

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.conftest import cli, read_metrics, tiny_config, write_config, write_corpus
-from transformer import device as device_module
 from transformer.config import ModelConfig, from_dict, load_config
 from transformer.data.store import Store
 from transformer.device import pick_precision
@@ -152,11 +151,11 @@ def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):
     assert cli("finish", str(tmp_path / "nowhere")).stderr.startswith("error: finish:")
 
 
-def test_precision_auto_is_bf16_only_where_the_hardware_has_it(monkeypatch):
+def test_precision_auto_is_bf16_only_where_the_hardware_has_it(monkeypatch, cpu_with_bf16_flags):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: [])
+    cpu_with_bf16_flags([])
     assert pick_precision("auto", cpu) == ("fp32", "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
-    monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    cpu_with_bf16_flags(["amx_bf16"])
     assert pick_precision("auto", cpu) == ("bf16", "auto: this CPU has amx_bf16")
     assert pick_precision("fp32", cpu)[0] == "fp32"  # an explicit choice stays
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)

@@ -26,10 +26,11 @@ from tests.conftest import (
     write_config,
     write_corpus,
 )
-from transformer.config import from_dict
+from transformer.config import from_dict, load_config
 from transformer.data.batching import eval_batches
 from transformer.data.store import Store
 from transformer.data.vocab import train_vocab
+from transformer.device import pick_precision
 from transformer.errors import UserError
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from transformer.training.init_from import measure
@@ -59,10 +60,12 @@ def first_validation(run_dir: Path) -> dict:
 
 
 def checkpoint_loss(checkpoint: Path, run_dir: Path) -> float:
-    """The checkpoint's validation loss on the validation set of the run in run_dir, computed as training does."""
+    """The checkpoint's validation loss on the validation set of the run in run_dir, computed as training does (in
+    the run's own precision)."""
     model, _, cfg = model_from_checkpoint(load_checkpoint(checkpoint))
     batches = eval_batches(Store(run_dir / "store").corpus("valid"), cfg.data.max_tokens)
-    return evaluate_loss(model, batches, "cpu", "fp32", cfg.train.label_smoothing)["loss"]
+    precision, _ = pick_precision(load_config(run_dir / "config.yaml").train.precision, torch.device("cpu"))
+    return evaluate_loss(model, batches, "cpu", precision, cfg.train.label_smoothing)["loss"]
 
 
 def test_a_fine_tuning_run_starts_from_the_checkpoints_weights_and_vocabulary(base, new_data, tmp_path):

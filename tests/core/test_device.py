@@ -1,0 +1,35 @@
+"""device.py: what `auto` means on this CPU, and the override that lets the suite run as on another CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import cli, subprocess_env
+from transformer import device as device_module
+from transformer.device import NATIVE_BF16_VARIABLE, pick_precision
+from transformer.errors import UserError
+
+
+def test_the_override_decides_native_bf16_whatever_the_cpu_reports(monkeypatch):
+    cpu = torch.device("cpu")
+    for flags in ([], ["amx_bf16"]):
+        monkeypatch.setattr(device_module, "cpu_bf16_flags", lambda flags=flags: flags)
+        monkeypatch.setenv(NATIVE_BF16_VARIABLE, "1")
+        assert pick_precision("auto", cpu) == ("bf16", f"auto: {NATIVE_BF16_VARIABLE}=1")
+        monkeypatch.setenv(NATIVE_BF16_VARIABLE, "0")
+        assert pick_precision("auto", cpu) == ("fp32", f"auto: {NATIVE_BF16_VARIABLE}=0")
+        assert pick_precision("bf16", cpu)[0] == "bf16"  # an explicit choice stays
+    monkeypatch.setenv(NATIVE_BF16_VARIABLE, "yes")
+    with pytest.raises(UserError, match=f"{NATIVE_BF16_VARIABLE} must be 1 .* or 0, got 'yes'"):
+        pick_precision("auto", cpu)
+
+
+def test_a_child_process_sees_the_override(run):
+    """The suite's child processes (the CLI run as a user runs it) pick what the override says."""
+    for forced, dtype in (("1", "bf16"), ("0", "fp32")):
+        result = cli(
+            "translate", str(run), "--device", "cpu", "ein hund", env=subprocess_env(**{NATIVE_BF16_VARIABLE: forced})
+        )
+        assert result.returncode == 0, result.stderr
+        assert f"dtype: {dtype} (auto: {NATIVE_BF16_VARIABLE}={forced})" in result.stderr
