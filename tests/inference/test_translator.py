@@ -316,7 +316,7 @@ def test_stop_rule_setting(run, call):
         found = translator.search(ids, replace(translator.settings, nbest=3))
         expected = search_ids(model, ids, settings, "cpu")
         assert [[h.tokens for h in hyps] for hyps in found] == [[h.tokens for h in hyps] for hyps in expected]
-        # Its input-major weights (quantize.py) multiply in another order: scores agree to float rounding.
+        # Its input-major weights (weight_formats.py) multiply in another order: scores agree to float rounding.
         assert [h.score for hyps in found for h in hyps] == pytest.approx([h.score for hyps in expected for h in hyps])
     assert Translator(run, "cpu").settings.stop == "exact"  # decode.stop's default
     status, _, _ = call("evaluate", run, "--split", "test", "--beam", "2", "--stop", "early", "--dtype", "bf16")

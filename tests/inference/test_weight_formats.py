@@ -1,6 +1,6 @@
-"""Inference weight formats (transformer/quantize.py): input-major float linears and packed bf16 linears compute
-what nn.Linear does, and a model converted to them searches the same hypotheses; the Translator uses them for fp32
-and bf16 on a CPU."""
+"""Inference weight formats (transformer/inference/weight_formats.py): input-major float linears and packed bf16
+linears compute what nn.Linear does, and a model converted to them searches the same hypotheses; the Translator
+uses them for fp32 and bf16 on a CPU."""
 
 import copy
 import sys

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from transformer.cli.parser import build_parser
 from transformer.config import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +26,6 @@ README = ROOT / "README.md"
 GUIDES = sorted((ROOT / "docs").glob("*.md"))
 DOCS = [README, *GUIDES]
 LOG = ROOT / "docs" / "benchmarks" / "log.md"  # a dated record: its commands are history, its links still resolve
-# Linked from the docs, written on another branch of the same change; checked like any link once it exists.
 MAX_LINES = {README: 200, ROOT / "docs" / "performance.md": 200}
 
 FENCE = re.compile(r"^[ \t]*```([\w-]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.S | re.M)
@@ -33,15 +33,6 @@ SHELL = {"sh", "bash", "console", "shell"}
 OPERATORS = set("|&;<>()")
 ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The `transformer` command's parser: the one place that knows where it is built."""
-    try:
-        from transformer.cli.parser import build_parser as build
-    except ImportError:
-        from transformer.cli import build_parser as build
-    return build()
 
 
 def verbs(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -427,7 +427,7 @@ def test_ctranslate2_engine_serves_translate_and_our_model_the_page(ctranslate2,
         assert [t["score"] for t in got] == pytest.approx([t["score"] for t in expected], abs=1e-3)
         calls.clear()
         for path, body in (("/attention", {"text": lines[0], "beam": 1}), ("/beam", {"text": lines[0], "beam": 3})):
-            # The same search and maps; ours multiplies input-major weights (quantize.py), so floats may differ
+            # The same search and maps; ours multiplies input-major weights (weight_formats.py), so floats may differ
             # in the last digits.
             assert_close(post(theirs, path, body), post(ours, path, body))
         assert not calls  # the page's views are our model's

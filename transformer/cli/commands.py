@@ -1,4 +1,4 @@
-"""What each verb of the `transformer` command does with its parsed arguments (cli.py parses them)."""
+"""What each verb of the `transformer` command does with its parsed arguments (parser.py parses them)."""
 
 from __future__ import annotations
 

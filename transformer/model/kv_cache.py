@@ -1,7 +1,7 @@
 """What incremental decoding keeps between search steps: each decoder layer's self-attention keys/values, one
 row per hypothesis, and cross-attention's encoder keys/values and memory mask, once per source sentence.
 
-Tensors are (rows, heads, positions, d_head), batch-first like the rest of the package (transformer/model.py).
+Tensors are (rows, heads, positions, d_head), batch-first like the rest of the package (transformer/model/transformer.py).
 """
 
 from __future__ import annotations

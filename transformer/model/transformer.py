@@ -1,11 +1,11 @@
 """The encoder-decoder Transformer of Vaswani et al. (2017): one module per box of the paper's figure.
 
 Tensors are batch-first: (B, T, C). Masks are boolean with True = "may attend" and have
-shape (B or 1, 1, T_query or 1, T_key) so they broadcast over heads; they are built in
-transformer/batch.py (`padding_mask`, `causal_mask`, `target_mask`) and nowhere else. Two other forms, also from
-batch.py, go where the attention kernels run faster with them: `attention_bias`, the additive form a boolean mask
-is turned into once per forward pass (encode, decode), in the dtype of attention's queries; and `CAUSAL`, the
-decoder's self-attention mask in a teacher-forced pass (Batch.tgt_mask), which SDPA applies as is_causal.
+shape (B or 1, 1, T_query or 1, T_key) so they broadcast over heads; they are built in transformer/data/batch.py
+(`padding_mask`, `causal_mask`, `target_mask`) and nowhere else. Two other forms, also from batch.py, go where the
+attention kernels run faster with them: `attention_bias`, the additive form a boolean mask is turned into once per
+forward pass (encode, decode), in the dtype of attention's queries; and `CAUSAL`, the decoder's self-attention mask
+in a teacher-forced pass (Batch.tgt_mask), which SDPA applies as is_causal.
 """
 
 from __future__ import annotations

@@ -378,7 +378,7 @@ class Service:
         self.check_answer(beam * steps * (steps + 1), "pieces", "use a smaller beam or a shorter sentence")
 
     async def inspect(self, request: Request, compute, *args) -> Response:
-        """compute(*args) -> JSON-ready answer, on the model worker in its turn (batcher.py), encoded there too:
+        """compute(*args) -> JSON-ready answer, on the model worker in its turn (request_batching.py), encoded there too:
         the loop stays free for other clients; dropped unrun if the client goes away first."""
         self.check_room(1)
 
