@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from transformer.config import DecodeConfig
 from transformer.inference.search import (
     ForcedPrefix,
     Hypothesis,
@@ -117,13 +118,13 @@ def constrained_search(
     model,
     src: torch.Tensor,
     constraints: Sequence[Sequence[Sequence[int]]],
-    beam: int = 4,
-    lenpen: float = 0.6,
-    max_len_offset: int = 50,
+    beam: int = DecodeConfig.beam,
+    lenpen: float = DecodeConfig.lenpen,
+    max_len_offset: int = DecodeConfig.max_len_offset,
     nbest: int = 1,
-    stop: StopRule = "exact",
+    stop: StopRule = DecodeConfig.stop,
     prefixes: Sequence[Sequence[int]] | None = None,
-    lenpen_kind: LenpenKind = "gnmt",
+    lenpen_kind: LenpenKind = DecodeConfig.lenpen_kind,
 ) -> SearchResult:
     """Per source row of `src` (B, S), its `nbest` best hypotheses that contain every phrase of its constraints
     (lists of piece ids), best first; an empty list where none did (module docstring)."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from transformer.config import DecodeConfig
 from transformer.inference.search import (
     ForcedPrefix,
     Hypothesis,
@@ -110,11 +111,11 @@ def sample_search(
     src: torch.Tensor,
     sampler: Sampler,
     samples: int = 1,
-    lenpen: float = 0.6,
-    max_len_offset: int = 50,
+    lenpen: float = DecodeConfig.lenpen,
+    max_len_offset: int = DecodeConfig.max_len_offset,
     prefixes: Sequence[Sequence[int]] | None = None,
     seeds: Sequence[int | None] | None = None,
-    lenpen_kind: LenpenKind = "gnmt",
+    lenpen_kind: LenpenKind = DecodeConfig.lenpen_kind,
 ) -> SearchResult:
     """`samples` samples for each source row of `src` (B, S) (module docstring), best first; SearchResult's
     steps count the decoder calls, and a row's sentence_steps those of its longest sample. `seeds`: per row, a

@@ -81,6 +81,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from transformer.config import DecodeConfig
 from transformer.data.batch import causal_mask, padding_mask
 from transformer.inference.ensemble import Ensemble
 from transformer.inference.settings import LENPEN_KINDS, STOP_RULES, LenpenKind, StopRule
@@ -117,7 +118,7 @@ class TraceStep:
     finished: list[list[Hypothesis]]  # hypotheses that ended with EOS at this step; score as in the n-best lists
 
 
-def length_penalty(length, alpha: float, kind: LenpenKind = "gnmt"):
+def length_penalty(length, alpha: float, kind: LenpenKind = DecodeConfig.lenpen_kind):
     """What a hypothesis's summed log-probability is divided by: GNMT's (Wu et al. 2016) ((5 + length) / 6) ** alpha,
     or with kind "length" length ** alpha (transformers', CTranslate2's); works on floats and tensors."""
     if kind == "length":
@@ -130,8 +131,8 @@ class Rules:
     """How hypotheses are scored and when a sentence stops: the length penalty and its form, and the stop rule."""
 
     lenpen: float
-    kind: LenpenKind = "gnmt"
-    stop: StopRule = "exact"
+    kind: LenpenKind = DecodeConfig.lenpen_kind
+    stop: StopRule = DecodeConfig.stop
 
     def penalty(self, length):
         return length_penalty(length, self.lenpen, self.kind)
@@ -140,15 +141,15 @@ class Rules:
 def search(
     model,
     src: torch.Tensor,
-    beam: int = 4,
-    lenpen: float = 0.6,
-    max_len_offset: int = 50,
+    beam: int = DecodeConfig.beam,
+    lenpen: float = DecodeConfig.lenpen,
+    max_len_offset: int = DecodeConfig.max_len_offset,
     nbest: int = 1,
-    stop: StopRule = "exact",
+    stop: StopRule = DecodeConfig.stop,
     use_cache: bool = True,
     trace: list[TraceStep] | None = None,
     prefixes: Sequence[Sequence[int]] | None = None,
-    lenpen_kind: LenpenKind = "gnmt",
+    lenpen_kind: LenpenKind = DecodeConfig.lenpen_kind,
 ) -> SearchResult:
     """Translate source rows `src` (B, S): per row its `nbest` best hypotheses, best first.
 
@@ -158,7 +159,7 @@ def search(
     docstring). use_cache=False recomputes every step from scratch (for tests). `trace`, when given, receives
     a TraceStep per decoder step; a sentence has no live hypotheses at the step it is done. `prefixes`: per row,
     target ids its hypotheses must start with (module docstring); None or all empty: none. lenpen_kind: the
-    form of the length penalty (module docstring).
+    form of the length penalty (module docstring). Settings left out are config.py's DecodeConfig defaults.
     """
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
