@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from transformer.config import load_config
-from transformer.data.batching import BatchStream
+from transformer.data.loader import BatchStream
 from transformer.data.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ With --ctranslate2, per compute type and --workers value, two rows on one ctrans
 - ctranslate2_itself: CTranslate2 as its users call it: the sources as SentencePiece pieces, one `translate_batch`
   over all of them in batches of max_tokens / workers tokens (max_batch_size, batch_type="tokens"), the same beam
   and length penalty, max_decoding_length = model.max_positions - 1, nothing else set;
-- ctranslate2: our engine (`translate.ctranslate2_search` on subword ids, as translate and evaluate run it: no
+- ctranslate2: our engine (`ctranslate2_engine.ctranslate2_search` on subword ids, as translate and evaluate run it: no
   scores shown, so no scoring pass); with --ct2-scored also ctranslate2_scored, as serve and n-best lists run it
   (the kept hypotheses scored again).
 Tokenisation is excluded everywhere (ours gets subword ids, CTranslate2 itself pieces made beforehand). Our
@@ -56,19 +56,12 @@ import torch
 
 from transformer.data.batch import prepare_sources, source_limit
 from transformer.data.corpus import read_lines
+from transformer.data.loader import source_batches
 from transformer.device import cpu_description
+from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES, ctranslate2_search
 from transformer.inference.scoring import bleu_chrf
 from transformer.inference.settings import STOP_RULES, SearchFlags, SearchSettings, search_settings
-from transformer.inference.translator import (
-    CT2_COMPUTE_TYPES,
-    Translator,
-    ctranslate2_search,
-    pick_dtype,
-    search_batches,
-    search_ids,
-    search_workers,
-    source_batches,
-)
+from transformer.inference.translator import Translator, pick_dtype, search_batches, search_ids, search_workers
 
 
 def sync(device: torch.device) -> None:
@@ -338,7 +331,7 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
                 return [vocab.piece_ids(r.hypotheses[0]) for r in results]
 
             def engine_pass(translator=translator, theirs=theirs, scores=False):
-                found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions, scores)
+                found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions, scores=scores)
                 return [hyps[0].tokens for hyps in found]
 
             passes = [("ctranslate2_itself", "ct2", itself_pass), ("ctranslate2", "ctranslate2", engine_pass)]

@@ -29,9 +29,10 @@ import torch
 
 from transformer.data.batch import padding_mask, prepare_sources
 from transformer.data.corpus import read_lines
+from transformer.data.loader import source_batches
 from transformer.device import cpu_description
 from transformer.inference.settings import STOP_RULES, SearchFlags
-from transformer.inference.translator import Translator, source_batches
+from transformer.inference.translator import Translator
 from transformer.model.transformer import evaluating
 
 

@@ -23,12 +23,10 @@ from transformer.device import (
     cpu_description,
 )
 from transformer.errors import UserError
+from transformer.inference.ctranslate2_engine import ctranslate2_limited, ctranslate2_search, limit_bucket
 from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import (
     Translator,
-    ctranslate2_limited,
-    ctranslate2_search,
-    limit_bucket,
     pick_dtype,
     search_ids,
     translate_ids,

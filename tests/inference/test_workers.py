@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tests.conftest import LINES
+from transformer.data.loader import source_batches
 from transformer.inference import translator as translate
 from transformer.inference.settings import SearchFlags, SearchSettings
-from transformer.inference.translator import Translator, search_ids, search_workers, source_batches
+from transformer.inference.translator import Translator, search_ids, search_workers
 from transformer.model.checkpoint import load_model
 
 MAX_TOKENS = 64  # several batches for LINES with one worker, more with two

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import LINES, change_training_loss, random_pairs, read_metrics, subprocess_env, tiny_config
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batch import Batch, prepare_sources
-from transformer.data.batching import BatchStream, Prefetcher
+from transformer.data.loader import BatchStream, Prefetcher
 from transformer.data.store import Corpus, open_prepared
 from transformer.data.vocab import Vocab
 from transformer.device import autocast_context, datasheet_tflops

@@ -27,7 +27,7 @@ from tests.conftest import LINES, ROOT, random_pairs, read_metrics, subprocess_e
 from transformer import device as device_module
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batch import CAUSAL, Batch, prepare_sources, target_mask
-from transformer.data.batching import BatchStream, Prefetcher
+from transformer.data.loader import BatchStream, Prefetcher
 from transformer.data.store import Corpus, open_prepared
 from transformer.data.vocab import PAD_ID, Vocab
 from transformer.device import (
@@ -54,7 +54,7 @@ from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.model.kv_cache import KVCache
 from transformer.model.transformer import TokenPacking, Transformer
 from transformer.signals import StopRequested
-from transformer.training import end_of_training as finish_module
+from transformer.training import finish as finish_module
 from transformer.training import loop as train_module
 from transformer.training import validation as validation_module
 from transformer.training.loop import TrainingLoss, check_compile, make_grad_scaler, train

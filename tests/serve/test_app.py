@@ -22,7 +22,7 @@ from transformer import cli
 from transformer.config import from_dict, to_dict
 from transformer.data.vocab import train_vocab
 from transformer.device import cpu_description
-from transformer.inference import translator as translate_module
+from transformer.inference import ctranslate2_engine
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 from transformer.model.checkpoint import load_model, save_checkpoint
@@ -402,8 +402,8 @@ def test_ctranslate2_engine_serves_translate_and_our_model_the_page(ctranslate2,
     """serve --engine ctranslate2: /translate goes through CTranslate2 (greedy: our outputs and scores);
     /attention and /beam still run our model; /info says which engine translates."""
     calls = []
-    real = translate_module.ctranslate2_search
-    monkeypatch.setattr(translate_module, "ctranslate2_search", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ctranslate2_engine.ctranslate2_search
+    monkeypatch.setattr(ctranslate2_engine, "ctranslate2_search", lambda *a, **k: calls.append(1) or real(*a, **k))
     lines = LINES[: SETTINGS.max_sentences]
     with (
         TestClient(create_app(Service(copy_model, SETTINGS, "cpu", SearchFlags(dtype="fp32")))) as ours,

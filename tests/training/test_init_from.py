@@ -27,7 +27,7 @@ from tests.conftest import (
     write_corpus,
 )
 from transformer.config import from_dict, load_config
-from transformer.data.batching import eval_batches
+from transformer.data.loader import eval_batches
 from transformer.data.store import Store
 from transformer.data.vocab import train_vocab
 from transformer.device import pick_precision

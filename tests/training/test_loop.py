@@ -277,7 +277,7 @@ def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipp
     import copy
     import time
 
-    from transformer.data.batching import BatchStream
+    from transformer.data.loader import BatchStream
     from transformer.data.store import open_prepared
     from transformer.data.vocab import PAD_ID
     from transformer.distributed import DistInfo

@@ -102,7 +102,7 @@ def cmd_finish(args: argparse.Namespace) -> None:
     from transformer.device import pick_device
     from transformer.distributed import DistInfo
     from transformer.run_dir import RunDir
-    from transformer.training.end_of_training import finish
+    from transformer.training.finish import finish
     from transformer.training.lock import RunLock
     from transformer.training.metrics import setup_logging
 

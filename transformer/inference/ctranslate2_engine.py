@@ -1,5 +1,7 @@
-"""`transformer export ctranslate2`: a checkpoint as a CTranslate2 model directory, and the converted copy
-that `--engine ctranslate2` keeps beside a checkpoint (rebuilt when the checkpoint changes)."""
+"""CTranslate2 as an engine: `transformer export ctranslate2` (a checkpoint as a CTranslate2 model directory), the
+converted copy that `--engine ctranslate2` keeps beside a checkpoint (rebuilt when the checkpoint changes), and the
+search through it (`ctranslate2_search`: our batches, length limits, scores and settings mapped onto its
+translate_batch)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,18 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from transformer.data.batch import source_limit
+from transformer.data.loader import source_batches
+from transformer.data.vocab import AnyVocab
 from transformer.errors import UserError
 from transformer.files import current_umask, file_sha256
+from transformer.inference.search import Hypothesis, length_penalty, max_output_lengths
+from transformer.inference.settings import SearchSettings, parse_sample
 from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.model.positions import ctranslate2_encodings
 from transformer.run_dir import RunDir
@@ -31,6 +38,7 @@ EXPORT_FORMATS = (EXPORT_FORMAT, "transformer-hf-export-v1")
 # What `import hf` writes (RunDir.IMPORT, hf_import.IMPORT_FORMAT): --force there replaces an earlier import alone.
 IMPORT_FORMATS = ("transformer-hf-import-v1",)
 RECORD_FORMATS = {EXPORT_RECORD: EXPORT_FORMATS, RunDir.IMPORT: IMPORT_FORMATS}
+CT2_COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}  # our dtype -> its compute_type
 
 
 def require_ctranslate2():
@@ -319,3 +327,259 @@ def cached_conversion(checkpoint: str | Path) -> Path:
 def run_export(checkpoint: str, out_dir: str, quantization: str | None, force: bool) -> None:
     """The `export ctranslate2` command."""
     print(f"wrote {export_ctranslate2(checkpoint, out_dir, quantization, force)}")
+
+
+# --------------------------------------------------------------------------- the search through CTranslate2
+
+
+def ctranslate2_search(
+    translator,
+    vocab: AnyVocab,
+    src_ids: Sequence[Sequence[int]],
+    settings: SearchSettings,
+    max_positions: int,
+    prefixes: Sequence[Sequence[int]] | None = None,
+    scores: bool = True,
+) -> list[list[Hypothesis]]:
+    """translator.search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
+    limits and score definition; like ours, it never emits BOS or PAD (suppressed). settings.stop, .dtype and
+    .workers do not apply here (the translator was made with its compute type and inter_threads).
+
+    Length limits (one per call in CTranslate2): each sentence is searched under the limit of its bucket
+    (limit_bucket: its own limit rounded up to a power of two), so that a batch goes as one or two calls
+    rather than one per distinct limit; a sentence one of whose returned hypotheses comes within a token of
+    its own limit is searched again under its own limit (ctranslate2_limited). Both depend on the sentence
+    alone, so its output never depends on the others in its batch. With a length penalty the first search
+    stops, as CTranslate2 stops, at the step its `beam`-th hypothesis finishes, which is among the `beam` it
+    returns: a search that ran past the step where its own limit would have ended it is always seen and done
+    again, and the outcome is the search under its own limit. Without one (lenpen 0: it returns `nbest` and
+    stops once its best candidate is EOS) a search can run past that step unseen, when its `nbest` returned
+    finished earlier: those are then the outcome.
+
+    Ranking: with a length penalty it returns its `beam` best, ranked by its own penalty (length**lenpen
+    rather than GNMT's ((5 + length) / 6)**lenpen; length counting EOS in both, hence return_end_token),
+    re-ranked here by ours computed from its scores; without one, its `nbest` best (the two rankings agree,
+    and its early exit waits for nbest finished). Its log-probabilities are renormalised over the tokens it
+    may emit (ours drops BOS's and PAD's probability instead), so the score it gives differs from ours by
+    the log of what BOS and PAD would have had at each step (about 1e-5 a token after training).
+    scores=True: the kept `nbest` hypotheses are scored again by its scorer (one teacher-forced pass, in one
+    call), which gives ours exactly, and ordered by it; scores=False (only the tokens are used: translate
+    without --nbest, evaluate) leaves the scores from the search, ours but for that renormalisation.
+    Sentences searched again under their own limit have every returned hypothesis scored again and ranked
+    by it, whatever `scores` says: at the limit CTranslate2 does not force EOS, so one still unfinished there
+    has none, and the scorer adds the EOS ours would force.
+
+    Beam outputs can differ from ours (greedy outputs do not): (1) it stops as our "early" rule does but keeps
+    every hypothesis finished at the stopping step, up to 2*beam-1, where ours keeps the first `beam`; (2) only
+    the `beam` best by its penalty reach the re-ranking; (3) at the limit its unfinished hypotheses, scored
+    without their EOS, can push a shorter finished one out of those `beam`, and a live hypothesis ours ends
+    there is missing when an EOS took its place in the beam's top `beam`; (4) the renormalisation can reorder
+    candidates of rows that give BOS and PAD different probabilities (an untrained model; after training
+    label smoothing leaves each ~smoothing / vocabulary). With several workers (the translator's
+    inter_threads) the batches are sized and run side by side as search_batches runs ours.
+
+    What else it maps (ctranslate2_options): sampling (its sampling_topk, sampling_topp, sampling_temperature; a
+    random stream per worker, seeded when the Translator is made, so that a run repeats itself with the same seed,
+    the same input and one worker, but a sentence's samples depend on its batch, on what was drawn before it and,
+    with several workers, on which worker takes its batch), a forced prefix (`prefixes`: per source, the target
+    ids of its SentenceOptions.prefix; target_prefix, whose limit counts the prefix, as ours does) and alignments
+    (return_attention: the conversion asks for the last layer's cross-attention averaged over all heads,
+    alignment.py's default, and the source's EOS is not in it). Constraints and ensembles it does not have (the
+    Translator refuses them).
+    """
+    nbest = settings.nbest
+    out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
+    limit = source_limit(max_positions)
+    workers = translator.num_translators
+    tokens_per_batch = max(1, settings.max_tokens // workers)  # as source_batches sizes them
+    sources: dict[int, list[str]] = {}  # CTranslate2 appends </s> itself
+    forced: dict[int, list[str]] = {}  # forced target prefixes, as pieces
+    own: dict[int, int] = {}  # each sentence's own output-length limit
+    calls = []  # per call: its indices and pending results
+    for batch in source_batches(src_ids, max_positions, settings.max_tokens, workers):
+        for i in batch:
+            sources[i] = vocab.pieces(src_ids[i][:limit])
+            forced[i] = vocab.pieces(list(prefixes[i])) if prefixes is not None else []
+        max_lens = max_output_lengths(
+            torch.tensor([len(sources[i]) + 1 for i in batch]),  # + EOS
+            settings.max_len_offset,
+            max_positions,
+        )
+        # At least the prefix, as search.max_lengths says.
+        max_lens = torch.maximum(max_lens, torch.tensor([len(forced[i]) for i in batch]))
+        own.update(zip(batch, max_lens.clamp(max=max_positions - 1).tolist()))
+        if settings.sample is not None:  # samples searched again would be other samples: each under its own limit
+            continue
+        buckets = [limit_bucket(own[i], max_positions) for i in batch]
+        for bucket, rows in same_limit(buckets):  # asynchronous: every worker takes calls from the queue
+            indices = [batch[r] for r in rows]
+            calls.append((indices, _translate_async(translator, vocab, sources, forced, indices, settings, bucket)))
+    found: dict[int, list[Hypothesis]] = {}
+    again = list(sources) if settings.sample is not None else []  # sentences to search under their own limit
+    for indices, pending in calls:
+        for i, result in zip(indices, pending):
+            hyps = _hypotheses(vocab, result.result(), settings)
+            if any(len(h.tokens) >= own[i] - 1 for h in hyps):
+                again.append(i)
+            else:  # every hypothesis ended with EOS: its score is ours but for the renormalisation
+                found[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest]
+    limited = ctranslate2_limited(translator, vocab, sources, forced, again, own, settings)
+    if scores:
+        found = dict(zip(found, _scored(translator, vocab, sources, found, settings, tokens_per_batch)))
+    for i, hyps in (*found.items(), *limited.items()):
+        out[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest]
+    return out
+
+
+def ctranslate2_limited(
+    translator,
+    vocab: AnyVocab,
+    sources: dict[int, list[str]],
+    prefixes: dict[int, list[str]],
+    indices: Sequence[int],
+    limits: dict[int, int],
+    settings: SearchSettings,
+) -> dict[int, list[Hypothesis]]:
+    """The sources (pieces, by index) of `indices` searched each under its own length limit (`limits`, by index):
+    one call per distinct limit, every returned hypothesis scored again (ours: the EOS that the limit ended
+    added), best first."""
+    tokens_per_batch = max(1, settings.max_tokens // translator.num_translators)
+    calls = []
+    for max_len, rows in same_limit([limits[i] for i in indices]):
+        batch = [indices[r] for r in rows]
+        pending = _translate_async(translator, vocab, sources, prefixes, batch, settings, max_len, tokens_per_batch)
+        calls.append((batch, pending))
+    found = {}
+    for batch, pending in calls:
+        for i, result in zip(batch, pending):
+            found[i] = _hypotheses(vocab, result.result(), settings)
+    scored = _scored(translator, vocab, sources, found, settings, tokens_per_batch)
+    return {i: sorted(hyps, key=lambda h: h.score, reverse=True) for i, hyps in zip(found, scored)}
+
+
+def limit_bucket(max_len: int, max_positions: int) -> int:
+    """The length limit a sentence whose own limit is `max_len` is first searched under by CTranslate2: the power
+    of two at or above it, capped at the longest output a model can make (max_positions - 1, as every limit is).
+    A sentence that runs on past its own limit costs at most twice its steps more."""
+    return min(1 << max(0, max_len - 1).bit_length(), max_positions - 1)
+
+
+def _translate_async(
+    translator,
+    vocab: AnyVocab,
+    sources: dict[int, list[str]],
+    prefixes: dict[int, list[str]],
+    indices: Sequence[int],
+    settings: SearchSettings,
+    max_len: int,
+    max_tokens: int = 0,
+) -> list:
+    """One asynchronous translate_batch call for the sources of `indices` under length limit `max_len`, as ours
+    searches: BOS and PAD never emitted, EOS allowed at once, the sources as given (cut already), each one's
+    forced prefix, the hypotheses with their EOS (which its penalty then counts, as ours does: an empty output
+    would otherwise rank last, divided by 0**lenpen). max_tokens: CTranslate2 splits the sources into batches of
+    that many tokens (0: they are one batch)."""
+    forced = [prefixes[i] for i in indices]
+    return translator.translate_batch(
+        [sources[i] for i in indices],
+        target_prefix=forced if any(forced) else None,
+        num_hypotheses=settings.nbest if settings.lenpen == 0 or settings.sample is not None else settings.beam,
+        length_penalty=settings.lenpen,
+        max_decoding_length=max_len,
+        suppress_sequences=[[piece] for piece in vocab.pieces(sorted({vocab.specials.bos, vocab.specials.pad}))],
+        min_decoding_length=0,
+        return_end_token=True,
+        return_scores=True,
+        return_attention=settings.alignments,
+        max_input_length=0,
+        max_batch_size=max_tokens,
+        batch_type="tokens",
+        asynchronous=True,
+        **ctranslate2_options(settings),
+    )
+
+
+def ctranslate2_options(settings: SearchSettings) -> dict:
+    """translate_batch's search options for `settings`: beam search, or sampling (top-k 0 is its whole vocabulary)."""
+    if settings.sample is None:
+        return {"beam_size": settings.beam}
+    kind, value = parse_sample(settings.sample)
+    return {
+        "beam_size": 1,
+        "sampling_topk": int(value) if kind == "topk" else 0,
+        "sampling_topp": value if kind == "topp" else 1.0,
+        "sampling_temperature": settings.temperature,
+    }
+
+
+def _hypotheses(vocab: AnyVocab, result, settings: SearchSettings) -> list[Hypothesis]:
+    """A TranslationResult's hypotheses as ours, without EOS, scored by our penalty from its normalised score:
+    summed log-probability = score * length**lenpen (length counting EOS, as return_end_token makes it). A
+    hypothesis the length limit ended has no EOS: neither its tokens nor its score count one. With alignments,
+    each hypothesis's per output piece the source piece it attends to most."""
+    lenpen, hyps = settings.lenpen, []
+    attention = result.attention if settings.alignments else [None] * len(result.hypotheses)
+    for pieces, score, weights in zip(result.hypotheses, result.scores, attention):
+        length = len(pieces)
+        total = score * length**lenpen if length else score
+        ids = _without_eos(vocab.piece_ids(pieces), vocab.specials.eos)
+        alignment = None if weights is None else _attended(weights, len(ids))
+        hyps.append(Hypothesis(ids, total / length_penalty(length, lenpen, settings.lenpen_kind), alignment))
+    return hyps
+
+
+def _scored(
+    translator,
+    vocab: AnyVocab,
+    sources: dict[int, list[str]],
+    found: dict[int, list[Hypothesis]],
+    settings: SearchSettings,
+    tokens_per_batch: int,
+) -> list[list[Hypothesis]]:
+    """found's hypotheses (by source index) scored again by CTranslate2's scorer in one asynchronous call split
+    into batches of about tokens_per_batch: ours, each token's and EOS's log-probability normalised over the
+    whole vocabulary, divided by our length penalty."""
+    lenpen, kind = settings.lenpen, settings.lenpen_kind
+    pairs = [(sources[i], h.tokens) for i, hyps in found.items() for h in hyps]
+    if not pairs:
+        return []
+    pending = iter(
+        translator.score_batch(
+            [source for source, _ in pairs],
+            [vocab.pieces(tokens) for _, tokens in pairs],
+            max_batch_size=tokens_per_batch,
+            batch_type="tokens",
+            max_input_length=0,
+            asynchronous=True,
+        )
+    )
+    return [
+        [
+            Hypothesis(
+                h.tokens,
+                sum(next(pending).result().log_probs) / length_penalty(len(h.tokens) + 1, lenpen, kind),
+                h.alignment,
+            )
+            for h in hyps
+        ]
+        for hyps in found.values()
+    ]
+
+
+def _attended(weights: Sequence[Sequence[float]], length: int) -> list[int]:
+    """CTranslate2's attention of one hypothesis (a row per output piece, a column per source piece, EOS's
+    dropped) -> per output piece the source piece it attends to most."""
+    return [max(range(len(row)), key=row.__getitem__) if len(row) else 0 for row in list(weights)[:length]]
+
+
+def _without_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == eos else ids
+
+
+def same_limit(max_lens: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """(limit, positions) for each distinct value in `max_lens`, the largest first: what one CTranslate2 call
+    with that max_decoding_length may take."""
+    groups: dict[int, list[int]] = {}
+    for position, max_len in enumerate(max_lens):
+        groups.setdefault(max_len, []).append(position)
+    return sorted(groups.items(), reverse=True)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.batch import Batch
-from transformer.data.batching import BatchStream, Prefetcher, Update, eval_batches
+from transformer.data.loader import BatchStream, Prefetcher, Update, eval_batches
 from transformer.data.store import Store, open_prepared, prepare
 from transformer.data.vocab import AnyVocab, run_vocab, vocab_from_stored
 from transformer.device import (
@@ -706,6 +706,6 @@ def end(run: Run) -> None:
     )
     log.info("done: %d steps; checkpoints in %s; peak memory %s%s", run.state.step, run.run_dir, mib(peak), gpu_line)
     if run.cfg.train.finish and run.info.is_main:
-        from transformer.training.end_of_training import end_of_training
+        from transformer.training.finish import end_of_training
 
         end_of_training(run.run_dir, run.cfg, run.state.step, run.device)

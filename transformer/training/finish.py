@@ -1,5 +1,6 @@
-"""What a run ends with: the average of its last checkpoints, the checkpoint and search settings chosen on the
-validation set, the test score, and a summary (RUN_DIR/summary.json and RUN_DIR/final.pt)."""
+"""`transformer finish`, which training runs at its end (train.finish): the average of a run's last checkpoints, the
+checkpoint and search settings chosen on the validation set (beam and a length penalty from LENPENS, which
+final.pt's decode section then holds), the test score, and a summary (RUN_DIR/summary.json and RUN_DIR/final.pt)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from transformer.training.metrics import read_metrics
 log = logging.getLogger("transformer")
 
 FINAL = RunDir.FINAL  # what `translate RUN_DIR` uses once a run has finished
+# The length penalties tried on the validation set at the config's beam; the best goes into final.pt's
+# decode.lenpen (and config.yaml), in place of the config's, for every command that reads the run afterwards.
 LENPENS = (0.6, 0.8, 1.0, 1.2)
 
 

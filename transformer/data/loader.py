@@ -1,5 +1,6 @@
-"""Encoded pairs to training batches: numpy token batching (an epoch of millions of pairs in
-about a second), the resumable batch stream, and the thread that prepares the next update while one computes."""
+"""Which ids go into which batch, in what order: training's batches (numpy token batching, an epoch of millions of
+pairs in about a second; the resumable batch stream; the thread that prepares the next update while one computes)
+and a search's sources in length batches (`source_batches`, for both engines). One batch's tensors: batch.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 from transformer.config import DataConfig, round_up
-from transformer.data.batch import Batch
+from transformer.data.batch import Batch, source_limit
 from transformer.data.vocab import OURS, Specials
 from transformer.device import cuda_index
 from transformer.errors import UserError
@@ -34,6 +35,24 @@ def pack_by_size(order: Sequence[int], sizes: Sequence[int], max_tokens: int) ->
     if current:
         batches.append(current)
     return batches
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped so that batch size x longest (length + EOS) <= max_tokens; longest first, so
+    an out-of-memory error shows on the first batch rather than the last."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return pack_by_size(order, [n + 1 for n in lengths], max_tokens)
+
+
+def source_batches(
+    src_ids: Sequence[Sequence[int]], max_positions: int, max_tokens: int, workers: int = 1
+) -> list[list[int]]:
+    """Indices of the non-empty sources (empty ones are never searched) in length batches, as both engines
+    take them: of max_tokens / workers source tokens each, so that with `workers` searches side by side the
+    tokens in flight stay max_tokens."""
+    todo = [i for i, ids in enumerate(src_ids) if len(ids) > 0]
+    lengths = [min(len(src_ids[i]), source_limit(max_positions)) for i in todo]
+    return [[todo[j] for j in batch] for batch in length_batches(lengths, max(1, max_tokens // workers))]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from transformer.inference.settings import search_settings
 from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.model.transformer import training_flops
 from transformer.training import metrics as runlog
-from transformer.training.end_of_training import LENPENS, _tune
+from transformer.training.finish import LENPENS, _tune
 from transformer.training.loop import train
 
 
@@ -110,7 +110,7 @@ def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path,
 
 
 def test_the_end_of_training_counts_as_done_only_with_a_summary_of_its_step_written_after_final_pt(tmp_path):
-    from transformer.training.end_of_training import finished_summary
+    from transformer.training.finish import finished_summary
 
     (tmp_path / "final.pt").write_bytes(b"weights")
     assert finished_summary(tmp_path, 60) is None  # killed before the summary
@@ -254,7 +254,7 @@ def test_the_search_grid_skips_length_penalties_where_greedy_cannot_change(beam,
     ],
 )
 def test_the_summarys_best_step_is_the_best_validation(tmp_path, valid_bleu, rows, best_step):
-    from transformer.training.end_of_training import _training_record
+    from transformer.training.finish import _training_record
 
     lines = [{"step": s, "split": "valid", "loss": loss, "bleu": bleu, "elapsed": float(s)} for s, loss, bleu in rows]
     lines += [{"split": "valid", "loss": 0.1}, {"step": "x", "split": "valid", "loss": 0.1}]  # no numeric step
@@ -268,7 +268,7 @@ def test_the_summarys_best_step_is_the_best_validation(tmp_path, valid_bleu, row
 def test_the_summary_reads_a_resumed_runs_later_validation_and_nothing_past_last_pt(tmp_path):
     """A kill between metrics.jsonl and last.pt: the step is validated again on resume (the later line wins);
     never resumed, its line names no checkpoint, unless best.pt was written before the kill."""
-    from transformer.training.end_of_training import _training_record
+    from transformer.training.finish import _training_record
 
     lines = [(100, 3.0), (200, 1.0), (100, 2.5), (200, 2.0), (300, 2.2), (400, 0.5)]  # killed after 200, resumed
     rows = [{"step": s, "split": "valid", "loss": loss, "elapsed": float(i)} for i, (s, loss) in enumerate(lines)]
@@ -310,7 +310,7 @@ def test_a_tie_keeps_the_configured_search_settings(tmp_path):
 
 def test_the_chosen_search_settings_go_into_final_pt_and_config_yaml(tmp_path, monkeypatch):
     """Settings other than the config's (whatever validation found), so that their being written shows."""
-    from transformer.training import end_of_training as finish_module
+    from transformer.training import finish as finish_module
 
     monkeypatch.setattr(
         finish_module,
@@ -331,7 +331,7 @@ def test_finish_refuses_half_a_test_split_before_searching_and_skips_a_missing_o
     """A test split with one side missing, or sides of different lengths, is the one-line error `evaluate` gives,
     before any search and with final.pt and summary.json as they were; only a corpus with no test files at all
     finishes without a test score."""
-    from transformer.training.end_of_training import finish
+    from transformer.training.finish import finish
 
     run_dir, _ = finished_run(tmp_path, max_steps=20)
     corpus = tmp_path / "c"

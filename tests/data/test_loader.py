@@ -10,10 +10,10 @@ import pytest
 
 from tests.conftest import batches_equal, random_pairs, write_hub_folder
 from transformer.config import DataConfig
-from transformer.data import batching as data_module
+from transformer.data import loader as data_module
 from transformer.data.batch import Batch
-from transformer.data.batching import BatchStream, Prefetcher, eval_batches, make_batches, pack_by_size
 from transformer.data.corpus import chain_lines, load_split, read_lines, read_parallel, resolve_split, split_paths
+from transformer.data.loader import BatchStream, Prefetcher, eval_batches, make_batches, pack_by_size
 from transformer.data.store import Corpus
 from transformer.data.vocab import PAD_ID
 from transformer.errors import UserError
