@@ -121,7 +121,11 @@ LENPEN_KINDS: tuple[str, ...] = typing.get_args(LenpenKind)
 @dataclass(frozen=True)
 class DecodeConfig:
     beam: int = 4
-    lenpen: float = 0.6  # the length penalty's alpha (GNMT's unless lenpen_kind says otherwise)
+    # The length penalty's alpha (GNMT's unless lenpen_kind says otherwise; inference/search.py's length_penalty).
+    # The end of training overrides it: final.pt's decode.lenpen (and config.yaml's) is whichever of
+    # training/finish.py's LENPENS (or this value) scored best on the validation set, and translate, evaluate and
+    # serve read a finished run's final.pt.
+    lenpen: float = 0.6
     # The length penalty's form: "gnmt", ((5 + len) / 6) ** lenpen; "length", len ** lenpen (transformers' generate,
     # which an imported OPUS-MT model's config keeps).
     lenpen_kind: LenpenKind = "gnmt"
