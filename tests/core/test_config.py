@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from transformer.config import (
     SECTIONS,
     Config,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import cli, subprocess_env
+from tests.helpers import cli, subprocess_env
 from transformer import device as device_module
 from transformer.device import NATIVE_BF16_VARIABLE, pick_precision
 from transformer.errors import UserError

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, subprocess_env
+from tests.helpers import ROOT, subprocess_env
 
 PACKAGE = ROOT / "transformer"
 # Lowest first: core is the package's top-level modules (errors, config, files, run_dir, device, distributed, signals).

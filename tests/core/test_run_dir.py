@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from transformer.errors import UserError
 from transformer.model.checkpoint import resolve_checkpoint
 from transformer.run_dir import RunDir

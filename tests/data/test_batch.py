@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import batches_equal, random_pairs
+from tests.helpers import batches_equal, random_pairs
 from transformer.config import from_dict, round_up
 from transformer.data.batch import (
     CAUSAL,

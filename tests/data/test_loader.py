@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from tests.conftest import batches_equal, random_pairs, write_hub_folder
+from tests.helpers import batches_equal, random_pairs, write_hub_folder
 from transformer.config import DataConfig
 from transformer.data import loader as data_module
 from transformer.data.batch import Batch

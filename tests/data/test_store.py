@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import cli, tiny_config, write_corpus, write_hub_folder
+from tests.helpers import cli, tiny_config, write_corpus, write_hub_folder
 from transformer.config import from_dict
 from transformer.data import corpus as corpus_module
 from transformer.data import store as store_module
@@ -442,7 +442,7 @@ def tree(directory: Path) -> dict[str, bytes]:
 def test_a_users_own_store_directory_is_never_taken_for_a_run(tmp_path, corpus, call, manifest):
     """A directory holding only the user's store/ (files named as ours, but no manifest of ours) used to pass for a
     run directory, and prepare or train deleted its files. Only a manifest (or building record) we wrote makes it ours."""
-    from tests.conftest import write_config
+    from tests.helpers import write_config
 
     run_dir = tmp_path / "mine"
     own = run_dir / "store"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import sentences, subprocess_env
+from tests.helpers import sentences, subprocess_env
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, sample_sentences, train_vocab
 from transformer.errors import UserError
 

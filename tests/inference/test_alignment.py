@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from tests.conftest import LINES, train_copy_task
+from tests.helpers import LINES, train_copy_task
 from tests.inference.test_search import VOCAB, copy_batches, make_sources
 from transformer.config import ModelConfig
 from transformer.inference.alignment import default_layer, pharaoh, piece_alignments, word_alignments, word_index

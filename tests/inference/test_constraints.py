@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import SENTENCES
+from tests.helpers import SENTENCES
 from tests.inference.test_search import as_batch, random_model, random_prefixes, random_sources
 from transformer.inference import constraints as constraints_module
 from transformer.inference.constraints import Phrases, constrained_search

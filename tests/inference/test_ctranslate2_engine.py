@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 from transformer.config import from_dict
 from transformer.data.batch import pad_sequences, padding_mask, prepare_sources, target_mask
 from transformer.data.vocab import BOS_ID, EOS_ID

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import SENTENCES, sentences, translation_config, write_checkpoint
+from tests.helpers import SENTENCES, sentences, translation_config, write_checkpoint
 from tests.inference.test_search import CFG, VOCAB, as_batch, make_sources
 from transformer.config import ModelConfig
 from transformer.data.batch import causal_mask, padding_mask

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from tests.conftest import SENTENCES
+from tests.helpers import SENTENCES
 from transformer.inference import evaluation as evaluate_module
 from transformer.inference.scoring import bleu_chrf
 from transformer.inference.translator import Translator
@@ -134,7 +134,7 @@ def test_validation_loss_nll_and_perplexity_per_target_token():
 
     import torch.nn.functional as F
 
-    from tests.conftest import random_pairs
+    from tests.helpers import random_pairs
     from transformer.config import ModelConfig
     from transformer.data.batch import Batch
     from transformer.data.vocab import PAD_ID

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import sentences, translation_config
+from tests.helpers import sentences, translation_config
 from transformer.config import from_dict, to_dict
 from transformer.data.batch import Batch, prepare_sources
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, train_vocab

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from scripts.make_marian_dir import CODES as MARIAN_CODES
-from tests.conftest import marian_sentences, write_marian_dir
+from tests.helpers import marian_sentences, write_marian_dir
 from transformer.data.batch import Batch, prepare_sources
 from transformer.data.vocab import MarianVocab
 from transformer.inference.hf_export import export_hf

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import train_copy_task
+from tests.helpers import train_copy_task
 from transformer.config import ModelConfig
 from transformer.data.batch import causal_mask, pad_sequences, padding_mask
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import subprocess_env, tiny_config
+from tests.helpers import subprocess_env, tiny_config
 from transformer.cli.parser import build_parser
 from transformer.config import DecodeConfig, from_dict
 from transformer.errors import UserError

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.conftest import LINES, SENTENCES, sentences, subprocess_env
+from tests.helpers import LINES, SENTENCES, sentences, subprocess_env
 from transformer.cli import translate_io
 from transformer.data.vocab import BOS_ID, PAD_ID
 from transformer.device import (
@@ -632,7 +632,7 @@ def test_every_entry_bounds_onednn_caches_before_its_work(run, call, monkeypatch
     import transformer.inference.translator
     import transformer.serve.app
     import transformer.training.loop
-    from tests.conftest import tiny_config
+    from tests.helpers import tiny_config
     from transformer.config import from_dict
 
     seen = {}

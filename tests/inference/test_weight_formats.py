@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import LINES
+from tests.helpers import LINES
 from transformer.data.batch import prepare_sources
 from transformer.inference.search import search
 from transformer.inference.settings import SearchFlags

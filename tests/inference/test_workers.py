@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.conftest import LINES
+from tests.helpers import LINES
 from transformer.data.loader import source_batches
 from transformer.inference import translator as translate
 from transformer.inference.settings import SearchFlags, SearchSettings

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, sentences, subprocess_env
+from tests.helpers import ROOT, sentences, subprocess_env
 from transformer.config import load_config
 from transformer.data.batch import source_limit
 from transformer.device import cpu_description
@@ -358,7 +358,7 @@ def test_bench_decode_on_an_imported_model_beside_generate_and_ctranslate2_from_
     """--hf-dir runs MarianMTModel.generate on the directory the run was imported from, --ct2-hf CTranslate2's own
     conversion of it, on the same sentences in the same rounds: greedy outputs are generate's."""
     pytest.importorskip("transformers")
-    from tests.conftest import marian_sentences
+    from tests.helpers import marian_sentences
     from transformer.inference.hf_import import import_hf
 
     run, _ = import_hf(marian_dir, tmp_path / "run")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tests.conftest import cli
+from tests.helpers import cli
 
 COMMANDS = ("train", "prepare", "translate", "evaluate", "average", "export", "attention", "plot", "plot-positions")
 

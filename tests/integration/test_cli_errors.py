@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import cli, subprocess_env, tiny_config, write_config
+from tests.helpers import cli, subprocess_env, tiny_config, write_config
 from transformer.config import from_dict
 from transformer.errors import UserError
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
@@ -729,7 +729,7 @@ def _blank(corpus: Path) -> None:
 def test_a_corpus_that_is_not_what_it_should_be_is_named_for_what_it_is(tmp_path, call, damage, message):
     """Were: a line-count mismatch (UTF-16), "no such file" (a directory or a FIFO that is there), SentencePiece's
     INTERNAL error (blank-only sides)."""
-    from tests.conftest import write_corpus
+    from tests.helpers import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus")
     damage(corpus)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import (
+from tests.helpers import (
     ROOT,
     assert_same_training_state,
     change_training_loss,

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from tests.conftest import LINES, change_training_loss, random_pairs, read_metrics, subprocess_env, tiny_config
+from tests.helpers import LINES, change_training_loss, random_pairs, read_metrics, subprocess_env, tiny_config
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batch import Batch, prepare_sources
 from transformer.data.loader import BatchStream, Prefetcher

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.conftest import LINES, ROOT, random_pairs, read_metrics, subprocess_env, tiny_config
+from tests.helpers import LINES, ROOT, random_pairs, read_metrics, subprocess_env, tiny_config
 from transformer import device as device_module
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batch import CAUSAL, Batch, prepare_sources, target_mask

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.conftest import SENTENCES
+from tests.helpers import SENTENCES
 
 FP32 = ("--dtype", "fp32")
 

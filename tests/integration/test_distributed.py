@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, cli, read_metrics, subprocess_env, tiny_config, write_config, write_corpus
+from tests.helpers import ROOT, cli, read_metrics, subprocess_env, tiny_config, write_config, write_corpus
 from transformer.config import from_dict
 from transformer.distributed import DistInfo, peer_failure_explained
 from transformer.errors import UserError

@@ -1,4 +1,4 @@
-"""An imported OPUS-MT-like model (built in the test, tests/conftest.py's write_marian_dir) through every verb:
+"""An imported OPUS-MT-like model (built in the test, tests/helpers.py's write_marian_dir) through every verb:
 translate, evaluate, attention, serve and its page, export ctranslate2 (greedy identical to ours), and
 train.init_from: a few updates on a local corpus encoded with its vocabulary, then translate, evaluate, resume."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import marian_sentences, read_metrics, write_config
+from tests.helpers import marian_sentences, read_metrics, write_config
 from transformer.data.vocab import MarianVocab
 from transformer.inference.hf_import import import_hf
 from transformer.inference.settings import SearchFlags

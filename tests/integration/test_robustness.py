@@ -123,7 +123,7 @@ def test_one_long_stdin_line_costs_bounded_memory(untrained_checkpoint, tmp_path
     import subprocess
     import sys
 
-    from tests.conftest import subprocess_env
+    from tests.helpers import subprocess_env
 
     wrapper = (
         "import atexit, resource, sys\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import ROOT, subprocess_env, write_hub_folder
+from tests.helpers import ROOT, subprocess_env, write_hub_folder
 from transformer.data.corpus import read_parallel
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import (
+from tests.helpers import (
     ROOT,
     assert_same_training_state,
     read_metrics,

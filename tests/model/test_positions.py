@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT, tiny_config
+from tests.helpers import ROOT, tiny_config
 from transformer.config import from_dict, to_dict
 from transformer.errors import UserError
 from transformer.model import positions

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import ROOT, random_pairs
+from tests.helpers import ROOT, random_pairs
 from transformer.config import ModelConfig, load_config
 from transformer.data.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.data.vocab import PAD_ID

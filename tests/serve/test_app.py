@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import LINES
+from tests.helpers import LINES
 from transformer import cli
 from transformer.config import from_dict, to_dict
 from transformer.data.vocab import train_vocab

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import subprocess_env
+from tests.helpers import subprocess_env
 from tests.serve.test_app import SENTENCES, run_cli, synthetic, tiny_run
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import SENTENCES, sentences
+from tests.helpers import SENTENCES, sentences
 from transformer.data.vocab import train_vocab
 from transformer.errors import UserError
 from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint

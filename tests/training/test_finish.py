@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import cli, read_metrics, tiny_config, write_config, write_corpus
+from tests.helpers import cli, read_metrics, tiny_config, write_config, write_corpus
 from transformer.config import ModelConfig, from_dict, load_config
 from transformer.data.store import Store
 from transformer.device import pick_precision

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import (
+from tests.helpers import (
     WORDS,
     assert_same_training_state,
     read_metrics,

@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from tests.conftest import (
+from tests.helpers import (
     assert_same_training_state,
     change_training_loss,
     cli,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import png_size, sentences
+from tests.helpers import png_size, sentences
 from transformer.cli import main
 from transformer.config import Config, DataConfig, ModelConfig, to_dict
 from transformer.data.batch import Batch, target_mask

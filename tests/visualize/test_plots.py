@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import png_size
+from tests.helpers import png_size
 from transformer.cli import main
 from transformer.errors import UserError
 

@@ -1,0 +1,298 @@
+"""Helpers the tests import (`from tests.helpers import tiny_config`): synthetic sentences and pairs, a tiny corpus
+and config, checkpoints for translation, OPUS-MT-like directories, the command line in a child process, training
+stand-ins and training-state checks. Fixtures, which reach tests by name, are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import yaml
+
+from transformer.config import from_dict, to_dict
+from transformer.data.batch import Batch
+from transformer.data.vocab import PAD_ID
+from transformer.model.checkpoint import load_checkpoint, save_checkpoint
+from transformer.model.transformer import Transformer
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = (
+    "der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
+    "the a man woman child dog cat house on in plays runs sits red blue green big small"
+).split()
+
+
+# --------------------------------------------------------------------------- training stand-ins
+
+
+def train_copy_task(model: Transformer, batches, lr: float) -> Transformer:
+    """Teach `model` to copy its input (plain cross entropy, Adam), one update per list of token sequences in
+    `batches`: a few hundred updates make a model peaky enough that most argmaxes are not near-ties."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for seqs in batches:
+        batch = Batch.from_pairs([(s, s) for s in seqs])
+        logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=PAD_ID)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def change_training_loss(monkeypatch, change) -> list:
+    """Route every training micro-batch's loss through `change(n, loss)` (n counts calls from 1) in the training
+    loop: how tests inject a NaN, an fp16 overflow or a signal at a chosen update. Returns the list of the losses
+    the real function computed, one per call."""
+    from transformer.training import loop
+
+    real, seen = loop.label_smoothed_loss, []
+
+    def changed(logits, target, smoothing, pad_id=PAD_ID):
+        loss = real(logits, target, smoothing, pad_id)
+        seen.append(loss)
+        return change(len(seen), loss)
+
+    monkeypatch.setattr(loop, "label_smoothed_loss", changed)
+    return seen
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def subprocess_env(**extra: str) -> dict:
+    """The environment of a child Python: single-threaded, so that parallel runs do not fight over 2 cores, and
+    importing this checkout's package."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
+def cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m transformer ARGS` in a child process (each costs ~2 s of importing torch: prefer `call`)."""
+    kwargs.setdefault("env", subprocess_env())
+    return subprocess.run(
+        [sys.executable, "-m", "transformer", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        **kwargs,
+    )
+
+
+# --------------------------------------------------------------------------- data
+
+
+def sentences(rng: random.Random | int, n: int, lo: int = 2, hi: int = 8) -> list[str]:
+    """n sentences of lo..hi words from WORDS; rng is a random.Random to draw from, or a seed."""
+    rng = rng if isinstance(rng, random.Random) else random.Random(rng)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
+
+
+def random_pairs(
+    n: int = 0, seed: int = 0, max_len: int = 30, vocab: int = 100, lengths: Sequence[tuple[int, int]] | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """Pairs of random ids in [4, vocab) (never a special id): n pairs of 1..max_len ids a side, or one pair per
+    (source, target) length given in `lengths`."""
+    rng = random.Random(seed)
+
+    def ids(length: int) -> list[int]:
+        return [rng.randint(4, vocab - 1) for _ in range(length)]
+
+    if lengths is not None:
+        return [(ids(s), ids(t)) for s, t in lengths]
+    return [(ids(rng.randint(1, max_len)), ids(rng.randint(1, max_len))) for _ in range(n)]
+
+
+def batches_equal(a: Batch, b: Batch) -> bool:
+    return torch.equal(a.src, b.src) and torch.equal(a.tgt_in, b.tgt_in) and torch.equal(a.tgt_out, b.tgt_out)
+
+
+def write_corpus(directory: Path, n_train: int = 200, n_valid: int = 20, seed: int = 0) -> Path:
+    """{train,valid}.{de,en}: a reversal task over WORDS (the target is the source's words reversed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, n in (("train", n_train), ("valid", n_valid)):
+        src = sentences(rng, n)
+        (directory / f"{split}.de").write_text("".join(s + "\n" for s in src), encoding="utf-8")
+        (directory / f"{split}.en").write_text(
+            "".join(" ".join(reversed(s.split())) + "\n" for s in src), encoding="utf-8"
+        )
+    return directory
+
+
+def shared_data_dir() -> Path:
+    """The real corpora: $TRANSFORMER_DATA (set by the Makefile) or ../shared/data beside the repo."""
+    return Path(os.environ.get("TRANSFORMER_DATA", ROOT.parent / "shared" / "data"))
+
+
+def write_hub_folder(
+    directory: Path, layout: str, pairs: dict[str, list[tuple[str, str]]], languages: tuple[str, str] = ("de", "en")
+) -> Path:
+    """A folder that `datasets.load_dataset` reads as a dataset: {split}.jsonl with rows {"de": .., "en": ..}
+    (layout "columns") or {"translation": {"de": .., "en": ..}} (layout "translation")."""
+    directory.mkdir()
+    for name, rows in pairs.items():
+        if layout == "columns":
+            lines = [dict(zip(languages, pair)) for pair in rows]
+        else:
+            lines = [{"translation": dict(zip(languages, pair))} for pair in rows]
+        (directory / f"{name}.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines), encoding="utf-8"
+        )
+    return directory
+
+
+# --------------------------------------------------------------------------- training runs
+
+
+def tiny_config(tmp_path: Path, run: str = "run", data_dir: Path | None = None, **sections) -> dict:
+    """A model of a few thousand parameters that trains in seconds; sections override key by key. It trains in
+    fp32 on every CPU (`precision: auto` would be bf16 on one with AVX512-BF16 or AMX, and the numbers the tests
+    compare would differ from machine to machine); a test of another precision says so."""
+    cfg = {
+        "model": {
+            "d_model": 32,
+            "n_heads": 2,
+            "n_encoder_layers": 1,
+            "n_decoder_layers": 1,
+            "d_ff": 64,
+            "dropout": 0.1,
+            "max_positions": 64,
+        },
+        "data": {
+            "dir": str(data_dir or write_corpus(tmp_path / "corpus")),
+            "vocab_size": 64,
+            "max_len": 20,
+            "max_tokens": 200,
+        },
+        "train": {
+            "run_dir": str(tmp_path / run),
+            "max_steps": 12,
+            "lr_schedule": "noam",
+            "lr": 2.0,
+            "warmup_steps": 10,
+            "log_every": 1,
+            "valid_every": 4,
+            "seed": 3,
+            "precision": "fp32",
+            "finish": False,
+        },  # the end-of-training summary has tests of its own (test_finish.py)
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_training_state(a_path: Path, b_path: Path) -> None:
+    """Two checkpoints hold the same run, bit for bit: counters and data position (wall-clock time aside),
+    weights, and the optimizer's state where they have one."""
+    a, b = load_checkpoint(a_path), load_checkpoint(b_path)
+    wall_clock = {"elapsed"}  # the one thing two runs never share
+    assert {k: v for k, v in a["run"].items() if k not in wall_clock} == {
+        k: v for k, v in b["run"].items() if k not in wall_clock
+    }, (a_path, a["run"], b["run"])
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), f"{a_path}: {key} differs"
+    assert ("optimizer" in a) == ("optimizer" in b)
+    optimizer_states = (state.get("optimizer", {}).get("state", {}).values() for state in (a, b))
+    for sa, sb in zip(*optimizer_states):
+        for key in sa:
+            assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), f"{a_path}: optimizer {key}"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels of a PNG file, read from its header."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+# --------------------------------------------------------------------------- checkpoints for translation
+
+SENTENCES = ["ein hund spielt im park", "zwei katzen", "der mann sitzt auf einem roten haus vor dem baum"]
+LINES = sentences(random.Random(5), 40)
+
+
+def translation_config(data_dir: Path, run_dir: Path, d_ff: int = 64) -> dict:
+    """The config of the translation tests' checkpoints: a tiny model, short outputs (max_len_offset 4)."""
+    return {
+        "model": {
+            "d_model": 32,
+            "n_heads": 4,
+            "n_encoder_layers": 1,
+            "n_decoder_layers": 2,
+            "d_ff": d_ff,
+            "dropout": 0.0,
+            "max_positions": 40,
+        },
+        "data": {
+            "dir": str(data_dir),
+            "src_lang": "de",
+            "tgt_lang": "en",
+            "vocab_size": 80,
+            "max_len": 30,
+            "max_tokens": 64,
+        },
+        "train": {"run_dir": str(run_dir)},
+        "decode": {"beam": 3, "lenpen": 0.6, "max_len_offset": 4, "max_tokens": 64},
+    }
+
+
+def write_checkpoint(path: Path, raw: dict, vocab, seed: int) -> None:
+    """An untrained model with peaky outputs (so that sentences get different translations), weights only."""
+    cfg = from_dict(raw)
+    torch.manual_seed(seed)
+    model = Transformer(cfg.model, len(vocab))
+    with torch.no_grad():
+        model.output.weight.mul_(3.0)
+    # Deliberately only what translation needs: no optimizer, scheduler or step.
+    save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, path)
+
+
+# --------------------------------------------------------------------------- Hugging Face MarianMTModel directories
+
+MARIAN_SOURCE_WORDS, MARIAN_TARGET_WORDS = WORDS[:17], WORDS[17:]  # the German-like and the English-like words
+
+
+def marian_sentences(seed: int, n: int, target: bool = False) -> list[str]:
+    rng = random.Random(seed)
+    words = MARIAN_TARGET_WORDS if target else MARIAN_SOURCE_WORDS
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(2, 8))) for _ in range(n)]
+
+
+def write_marian_dir(directory: Path, seed: int = 0, **config) -> Path:
+    """A small OPUS-MT-like MarianMTModel directory, made as scripts/make_marian_dir.py makes the real-size one (a
+    SentencePiece model per side trained here, vocab.json of both sides' pieces and two >>xx<< codes, swish, a
+    non-zero final_logits_bias with EOS's raised so that about half the outputs end before the length limit, wide
+    random weights). `config`: MarianConfig keys that differ from these tiny ones."""
+    from scripts.make_marian_dir import write_marian_dir as write
+
+    tiny = {
+        "d_model": 32,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64,
+        "max_position_embeddings": 64,
+    }
+    sources, targets = marian_sentences(seed, 400), marian_sentences(seed + 1, 400, target=True)
+    return write(directory, sources, targets, seed=seed, **{**tiny, **config})
