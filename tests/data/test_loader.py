@@ -1,137 +1,21 @@
-"""Reading corpora, split names, token batching on numpy lengths, resumable streams and prefetching, hub loading."""
+"""Which ids go into which batch (data/loader.py): token batching on numpy lengths, resumable streams and prefetching,
+rank sharding, and length batches for translation."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
 import pytest
 
-from tests.helpers import batches_equal, random_pairs, write_hub_folder
+from tests.helpers import batches_equal, random_pairs
 from transformer.config import DataConfig
 from transformer.data import loader as data_module
 from transformer.data.batch import Batch
-from transformer.data.corpus import chain_lines, load_split, read_lines, read_parallel, resolve_split, split_paths
 from transformer.data.loader import BatchStream, Prefetcher, eval_batches, make_batches, pack_by_size
 from transformer.data.store import Corpus
 from transformer.data.vocab import PAD_ID
 from transformer.errors import UserError
-
-# --------------------------------------------------------------------------- reading
-
-
-def test_read_lines_basic(tmp_path):
-    path = tmp_path / "a.txt"
-    path.write_bytes(b"eins\nzwei\n\ndrei\n")
-    assert read_lines(path) == ["eins", "zwei", "", "drei"]
-    path.write_bytes(b"no final newline")
-    assert read_lines(path) == ["no final newline"]
-
-
-def test_read_lines_does_not_split_on_unicode_separators(tmp_path):
-    lines = ["a\u2028b", "form\x0cfeed", "vt\x0bx", "nel\x85y", "ps\u2029z", "gs\x1dw", "lone\rcr"]
-    path = tmp_path / "a.txt"
-    path.write_bytes(("\n".join(lines) + "\n").encode())
-    assert read_lines(path) == lines
-
-
-def test_read_lines_crlf_and_bom(tmp_path):
-    path = tmp_path / "a.txt"
-    path.write_bytes("\ufeffeins\r\nzwei\r\n\r\ndrei\r\n".encode())
-    assert read_lines(path) == ["eins", "zwei", "", "drei"]
-
-
-def test_read_lines_missing_file(tmp_path):
-    path = tmp_path / "missing.de"
-    with pytest.raises(UserError) as e:
-        read_lines(path)
-    assert str(path) in str(e.value)
-
-
-@pytest.mark.parametrize("bad_line", [1, 3, 5])
-def test_read_lines_non_utf8_names_file_and_line(tmp_path, bad_line):
-    lines = [f"line {i} ok".encode() for i in range(1, 6)]
-    lines[bad_line - 1] = b"caf\xe9 au lait"  # Latin-1 byte
-    path = tmp_path / "latin1.en"
-    path.write_bytes(b"\n".join(lines) + b"\n")
-    with pytest.raises(UserError) as e:
-        read_lines(path)
-    message = str(e.value)
-    assert str(path) in message
-    assert f"line {bad_line}" in message
-    assert "UTF-8" in message
-
-
-def test_read_parallel(tmp_path):
-    (tmp_path / "s").write_text("a\nb\nc\n", encoding="utf-8")
-    (tmp_path / "t").write_text("x\ny\nz\n", encoding="utf-8")
-    assert read_parallel(tmp_path / "s", tmp_path / "t") == (["a", "b", "c"], ["x", "y", "z"])
-
-
-def test_read_parallel_different_line_counts(tmp_path):
-    (tmp_path / "s.de").write_text("a\nb\nc\n", encoding="utf-8")
-    (tmp_path / "t.en").write_text("x\ny\nz\nw\nv\n", encoding="utf-8")
-    with pytest.raises(UserError) as e:
-        read_parallel(tmp_path / "s.de", tmp_path / "t.en")
-    message = str(e.value)
-    assert "3" in message and "5" in message
-    assert "s.de" in message and "t.en" in message
-
-
-def test_read_parallel_empty(tmp_path):
-    (tmp_path / "s").write_bytes(b"")
-    (tmp_path / "t").write_bytes(b"")
-    with pytest.raises(UserError, match="empty"):
-        read_parallel(tmp_path / "s", tmp_path / "t")
-
-
-def test_read_parallel_missing_side(tmp_path):
-    (tmp_path / "s").write_text("a\n", encoding="utf-8")
-    with pytest.raises(UserError) as e:
-        read_parallel(tmp_path / "s", tmp_path / "nope")
-    assert "nope" in str(e.value)
-
-
-def test_read_parallel_from_pipes_and_count_lines_refuses_them(tmp_path):
-    from transformer.data.corpus import count_lines
-
-    ends = []
-    for text in ("a\nb\n", "x\ny\n", "a\n"):
-        read_end, write_end = os.pipe()
-        os.write(write_end, text.encode())
-        os.close(write_end)
-        ends.append(read_end)
-    try:
-        src, tgt, third = (f"/dev/fd/{fd}" for fd in ends)
-        assert read_parallel(src, tgt) == (["a", "b"], ["x", "y"])  # each read once: counting would empty them
-        with pytest.raises(UserError, match=f"^data: {third} is not a regular file .*it is read twice"):
-            count_lines(third)
-    finally:
-        for fd in ends:
-            os.close(fd)
-    with pytest.raises(UserError, match=f"^data: {tmp_path} is a directory, not a file$"):
-        read_parallel(tmp_path, tmp_path)
-
-
-def test_load_split_local(tmp_path):
-    cfg = DataConfig(dir=str(tmp_path), src_lang="de", tgt_lang="en")
-    assert split_paths(cfg, "valid") == (tmp_path / "valid.de", tmp_path / "valid.en")
-    (tmp_path / "valid.de").write_text("hallo\nwelt\n", encoding="utf-8")
-    (tmp_path / "valid.en").write_text("hello\nworld\n", encoding="utf-8")
-    assert load_split(cfg, "valid") == (["hallo", "welt"], ["hello", "world"])
-    with pytest.raises(UserError, match="test.de"):
-        load_split(cfg, "test")
-
-
-def test_load_split_refuses_sides_of_different_lengths(tmp_path):
-    """A test set whose sides disagree is an error, as for training data, not silently cut to the shorter side."""
-    cfg = DataConfig(dir=str(tmp_path), src_lang="de", tgt_lang="en")
-    (tmp_path / "test.de").write_text("a\nb\nc\n", encoding="utf-8")
-    (tmp_path / "test.en").write_text("x\ny\n", encoding="utf-8")
-    with pytest.raises(UserError, match="has 3 lines but .* has 2"):
-        load_split(cfg, "test")
-
 
 # --------------------------------------------------------------------------- batching
 
@@ -309,42 +193,6 @@ def test_batch_stream_too_few_batches_for_ranks():
         BatchStream(Corpus.from_pairs(random_pairs(1, max_len=5)), stream_cfg(), seed=1, rank=0, world_size=2)
 
 
-# --------------------------------------------------------------------------- Hugging Face datasets
-
-
-HUB_TRAIN = [("Ein Hund läuft.", "A dog runs."), ("Zwei Männer.", "Two men."), ("Eine Katze.", "A cat.")]
-HUB_VALID = [("Ein Kind spielt.", "A child plays."), ("Ein Haus.", "A house.")]
-
-
-@pytest.mark.parametrize("layout", ["columns", "translation"])
-def test_hub_split_from_local_files(offline_hub, layout):
-    data = write_hub_folder(offline_hub / f"hub-{layout}", layout, {"train": HUB_TRAIN, "validation": HUB_VALID})
-    cfg = DataConfig(
-        source="hub", hub_name=str(data), hub_config=None, src_lang="de", tgt_lang="en", valid_split="validation"
-    )
-    src, tgt = load_split(cfg, "train")
-    assert list(src) == [de for de, _ in HUB_TRAIN] and list(tgt) == [en for _, en in HUB_TRAIN]
-    src, tgt = load_split(cfg, cfg.valid_split)
-    assert list(src) == [de for de, _ in HUB_VALID] and list(tgt) == [en for _, en in HUB_VALID]
-    # The direction follows src_lang / tgt_lang.
-    reverse = DataConfig(source="hub", hub_name=str(data), src_lang="en", tgt_lang="de")
-    src, tgt = load_split(reverse, "train")
-    assert list(src) == [en for _, en in HUB_TRAIN] and list(tgt) == [de for de, _ in HUB_TRAIN]
-    # An unknown split is a one-line user error naming it.
-    with pytest.raises(UserError) as e:
-        load_split(cfg, "test")
-    assert "'test'" in str(e.value) and "\n" not in str(e.value)
-
-
-def test_hub_split_wrong_columns(offline_hub):
-    data = write_hub_folder(
-        offline_hub / "hub-fr", "columns", {"train": [("Un chien.", "A dog.")]}, languages=("fr", "en")
-    )
-    cfg = DataConfig(source="hub", hub_name=str(data), src_lang="de", tgt_lang="en")
-    with pytest.raises(UserError, match="columns"):
-        load_split(cfg, "train")
-
-
 def test_an_update_counts_the_tokens_of_every_ranks_batches_eos_included():
     # The loss of an update is divided by n_tgt_tokens: it must be the target positions the batches score.
     corpus = Corpus.from_pairs(random_pairs(120, max_len=20))
@@ -393,18 +241,3 @@ def test_long_pairs_are_sorted_like_lexsort_and_batched_within_budget():
     batches = make_batches(src_len, tgt_len, 8192, seed=0, epoch=0)
     for b in as_lists(batches):
         assert len(b) * int(size[b].max()) <= 8192 or len(b) == 1
-
-
-def test_dev_files_are_the_valid_split(tmp_path):
-    """WMT and IWSLT ship their validation set as dev.*"""
-    for split in ("train", "dev"):
-        for side in ("de", "en"):
-            (tmp_path / f"{split}.{side}").write_text("ein hund\n", encoding="utf-8")
-    cfg = DataConfig(dir=str(tmp_path), src_lang="de", tgt_lang="en")
-    assert resolve_split(cfg, "valid") == "dev"
-    assert split_paths(cfg, resolve_split(cfg, "valid")) == (tmp_path / "dev.de", tmp_path / "dev.en")
-
-
-def test_the_vocabulary_is_trained_on_both_sides_in_turn():
-    chunks = iter([(["s1", "s2"], ["t1", "t2"]), (["s3"], ["t3"])])
-    assert list(chain_lines(chunks)) == ["s1", "t1", "s2", "t2", "s3", "t3"]

@@ -5,10 +5,8 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +19,6 @@ import yaml
 
 from tests.helpers import cli, subprocess_env, tiny_config, write_config
 from transformer.config import from_dict
-from transformer.errors import UserError
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.training.average import average_checkpoints
 from transformer.training.loop import train
@@ -605,17 +602,6 @@ def test_config_from_a_pipe_like_dev_stdin(env, capsys):
     assert cfg.train.run_dir == str(env["run"])
 
 
-def test_a_full_disk_names_the_file_and_leaves_no_temporary(env, monkeypatch, tmp_path, call):
-    def full(fd):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(os, "fsync", full)
-    run = env["run"]
-    status, _, err = call("average", run, "--last", "2", "--output", tmp_path / "avg.pt")
-    assert (status, err) == (2, f"error: {tmp_path}/avg.pt: No space left on device\n")
-    assert list(tmp_path.iterdir()) == []
-
-
 @pytest.mark.parametrize("failure, status", [(KeyboardInterrupt, 130), (OSError(errno.EIO, "I/O error"), 2)])
 def test_translate_that_fails_keeps_the_previous_output(env, monkeypatch, tmp_path, call, failure, status):
     from transformer.inference.translator import Translator
@@ -682,60 +668,6 @@ def test_a_translate_stopped_midway_keeps_the_output_and_what_it_translated(
     assert call("translate", env["run"], "--input", env["root"] / "same.txt", "--output", output)[0] == 0
     assert len(output.read_text(encoding="utf-8").splitlines()) == 2 and not partial.exists()
     assert output.stat().st_mode & 0o777 == 0o600
-
-
-def _utf16(corpus: Path) -> None:
-    text = (corpus / "train.de").read_text(encoding="utf-8").replace("a", "\u010a")  # U+010A holds byte 0x0a
-    (corpus / "train.de").write_text(text, encoding="utf-16")
-
-
-def _fifo(corpus: Path) -> None:
-    (corpus / "train.de").unlink()
-    os.mkfifo(corpus / "train.de")
-
-
-def _directory(corpus: Path) -> None:
-    (corpus / "train.de").unlink()
-    (corpus / "train.de").mkdir()
-
-
-def _blank(corpus: Path) -> None:
-    for side in ("de", "en"):
-        (corpus / f"train.{side}").write_text(" \n\n  \n", encoding="utf-8")
-
-
-@pytest.mark.parametrize(
-    "damage, message",
-    [
-        (
-            _utf16,
-            "data: {corpus}/train.de is not UTF-8: it holds UTF-16 text (it starts with a UTF-16 byte-order mark); "
-            "convert it, e.g. iconv -f UTF-16 -t UTF-8 {corpus}/train.de > train.de.utf8, and use that",
-        ),
-        (
-            _fifo,
-            "data: {corpus}/train.de is not a regular file (a pipe or a device); a corpus is read more than once "
-            "(counted, then encoded), so give a file",
-        ),
-        (_directory, "data: {corpus}/train.de is a directory, not a file (split 'train' in data.dir '{corpus}')"),
-        (
-            _blank,
-            "vocab: every training sentence is blank (or only spaces): there is no text to train a SentencePiece "
-            "model on; check the training split's files (data.dir, data.train_split)",
-        ),
-    ],
-    ids=["utf-16", "fifo", "directory", "blank"],
-)
-def test_a_corpus_that_is_not_what_it_should_be_is_named_for_what_it_is(tmp_path, call, damage, message):
-    """Were: a line-count mismatch (UTF-16), "no such file" (a directory or a FIFO that is there), SentencePiece's
-    INTERNAL error (blank-only sides)."""
-    from tests.helpers import write_corpus
-
-    corpus = write_corpus(tmp_path / "corpus")
-    damage(corpus)
-    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path, data_dir=corpus))
-    status, _, err = call("prepare", config)
-    assert (status, err.splitlines()[-1]) == (2, "error: " + message.format(corpus=corpus)), err
 
 
 def test_resume_with_an_empty_config_yaml_is_refused_not_compared_with_defaults(env, tmp_path, call):
@@ -872,126 +804,6 @@ def test_translate_output_dev_stdout_appended_to_a_log(env, tmp_path):
     assert lines[0] == "earlier" and len(lines) == 5 and (tmp_path / "link").is_symlink()
 
 
-def test_remove_stale_temporaries_removes_only_ours(tmp_path):
-    from transformer.files import TEMP_SUFFIX, atomic_write, remove_stale_temporaries
-
-    mine = [tmp_path / n for n in (".notes.tmp", "draft.tmp", ".last.pt.abc.tmp", f"x{TEMP_SUFFIX}")]
-    for path in mine:
-        path.write_text("keep")
-    ours = tmp_path / f".last.pt.a1b2c3d4{TEMP_SUFFIX}"  # what a kill inside atomic_write leaves
-    ours.write_text("torn")
-    atomic_write(tmp_path / "last.pt", lambda f: f.write(b"whole"))
-    remove_stale_temporaries(tmp_path)
-    assert not ours.exists()
-    assert all(p.read_text() == "keep" for p in mine)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([p.name for p in mine] + ["last.pt"])
-
-
-def _dead_pid() -> int:
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
-
-
-def test_run_directory_lock(env, tmp_path, call):
-    from transformer.training.lock import RunLock
-
-    run_dir = tmp_path / "run"
-    cfg = tiny_config(tmp_path, "run", data_dir=env["root"] / "corpus", train={"max_steps": 1, "valid_every": 1})
-    config = write_config(tmp_path / "c.yaml", cfg)
-    run_dir.mkdir()
-    host = socket.gethostname()
-    with RunLock(run_dir):  # a live training process owns it
-        status, _, err = call("train", config)
-    assert status == 2
-    assert err == (
-        f"error: train: {run_dir} is in use by pid {os.getpid()} on host {host} (lock file "
-        f"{run_dir}/train.lock); wait for that run to end, or stop it\n"
-    )
-    assert sorted(p.name for p in run_dir.iterdir()) == []  # released, and nothing written
-    finished = tmp_path / "finished"  # a copy: were the refusal to regress, finish would write into it
-    shutil.copytree(env["run"], finished)
-    for command, directory, argv in (("prepare", run_dir, config), ("finish", finished, finished)):
-        with RunLock(directory):  # the refusal names the command that was refused
-            status, _, err = call(command, argv)
-        assert status == 2 and err.startswith(f"error: {command}: {directory} is in use by pid {os.getpid()}"), err
-
-    (run_dir / "train.lock").write_text('{"pid": 1, "host": "elsewhere"}\n')
-    status, _, err = call("train", config)
-    assert (status, err) == (
-        2,
-        f"error: train: {run_dir} is in use by pid 1 on host elsewhere (lock file "
-        f"{run_dir}/train.lock); if no run is going on there any more, delete the lock "
-        "file\n",
-    )
-
-    dead = _dead_pid()  # a killed run's lock: taken over, with a log line
-    (run_dir / "train.lock").write_text(f'{{"pid": {dead}, "host": "{host}"}}\n')
-    status, _, err = call("train", config)
-    assert status == 0, err
-    assert (
-        f"lock: {run_dir}/train.lock was left by pid {dead} on {host}, which is gone; taking it over"
-        in (run_dir / "train.log").read_text()
-    )
-    assert not (run_dir / "train.lock").exists()  # removed when the run ends
-
-    # Its pid taken by another process since (pid 1 lives as long as the machine): nobody holds the file's
-    # flock, so the run that wrote it is gone all the same.
-    (run_dir / "train.lock").write_text(f'{{"pid": 1, "host": "{host}"}}\n')
-    status, _, err = call("train", config, "--resume")
-    assert status == 0, err
-    assert "was left by pid 1 on" in (run_dir / "train.log").read_text()
-
-
-@pytest.mark.parametrize(
-    "kind", ["link to a file", "link to an empty file", "dangling link", "hard link", "fifo", "directory"]
-)
-def test_the_lock_is_never_written_through_a_link_or_into_another_file(tmp_path, kind):
-    """train.lock used to be opened with O_CREAT and followed links: the pid overwrote a victim file, and a dangling
-    link's target was created. Now: O_CREAT|O_EXCL|O_NOFOLLOW, and only a regular file with one name is taken."""
-    from transformer.training.lock import RunLock
-
-    run_dir, victim = tmp_path / "run", tmp_path / "victim.txt"
-    run_dir.mkdir()
-    lock = run_dir / "train.lock"
-    contents = "" if kind == "link to an empty file" else "precious\n"  # "": read as nobody's lock, so written
-    if kind != "dangling link":
-        victim.write_text(contents)
-    if kind.startswith("link") or kind == "dangling link":
-        lock.symlink_to(victim)
-    elif kind == "hard link":
-        os.link(victim, lock)
-    elif kind == "fifo":
-        os.mkfifo(lock)
-    else:
-        lock.mkdir()
-    said = {
-        "link to a file": "is a symbolic link",
-        "link to an empty file": "is a symbolic link",
-        "dangling link": "is a symbolic link",
-        "hard link": "has other names (hard links)",
-        "fifo": "is not a regular file",
-        "directory": "is not a regular file",
-    }[kind]
-    with pytest.raises(UserError, match=f"^train: {re.escape(str(lock))} {re.escape(said)}; .*delete"):
-        with RunLock(run_dir):
-            pass
-    if kind == "dangling link":
-        assert not victim.exists()  # not created through the link
-    elif kind != "fifo" and kind != "directory":
-        assert victim.read_text() == contents
-    assert lock.is_symlink() or lock.exists()  # refused, left as it was
-
-    # A plain lock file nobody holds (a killed run's) is still taken over, and a new one is created as before.
-    shutil.rmtree(lock) if kind == "directory" else lock.unlink()
-    lock.write_text(json.dumps({"pid": 999999999, "host": socket.gethostname()}) + "\n")
-    with RunLock(run_dir) as held:
-        assert held.took_over and json.loads(lock.read_text())["pid"] == os.getpid()
-    assert not lock.exists()
-    with RunLock(run_dir):
-        assert json.loads(lock.read_text())["pid"] == os.getpid()
-
-
 def test_a_vocabulary_smaller_than_asked_is_logged_and_noted_in_config_yaml(env, capsys, tmp_path):
     from transformer.data.vocab import Vocab
 
@@ -1021,20 +833,6 @@ def test_a_reused_smaller_spm_model_is_a_warning(env, caplog):
     with caplog.at_level("WARNING", logger="transformer"):
         Vocab.load(path).check_reuse(path, 100)
     assert f"{path} has 64 pieces, fewer than data.vocab_size 100" in caplog.text
-
-
-def test_allocation_failure_names_the_setting(monkeypatch):
-    from transformer.config import ModelConfig
-    from transformer.errors import UserError
-    from transformer.model import transformer as model_module
-
-    monkeypatch.setattr(model_module, "_physical_memory", lambda: None)  # only the allocator can say no
-    with pytest.raises(
-        UserError,
-        match=r"not enough memory for the positions table \(model.max_positions "
-        r"100000000000000 x model.d_model 32\) \(",
-    ):
-        model_module.build_model(ModelConfig(d_model=32, n_heads=2, max_positions=BIG), 64)
 
 
 def test_torchrun_failure_summary_shows_our_line(env, monkeypatch, tmp_path, call):

@@ -337,16 +337,3 @@ def test_printed_resume_command_keeps_the_overrides_and_continues_the_same_run(t
     main(["train", "--resume", str(run), "--set", "train.max_steps=8"])  # the run's own config, one more change
     assert load_checkpoint(run / "last.pt")["run"]["step"] == 8
     assert not (tmp_path / "default run").exists()
-
-
-def test_a_second_signal_stops_at_once_without_saving():
-    """The first Ctrl-C asks the loop to save and stop after the update; a second one must not wait for that."""
-    from transformer.signals import StopRequested
-
-    with StopRequested() as stop:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)  # the handler runs between bytecodes of this thread
-        assert stop.signal_name == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.5)

@@ -2,7 +2,7 @@
 with two ranks trains; a node with another config or other data is refused on every rank; a worker killed under
 `--max-restarts` (in an update, or while rank 0 writes last.pt) is restarted and the run ends bit for bit as if
 nothing had happened; a rank that waits for a stuck peer stops with one line. In a module of its own, so that the
-suite's processes run it beside test_distributed.py."""
+suite's processes run it beside test_data_parallel.py."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from tests.helpers import (
 from transformer.config import from_dict, to_dict
 from transformer.data.batch import Batch
 from transformer.data.vocab import Vocab, train_vocab
+from transformer.distributed import DistInfo
 from transformer.errors import UserError
 from transformer.files import TEMP_SUFFIX
 from transformer.inference import scoring
@@ -508,3 +509,28 @@ def test_a_compiled_training_step_runs_on_a_cpu(tmp_path):
     assert state["run"]["step"] == 2
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
     assert [m["step"] for m in read_metrics(run_dir) if m.get("split") == "train"] == [1, 2]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_process_group_is_left_only_after_a_normal_end(monkeypatch, tmp_path, fails):
+    # On NCCL destroy_process_group waits for the peers' collectives: after an error (a dead peer) it could
+    # hang where the error should come out.
+    from transformer.training import loop as train_module
+
+    left = []
+    monkeypatch.setattr(train_module, "init_distributed", lambda device: (DistInfo(rank=0, world_size=2), "cpu"))
+    monkeypatch.setattr(train_module, "shutdown_distributed", lambda: left.append(True))
+
+    def fake_train(*args):
+        if fails:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+        return tmp_path
+
+    monkeypatch.setattr(train_module, "_train", fake_train)
+    cfg = from_dict(tiny_config(tmp_path))
+    if fails:
+        with pytest.raises(UserError, match="rank 0: distributed training stopped"):
+            train_module.train(cfg)
+    else:
+        assert train_module.train(cfg) == tmp_path
+    assert left == ([] if fails else [True])
