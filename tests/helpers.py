@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from transformer.config import from_dict, to_dict
+from transformer.config import ModelConfig, from_dict, to_dict
 from transformer.data.batch import Batch
 from transformer.data.vocab import PAD_ID
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
@@ -296,3 +296,35 @@ def write_marian_dir(directory: Path, seed: int = 0, **config) -> Path:
     }
     sources, targets = marian_sentences(seed, 400), marian_sentences(seed + 1, 400, target=True)
     return write(directory, sources, targets, seed=seed, **{**tiny, **config})
+
+
+# --------------------------------------------------------------------------- small models for the model's own tests
+
+SMALL_VOCAB = 50
+
+
+def small_config(**kw) -> ModelConfig:
+    """Two layers a side, 32 wide, every dropout 0.1; keyword arguments override."""
+    base = dict(
+        d_model=32,
+        n_heads=2,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        d_ff=64,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_dropout=0.1,
+        max_positions=64,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def small_model(seed: int = 0, **kw) -> Transformer:
+    """A Transformer of small_config(**kw) and SMALL_VOCAB pieces, seeded, in eval mode."""
+    torch.manual_seed(seed)
+    return Transformer(small_config(**kw), SMALL_VOCAB).eval()
+
+
+def random_ids(*shape: int) -> torch.Tensor:
+    return torch.randint(4, SMALL_VOCAB, shape)  # never a special id

@@ -7,6 +7,7 @@ import torch
 
 from tests.helpers import cli, subprocess_env
 from transformer import device as device_module
+from transformer.config import from_dict
 from transformer.device import NATIVE_BF16_VARIABLE, pick_precision
 from transformer.errors import UserError
 
@@ -33,3 +34,17 @@ def test_a_child_process_sees_the_override(run):
         )
         assert result.returncode == 0, result.stderr
         assert f"dtype: {dtype} (auto: {NATIVE_BF16_VARIABLE}={forced})" in result.stderr
+
+
+def test_precision_auto_is_bf16_only_where_the_hardware_has_it(monkeypatch, cpu_with_bf16_flags):
+    cpu = torch.device("cpu")
+    cpu_with_bf16_flags([])
+    assert pick_precision("auto", cpu) == ("fp32", "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
+    cpu_with_bf16_flags(["amx_bf16"])
+    assert pick_precision("auto", cpu) == ("bf16", "auto: this CPU has amx_bf16")
+    assert pick_precision("fp32", cpu)[0] == "fp32"  # an explicit choice stays
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
+    assert pick_precision("auto", torch.device("cuda"))[0] == "bf16"
+    with pytest.raises(UserError, match="fp16' needs CUDA"):
+        pick_precision("fp16", cpu)
+    assert from_dict({}).train.precision == "auto"

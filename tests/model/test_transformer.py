@@ -1,4 +1,5 @@
-"""Properties of the Transformer modules: shapes, masking, caching, positions, sharing, size, dropout."""
+"""Properties of the Transformer modules (model/transformer.py): shapes, masking, attention, positions, sharing,
+size, dropout, the training FLOPs (incremental decoding: test_kv_cache.py)."""
 
 from __future__ import annotations
 
@@ -7,62 +8,42 @@ import math
 import pytest
 import torch
 
-from tests.helpers import ROOT, random_pairs
+from tests.helpers import ROOT, SMALL_VOCAB, random_ids, random_pairs, small_config, small_model
 from transformer.config import ModelConfig, load_config
 from transformer.data.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.data.vocab import PAD_ID
-from transformer.model.kv_cache import KVCache
 from transformer.model.positions import PositionalEncoding
-from transformer.model.transformer import MultiHeadAttention, TokenPacking, Transformer, count_parameters, evaluating
+from transformer.model.transformer import (
+    MultiHeadAttention,
+    TokenPacking,
+    Transformer,
+    count_parameters,
+    evaluating,
+    training_flops,
+)
 
-VOCAB = 50
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-def small_cfg(**kw) -> ModelConfig:
-    base = dict(
-        d_model=32,
-        n_heads=2,
-        n_encoder_layers=2,
-        n_decoder_layers=2,
-        d_ff=64,
-        dropout=0.1,
-        attention_dropout=0.1,
-        activation_dropout=0.1,
-        max_positions=64,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-def make_model(seed: int = 0, **kw) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(small_cfg(**kw), VOCAB).eval()
-
-
-def random_ids(*shape: int) -> torch.Tensor:
-    return torch.randint(4, VOCAB, shape)  # never a special id
 
 
 # --------------------------------------------------------------------------- shapes
 
 
 def test_shapes_of_encode_decode_forward():
-    model = make_model()
+    model = small_model()
     src, tgt = random_ids(3, 7), random_ids(3, 5)
     src_mask = padding_mask(src)
     tgt_mask = target_mask(tgt)
     memory = model.encode(src, src_mask)
     assert memory.shape == (3, 7, 32)
     logits = model.decode(tgt, memory, src_mask, tgt_mask)
-    assert logits.shape == (3, 5, VOCAB)
+    assert logits.shape == (3, 5, SMALL_VOCAB)
     full = model(src, tgt, src_mask, tgt_mask)
-    assert full.shape == (3, 5, VOCAB)
+    assert full.shape == (3, 5, SMALL_VOCAB)
     torch.testing.assert_close(full, logits, **TOL)
 
 
 def test_too_long_sequence_is_rejected():
-    model = make_model(max_positions=8)
+    model = small_model(max_positions=8)
     src = random_ids(1, 9)
     with pytest.raises(ValueError, match="max_positions"):
         model.encode(src, padding_mask(src))
@@ -73,7 +54,7 @@ def test_too_long_sequence_is_rejected():
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_decoder_is_causal(norm):
-    model = make_model(norm=norm)
+    model = small_model(norm=norm)
     src, tgt = random_ids(2, 6), random_ids(2, 8)
     src_mask = padding_mask(src)
     mask = causal_mask(8)
@@ -92,9 +73,9 @@ def test_decoder_is_causal(norm):
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_padding_invariance(norm):
     """A pair alone gives the same encoder output and logits as inside a batch padded by longer pairs."""
-    model = make_model(norm=norm)
+    model = small_model(norm=norm)
     # The first pair is short on both sides; the others force source and target padding.
-    pairs = random_pairs(lengths=[(3, 4), (9, 2), (2, 10), (6, 6)], seed=1, vocab=VOCAB)
+    pairs = random_pairs(lengths=[(3, 4), (9, 2), (2, 10), (6, 6)], seed=1, vocab=SMALL_VOCAB)
     batch = Batch.from_pairs(pairs)
     assert batch.src.size(1) == 10 and batch.tgt_in.size(1) == 11
     memory = model.encode(batch.src, batch.src_mask)
@@ -112,12 +93,12 @@ def test_padding_invariance(norm):
 def test_encoder_skips_padding_with_the_same_result(monkeypatch):
     """On a CPU the encoder runs its position-wise layers on the real tokens only (TokenPacking): outputs and
     gradients at real positions are those of the padded computation, and memory is zero at padding."""
-    batch = Batch.from_pairs(random_pairs(lengths=[(3, 4), (9, 2), (6, 6)], seed=2, vocab=VOCAB))
+    batch = Batch.from_pairs(random_pairs(lengths=[(3, 4), (9, 2), (6, 6)], seed=2, vocab=SMALL_VOCAB))
     assert TokenPacking.of(batch.src_mask) is not None
     real = batch.src_mask[:, 0, 0, :, None]  # (B, S, 1)
 
     def run():
-        model = make_model(seed=3)  # dropout 0: training mode is deterministic
+        model = small_model(seed=3)  # dropout 0: training mode is deterministic
         memory = model.encode(batch.src, batch.src_mask)
         (memory * real).square().sum().backward()
         return memory, [p.grad for p in model.parameters()]
@@ -193,8 +174,8 @@ def test_attention_record_path(mask_kind):
 
 
 def test_model_record_path_matches_fused():
-    model = make_model()
-    batch = Batch.from_pairs(random_pairs(lengths=[(4, 5), (7, 3)], vocab=VOCAB))
+    model = small_model()
+    batch = Batch.from_pairs(random_pairs(lengths=[(4, 5), (7, 3)], vocab=SMALL_VOCAB))
     fused = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
     modules = [m for ms in model.attention_modules().values() for m in ms]
     assert len(modules) == 6
@@ -205,111 +186,6 @@ def test_model_record_path_matches_fused():
     for m in modules:
         assert len(m.record) == 1
         torch.testing.assert_close(m.record[0].sum(-1), torch.ones(m.record[0].shape[:-1]), **TOL)
-
-
-# --------------------------------------------------------------------------- incremental decoding
-
-
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_cached_decoding_matches_full(norm):
-    model = make_model(norm=norm)
-    batch = Batch.from_pairs(random_pairs(lengths=[(5, 6), (3, 2), (8, 4)], seed=5, vocab=VOCAB))
-    memory = model.encode(batch.src, batch.src_mask)
-    full = model.decode(batch.tgt_in, memory, batch.src_mask, batch.tgt_mask)
-    cache = model.new_cache(memory, batch.src_mask)
-    # Cross-attention K/V exist before the first step: the cache, not a memory argument, feeds them.
-    assert cache.cross_attn[0].k.shape == (3, 2, batch.src.size(1), 16)
-    steps = []
-    for t in range(batch.tgt_in.size(1)):
-        steps.append(model.decode(batch.tgt_in[:, t : t + 1], cache=cache))
-        assert cache.length == t + 1
-    incremental = torch.cat(steps, dim=1)
-    real = batch.tgt_in != PAD_ID  # right padding: real positions never see a pad key in either path
-    torch.testing.assert_close(incremental[real], full[real], **TOL)
-    assert cache.self_attn[0].k.shape == (3, 2, batch.tgt_in.size(1), 16)  # grew one step at a time
-
-
-def test_decode_with_a_cache_takes_no_memory():
-    model = make_model()
-    batch = Batch.from_pairs(random_pairs(lengths=[(5, 3), (4, 3)], vocab=VOCAB))
-    memory = model.encode(batch.src, batch.src_mask)
-    cache = model.new_cache(memory, batch.src_mask)
-    with pytest.raises(ValueError, match="takes no memory"):
-        model.decode(batch.tgt_in[:, :1], memory, batch.src_mask, None, cache)
-
-
-def test_cache_keep_rows_selects_rows():
-    """Dropping and reordering sentences moves self- and cross-attention K/V and the memory mask together."""
-    model = make_model()
-    # Different source lengths: the rows' masks differ.
-    batch = Batch.from_pairs(random_pairs(lengths=[(5, 3), (2, 3), (6, 3)], seed=6, vocab=VOCAB))
-    memory = model.encode(batch.src, batch.src_mask)
-    cache = model.new_cache(memory, batch.src_mask)
-    model.decode(batch.tgt_in[:, :2], None, None, causal_mask(2), cache)
-    index = torch.tensor([2, 1])
-    cache.keep_rows(index, sources=index)
-    assert torch.equal(cache.memory_mask, batch.src_mask[index])
-    step = model.decode(batch.tgt_in[index, 2:3], cache=cache)
-    full = model.decode(batch.tgt_in[index, :3], memory[index], batch.src_mask[index], causal_mask(3))
-    torch.testing.assert_close(step[:, 0], full[:, 2], **TOL)
-
-
-def test_cache_groups_of_rows_share_their_source():
-    """Beams of one sentence read its encoder K/V, held once per source: growing a sentence to several rows,
-    reordering rows within sentences and dropping a sentence give what a copy of the memory per row gives."""
-    model = make_model()
-    batch = Batch.from_pairs(random_pairs(lengths=[(5, 4), (2, 4), (6, 4)], seed=7, vocab=VOCAB))
-    memory = model.encode(batch.src, batch.src_mask)
-    cache = model.new_cache(memory, batch.src_mask)
-    model.decode(batch.tgt_in[:, :1], cache=cache)  # one row per source
-    rows = torch.tensor([0, 0, 1, 1, 2, 2])  # each sentence grows to two rows (its source, by row)
-    cache.keep_rows(rows)
-    cross_k, mask = cache.cross_attn[0].k, cache.memory_mask
-    tgt = batch.tgt_in[rows].clone()
-    tgt[:, 1] = torch.randint(4, VOCAB, (6,))  # the two rows of a sentence differ from here on
-    model.decode(tgt[:, 1:2], cache=cache)
-    assert cache.cross_attn[0].k is cross_k and cache.memory_mask is mask  # per source: never copied per row
-    within = torch.tensor([1, 0, 2, 3, 5, 4])  # beams swap inside their sentences
-    cache.keep_rows(within)
-    tgt, rows = tgt[within], rows[within]
-    step = model.decode(tgt[:, 2:3], cache=cache)
-    full = model.decode(tgt[:, :3], memory[rows], batch.src_mask[rows], causal_mask(3))
-    torch.testing.assert_close(step[:, 0], full[:, 2], **TOL)
-    keep = torch.tensor([0, 1, 4, 5])  # sentence 1 is done: its rows and its source leave
-    cache.keep_rows(keep, sources=torch.tensor([0, 2]))
-    tgt, rows = tgt[keep], rows[keep]
-    step = model.decode(tgt[:, 3:4], cache=cache)
-    full = model.decode(tgt[:, :4], memory[rows], batch.src_mask[rows], causal_mask(4))
-    torch.testing.assert_close(step[:, 0], full[:, 3], **TOL)
-
-
-def test_kv_cache_reorders_rows_in_place_as_a_gather_would():
-    """Rows reordered, duplicated and dropped inside the buffers (only the rows that change are copied) hold what
-    index_select of the rows before would; rows beyond the buffers' take new ones; positions still grow."""
-    torch.manual_seed(0)
-    kv = KVCache()
-    kv.append(torch.randn(6, 2, 3, 4), torch.randn(6, 2, 3, 4))
-    buffer = kv._buffers[0]
-    for index in ([5, 0, 0, 3, 1], [0, 1, 2, 3, 4], [4, 3, 2, 1], [1, 1, 0]):  # within the 6 rows held
-        k, v, index = kv.k.clone(), kv.v.clone(), torch.tensor(index)
-        kv.keep_rows(index)
-        assert torch.equal(kv.k, k[index]) and torch.equal(kv.v, v[index]) and kv._buffers[0] is buffer
-    new_k, new_v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
-    k, v = kv.k.clone(), kv.v.clone()
-    kv.append(new_k, new_v)
-    assert torch.equal(kv.k, torch.cat([k, new_k], dim=2)) and torch.equal(kv.v, torch.cat([v, new_v], dim=2))
-    k, index = kv.k.clone(), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])  # more rows than the buffers hold
-    kv.keep_rows(index)
-    assert torch.equal(kv.k, k[index]) and kv._buffers[0] is not buffer
-
-
-def test_cache_refuses_rows_that_do_not_group_by_source():
-    model = make_model()
-    batch = Batch.from_pairs(random_pairs(lengths=[(5, 3), (2, 3)], seed=8, vocab=VOCAB))
-    cache = model.new_cache(model.encode(batch.src, batch.src_mask), batch.src_mask)
-    cache.keep_rows(torch.tensor([0, 0, 1]))
-    with pytest.raises(ValueError, match="do not split into groups"):
-        model.decode(batch.tgt_in[[0, 0, 1], :1], cache=cache)
 
 
 # --------------------------------------------------------------------------- embeddings
@@ -332,7 +208,7 @@ def test_positional_encoding_formula():
 
 
 def test_embeddings_scaled_by_sqrt_d_model():
-    model = make_model()
+    model = small_model()
     seen = {}
 
     def capture(module, args):
@@ -346,7 +222,7 @@ def test_embeddings_scaled_by_sqrt_d_model():
 
 
 def test_pad_embedding_is_zero():
-    model = make_model()
+    model = small_model()
     assert torch.all(model.src_embed.weight[PAD_ID] == 0)
     assert torch.all(model.tgt_embed.weight[PAD_ID] == 0)
 
@@ -354,17 +230,17 @@ def test_pad_embedding_is_zero():
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("tie", [True, False])
 def test_weight_sharing(share, tie):
-    model = make_model(share_embeddings=share, tie_output=tie)
+    model = small_model(share_embeddings=share, tie_output=tie)
     assert (model.src_embed.weight is model.tgt_embed.weight) == share
     assert (model.output.weight is model.tgt_embed.weight) == tie
     assert (model.output.weight is model.src_embed.weight) == (share and tie)
     distinct = {id(model.src_embed.weight), id(model.tgt_embed.weight), id(model.output.weight)}
-    reference = count_parameters(make_model(share_embeddings=True, tie_output=True))
-    assert count_parameters(model) == reference + (len(distinct) - 1) * VOCAB * 32
+    reference = count_parameters(small_model(share_embeddings=True, tie_output=True))
+    assert count_parameters(model) == reference + (len(distinct) - 1) * SMALL_VOCAB * 32
     # Parameters are counted once however they are shared.
     assert count_parameters(model) == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     # A tied matrix receives gradient from all its uses.
-    batch = Batch.from_pairs(random_pairs(lengths=[(4, 4)], vocab=VOCAB))
+    batch = Batch.from_pairs(random_pairs(lengths=[(4, 4)], vocab=SMALL_VOCAB))
     model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask).sum().backward()
     assert model.output.weight.grad is not None
 
@@ -403,16 +279,16 @@ def test_base_config_parameter_count():
     ],
 )
 def test_small_parameter_count_formula(kw):
-    cfg = small_cfg(**kw)
-    assert count_parameters(Transformer(cfg, VOCAB)) == expected_parameter_count(cfg, VOCAB)
+    cfg = small_config(**kw)
+    assert count_parameters(Transformer(cfg, SMALL_VOCAB)) == expected_parameter_count(cfg, SMALL_VOCAB)
 
 
 # --------------------------------------------------------------------------- dropout
 
 
 def test_dropout_train_vs_eval():
-    model = make_model(dropout=0.3, attention_dropout=0.3, activation_dropout=0.3)
-    batch = Batch.from_pairs(random_pairs(lengths=[(5, 5), (3, 6)], vocab=VOCAB))
+    model = small_model(dropout=0.3, attention_dropout=0.3, activation_dropout=0.3)
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 5), (3, 6)], vocab=SMALL_VOCAB))
     args = (batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
     model.train()
     a, b = model(*args), model(*args)
@@ -421,7 +297,7 @@ def test_dropout_train_vs_eval():
     c, d = model(*args), model(*args)
     assert torch.equal(c, d)
     # Dropout off is the same as dropout 0 (same weights).
-    plain = make_model(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    plain = small_model(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     plain.load_state_dict(model.state_dict())
     plain.train()
     torch.testing.assert_close(plain(*args), c, **TOL)
@@ -431,8 +307,8 @@ def test_dropout_train_vs_eval():
 def test_each_dropout_is_used_in_training(which):
     kw = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     kw[which] = 0.5
-    model = make_model(**kw)
-    batch = Batch.from_pairs(random_pairs(lengths=[(5, 5)], vocab=VOCAB))
+    model = small_model(**kw)
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 5)], vocab=SMALL_VOCAB))
     args = (batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
     model.train()
     assert not torch.allclose(model(*args), model(*args))
@@ -452,8 +328,8 @@ def test_attention_dropout_only_in_training():
 
 @pytest.mark.parametrize("inference", [True, False])
 def test_evaluating_turns_dropout_off_and_gives_the_mode_back(inference):
-    model = make_model(dropout=0.3, attention_dropout=0.3, activation_dropout=0.3).train()
-    batch = Batch.from_pairs(random_pairs(lengths=[(5, 5), (3, 6)], vocab=VOCAB))
+    model = small_model(dropout=0.3, attention_dropout=0.3, activation_dropout=0.3).train()
+    batch = Batch.from_pairs(random_pairs(lengths=[(5, 5), (3, 6)], vocab=SMALL_VOCAB))
     args = (batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
     with evaluating(model, inference=inference):
         assert not any(m.training for m in model.modules())
@@ -498,3 +374,12 @@ def test_encoder_layer_is_the_papers_residual_and_layer_norm(norm):
             h = x + attention(ln(x, layer.sub_attn))
             want = h + layer.ffn(ln(h, layer.sub_ffn))
         torch.testing.assert_close(layer(x, mask), want)
+
+
+def test_training_flops_count_the_matmuls():
+    cfg = ModelConfig(d_model=8, n_heads=2, n_encoder_layers=1, n_decoder_layers=2, d_ff=16)
+    encoder = 4 * 64 + 2 * 8 * 16  # Q, K, V, O and the two feed-forward matrices
+    decoder = 2 * (8 * 64 + 2 * 8 * 16) + 8 * 100  # self- and cross-attention, feed-forward; output projection
+    dense = 6 * (encoder * 30 + decoder * 20)
+    attention = 12 * 8 * 3 * (1 * 10 * 10 + 2 * (7 * 7 + 7 * 10))
+    assert training_flops(cfg, 100, 30, 20, [(3, 10, 7)]) == dense + attention

@@ -1,8 +1,8 @@
-"""The end of training (finish.py), precision `auto`, progress without a terminal, MFU and TensorBoard."""
+"""The end of training (training/finish.py, the `finish` verb): the summary, final.pt and the search settings chosen
+on validation, when it counts as done, the training record it reads, and its checks of the test split."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,14 +13,11 @@ import pytest
 import torch
 
 from tests.helpers import cli, read_metrics, tiny_config, write_config, write_corpus
-from transformer.config import ModelConfig, from_dict, load_config
+from transformer.config import from_dict, load_config
 from transformer.data.store import Store
-from transformer.device import pick_precision
 from transformer.errors import UserError
 from transformer.inference.settings import search_settings
 from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
-from transformer.model.transformer import training_flops
-from transformer.training import metrics as runlog
 from transformer.training.finish import LENPENS, _tune
 from transformer.training.loop import train
 
@@ -151,78 +148,6 @@ def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):
     assert cli("finish", str(tmp_path / "nowhere")).stderr.startswith("error: finish:")
 
 
-def test_precision_auto_is_bf16_only_where_the_hardware_has_it(monkeypatch, cpu_with_bf16_flags):
-    cpu = torch.device("cpu")
-    cpu_with_bf16_flags([])
-    assert pick_precision("auto", cpu) == ("fp32", "auto: this CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
-    cpu_with_bf16_flags(["amx_bf16"])
-    assert pick_precision("auto", cpu) == ("bf16", "auto: this CPU has amx_bf16")
-    assert pick_precision("fp32", cpu)[0] == "fp32"  # an explicit choice stays
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
-    assert pick_precision("auto", torch.device("cuda"))[0] == "bf16"
-    with pytest.raises(UserError, match="fp16' needs CUDA"):
-        pick_precision("fp16", cpu)
-    assert from_dict({}).train.precision == "auto"
-
-
-def test_without_a_terminal_progress_shows_early_and_at_least_every_30_seconds(tmp_path, capsys, monkeypatch):
-    raw = tiny_config(tmp_path, train={"max_steps": 9, "log_every": 1000, "valid_every": 1000})
-    train(from_dict(raw), quiet=True)  # quiet: no bar, as without a terminal
-    steps = [
-        int(line.split()[1].rstrip(":"))
-        for line in capsys.readouterr().err.splitlines()
-        if line.startswith("step ") and ": loss" in line
-    ]
-    assert steps == [5, 9]  # after the first few updates, and the last
-    monkeypatch.setattr(runlog, "PROGRESS_SECONDS", 0.0)  # every update is "30 seconds later"
-    raw = tiny_config(tmp_path, "timed", train={"max_steps": 4, "log_every": 1000, "valid_every": 1000})
-    train(from_dict(raw), quiet=True)
-    steps = [
-        int(line.split()[1].rstrip(":"))
-        for line in capsys.readouterr().err.splitlines()
-        if line.startswith("step ") and ": loss" in line
-    ]
-    assert steps == [1, 2, 3, 4]
-
-
-def test_training_lines_carry_mfu_against_the_configured_peak(tmp_path):
-    raw = tiny_config(tmp_path, train={"max_steps": 6, "peak_tflops": 1e-6, "log_every": 1})
-    run_dir = train(from_dict(raw), quiet=True)
-    lines = [m for m in read_metrics(run_dir) if m.get("split") == "train"]
-    # 1 MFLOP/s of peak: a real update does far more. No MFU above 100 % is ever logged: the peak is raised to
-    # the rate training reached, and the log says so and which peak it uses from there.
-    assert len(lines) == 6 and all(0.0 < m["mfu"] <= 1.0 for m in lines)
-    assert lines[0]["mfu"] == 1.0 and all(m["peak_tflops"] > 1e-6 for m in lines)
-    assert all(0.0 <= m["data_wait"] < 1.0 and m["elapsed"] > 0 for m in lines)
-    log = (run_dir / "train.log").read_text()
-    assert "MFU below is against 1e-06 TFLOP/s (train.peak_tflops)" in log
-    assert "above the peak of 1e-06: MFU from here is against" in log and "raised to the rate training reached" in log
-
-
-def test_training_flops_count_the_matmuls():
-    cfg = ModelConfig(d_model=8, n_heads=2, n_encoder_layers=1, n_decoder_layers=2, d_ff=16)
-    encoder = 4 * 64 + 2 * 8 * 16  # Q, K, V, O and the two feed-forward matrices
-    decoder = 2 * (8 * 64 + 2 * 8 * 16) + 8 * 100  # self- and cross-attention, feed-forward; output projection
-    dense = 6 * (encoder * 30 + decoder * 20)
-    attention = 12 * 8 * 3 * (1 * 10 * 10 + 2 * (7 * 7 + 7 * 10))
-    assert training_flops(cfg, 100, 30, 20, [(3, 10, 7)]) == dense + attention
-
-
-def test_tensorboard_gets_the_scalars_or_a_one_line_error(tmp_path, monkeypatch):
-    raw = tiny_config(tmp_path, train={"max_steps": 4, "tensorboard": True})
-    if importlib.util.find_spec("tensorboard") is None:
-        with pytest.raises(UserError, match=r"pip install 'transformer\[tensorboard\]'"):
-            train(from_dict(raw), quiet=True)
-        return
-    run_dir = train(from_dict(raw), quiet=True)
-    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert events and events[0].stat().st_size > 0
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    scalars = EventAccumulator(str(run_dir / "tensorboard")).Reload().Tags()["scalars"]
-    assert {"train/loss", "train/mfu", "valid/loss", "valid/ppl"} <= set(scalars)
-
-
 @pytest.mark.parametrize("beam, tried", [(1, {(1, 0.6)}), (4, {(4, a) for a in LENPENS} | {(4, 0.6), (6, 1.0)})])
 def test_the_search_grid_skips_length_penalties_where_greedy_cannot_change(beam, tried):
     # A score that prefers lenpen 1.0 and the wider beam. Each setting is scored once; the config's own is known.
@@ -280,15 +205,6 @@ def test_the_summary_reads_a_resumed_runs_later_validation_and_nothing_past_last
     # Killed between best.pt and last.pt at step 400, then `transformer finish`: best.pt holds that validation.
     record = _training_record(tmp_path, cfg, last, 400)
     assert (record["best_step"], record["best_valid_loss"]) == (400, 0.5)
-
-
-def test_metrics_rows_without_a_numeric_step_are_skipped(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"split": "valid", "loss": 1}\n{"step": "x"}\n[1, 2]\n{"step": 5, "loss": 2}\n', encoding="utf-8")
-    assert runlog.read_metrics(path) == [{"step": 5, "loss": 2}]
-    path.write_text('{"split": "valid", "loss": 1}\n', encoding="utf-8")
-    with pytest.raises(UserError, match="holds no metrics yet"):
-        runlog.read_metrics(path)
 
 
 def test_a_tie_keeps_the_configured_search_settings(tmp_path):
