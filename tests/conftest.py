@@ -14,13 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import (
-    sentences,
-    train_copy_task,
-    translation_config,
-    write_checkpoint,
-    write_marian_dir,
-)
+from tests.helpers import sentences, train_copy_task, translation_config, write_checkpoint, write_marian_dir
 from transformer import cli as cli_module
 from transformer import device as device_module
 from transformer.config import from_dict, to_dict

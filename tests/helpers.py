@@ -19,7 +19,7 @@ import yaml
 
 from transformer.config import ModelConfig, from_dict, to_dict
 from transformer.data.batch import Batch
-from transformer.data.vocab import PAD_ID
+from transformer.data.vocab import PAD_ID, train_vocab
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.model.transformer import Transformer
 
@@ -228,6 +228,11 @@ def png_size(path: Path) -> tuple[int, int]:
 
 SENTENCES = ["ein hund spielt im park", "zwei katzen", "der mann sitzt auf einem roten haus vor dem baum"]
 LINES = sentences(random.Random(5), 40)
+
+
+def small_vocab() -> bytes:
+    """A SentencePiece model: what a checkpoint must hold besides its weights for load_checkpoint to take it."""
+    return train_vocab(sentences(0, 300), vocab_size=80).proto
 
 
 def translation_config(data_dir: Path, run_dir: Path, d_ff: int = 64) -> dict:

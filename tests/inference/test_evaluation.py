@@ -1,4 +1,4 @@
-"""Scoring with sacreBLEU and the `evaluate` command: hypotheses and scores written per setting, splits and files."""
+"""The `evaluate` command (inference/evaluation.py): hypotheses and scores written per setting, splits and files."""
 
 import errno
 import json
@@ -6,12 +6,8 @@ import os
 import shutil
 import threading
 
-import pytest
-import torch
-
 from tests.helpers import SENTENCES
 from transformer.inference import evaluation as evaluate_module
-from transformer.inference.scoring import bleu_chrf
 from transformer.inference.translator import Translator
 
 # Result names carry the dtype unless it is fp32, and --dtype auto is bf16 on CPUs with native bf16: tests of
@@ -117,52 +113,10 @@ def test_a_broken_split_is_reported_as_such_not_as_unknown(run, call):
     )
 
 
-def test_bleu_chrf_identity_is_perfect():
-    scores = bleu_chrf(["A dog runs .", "Two cats"], ["A dog runs .", "Two cats"])
-    assert scores["bleu"] == pytest.approx(100) and scores["chrf"] == pytest.approx(100)
-    assert bleu_chrf(["a dog runs ."], ["A dog runs ."])["bleu"] < 100  # cased
-
-
 def test_evaluate_with_ctranslate2(ctranslate2, run, call):
     status, _, _ = call("evaluate", run, "--split", "test", "--beam", "2", "--engine", "ctranslate2", "--dtype", "int8")
     record = json.loads((run / "eval" / "test.beam2.lp0.6.int8.ct2.json").read_text())
     assert status == 0 and record["engine"] == "ctranslate2" and record["dtype"] == "int8" and record["stop"] is None
-
-
-def test_validation_loss_nll_and_perplexity_per_target_token():
-    import math
-
-    import torch.nn.functional as F
-
-    from tests.helpers import random_pairs
-    from transformer.config import ModelConfig
-    from transformer.data.batch import Batch
-    from transformer.data.vocab import PAD_ID
-    from transformer.model.transformer import Transformer
-    from transformer.training.validation import evaluate_loss
-
-    torch.manual_seed(0)
-    model = Transformer(
-        ModelConfig(d_model=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=32, max_positions=64), 100
-    )
-    pairs = random_pairs(12, seed=3, max_len=10, vocab=100)
-    batches = [Batch.from_pairs(pairs[:5]), Batch.from_pairs(pairs[5:])]
-    result = evaluate_loss(model, batches, torch.device("cpu"), "fp32", 0.1)
-    model.eval()
-    with torch.no_grad():
-        logits = torch.cat([model(b.src, b.tgt_in, b.src_mask, b.tgt_mask).flatten(0, 1) for b in batches])
-    targets = torch.cat([b.tgt_out.flatten() for b in batches])
-    nll = F.cross_entropy(logits, targets, ignore_index=PAD_ID).item()
-    smoothed = F.cross_entropy(logits, targets, ignore_index=PAD_ID, label_smoothing=0.1).item()
-    assert result["nll"] == pytest.approx(nll, rel=1e-5) and result["loss"] == pytest.approx(smoothed, rel=1e-5)
-    assert result["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
-
-
-def test_length_ratio_is_hypothesis_over_reference():
-    from transformer.inference.scoring import length_ratio
-
-    assert length_ratio({"sys_len": 8, "ref_len": 10}) == 0.8  # below 1: too short, the brevity penalty applies
-    assert length_ratio(bleu_chrf(["a dog"], ["a dog runs fast"])) == pytest.approx(0.5)
 
 
 def test_two_checkpoints_of_one_run_write_results_of_their_own(run, call):

@@ -25,12 +25,7 @@ from transformer.device import (
 from transformer.errors import UserError
 from transformer.inference.ctranslate2_engine import ctranslate2_limited, ctranslate2_search, limit_bucket
 from transformer.inference.settings import SearchFlags, SearchSettings
-from transformer.inference.translator import (
-    Translator,
-    pick_dtype,
-    search_ids,
-    translate_ids,
-)
+from transformer.inference.translator import Translator, pick_dtype, search_ids, translate_ids
 from transformer.inference.weight_formats import InputMajorLinear
 from transformer.model.checkpoint import load_model, save_checkpoint
 
