@@ -35,6 +35,14 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture
+def two_threads():
+    """Two intra-op threads for this test (pytest_runtest_setup sets one before each test): searches side by side."""
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
 def cpu_with_bf16_flags(monkeypatch):
     """Sets the native bf16 flags this CPU seems to have (e.g. ["amx_bf16"], or [] for none), whatever the CPU at
     hand and whatever TRANSFORMER_NATIVE_BF16 the suite runs under."""

@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers import LINES, SENTENCES, sentences, subprocess_env
 from transformer.cli import translate_io
-from transformer.data.vocab import BOS_ID, PAD_ID
+from transformer.data.loader import source_batches
 from transformer.device import (
     ONEDNN_CACHE_CAPACITY,
     ONEDNN_CACHE_VARIABLES,
@@ -22,10 +22,9 @@ from transformer.device import (
     cpu_bf16_flags,
     cpu_description,
 )
-from transformer.errors import UserError
-from transformer.inference.ctranslate2_engine import ctranslate2_limited, ctranslate2_search, limit_bucket
+from transformer.inference import translator as translate
 from transformer.inference.settings import SearchFlags, SearchSettings
-from transformer.inference.translator import Translator, pick_dtype, search_ids, translate_ids
+from transformer.inference.translator import Translator, pick_dtype, search_ids, search_workers, translate_ids
 from transformer.inference.weight_formats import InputMajorLinear
 from transformer.model.checkpoint import load_model, save_checkpoint
 
@@ -319,58 +318,6 @@ def test_stop_rule_setting(run, call):
     assert status == 2 and "--stop" in err
 
 
-def test_missing_ctranslate2_is_a_one_line_error(run, monkeypatch, call):
-    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import ctranslate2 now raises ImportError
-    for argv in (
-        ("translate", run, "--engine", "ctranslate2", "x"),
-        ("evaluate", run, "--engine", "ctranslate2"),
-        ("export", "ctranslate2", run, run.parent / "ct2_out"),
-    ):
-        status, _, err = call(*argv)
-        assert status == 2 and len(err.splitlines()) == 1 and "transformer[ctranslate2]" in err, (argv, err)
-
-
-def test_ctranslate2_engine_greedy_equals_ours(ctranslate2, copy_model, capsys, call):
-    ours = Translator(copy_model, "cpu", SearchFlags(beam=1)).translate(LINES + [""])
-    theirs = Translator(copy_model, "cpu", SearchFlags(beam=1, engine="ctranslate2"))
-    assert theirs.translate(LINES + [""]) == ours
-    assert ours[-1] == "" and len(set(ours)) > len(LINES) // 2
-    # Through the command, with the conversion reused.
-    capsys.readouterr()
-    status, out, err = call(
-        "translate", copy_model, "--beam", "1", "--engine", "ctranslate2", "--dtype", "fp32", *LINES[:5]
-    )
-    assert status == 0 and out.splitlines() == ours[:5] and "converting" not in err
-
-
-def test_ctranslate2_engine_never_emits_bos_or_pad(ctranslate2, untrained_checkpoint, tmp_path):
-    """Ours never emits BOS or PAD (search.py); CTranslate2 does unless told not to. A model whose output favours
-    them (their rows copy the two tokens it emits most, scaled up) shows it: greedy outputs of both engines are
-    then the same token ids, and no hypothesis of either holds BOS or PAD."""
-    state = torch.load(untrained_checkpoint, weights_only=True)
-    ids = Translator(untrained_checkpoint, "cpu", SearchFlags(beam=1)).encode(LINES)
-    greedy = SearchSettings(beam=1, lenpen=0.6, max_len_offset=4, max_tokens=64)
-    emitted = [t for h in search_ids(model_of(untrained_checkpoint), ids, greedy, "cpu") for t in h[0].tokens]
-    first, second = torch.bincount(torch.tensor(emitted)).topk(2).indices.tolist()
-    weight = state["model"]["output.weight"]  # tied: the embeddings change too, for both engines alike
-    weight[BOS_ID], weight[PAD_ID] = 1.1 * weight[first], 1.1 * weight[second]
-    checkpoint = tmp_path / "model.pt"
-    save_checkpoint(state, checkpoint)
-    theirs = Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2"))
-    raw = theirs.ct2.translate_batch([theirs.vocab.pieces(s) for s in ids], beam_size=1, max_decoding_length=20)
-    assert sum("<s>" in r.hypotheses[0] for r in raw) > len(ids) // 2  # unsuppressed, it would emit <s>
-    ours = Translator(checkpoint, "cpu", SearchFlags(beam=1)).search(ids)
-    assert [h[0].tokens for h in theirs.search(ids)] == [h[0].tokens for h in ours]
-    wide = Translator(checkpoint, "cpu", SearchFlags(beam=3, nbest=3, engine="ctranslate2"))
-    beam = wide.search(ids)
-    assert not any({BOS_ID, PAD_ID} & set(h.tokens) for hyps in beam + ours for h in hyps)
-
-
-def model_of(checkpoint):
-    model, _, _ = load_model(checkpoint)
-    return model.eval()
-
-
 @pytest.mark.parametrize("engine", ["ours", "ctranslate2"])
 @pytest.mark.parametrize("beam", [1, 3])
 def test_a_sentence_translates_the_same_whatever_shares_its_batch(request, run, engine, beam):
@@ -388,26 +335,6 @@ def test_a_sentence_translates_the_same_whatever_shares_its_batch(request, run, 
     for a, b in zip(together, alone):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
-
-
-def test_ctranslate2_beam_outputs_are_ours_where_the_rules_agree(ctranslate2, copy_model):
-    """With a length penalty CTranslate2 stops as our early rule does, and it returns the beam best by its own
-    penalty, which are re-ranked by ours: the best one is ours (our early rule's best is the best of all it
-    finishes), unless its penalty ranked ours out of its beam, so it is never better. Without a length penalty
-    it stops at the exact bound for the best (the best candidate is EOS): ours under the exact rule. Scores:
-    the engines' kernels agree to ~1e-5 a token, hence 1e-3."""
-    for beam, lenpen, stop in ((3, 0.6, "early"), (4, 1.0, "early"), (3, 0.0, "exact")):
-        ours = Translator(copy_model, "cpu", SearchFlags(beam=beam, lenpen=lenpen, stop=stop)).translate_nbest(LINES)
-        theirs = Translator(
-            copy_model, "cpu", SearchFlags(beam=beam, lenpen=lenpen, engine="ctranslate2")
-        ).translate_nbest(LINES)
-        same = sum(a[0][1] == b[0][1] for a, b in zip(ours, theirs))
-        assert same >= len(LINES) - 1, (beam, lenpen, same)  # measured: 40, 39 (its penalty) and 40 of 40
-        for a, b in zip(ours, theirs):
-            if a[0][1] == b[0][1]:
-                assert a[0][0] == pytest.approx(b[0][0], abs=1e-3)
-            else:
-                assert b[0][0] <= a[0][0] + 1e-3
 
 
 def test_ctranslate2_engine_auto_dtype_is_one_ctranslate2_computes(
@@ -434,136 +361,6 @@ def test_ctranslate2_engine_says_it_ignores_an_exact_stop(ctranslate2, copy_mode
     for flags in (("--stop", "early"), ()):  # early is what it does; no flag: the checkpoint's default, unasked
         status, _, err = call("translate", copy_model, "--engine", "ctranslate2", *flags, "--dtype", "fp32", LINES[0])
         assert status == 0 and "does not apply" not in err, flags
-
-
-def test_ctranslate2_engine_nbest_scores_are_ours(ctranslate2, copy_model):
-    ours = Translator(copy_model, "cpu", SearchFlags(beam=3, lenpen=0.6)).translate_nbest(LINES[:15], 3)
-    theirs = Translator(copy_model, "cpu", SearchFlags(beam=3, lenpen=0.6, engine="ctranslate2"))
-    theirs = theirs.translate_nbest(LINES[:15], 3)
-    shared = 0
-    for mine, other in zip(ours, theirs):
-        assert len(other) == 3 and [s for s, _ in other] == sorted((s for s, _ in other), reverse=True)
-        scores = dict((text, score) for score, text in mine)
-        for score, text in other:
-            if text in scores:  # the same hypothesis found by both: the same score definition
-                assert score == pytest.approx(scores[text], abs=1e-3)
-                shared += 1
-    assert shared >= 30  # most hypotheses are found by both, so the score check was not vacuous
-
-
-def test_ctranslate2_conversion_is_cached_and_follows_the_checkpoint(ctranslate2, copy_model, tmp_path, capsys):
-    checkpoint = tmp_path / "model.pt"
-    checkpoint.write_bytes(copy_model.read_bytes())
-    first = Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2")).translate(LINES[:8])
-    model_bin = tmp_path / "ct2" / "model" / "model.bin"
-    built = model_bin.stat().st_mtime_ns
-    assert "converting" in capsys.readouterr().err
-    os.utime(checkpoint)  # touched, same bytes: the sha256 says it is current
-    assert Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2")).translate(LINES[:8]) == first
-    assert model_bin.stat().st_mtime_ns == built and "converting" not in capsys.readouterr().err
-    state = torch.load(checkpoint, weights_only=True)
-    state["model"]["output.weight"] = -state["model"]["output.weight"]  # (tied) a different model
-    save_checkpoint(state, checkpoint)
-    changed = Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2")).translate(LINES[:8])
-    assert "converting" in capsys.readouterr().err
-    assert changed == Translator(checkpoint, "cpu", SearchFlags(beam=1)).translate(LINES[:8]) != first
-    # Another model of the same size (a retrained run's checkpoints all have one size): the mtime tells.
-    size = checkpoint.stat().st_size
-    state["model"]["output.weight"] = -state["model"]["output.weight"]
-    save_checkpoint(state, checkpoint)
-    assert checkpoint.stat().st_size == size
-    assert Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2")).translate(LINES[:8]) == first
-    assert "converting" in capsys.readouterr().err
-    # A torn conversion (a full disk, a kill of some other tool) is converted again, not an error for ever.
-    model_bin.write_bytes(model_bin.read_bytes()[:1000])
-    assert Translator(checkpoint, "cpu", SearchFlags(beam=1, engine="ctranslate2")).translate(LINES[:8]) == first
-    assert "converting" in capsys.readouterr().err
-
-
-def test_ctranslate2_engine_at_the_length_limit(ctranslate2, run):
-    """An untrained model runs to its length limits, which differ per sentence but are one per CTranslate2
-    call: outputs are cut to each sentence's own limit and rescored, so they still equal ours."""
-    lines = sentences(6, 12)
-    ours = Translator(run, "cpu", SearchFlags(beam=1))
-    theirs = Translator(run, "cpu", SearchFlags(beam=1, engine="ctranslate2"))
-    ids = ours.encode(lines)
-    mine, other = ours.search(ids), theirs.search(ids)
-    limits = [len(s) + 1 + ours.settings.max_len_offset for s in ids]
-    assert sum(len(h[0].tokens) == n for h, n in zip(mine, limits)) >= 3  # the limit case is exercised
-    assert len(set(limits)) > 1
-    for a, b in zip(mine, other):
-        assert a[0].tokens == b[0].tokens and a[0].score == pytest.approx(b[0].score, abs=1e-3)
-
-
-class CountingCalls:
-    """A ctranslate2.Translator that records each translate_batch call: its sentence count and length limit."""
-
-    def __init__(self, ct2):
-        self.ct2, self.calls = ct2, []
-        self.num_translators = ct2.num_translators
-
-    def translate_batch(self, sources, **options):
-        self.calls.append((len(sources), options["max_decoding_length"]))
-        return self.ct2.translate_batch(sources, **options)
-
-    def score_batch(self, *args, **options):
-        return self.ct2.score_batch(*args, **options)
-
-
-def own_limits(translator: Translator, ids) -> dict[int, int]:
-    cap = translator.cfg.model.max_positions - 1
-    return {i: min(len(s) + 1 + translator.settings.max_len_offset, cap) for i, s in enumerate(ids) if s}
-
-
-@pytest.mark.parametrize("checkpoint", ["run", "copy_model"])
-def test_ctranslate2_engine_in_few_calls_is_the_search_under_each_sentences_own_limit(request, ctranslate2, checkpoint):
-    """A batch goes as one call per limit bucket, not one per distinct limit; with a length penalty the outcome is
-    still each sentence searched under its own limit (one call per limit, as ctranslate2_limited searches), also
-    for an untrained model whose sentences run to their limits and are searched again."""
-    path = request.getfixturevalue(checkpoint)
-    flags = SearchFlags(beam=3, nbest=3, lenpen=0.6, engine="ctranslate2", max_tokens=100_000)  # one batch
-    translator = Translator(path, "cpu", flags)
-    ids = translator.encode(sentences(3, 24, lo=1, hi=9))
-    limits = own_limits(translator, ids)
-    counting = CountingCalls(translator.ct2)
-    settings = translator.settings
-    found = ctranslate2_search(counting, translator.vocab, ids, settings, translator.cfg.model.max_positions)
-    vocab = translator.vocab
-    sources, none = {i: vocab.pieces(s) for i, s in enumerate(ids)}, {i: [] for i in range(len(ids))}
-    one_per_limit = ctranslate2_limited(translator.ct2, vocab, sources, none, list(sources), limits, settings)
-    for i, hyps in enumerate(found):
-        assert [h.tokens for h in hyps] == [h.tokens for h in one_per_limit[i]], i
-        assert [h.score for h in hyps] == pytest.approx([h.score for h in one_per_limit[i]], abs=1e-4)
-    first = [limit for _, limit in counting.calls[: len({limit_bucket(n, 40) for n in limits.values()})]]
-    assert len(set(limits.values())) > 4 and all(limit == limit_bucket(limit, 40) for limit in first)
-    searched_again = sum(n for n, limit in counting.calls if limit != limit_bucket(limit, 40))
-    at_limit = sum(len(hyps[0].tokens) == limits[i] for i, hyps in enumerate(found))
-    if checkpoint == "run":  # untrained: runs to its limits, so those sentences are searched again
-        assert at_limit >= 3 and searched_again >= at_limit
-    else:  # trained: every sentence settled in the first calls, one per bucket
-        assert searched_again == 0 and len(counting.calls) == len({limit_bucket(n, 40) for n in limits.values()})
-
-
-def test_ctranslate2_translations_without_scores_are_those_with_scores(ctranslate2, copy_model, call):
-    """translate and evaluate show no score, so CTranslate2's search scores rank its hypotheses with no scoring
-    pass; n-best lists and serve get ours, computed again. The best translation is the same either way. Its
-    search scores leave BOS and PAD out of each step's normalisation, so they are never below ours."""
-    translator = Translator(copy_model, "cpu", SearchFlags(beam=4, lenpen=1.0, engine="ctranslate2"))
-    ids = translator.encode(LINES)
-    unscored, scored = translator.search(ids, scores=False), translator.search(ids)
-    assert [h[0].tokens for h in unscored] == [h[0].tokens for h in scored]
-    assert all(u[0].score >= s[0].score - 1e-5 for u, s in zip(unscored, scored))
-    assert any(u[0].score > s[0].score + 1e-4 for u, s in zip(unscored, scored))  # this model gives BOS some
-    assert translator.translate(LINES) == [hyps[0][1] for hyps in translator.translate_nbest(LINES)]
-
-
-def test_limit_buckets_hold_their_limits():
-    for max_positions in (8, 40, 256, 1024):
-        for max_len in range(1, max_positions):
-            bucket = limit_bucket(max_len, max_positions)
-            assert max_len <= bucket <= max_positions - 1
-            assert bucket == max_positions - 1 or (bucket & (bucket - 1) == 0 and bucket < 2 * max_len)
-    assert len({limit_bucket(n, 256) for n in range(56, 92)}) == 2  # Multi30k's test limits: two calls a batch
 
 
 def test_output_through_a_symlink_writes_the_target_and_keeps_the_link(run, tmp_path, call):
@@ -664,45 +461,112 @@ def test_every_entry_bounds_onednn_caches_before_its_work(run, call, monkeypatch
     assert seen == {**bounded, "LRU_CACHE_CAPACITY": "64"}
 
 
-# ----------------------------------------------------------------------------- issue 43's features on CTranslate2
+# --------------------------------------------------------------------------- searches side by side (decode.workers)
+
+MAX_TOKENS = 64  # several batches for LINES with one worker, more with two
 
 
-def test_ctranslate2_engine_forces_a_prefix_as_ours_does(ctranslate2, copy_model):
-    flags = SearchFlags(beam=1, dtype="fp32")
-    ours, theirs = (
-        Translator(copy_model, "cpu", flags),
-        Translator(copy_model, "cpu", replace(flags, engine="ctranslate2")),
-    )
-    prefixes = ["der", "", "ein rot", *[line.split()[0] for line in LINES[3:12]]]
-    ours_found = ours.translate_lines(LINES[:12], prefixes)
-    theirs_found = theirs.translate_lines(LINES[:12], prefixes)
-    assert [h[0].text for h in theirs_found] == [h[0].text for h in ours_found]
-    assert all(h[0].text.startswith(p) for h, p in zip(ours_found, prefixes))
-    assert [h[0].score for h in theirs_found] == pytest.approx([h[0].score for h in ours_found], abs=1e-3)
+def greedy(**changes) -> SearchSettings:
+    return SearchSettings(**{"beam": 1, "lenpen": 0.6, "max_len_offset": 4, "max_tokens": MAX_TOKENS, **changes})
 
 
-def test_ctranslate2_engine_samples_and_top_k_1_is_greedy(ctranslate2, copy_model):
-    greedy = Translator(copy_model, "cpu", SearchFlags(beam=1, dtype="fp32")).translate(LINES[:10])
-    flags = SearchFlags(sample="topk:1", seed=3, dtype="fp32", engine="ctranslate2", workers=1)
-    assert Translator(copy_model, "cpu", flags).translate(LINES[:10]) == greedy
-    sampler = Translator(copy_model, "cpu", replace(flags, sample="topp:0.95", temperature=2.0, nbest=3))
-    drawn = [[t.text for t in hyps] for hyps in sampler.translate_lines(LINES[:10])]
-    assert all(len(hyps) == 3 for hyps in drawn) and drawn != [[g] * 3 for g in greedy]
-    # A seed repeats a run (the same input, one worker): CTranslate2 seeds a worker's stream when it starts.
-    again = Translator(copy_model, "cpu", replace(flags, sample="topp:0.95", temperature=2.0, nbest=3))
-    assert [[t.text for t in hyps] for hyps in again.translate_lines(LINES[:10])] == drawn
+@pytest.fixture
+def calls(monkeypatch):
+    """Each search() call's thread name, torch thread count and batch size, recorded on the way through."""
+    seen: list[tuple[str, int, int]] = []
+    real = translate.search
+
+    def recording(model, src, *args, **kwargs):
+        seen.append((threading.current_thread().name, torch.get_num_threads(), src.size(0)))
+        return real(model, src, *args, **kwargs)
+
+    monkeypatch.setattr(translate, "search", recording)
+    return seen
 
 
-def test_ctranslate2_engine_gives_our_alignments(ctranslate2, copy_model):
-    """return_attention of the conversion is the last layer's cross-attention averaged over all heads, without
-    the source's EOS: the same alignments as ours."""
-    flags = SearchFlags(beam=1, dtype="fp32", alignments=True)
-    ours = Translator(copy_model, "cpu", flags).translate_lines(LINES[:12])
-    theirs = Translator(copy_model, "cpu", replace(flags, engine="ctranslate2")).translate_lines(LINES[:12])
-    assert [h[0].alignment for h in theirs] == [h[0].alignment for h in ours]
-    with pytest.raises(UserError, match=r"^--engine ctranslate2 returns the attention of the last decoder layer \(2\)"):
-        Translator(copy_model, "cpu", replace(flags, engine="ctranslate2", alignment_layer=1))
-    with pytest.raises(UserError, match="^--engine ctranslate2 has no terminology constraints"):
-        Translator(copy_model, "cpu", replace(flags, engine="ctranslate2")).translate_lines(
-            ["ein hund"], None, [["dog"]]
-        )
+@pytest.mark.parametrize("beam, nbest", [(1, 1), (3, 2)])
+def test_two_workers_find_what_one_search_finds_in_input_order(run, two_threads, calls, beam, nbest):
+    model, vocab, _ = load_model(run)
+    src_ids = vocab.encode(LINES + [""])
+    settings = SearchSettings(beam=beam, lenpen=0.6, max_len_offset=4, max_tokens=MAX_TOKENS, nbest=nbest, workers=1)
+    one = search_ids(model, src_ids, settings, "cpu")
+    assert {name for name, _, _ in calls} == {threading.current_thread().name}
+    assert {threads for _, threads, _ in calls} == {2}
+    calls.clear()
+    two = search_ids(model, src_ids, replace(settings, workers=2), "cpu")
+    assert all(name.startswith("search") for name, _, _ in calls)  # every batch ran on a worker
+    assert {threads for _, threads, _ in calls} == {1}  # each on half of the two threads
+    assert len(calls) == len(source_batches(src_ids, model.cfg.max_positions, MAX_TOKENS // 2)) > 2
+    assert [[h.tokens for h in hyps] for hyps in two] == [[h.tokens for h in hyps] for hyps in one]
+    for hyps_two, hyps_one in zip(two, one):
+        assert [h.score for h in hyps_two] == pytest.approx([h.score for h in hyps_one], abs=1e-4)
+    assert len({tuple(hyps[0].tokens) for hyps in two}) > 5  # different outputs: a mix-up of order would show
+
+
+def test_thread_count_is_given_back_to_the_caller_and_to_later_threads(run, two_threads):
+    model, vocab, _ = load_model(run)
+    search_ids(model, vocab.encode(LINES), greedy(workers=2), "cpu")
+    assert torch.get_num_threads() == 2
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [2]  # a worker's set_num_threads(1) would otherwise be every new thread's start
+
+
+def test_one_batch_is_searched_in_the_calling_thread_on_all_threads(run, two_threads, calls):
+    model, vocab, _ = load_model(run)
+    search_ids(model, vocab.encode(LINES[:2]), greedy(workers=2, max_tokens=256), "cpu")  # one batch of 128 tokens
+    assert calls == [(threading.current_thread().name, 2, 2)]
+
+
+def test_an_error_in_a_worker_reaches_the_caller(run, two_threads, monkeypatch):
+    model, vocab, _ = load_model(run)
+    real, searched = translate.search, []
+
+    def failing(model, src, *args, **kwargs):
+        searched.append(src.size(0))
+        if len(searched) == 2:
+            raise RuntimeError("out of memory in a worker")
+        return real(model, src, *args, **kwargs)
+
+    monkeypatch.setattr(translate, "search", failing)
+    with pytest.raises(RuntimeError, match="out of memory in a worker"):
+        search_ids(model, vocab.encode(LINES), greedy(workers=2), "cpu")
+    assert torch.get_num_threads() == 2
+
+
+def test_a_model_in_training_is_searched_in_eval_mode_and_handed_back_in_training(run, two_threads, monkeypatch):
+    """The trainer's validation BLEU: the mode is set before any worker starts, not by each search (the first to
+    finish would switch dropout back on under the others, and the last would leave training without it)."""
+    model, vocab, _ = load_model(run)
+    src_ids = vocab.encode(LINES)
+    expected = search_ids(model, src_ids, greedy(workers=1), "cpu")
+    model.train()
+    real, modes = translate.search, []
+
+    def recording(model, src, *args, **kwargs):
+        modes.append(model.training)
+        return real(model, src, *args, **kwargs)
+
+    monkeypatch.setattr(translate, "search", recording)
+    found = search_ids(model, src_ids, greedy(workers=2), "cpu")
+    assert len(modes) > 2 and not any(modes)
+    assert model.training
+    assert [hyps[0].tokens for hyps in found] == [hyps[0].tokens for hyps in expected]
+
+
+def test_workers_are_capped_by_threads_and_one_off_the_cpu(two_threads):
+    assert search_workers(4, "cpu") == 2
+    assert search_workers(2, "cpu") == 2
+    assert search_workers(2, "cuda") == 1  # only the device type is read: no GPU needed
+    torch.set_num_threads(1)
+    assert search_workers(2, "cpu") == 1
+
+
+def test_translator_takes_workers_from_the_checkpoint_or_the_caller(run, two_threads, calls):
+    assert Translator(run, "cpu").settings.workers == 2  # decode.workers' default
+    translator = Translator(run, "cpu", SearchFlags(beam=1, max_tokens=MAX_TOKENS, workers=1))
+    assert translator.settings.workers == 1
+    translator.translate(LINES)
+    assert {name for name, _, _ in calls} == {threading.current_thread().name}
