@@ -1,5 +1,6 @@
 """Shared fixtures, which reach tests by name: one thread per test, the command line in this process, a seed to
-explore with, an offline hub, checkpoints for translation, an OPUS-MT-like directory, the optional ctranslate2.
+explore with, an offline hub, checkpoints for translation and their sentences translated one by one, an OPUS-MT-like
+directory, the optional ctranslate2.
 Helpers that tests import are in helpers.py (`from tests.helpers import tiny_config`).
 """
 
@@ -14,11 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import sentences, train_copy_task, translation_config, write_checkpoint, write_marian_dir
+from tests.helpers import (
+    SENTENCES,
+    sentences,
+    train_copy_task,
+    translation_config,
+    write_checkpoint,
+    write_marian_dir,
+)
 from transformer import cli as cli_module
 from transformer import device as device_module
 from transformer.config import from_dict, to_dict
 from transformer.data.vocab import train_vocab
+from transformer.inference.translator import Translator
 from transformer.model.checkpoint import save_checkpoint
 from transformer.model.transformer import Transformer
 
@@ -160,3 +169,10 @@ def marian_dir(tmp_path_factory) -> Path:
 def ctranslate2():
     """The ctranslate2 module; the test is skipped where it is not installed (an optional extra)."""
     return pytest.importorskip("ctranslate2")
+
+
+@pytest.fixture(scope="session")
+def singles(run):
+    """Each sentence translated alone: what any batching and ordering must reproduce."""
+    translator = Translator(run, "cpu")
+    return [translator.translate([s])[0] for s in SENTENCES]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tiny_config, write_config
 from transformer.config import (
     SECTIONS,
     Config,
@@ -310,3 +311,15 @@ def test_the_length_penalty_is_bounded_where_it_cannot_overflow():
 def test_a_split_name_is_never_a_path(name):
     with pytest.raises(UserError, match=r"config: data.test_split must be a split's name"):
         from_dict({"data": {"test_split": name}})
+
+
+def test_config_from_a_pipe_like_dev_stdin(tmp_path):
+    raw = tiny_config(tmp_path)
+    read_end, write_end = os.pipe()
+    os.write(write_end, write_config(tmp_path / "tiny.yaml", raw).read_bytes())
+    os.close(write_end)
+    try:
+        cfg = load_config(f"/dev/fd/{read_end}")  # what /dev/stdin is when stdin is a pipe: not a regular file
+    finally:
+        os.close(read_end)
+    assert cfg.train.run_dir == raw["train"]["run_dir"]

@@ -6,10 +6,14 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
-from tests.helpers import sentences, subprocess_env
+from tests.helpers import sentences, subprocess_env, tiny_config
+from transformer.config import from_dict
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, sample_sentences, train_vocab
 from transformer.errors import UserError
+from transformer.model.checkpoint import load_checkpoint
+from transformer.training.loop import train
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +88,30 @@ def test_a_sampled_vocabulary_is_the_same_in_every_process(tmp_path):
         for _ in range(3)
     }
     assert len(digests) == 1
+
+
+def test_a_vocabulary_smaller_than_asked_is_logged_and_noted_in_config_yaml(capsys, tmp_path):
+    cfg = tiny_config(
+        tmp_path,
+        "run",
+        data={"vocab_size": 3000},
+        train={"max_steps": 1, "valid_every": 1, "finish": True},
+        decode={"max_len_offset": 2},
+    )
+    run_dir = train(from_dict(cfg), quiet=True)  # the end of training writes config.yaml again: the note stays
+    pieces = len(Vocab.load(run_dir / "spm.model"))
+    assert pieces < 3000
+    assert f"the training data gives only {pieces} pieces, fewer than data.vocab_size 3000" in capsys.readouterr().err
+    text = (run_dir / "config.yaml").read_text()
+    assert (run_dir / "final.pt").is_file()
+    assert f"# The vocabulary has {pieces} pieces (data.vocab_size 3000 is an upper bound" in text
+    assert yaml.safe_load(text)["data"]["vocab_size"] == 3000  # the setting as asked: resume compares it
+    assert load_checkpoint(run_dir / "last.pt")["config"]["data"]["vocab_size"] == 3000
+
+
+def test_a_reused_smaller_spm_model_is_a_warning(tmp_path, caplog):
+    path = tmp_path / "spm.model"
+    path.write_bytes(train_vocab(sentences(0, 300), vocab_size=64).proto)
+    with caplog.at_level("WARNING", logger="transformer"):
+        Vocab.load(path).check_reuse(path, 100)
+    assert f"{path} has 64 pieces, fewer than data.vocab_size 100" in caplog.text

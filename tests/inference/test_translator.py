@@ -3,17 +3,13 @@ stdin streaming, n-best), dtypes, stop rules and the CTranslate2 engine."""
 
 import json
 import os
-import random
-import subprocess
-import sys
 import threading
 from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.helpers import LINES, SENTENCES, sentences, subprocess_env
-from transformer.cli import translate_io
+from tests.helpers import LINES, SENTENCES, sentences
 from transformer.data.loader import source_batches
 from transformer.device import (
     ONEDNN_CACHE_CAPACITY,
@@ -29,28 +25,11 @@ from transformer.inference.weight_formats import InputMajorLinear
 from transformer.model.checkpoint import load_model, save_checkpoint
 
 
-@pytest.fixture(scope="module")
-def singles(run):
-    """Each sentence translated alone: what any batching and ordering must reproduce."""
-    translator = Translator(run, "cpu")
-    return [translator.translate([s])[0] for s in SENTENCES]
-
-
 def test_translate_arguments_keep_order(run, singles, call):
     status, out, _ = call("translate", run, *SENTENCES)
     assert status == 0
     assert out.splitlines() == singles
     assert len(set(singles)) > 1  # the sentences do get different translations: the order check means something
-
-
-def test_translate_input_file_with_empty_lines(run, singles, tmp_path, call):
-    lines = [SENTENCES[0], "", SENTENCES[1], "   ", SENTENCES[2], ""]
-    src = tmp_path / "in.txt"
-    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    status, out, _ = call("translate", run, "--input", src, "--output", tmp_path / "out.txt")
-    assert status == 0 and out == ""
-    got = (tmp_path / "out.txt").read_text(encoding="utf-8").split("\n")[:-1]
-    assert got == [singles[0], "", singles[1], "", singles[2], ""]
 
 
 def test_an_argument_that_is_not_utf8_translates_as_the_replacement_character(run, call, tmp_path):
@@ -88,102 +67,6 @@ def test_scores_that_are_not_numbers_give_an_empty_line_not_a_missing_one(run, b
     capsys.readouterr()
     assert translator.translate_nbest(SENTENCES[:3], nbest=nbest) == [[(float("-inf"), "")] * nbest] * 3
     assert "scores for a sentence are not numbers (NaN)" in capsys.readouterr().err
-
-
-def test_translate_stdin(run, singles, call):
-    status, out, _ = call("translate", run, stdin="\n".join(SENTENCES) + "\n")
-    assert status == 0 and out.splitlines() == singles
-
-
-def test_translate_input_that_is_no_regular_file(run, singles, tmp_path, call):
-    """A pipe (what bash's <(zcat x.gz) gives), a FIFO, a device and `-` (stdin) are read like a file, once."""
-    read_end, write_end = os.pipe()
-    os.write(write_end, ("\n".join(SENTENCES) + "\n").encode("utf-8"))
-    os.close(write_end)
-    try:
-        status, out, err = call("translate", run, "--input", f"/dev/fd/{read_end}")
-    finally:
-        os.close(read_end)
-    assert (status, out.splitlines()) == (0, singles), err
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    writer = threading.Thread(target=fifo.write_text, args=(SENTENCES[0] + "\n",), daemon=True)  # until read
-    writer.start()
-    try:
-        status, out, err = call("translate", run, "--input", fifo)
-    finally:
-        writer.join(timeout=60)
-    assert (status, out.splitlines()) == (0, singles[:1]), err
-    assert call("translate", run, "--input", os.devnull)[:2] == (0, "")
-    status, out, _ = call("translate", run, "--input", "-", stdin="\n".join(SENTENCES) + "\n")
-    assert (status, out.splitlines()) == (0, singles)
-    status, _, err = call("translate", run, "--input", tmp_path)
-    assert (status, err) == (2, f"error: data: {tmp_path} is a directory, not a file\n")
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_stdin_lines_do_not_depend_on_how_the_pipe_delivers_them(seed):
-    """Lines from standard input equal those of the whole text split on newlines, whatever the sizes of the
-    pieces the pipe delivers (a long line spans many reads; pieces end inside lines and inside characters)."""
-    rng = random.Random(seed)
-    lines = [rng.choice(["", "ein hund\r", "zwei kätzchen", "x" * rng.randrange(1, 300_000)]) for _ in range(40)]
-    data = "\n".join(lines).encode("utf-8") + (b"\n" if seed % 2 else b"")
-    read_end, write_end = os.pipe()
-
-    def write():
-        with os.fdopen(write_end, "wb", buffering=0) as f:
-            at = 0
-            while at < len(data):
-                size = rng.choice([1, 7, 4096, 70_000, 200_000])
-                f.write(data[at : at + size])
-                at += size
-
-    writer = threading.Thread(target=write)
-    writer.start()
-    try:
-        got = [line for chunk in translate_io._fd_chunks(read_end) for line in chunk]
-    finally:
-        writer.join()
-        os.close(read_end)
-    expected = data.decode("utf-8").split("\n")
-    if expected[-1] == "":  # a final newline ends the last line; it does not start another
-        expected.pop()
-    assert got == [line.removesuffix("\r") for line in expected]
-
-
-def test_translate_stdin_subprocess_streams_line_by_line(run, singles):
-    """A real pipe: the first line's translation arrives before the second line is written."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "transformer", "translate", str(run), "--device", "cpu"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        encoding="utf-8",
-        env=subprocess_env(),
-    )
-    try:
-        proc.stdin.write(SENTENCES[0] + "\n")
-        proc.stdin.flush()
-        first = proc.stdout.readline().rstrip("\n")
-        proc.stdin.write("\n".join(SENTENCES[1:]) + "\n")
-        proc.stdin.close()
-        rest = proc.stdout.read().splitlines()
-    finally:
-        proc.wait(timeout=60)
-    assert proc.returncode == 0
-    assert [first] + rest == singles
-
-
-def test_nbest_format(run, call):
-    status, out, _ = call("translate", run, "--beam", "3", "--nbest", "3", SENTENCES[0], "", SENTENCES[1])
-    assert status == 0
-    rows = [line.split("\t") for line in out.split("\n")[:-1]]
-    assert len(rows) == 9 and all(len(r) == 2 for r in rows)
-    for group in (rows[0:3], rows[6:9]):
-        scores = [float(r[0]) for r in group]
-        assert scores == sorted(scores, reverse=True)
-        assert len({r[1] for r in group}) == 3
-    assert [r[1] for r in rows[3:6]] == ["", "", ""]
 
 
 def test_nbest_larger_than_beam_is_an_error(run, call):
@@ -361,16 +244,6 @@ def test_ctranslate2_engine_says_it_ignores_an_exact_stop(ctranslate2, copy_mode
     for flags in (("--stop", "early"), ()):  # early is what it does; no flag: the checkpoint's default, unasked
         status, _, err = call("translate", copy_model, "--engine", "ctranslate2", *flags, "--dtype", "fp32", LINES[0])
         assert status == 0 and "does not apply" not in err, flags
-
-
-def test_output_through_a_symlink_writes_the_target_and_keeps_the_link(run, tmp_path, call):
-    real, link = tmp_path / "real.txt", tmp_path / "out.txt"
-    real.write_text("old\n", encoding="utf-8")
-    link.symlink_to(real)
-    status, _, err = call("translate", run, "ein hund", "--output", link)
-    assert status == 0, err
-    assert link.is_symlink() and os.readlink(link) == str(real)
-    assert real.read_text(encoding="utf-8") == link.read_text(encoding="utf-8") != "old\n"
 
 
 def test_load_model_is_in_eval_mode(run):
@@ -570,3 +443,20 @@ def test_translator_takes_workers_from_the_checkpoint_or_the_caller(run, two_thr
     assert translator.settings.workers == 1
     translator.translate(LINES)
     assert {name for name, _, _ in calls} == {threading.current_thread().name}
+
+
+def test_a_line_over_the_bound_is_read_up_to_it_with_a_warning(untrained_checkpoint, monkeypatch, capsys):
+    from transformer.inference import translator as translate
+
+    translator = Translator(untrained_checkpoint, "cpu", SearchFlags(beam=2))  # its own: warnings stop after five
+    monkeypatch.setattr(translate, "MAX_LINE_CHARS", 100)
+    lines = ["ein hund", "der mann " * 30, "zwei katzen"]
+    ids = translator.encode(lines)
+    assert ids == translator.vocab.encode(["ein hund", ("der mann " * 30)[:100], "zwei katzen"])
+    err = capsys.readouterr().err
+    assert (
+        f"warning: input line {translator.lines_seen - 1} has over 100 characters (only those are read); "
+        "truncated to the first"
+        in err
+        and err.count("warning") == 1
+    )
