@@ -179,3 +179,26 @@ def test_the_entry_point_and_python_m_reach_main():
     assert packages["packages"]["find"]["include"] == ["transformer*"]
     patterns = packages["package-data"]["transformer.serve"]
     assert all(list((PACKAGE / "serve").glob(pattern)) for pattern in patterns)
+
+
+# Test files of a package's tests/ folder that are about the package as a whole, not one module.
+WHOLE_PACKAGE_TESTS = {"tests/core/test_layers.py"}
+
+
+def test_every_module_has_a_test_file_of_its_own_and_every_test_file_a_module():
+    """tests/<package>/test_<module>.py (the package's top-level modules: tests/core/), as docs/architecture.md says;
+    tests/integration/ holds what crosses modules (crashes, CUDA, torchrun, scripts, the docs, end to end)."""
+    expected = {}
+    for module in modules():
+        parts = module.split(".")
+        if parts[-1].startswith("__") or len(parts) == 1 or (len(parts) == 2 and parts[1] in LAYERS):
+            continue  # the package and its subpackages' __init__, __main__
+        package = parts[1] if len(parts) > 2 else "core"
+        expected[f"tests/{package}/test_{parts[-1]}.py"] = module
+    found = {str(p.relative_to(ROOT)) for folder in LAYERS for p in (ROOT / "tests" / folder).glob("test_*.py")}
+    missing = sorted(f"{expected[t]}: {t}" for t in set(expected) - found)
+    strays = sorted(found - set(expected) - WHOLE_PACKAGE_TESTS)
+    assert not missing, "modules without a test file of their own:\n" + "\n".join(missing)
+    assert not strays, "test files named after no module (rename, or move into the module's file):\n" + "\n".join(
+        strays
+    )
