@@ -583,24 +583,7 @@ def update_loop(run: Run, quiet: bool) -> None:
             state.bad_validations,
         )
         return
-    stream = BatchStream(
-        run.store.corpus("train"),
-        run.cfg.data,
-        t.seed,
-        **state.data,
-        rank=info.rank,
-        world_size=info.world_size,
-        update_freq=t.update_freq,
-        specials=run.vocab.specials,
-    )
-    log.info(
-        "model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
-        f"{count_parameters(run.model):,}",
-        run.device,
-        info.world_size,
-        run.precision,
-        stream.batches_per_epoch // t.update_freq,
-    )
+    stream = batch_stream(run)
     run.model.train()
     bar = tqdm(
         total=t.max_steps,
@@ -617,15 +600,8 @@ def update_loop(run: Run, quiet: bool) -> None:
     def more_to_train() -> bool:
         return state.step < t.max_steps and (not t.max_epochs or prefetch.epochs_done < t.max_epochs)
 
-    final = RunDir(run.run_dir).final  # chosen at the end of the run being continued: stale once it trains on
-    if run.saved_step is not None and info.is_main and final.is_file() and more_to_train():
-        final.unlink()
-        log.info(
-            "resume: removed final.pt; %s",
-            "the end of this training chooses again"
-            if t.finish
-            else f"train.finish is off: `transformer finish {run.run_dir}` chooses again",
-        )
+    if run.saved_step is not None and info.is_main and more_to_train():
+        drop_stale_final(run)
     with StopRequested() as stop, peer_failure_explained(info), contextlib.closing(prefetch), contextlib.closing(bar):
         while more_to_train():
             update = prefetch.next()
@@ -633,19 +609,7 @@ def update_loop(run: Run, quiet: bool) -> None:
             result = train_update(run, update, stop)
             if result.nonfinite:
                 skipped_in_a_row += 1
-                log.warning(
-                    "update %d: non-finite loss or gradient; skipped, the weights are unchanged", state.step + 1
-                )
-                if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                    held = (
-                        f"last.pt holds step {run.saved_step}"
-                        if run.saved_step is not None
-                        else "no last.pt was written"
-                    )
-                    raise UserError(
-                        f"training diverged: {skipped_in_a_row} updates in a row had a non-finite "
-                        f"loss or gradient; stopping without saving them ({held})"
-                    )
+                skipped_update(run, skipped_in_a_row)
             else:
                 skipped_in_a_row = 0
                 progress.add(update, result.loss)
@@ -667,6 +631,56 @@ def update_loop(run: Run, quiet: bool) -> None:
             validate_and_save(run)
         if stop.signal_name is not None:  # asked to stop during it: it has saved last.pt at this step
             stopped(run, stop.signal_name)
+
+
+def batch_stream(run: Run) -> BatchStream:
+    """This rank's training batches from where the run's state left them, and the log line that starts training."""
+    t, info = run.cfg.train, run.info
+    stream = BatchStream(
+        run.store.corpus("train"),
+        run.cfg.data,
+        t.seed,
+        epoch=run.state.data["epoch"],
+        batches_done=run.state.data["batches_done"],
+        rank=info.rank,
+        world_size=info.world_size,
+        update_freq=t.update_freq,
+        specials=run.vocab.specials,
+    )
+    log.info(
+        "model: %s parameters; device %s x %d; precision %s; %d updates per epoch",
+        f"{count_parameters(run.model):,}",
+        run.device,
+        info.world_size,
+        run.precision,
+        stream.batches_per_epoch // t.update_freq,
+    )
+    return stream
+
+
+def drop_stale_final(run: Run) -> None:
+    """final.pt was chosen at the end of the run being continued: stale once it trains on."""
+    final = RunDir(run.run_dir).final
+    if not final.is_file():
+        return
+    final.unlink()
+    log.info(
+        "resume: removed final.pt; %s",
+        "the end of this training chooses again"
+        if run.cfg.train.finish
+        else f"train.finish is off: `transformer finish {run.run_dir}` chooses again",
+    )
+
+
+def skipped_update(run: Run, in_a_row: int) -> None:
+    """An update skipped for a non-finite loss or gradient is logged; MAX_SKIPPED_IN_A_ROW of them end training."""
+    log.warning("update %d: non-finite loss or gradient; skipped, the weights are unchanged", run.state.step + 1)
+    if in_a_row >= MAX_SKIPPED_IN_A_ROW:
+        held = f"last.pt holds step {run.saved_step}" if run.saved_step is not None else "no last.pt was written"
+        raise UserError(
+            f"training diverged: {in_a_row} updates in a row had a non-finite "
+            f"loss or gradient; stopping without saving them ({held})"
+        )
 
 
 def first_update(run: Run, bar: tqdm) -> None:
