@@ -67,6 +67,46 @@ def _results_name(eval_dir: Path, name: str, settings: str, source: list | None,
     return f"{name}.{digest[:8]}.{settings}"
 
 
+def _check_inputs(split: str | None, src: str | None, ref: str | None) -> None:
+    """A split or --src/--ref files, not both, and a split's name never a path out of the run."""
+    from transformer.config import split_name_problem
+
+    if (src is None) != (ref is None):
+        raise UserError("evaluate: --src and --ref go together")
+    if src is not None and split is not None:
+        raise UserError("evaluate: give --split or --src/--ref, not both")
+    if split is not None and split_name_problem(split, "--split") is not None:
+        raise UserError(f"evaluate: {split_name_problem(split, '--split')}; for other files pass --src FILE --ref FILE")
+
+
+def _read_split(data, split: str) -> tuple[list[str], list[str]]:
+    """The sentences of a split of the run's corpus (train, valid and test stand for data.*_split); a split that is
+    not there gets the hint, what is wrong inside one that is, its own message."""
+    from transformer.data.corpus import load_split, resolve_split
+
+    aliases = {"train": data.train_split, "valid": data.valid_split, "test": data.test_split}
+    try:
+        resolve_split(data, aliases.get(split, split))
+    except UserError as e:
+        if split in aliases or split in aliases.values():  # a split the run knows, whose files are not there
+            raise UserError(f"evaluate: split {split!r}: {e}") from None
+        raise UserError(
+            f"evaluate: unknown split {split!r}: {e} (splits of this run are named by data.train_split, "
+            "data.valid_split, data.test_split; or pass --src FILE --ref FILE)"
+        ) from None
+    return load_split(data, aliases.get(split, split))
+
+
+def _source(data, split: str | None, src: str | None, ref: str | None) -> list | None:
+    """What the results are of: the files (their absolute paths) or the split where it is read from; None for a
+    pipe (on either side), which is only its sentences."""
+    if src is None:
+        return ["split", split, str(Path(data.dir).resolve()) if data.source == "local" else data.hub_name]
+    if Path(src).is_file() and Path(ref).is_file():
+        return ["files", str(Path(src).resolve()), str(Path(ref).resolve())]
+    return None
+
+
 def run_evaluate(
     run_dir: str | list[str],
     split: str | None,
@@ -78,16 +118,10 @@ def run_evaluate(
     """The `evaluate` command: translate a split (or --src/--ref files) with the search `flags` over the
     checkpoint's decode section, score, write .hyp and .json. Several run directories or checkpoints: an ensemble,
     evaluated into the first one's eval/ (its data section and decode settings), named .ensembleN."""
-    from transformer.config import split_name_problem
-    from transformer.data.corpus import load_split, read_parallel, resolve_split
+    from transformer.data.corpus import read_parallel
     from transformer.inference.translator import Translator
 
-    if (src is None) != (ref is None):
-        raise UserError("evaluate: --src and --ref go together")
-    if src is not None and split is not None:
-        raise UserError("evaluate: give --split or --src/--ref, not both")
-    if split is not None and split_name_problem(split, "--split") is not None:  # never a path out of the run
-        raise UserError(f"evaluate: {split_name_problem(split, '--split')}; for other files pass --src FILE --ref FILE")
+    _check_inputs(split, src, ref)
     members = [run_dir] if isinstance(run_dir, str) else list(run_dir)
     run_dir = members[0]
     translator = Translator(members, device, flags)
@@ -98,19 +132,8 @@ def run_evaluate(
         # A pipe (`--src <(zcat test.de.gz)` is /dev/fd/63) would name the results "63"
         name = Path(src).name if Path(src).is_file() else "pipe"
     else:
-        data = translator.cfg.data
-        aliases = {"train": data.train_split, "valid": data.valid_split, "test": data.test_split}
         split = split or "test"
-        try:  # a split that is not there gets the hint; what is wrong inside one that is, its own message
-            resolve_split(data, aliases.get(split, split))
-        except UserError as e:
-            if split in aliases or split in aliases.values():  # a split the run knows, whose files are not there
-                raise UserError(f"evaluate: split {split!r}: {e}") from None
-            raise UserError(
-                f"evaluate: unknown split {split!r}: {e} (splits of this run are named by data.train_split, "
-                "data.valid_split, data.test_split; or pass --src FILE --ref FILE)"
-            ) from None
-        sources, references = load_split(data, aliases.get(split, split))
+        sources, references = _read_split(translator.cfg.data, split)
         name = split
     if translator.note:
         print(translator.note, file=sys.stderr)
@@ -120,17 +143,7 @@ def run_evaluate(
         name = f"{checkpoint.stem}.{name}"
     text = "\n".join(sources) + "\0" + "\n".join(references)
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-    # What the results are of: the files (their absolute paths) or the split where it is read from; a pipe (on
-    # either side) is only its sentences.
-    if src is None:
-        data = translator.cfg.data
-        source = ["split", split, str(Path(data.dir).resolve()) if data.source == "local" else data.hub_name]
-    else:
-        source = (
-            ["files", str(Path(src).resolve()), str(Path(ref).resolve())]
-            if Path(src).is_file() and Path(ref).is_file()
-            else None
-        )
+    source = _source(translator.cfg.data, split, src, ref)
     name = _results_name(eval_dir, name, described, source, digest)
     _check_writable(eval_dir)  # before the translating, not after it
     start = time.perf_counter()
