@@ -258,6 +258,14 @@ def _add_translate(sub) -> None:
         help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam; with --sample, N samples)",
     )
     _add_checkpoints(p)
+    _add_line_options(p)
+    add_search_options(p)
+    p.set_defaults(func=commands.cmd_translate)
+    p.__class__ = _IntermixedParser  # same parser, intermixed positionals
+
+
+def _add_line_options(p) -> None:
+    """translate's options for what each input line asks beyond the search settings, and its alignments."""
     p.add_argument(
         "--prefix-file",
         metavar="FILE",
@@ -284,9 +292,6 @@ def _add_translate(sub) -> None:
         metavar="L",
         help="the decoder layer alignments come from, from 1 (default: the last)",
     )
-    add_search_options(p)
-    p.set_defaults(func=commands.cmd_translate)
-    p.__class__ = _IntermixedParser  # same parser, intermixed positionals
 
 
 def _add_evaluate(sub) -> None:
@@ -352,6 +357,13 @@ def _add_serve(sub) -> None:
         help="how long a /translate request waits for others to share its search (default 5; 0: only "
         "requests that queued while the model was busy are merged)",
     )
+    _add_request_limits(p)
+    _add_connection_limits(p)
+    p.set_defaults(func=commands.cmd_serve)
+
+
+def _add_request_limits(p) -> None:
+    """serve's bounds on what one request may ask and cost."""
     p.add_argument("--max-sentences", type=int, default=64, metavar="N", help="sentences per request (default 64)")
     p.add_argument(
         "--max-chars",
@@ -401,6 +413,10 @@ def _add_serve(sub) -> None:
         "the longest translation the search may give before anything runs (413 above it; "
         "default 2000000, about 15 MB of JSON)",
     )
+
+
+def _add_connection_limits(p) -> None:
+    """serve's bounds on connections below the API: how many, how slow, how long a drain waits, which Host names."""
     p.add_argument(
         "--max-connections",
         type=int,
@@ -440,7 +456,6 @@ def _add_serve(sub) -> None:
         "reached (repeat for more; '*' for any): others get 421, so that no page elsewhere reads "
         "the API through DNS rebinding",
     )
-    p.set_defaults(func=commands.cmd_serve)
 
 
 def _add_average(sub) -> None:
