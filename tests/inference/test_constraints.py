@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import SENTENCES
 from tests.inference.test_search import as_batch, random_model, random_prefixes, random_sources
-from transformer.inference import constraints as constraints_module
+from transformer.inference import search as search_module
 from transformer.inference.constraints import Phrases, constrained_search
 from transformer.inference.search import search
 from transformer.inference.settings import SearchSettings
@@ -108,12 +108,12 @@ def test_the_exact_rule_gives_what_running_to_the_length_limit_gives(monkeypatch
         sources = random_sources(seed + 5, vocab, n=5)
         cases.append((model, sources, random_constraints(seed + 9, vocab, len(sources)), 1 + seed % 2))
     exact = [constrained_search(m, as_batch(s), c, 3, 0.0, 6, n, "exact") for m, s, c, n in cases]
-    real = constraints_module.still_searching
+    real = search_module.still_searching
 
     def to_the_limit(alive, finished, best_live, *rest):
         return real(alive, finished, [float("inf")] * len(best_live), *rest)  # the bound never settles
 
-    monkeypatch.setattr(constraints_module, "still_searching", to_the_limit)
+    monkeypatch.setattr(search_module, "still_searching", to_the_limit)
     full = [constrained_search(m, as_batch(s), c, 3, 0.0, 6, n, "exact") for m, s, c, n in cases]
     stopped_sooner = 0
     for a, b in zip(exact, full):

@@ -40,12 +40,11 @@ from transformer.inference.search import (
     Hypothesis,
     Rules,
     SearchResult,
+    Sentences,
     device_index,
     device_tensor,
     force_eos,
-    max_lengths,
     new_decoder,
-    still_searching,
     to_host,
 )
 from transformer.inference.settings import LenpenKind, StopRule
@@ -156,21 +155,15 @@ class _ConstrainedBeam:
     def run(self, max_len_offset: int, forced: ForcedPrefix | None) -> SearchResult:
         model, src, k, device = self.model, self.src, self.k, self.src.device
         decoder = new_decoder(model, src, True)
-        max_len = max_lengths(model, src, max_len_offset, forced)
-        limits, best_lp = to_host(max_len, self.rules.penalty(max_len.double() + 1))
-        best_lp = best_lp.tolist()
-        alive = list(range(src.size(0)))
-        finished: list[list[Hypothesis]] = [[] for _ in alive]
-        sentence_steps = [0] * src.size(0)
+        sentences = Sentences.start(model, src, self.rules, k, self.nbest, max_len_offset, forced)
+        alive, finished = sentences.alive, sentences.finished
         progress = [[self.phrases[s].start()] for s in alive]  # per live sentence, per row
         n = 1
         prefix = torch.full((src.size(0), 1), self.bos, dtype=torch.long, device=device)
         scores = torch.zeros(src.size(0), device=device)
         t = 0
         while alive:
-            lprobs = decoder.log_probs(prefix)  # (B*n, V)
-            at_limit = (t >= max_len).repeat_interleave(n) if t >= limits.min() else None
-            lprobs = force_eos(lprobs, at_limit, self.eos, self.stop == "hf")
+            lprobs = force_eos(decoder.log_probs(prefix), sentences.at_limit(t, n), self.eos, self.stop == "hf")
             if forced is not None:
                 lprobs = forced.apply(lprobs, t, n)
             # EOS only for a hypothesis that holds every phrase.
@@ -215,29 +208,11 @@ class _ConstrainedBeam:
                 new_scores.append([c.score for c in kept])
                 new_progress.append([c.progress for c in kept])
 
-            keep = still_searching(
-                alive,
-                finished,
-                best_live,
-                (t >= limits).tolist(),
-                best_lp,
-                penalty,
-                k,
-                self.nbest,
-                self.rules,
-                sentence_steps,
-                t + 1,
-            )
+            keep = sentences.searching(best_live, t)
             if not keep:
                 break
-            sentence_set_changed = len(keep) < len(alive)
-            keep_t = device_index(keep, device) if sentence_set_changed else None
-            if sentence_set_changed:
-                alive = [alive[s] for s in keep]
-                limits = limits[keep]
-                max_len = max_len[keep_t]
-                if forced is not None:
-                    forced.keep(keep_t)
+            keep_t = sentences.keep(keep, forced)
+            alive = sentences.alive
             index = device_index([r for s in keep for r in parents[s]], device)
             new_token = device_tensor([x for s in keep for x in tokens[s]], device)
             scores = device_tensor([x for s in keep for x in new_scores[s]], device, torch.float32)
@@ -246,7 +221,7 @@ class _ConstrainedBeam:
             decoder.keep_rows(index, keep_t)
             n = k
             t += 1
-        return SearchResult(finished, decoder.steps, sentence_steps)
+        return SearchResult(finished, decoder.steps, sentences.sentence_steps)
 
     def _candidates(self, s, index, rows, progress, host_lprobs, host_tokens, host_scores, extra) -> list[_Candidate]:
         """A sentence's candidates, best first (ties: the earlier row and rank), each with its progress."""

@@ -442,6 +442,124 @@ def still_searching(
     return keep
 
 
+@dataclass
+class Sentences:
+    """What a beam search keeps per sentence: which ones it still searches (by original index), their length
+    limits, the exact rule's divisor, the hypotheses each has finished and the decoder steps it took."""
+
+    rules: Rules
+    k: int  # the beam
+    nbest: int
+    max_len: torch.Tensor  # (B,) output-length limit of each live sentence
+    limits: np.ndarray  # the same on the host
+    best_lp: list[float]  # by original index: the largest penalty a live hypothesis can reach (module docstring)
+    alive: list[int]  # original index of each live sentence
+    finished: list[list[Hypothesis]]  # by original index
+    sentence_steps: list[int]  # by original index
+
+    @classmethod
+    def start(
+        cls,
+        model,
+        src: torch.Tensor,
+        rules: Rules,
+        k: int,
+        nbest: int,
+        max_len_offset: int,
+        forced: ForcedPrefix | None,
+    ) -> Sentences:
+        """Every sentence of `src` live, none finished, each with its output-length limit."""
+        max_len = max_lengths(model, src, max_len_offset, forced)
+        limits, best_lp = to_host(max_len, rules.penalty(max_len.double() + 1))
+        rows = src.size(0)
+        return cls(
+            rules=rules,
+            k=k,
+            nbest=nbest,
+            max_len=max_len,
+            limits=limits,
+            best_lp=best_lp.tolist(),
+            alive=list(range(rows)),
+            finished=[[] for _ in range(rows)],
+            sentence_steps=[0] * rows,
+        )
+
+    def at_limit(self, t: int, n: int) -> torch.Tensor | None:
+        """(B*n,) whether each of the n rows per sentence is at its length limit at step t; None: none is."""
+        return (t >= self.max_len).repeat_interleave(n) if t >= self.limits.min() else None
+
+    def finish(
+        self,
+        finishing: np.ndarray,
+        scores: np.ndarray,
+        origin: np.ndarray,
+        prefix: np.ndarray,
+        n: int,
+        t: int,
+        step: TraceStep | None,
+    ) -> None:
+        """Finish the EOS candidates marked in `finishing` (B, 2k) (those ranked within the top k; on the host, as
+        scores, origin and the prefixes (B*n, t+1) they extend); under "early" only until k have finished
+        (module docstring). nonzero() gives them by sentence, then by rank: the better summed score first."""
+        sent, pos = np.nonzero(finishing)
+        rows = sent * n + origin[sent, pos]
+        penalty = self.rules.penalty(t + 1)
+        for s, row_tokens, total in zip(sent.tolist(), prefix[rows, 1:].tolist(), scores[sent, pos].tolist()):
+            if self.rules.stop == "early" and len(self.finished[self.alive[s]]) >= self.k:
+                continue
+            hyp = Hypothesis(row_tokens, total / penalty)
+            self.finished[self.alive[s]].append(hyp)
+            if step is not None:
+                step.finished[self.alive[s]].append(hyp)
+
+    def searching(self, best_live: list[float], t: int) -> list[int]:
+        """Positions in `alive` of the sentences that search on after step t (still_searching)."""
+        return still_searching(
+            self.alive,
+            self.finished,
+            best_live,
+            (t >= self.limits).tolist(),
+            self.best_lp,
+            self.rules.penalty(t + 1),
+            self.k,
+            self.nbest,
+            self.rules,
+            self.sentence_steps,
+            t + 1,
+        )
+
+    def keep(self, keep: list[int], forced: ForcedPrefix | None) -> torch.Tensor | None:
+        """Search on with the sentences at positions `keep` of `alive` only -> their index on the device, or None
+        when every sentence goes on."""
+        if len(keep) == len(self.alive):
+            return None
+        index = device_index(keep, self.max_len.device)
+        self.alive = [self.alive[s] for s in keep]
+        self.max_len, self.limits = self.max_len[index], self.limits[keep]
+        if forced is not None:
+            forced.keep(index)
+        return index
+
+
+def _top_candidates(
+    lprobs: torch.Tensor, scores: torch.Tensor, b: int, n: int, k: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each of `b` sentences' 2k best (row, token) candidates, from its `n` rows' log-probabilities lprobs (b*n, V)
+    and summed scores (b*n,): their summed scores (b, 2k) best first, the row among the sentence's n each extends,
+    and the token. A sentence's 2k best are among each of its rows' 2k best tokens: those are ranked, rather than
+    every row's score added to all V log-probabilities and n*V ranked per sentence."""
+    per_row = min(2 * k, lprobs.size(1))
+    row_lprobs, row_tokens = lprobs.topk(per_row, dim=1)  # (B*n, per_row)
+    cand = (scores[:, None] + row_lprobs).view(b, n * per_row)  # -> (B, n*per_row)
+    row_tokens = row_tokens.view(b, n * per_row)
+    if cand.size(1) < 2 * k:  # vocabulary smaller than 2*beam: pad with impossible candidates
+        cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=float("-inf"))
+        row_tokens = F.pad(row_tokens, (0, 2 * k - row_tokens.size(1)), value=pad)
+    top_scores, top_idx = cand.topk(2 * k, dim=1)  # (B, 2k), best first
+    origin = (top_idx // per_row).clamp(max=n - 1)  # the beam each candidate extends
+    return top_scores, origin, row_tokens.gather(1, top_idx)
+
+
 def _beam_search(
     model,
     src: torch.Tensor,
@@ -453,49 +571,26 @@ def _beam_search(
     trace: list[TraceStep] | None = None,
     forced: ForcedPrefix | None = None,
 ) -> SearchResult:
-    device, k, stop = src.device, beam, rules.stop
-    bos, eos = model.specials.bos, model.specials.eos
-    inf = float("-inf")
+    device, k, eos = src.device, beam, model.specials.eos
     # Encoded once per sentence; rows are copied per beam after the first step.
     decoder = new_decoder(model, src, use_cache)
-    max_len = max_lengths(model, src, max_len_offset, forced)  # (B,) per live sentence
-    # The exact rule's divisor: the largest penalty a live hypothesis can reach (module docstring). The limits,
-    # the same on the host.
-    limits, best_lp = to_host(max_len, rules.penalty(max_len.double() + 1))
-    best_lp = best_lp.tolist()
-    alive = list(range(src.size(0)))  # original index of each live sentence
-    finished: list[list[Hypothesis]] = [[] for _ in alive]  # by original index
-    sentence_steps = [0] * src.size(0)
+    sentences = Sentences.start(model, src, rules, k, nbest, max_len_offset, forced)
     n = 1  # rows per live sentence: one (just BOS) before the first step, then `beam`
-    prefix = torch.full((src.size(0), 1), bos, dtype=torch.long, device=device)  # (B*n, t+1)
+    prefix = torch.full((src.size(0), 1), model.specials.bos, dtype=torch.long, device=device)  # (B*n, t+1)
     scores = torch.zeros(src.size(0), device=device)  # (B*n,) summed log-probabilities
     rank = torch.arange(2 * k, device=device)
     host_rank = np.arange(2 * k)
     t = 0
-    while alive:
-        b = len(alive)
+    while sentences.alive:
+        b = len(sentences.alive)
         step = new_step(src.size(0)) if trace is not None else None
-        lprobs = decoder.log_probs(prefix)  # (B*n, V)
-        at_limit = (t >= max_len).repeat_interleave(n) if t >= limits.min() else None  # (B,) -> (B*n,)
-        # A sentence's 2k best (row, token) candidates are among each of its rows' 2k best tokens: rank
-        # those, rather than adding every row's score to all V log-probabilities and ranking n*V per sentence.
-        per_row = min(2 * k, lprobs.size(1))
-        lprobs = force_eos(lprobs, at_limit, eos, stop == "hf")
+        lprobs = force_eos(decoder.log_probs(prefix), sentences.at_limit(t, n), eos, rules.stop == "hf")  # (B*n, V)
         if forced is not None:
             lprobs = forced.apply(lprobs, t, n)
-        row_lprobs, row_tokens = lprobs.topk(per_row, dim=1)  # (B*n, per_row)
-        cand = (scores[:, None] + row_lprobs).view(b, n * per_row)  # -> (B, n*per_row)
-        row_tokens = row_tokens.view(b, n * per_row)
-        if cand.size(1) < 2 * k:  # vocabulary smaller than 2*beam: pad with impossible candidates
-            cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=inf)
-            row_tokens = F.pad(row_tokens, (0, 2 * k - row_tokens.size(1)), value=model.specials.pad)
-        top_scores, top_idx = cand.topk(2 * k, dim=1)  # (B, 2k), best first
-        origin = (top_idx // per_row).clamp(max=n - 1)  # the beam each candidate extends
-        token = row_tokens.gather(1, top_idx)
-        is_eos = token == eos
+        top_scores, origin, token = _top_candidates(lprobs, scores, b, n, k, model.specials.pad)
 
         # The k best non-EOS candidates stay alive (there are at least k: each beam adds one EOS at most).
-        order = (is_eos.long() * (2 * k) + rank).argsort(dim=1)[:, :k]  # (B, k) positions among the 2k
+        order = ((token == eos).long() * (2 * k) + rank).argsort(dim=1)[:, :k]  # (B, k) positions among the 2k
         scores = top_scores.gather(1, order)  # (B, k)
         parent = torch.arange(b, device=device)[:, None] * n + origin.gather(1, order)  # (B, k) row indices
         new_token = token.gather(1, order)  # (B, k)
@@ -504,56 +599,27 @@ def _beam_search(
         host_scores, host_token, host_origin, host_prefix, best_live = to_host(
             top_scores, token, origin, prefix, scores[:, 0]
         )
-        # Finish EOS candidates ranked within the top k; under "early" only until k have finished (module
-        # docstring). nonzero() gives them by sentence, then by rank: the better summed score first.
-        finishing = (host_token == eos) & (host_rank < k) & (host_scores > inf)
+        finishing = (host_token == eos) & (host_rank < k) & (host_scores > float("-inf"))
         if finishing.any():
-            sent, pos = np.nonzero(finishing)
-            rows = sent * n + host_origin[sent, pos]
-            penalty = rules.penalty(t + 1)
-            for s, row_tokens, total in zip(
-                sent.tolist(), host_prefix[rows, 1:].tolist(), host_scores[sent, pos].tolist()
-            ):
-                if stop == "early" and len(finished[alive[s]]) >= k:
-                    continue
-                hyp = Hypothesis(row_tokens, total / penalty)
-                finished[alive[s]].append(hyp)
-                if step is not None:
-                    step.finished[alive[s]].append(hyp)
-
-        keep = still_searching(
-            alive,
-            finished,
-            best_live.tolist(),
-            (t >= limits).tolist(),
-            best_lp,
-            rules.penalty(t + 1),
-            k,
-            nbest,
-            rules,
-            sentence_steps,
-            t + 1,
-        )
+            sentences.finish(finishing, host_scores, host_origin, host_prefix, n, t, step)
+        keep = sentences.searching(best_live.tolist(), t)
         if step is not None:
             for s in keep:  # (k, t+1): each kept hypothesis's tokens so far, without BOS
                 tokens = torch.cat([prefix[parent[s], 1:], new_token[s, :, None]], dim=1)
-                step.alive[alive[s]] = [Hypothesis(h, total) for h, total in zip(tokens.tolist(), scores[s].tolist())]
+                step.alive[sentences.alive[s]] = [
+                    Hypothesis(h, total) for h, total in zip(tokens.tolist(), scores[s].tolist())
+                ]
             trace.append(step)
         if not keep:
             break
-        sentence_set_changed = len(keep) < b
-        if sentence_set_changed:
-            alive = [alive[s] for s in keep]
-            keep_t = device_index(keep, device)
-            scores, parent, new_token, max_len = scores[keep_t], parent[keep_t], new_token[keep_t], max_len[keep_t]
-            limits = limits[keep]
-            if forced is not None:
-                forced.keep(keep_t)
+        kept = sentences.keep(keep, forced)
+        if kept is not None:
+            scores, parent, new_token = scores[kept], parent[kept], new_token[kept]
         index = parent.reshape(-1)  # (B', k) -> (B'*k,)
         prefix = torch.cat([prefix.index_select(0, index), new_token.reshape(-1, 1)], dim=1)  # (B'*k, t+2)
         scores = scores.reshape(-1)
         # Rows of one sentence share its source: the encoder K/V move only when sentences leave.
-        decoder.keep_rows(index, keep_t if sentence_set_changed else None)
+        decoder.keep_rows(index, kept)
         n = k
         t += 1
-    return SearchResult(finished, decoder.steps, sentence_steps)
+    return SearchResult(sentences.finished, decoder.steps, sentences.sentence_steps)
