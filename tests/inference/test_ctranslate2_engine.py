@@ -28,8 +28,10 @@ SOURCES = ["der mann sitzt auf dem haus", "eine katze", "ein kind spielt im haus
     [
         {},  # post-norm, all shared
         {"norm": "pre", "share_embeddings": False, "tie_output": False},
+        {"positions": "learned"},  # a table per side: CTranslate2 adds any table
+        {"positions": "rotary", "norm": "pre"},  # CTranslate2's rotary_dim, interleaved pairs as ours
     ],
-    ids=["post_shared", "pre_unshared"],
+    ids=["post_shared", "pre_unshared", "learned", "rotary"],
 )
 def test_exported_model_scores_and_translates_like_ours(tmp_path, model_overrides):
     raw = tiny_config(tmp_path, model=model_overrides, train={"max_steps": 30, "valid_every": 100})

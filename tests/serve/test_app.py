@@ -26,7 +26,7 @@ from transformer.inference import translator as translate_module
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 from transformer.model.checkpoint import load_model, save_checkpoint
-from transformer.model.positions import PositionalEncoding
+from transformer.model.positions import sinusoid_table
 from transformer.model.transformer import Transformer, count_parameters
 
 pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")
@@ -380,7 +380,9 @@ def test_positions_table(client):
     got = client.get("/positions", params={"d_model": 16, "length": 30}).json()
     table = torch.tensor(got["table"])
     assert (got["d_model"], got["length"], tuple(table.shape)) == (16, 30, (30, 16))
-    assert torch.allclose(table, PositionalEncoding(16, 30).table, atol=1e-4)
+    assert torch.allclose(table, sinusoid_table(16, 30), atol=1e-4)
+    assert got["kind"] == "sinusoidal" and got["adds_table"] and "sin(pos" in got["note"]
+    assert list(got["tables"]) == ["source and target"]
     default = client.get("/positions").json()  # the model's own width and its positions (up to 100)
     assert (default["d_model"], default["length"]) == (32, 40)
 
