@@ -597,6 +597,11 @@ def test_page_in_headless_chromium(server, tmp_path):
         driver.get(server + "/")
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "idle")
+        # The model's kind of position, as /positions describes it: its title, its note and its table drawn.
+        wait.until(lambda d: d.find_element(By.ID, "positions-help").text)
+        assert driver.find_element(By.ID, "positions-title").text.startswith("Sinusoidal positional encoding")
+        assert "sin(pos / 10000^(2i/d))" in driver.find_element(By.ID, "positions-help").text
+        assert driver.find_element(By.ID, "positions").size["height"] > 100
         box = driver.find_element(By.ID, "text")
         box.send_keys(SENTENCES[0])
         driver.find_element(By.ID, "go").click()

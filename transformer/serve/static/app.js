@@ -406,9 +406,10 @@ async function showPositions() {
   if (!tables.length) return;
   const width = tables[0][1][0].length, available = Math.max(400, $("positions-card").clientWidth - 140);
   const scale = Math.max(1e-9, ...tables.flatMap(([, t]) => t.flat().map(Math.abs)));
-  const cw = Math.max(1, Math.min(16, Math.floor(available / width))), ch = Math.max(2, Math.min(4, Math.floor(300 / length)));
+  // A narrow table (rotary's angles: half a head's dimensions) gets wider cells; the canvas leaves room for the label.
+  const cw = Math.max(1, Math.min(40, Math.floor(available / width))), ch = Math.max(2, Math.min(4, Math.floor(300 / length)));
   const left = 44, named = tables.length > 1 ? 16 : 0, mapW = cw * width, mapH = ch * length, block = named + mapH + 10;
-  const ctx = sizeCanvas(canvas, left + mapW + 90, 6 + tables.length * block + 24);
+  const ctx = sizeCanvas(canvas, Math.max(left + mapW + 90, 560), 6 + tables.length * block + 24);
   ctx.font = "11px 'DejaVu Sans', sans-serif";
   tables.forEach(([name, table], k) => {
     const top = 6 + k * block + named;
