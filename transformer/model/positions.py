@@ -158,8 +158,9 @@ class Positions(nn.Module):
 class FixedTable(Positions):
     """A table that is a pure function of (d_model, max_positions), precomputed, added on both sides."""
 
+    title: ClassVar[str]
+    formula: ClassVar[str]  # the table's definition, as the view's note states it
     columns: ClassVar[str]
-    formula: ClassVar[str]
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
