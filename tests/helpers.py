@@ -333,3 +333,12 @@ def small_model(seed: int = 0, **kw) -> Transformer:
 
 def random_ids(*shape: int) -> torch.Tensor:
     return torch.randint(4, SMALL_VOCAB, shape)  # never a special id
+
+
+def positions_model(kind: str) -> Transformer:
+    """An untrained model of SMALL_VOCAB ids and 40 positions of the kind (model.positions), built through the
+    config's checks, seeded, in eval mode."""
+    torch.manual_seed(0)
+    shape = {"d_model": 32, "n_heads": 2, "n_encoder_layers": 1, "n_decoder_layers": 2, "d_ff": 64, "dropout": 0.0}
+    cfg = from_dict({"model": {**shape, "max_positions": 40, "positions": kind}, "data": {"max_len": 20}})
+    return Transformer(cfg.model, SMALL_VOCAB).eval()

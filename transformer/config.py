@@ -24,6 +24,32 @@ def round_up(n, multiple: int):
     return -(-n // multiple) * multiple
 
 
+# model.positions: how the model tells positions apart, each kind a class in model/positions.py. "sinusoidal": the
+# paper's sines and cosines interleaved; "marian": the same sinusoids as transformers' MarianMTModel lays them out
+# (all sines, then all cosines); "learned": a trained table per side (the paper's Table 3, row E); "rotary": RoPE,
+# queries and keys rotated inside self-attention (Su et al. 2021). A type and its values in one, as StopRule.
+PositionKind = Literal["sinusoidal", "marian", "learned", "rotary"]
+POSITION_KINDS: tuple[str, ...] = typing.get_args(PositionKind)
+DEFAULT_POSITIONS: PositionKind = "sinusoidal"  # the paper's
+
+
+def positions_problem(kind: str, d_model: int, n_heads: int, names: tuple[str, str]) -> str | None:
+    """Why a model of this width and head count cannot have positions of this kind, or None: the one check of what
+    each kind needs of the model's shape, which validate, serve's /positions and plot-positions all go through.
+    `names`: how the caller's user gives d_model and n_heads (model.d_model, --d-model...)."""
+    width, heads = names
+    if kind in ("sinusoidal", "marian") and (d_model < 2 or d_model % 2):
+        return f"{width} must be a positive even number for {kind} positions (a sine and a cosine per frequency), got {d_model}"
+    if kind == "rotary" and (d_model < 2 or n_heads < 1 or d_model % n_heads or (d_model // n_heads) % 2):
+        return (
+            f"rotary positions need an even head size ({width} / {heads}: each head's dimensions are rotated in "
+            f"pairs), got {width} {d_model} and {heads} {n_heads}"
+        )
+    if d_model < 1:
+        return f"{width} must be positive, got {d_model}"
+    return None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     d_model: int = 512  # width of every residual stream
@@ -35,9 +61,8 @@ class ModelConfig:
     attention_dropout: float = 0.0  # on the attention probabilities
     activation_dropout: float = 0.0  # after the activation inside the feed-forward
     max_positions: int = 1024  # longest sequence the model accepts (and the sinusoid table's length)
-    # How positions are told apart (model/positions.py): "sinusoidal", the paper's sines and cosines interleaved;
-    # "marian", the same sinusoids as transformers' MarianMTModel lays them out (all sines, then all cosines).
-    positions: Literal["sinusoidal", "marian"] = "sinusoidal"
+    # How positions are told apart (PositionKind above; each kind is a class in model/positions.py).
+    positions: PositionKind = DEFAULT_POSITIONS
     norm: Literal["post", "pre"] = "post"  # post: the paper's Add&Norm; pre: LayerNorm before each sub-layer
     share_embeddings: bool = True  # one embedding matrix for source and target (joint vocabulary)
     tie_output: bool = True  # output projection reuses the target embedding matrix
@@ -266,12 +291,13 @@ def validate(cfg: Config) -> None:
     """Reject combinations that would fail later or train nonsense."""
     m, d, t, dec = cfg.model, cfg.data, cfg.train, cfg.decode
     splits = [split_name_problem(getattr(d, f"{s}_split"), f"data.{s}_split") for s in ("train", "valid", "test")]
+    position_problem = positions_problem(m.positions, m.d_model, m.n_heads, ("model.d_model", "model.n_heads"))
     checks = [
         (
             m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads == 0,
             f"model.d_model ({m.d_model}) must be a positive multiple of model.n_heads ({m.n_heads})",
         ),
-        (m.d_model % 2 == 0, f"model.d_model ({m.d_model}) must be even for the sinusoidal positions"),
+        (position_problem is None, position_problem),
         (m.n_encoder_layers >= 1 and m.n_decoder_layers >= 1, "model needs at least one encoder and one decoder layer"),
         (m.d_ff >= 1, "model.d_ff must be positive"),
         (m.max_positions >= 2, "model.max_positions must be at least 2"),

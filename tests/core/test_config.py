@@ -25,6 +25,7 @@ from transformer.config import (
     to_dict,
 )
 from transformer.errors import UserError
+from transformer.model.transformer import Transformer
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
@@ -165,6 +166,25 @@ def test_impossible_values(raw, needle):
     with pytest.raises(UserError) as e:
         from_dict(raw)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kind, d_model, n_heads, problem",
+    [
+        ("sinusoidal", 27, 3, "model.d_model must be a positive even number for sinusoidal positions"),
+        ("marian", 27, 3, "even number for marian"),
+        ("rotary", 30, 10, r"rotary positions need an even head size \(model.d_model / model.n_heads"),
+        ("rotary", 30, 3, None),  # d_model need not be a multiple of 4: the head size (10) is even
+        ("learned", 27, 3, None),  # a table of any width
+    ],
+)
+def test_each_kind_asks_what_it_needs_of_the_models_shape(tmp_path, kind, d_model, n_heads, problem):
+    raw = tiny_config(tmp_path, model={"positions": kind, "d_model": d_model, "n_heads": n_heads})
+    if problem is None:
+        Transformer(from_dict(raw).model, 20)  # builds
+    else:
+        with pytest.raises(UserError, match=problem):
+            from_dict(raw)
 
 
 def test_overrides_parse_values_as_yaml(tmp_path):

@@ -13,12 +13,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.helpers import LINES, sentences, tiny_config
+from tests.helpers import LINES, positions_model, sentences, tiny_config
 from transformer.config import from_dict
 from transformer.data.batch import pad_sequences, padding_mask, prepare_sources, target_mask
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from transformer.errors import UserError
 from transformer.inference.ctranslate2_engine import (
+    build_spec,
     ctranslate2_limited,
     ctranslate2_search,
     export_ctranslate2,
@@ -40,8 +41,10 @@ SOURCES = ["der mann sitzt auf dem haus", "eine katze", "ein kind spielt im haus
     [
         {},  # post-norm, all shared
         {"norm": "pre", "share_embeddings": False, "tie_output": False},
+        {"positions": "learned"},  # a table per side: CTranslate2 adds any table
+        {"positions": "rotary", "norm": "pre"},  # CTranslate2's rotary_dim, interleaved pairs as ours
     ],
-    ids=["post_shared", "pre_unshared"],
+    ids=["post_shared", "pre_unshared", "learned", "rotary"],
 )
 def test_exported_model_scores_and_translates_like_ours(tmp_path, model_overrides):
     raw = tiny_config(tmp_path, model=model_overrides, train={"max_steps": 30, "valid_every": 100})
@@ -72,6 +75,12 @@ def test_exported_model_scores_and_translates_like_ours(tmp_path, model_override
         result = translator.translate_batch([vocab.pieces(s)], beam_size=1, max_decoding_length=len(s) + 1 + 10)
         assert result[0].hypotheses[0] == vocab.pieces(t)
     assert (out / "spm.model").read_bytes() == vocab.proto
+
+
+def test_rotary_exports_as_ctranslate2s_rotary_dim_without_a_table():
+    rotary = build_spec(positions_model("rotary"), [f"p{i}" for i in range(50)])
+    assert int(rotary.decoder.layer[0].self_attention.rotary_dim) == 16  # the head size, all of it
+    assert not hasattr(rotary.decoder, "position_encodings")
 
 
 def test_export_command(tmp_path, call):

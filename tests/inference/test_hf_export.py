@@ -94,7 +94,7 @@ def tokens(sequence) -> list[int]:
 
 
 def test_the_permutation_is_marians_sinusoid_layout():
-    """Our table with its columns in positions.marian_order is the table a new MarianMTModel computes itself; the
+    """Our table with its columns in Positions.marian_order is the table a new MarianMTModel computes itself; the
     "marian" kind is that table exactly (computed as Marian computes it), in the identity order."""
     for d_model in (32, 512):
         config = transformers.MarianConfig(
@@ -114,10 +114,11 @@ def test_the_permutation_is_marians_sinusoid_layout():
         cfg = from_dict(
             {"model": {"d_model": d_model, "n_heads": 1, "max_positions": 64}, "data": {"max_len": 8}}
         ).model
-        ours = positions.table("sinusoidal", d_model, 64)[:, positions.marian_order(cfg)]
+        sinusoidal = positions.module(cfg)
+        ours = sinusoidal.table[:, sinusoidal.marian_order()]
         assert torch.allclose(ours, theirs, atol=2e-5), (ours - theirs).abs().max()
-        marian = dataclasses.replace(cfg, positions="marian")
-        assert torch.equal(positions.table("marian", d_model, 64)[:, positions.marian_order(marian)], theirs)
+        marian = positions.module(dataclasses.replace(cfg, positions="marian"))
+        assert torch.equal(marian.table[:, marian.marian_order()], theirs)
 
 
 def test_the_export_computes_our_function(exported):

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import SMALL_VOCAB, random_pairs, small_model
-from transformer.data.batch import Batch, causal_mask
+from tests.helpers import SMALL_VOCAB, positions_model, random_pairs, small_model
+from transformer.config import POSITION_KINDS
+from transformer.data.batch import Batch, causal_mask, prepare_sources
 from transformer.data.vocab import PAD_ID
+from transformer.inference.search import search
 from transformer.model.kv_cache import KVCache
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -115,3 +117,18 @@ def test_cache_refuses_rows_that_do_not_group_by_source():
     cache.keep_rows(torch.tensor([0, 0, 1]))
     with pytest.raises(ValueError, match="do not split into groups"):
         model.decode(batch.tgt_in[[0, 0, 1], :1], cache=cache)
+
+
+@pytest.mark.parametrize("kind", POSITION_KINDS)
+def test_cached_decoding_equals_uncached_for_every_kind(kind):
+    """The decoding offset reaches each kind: a step at position t adds row t (or turns by angle t), and rotary's
+    keys are turned once as the cache keeps them."""
+    model = positions_model(kind)
+    src, _ = prepare_sources([[5, 9, 13, 7], [21, 4, 8], [33, 6, 11, 12, 30, 31]], 40)
+    with torch.no_grad():
+        for beam in (1, 3):
+            cached = search(model, src, beam=beam, max_len_offset=6, use_cache=True).best()
+            full = search(model, src, beam=beam, max_len_offset=6, use_cache=False).best()
+            assert [h.tokens for h in cached] == [h.tokens for h in full], (kind, beam)
+            for a, b in zip(cached, full):
+                assert a.score == pytest.approx(b.score, abs=1e-4)

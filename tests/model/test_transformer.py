@@ -12,7 +12,6 @@ from tests.helpers import ROOT, SMALL_VOCAB, random_ids, random_pairs, small_con
 from transformer.config import ModelConfig, load_config
 from transformer.data.batch import Batch, causal_mask, padding_mask, target_mask
 from transformer.data.vocab import PAD_ID
-from transformer.model.positions import PositionalEncoding
 from transformer.model.transformer import (
     MultiHeadAttention,
     TokenPacking,
@@ -191,22 +190,6 @@ def test_model_record_path_matches_fused():
 # --------------------------------------------------------------------------- embeddings
 
 
-def test_positional_encoding_formula():
-    d = 16
-    table = PositionalEncoding(d, 128).table
-    assert table.shape == (128, d)
-    for pos in (0, 1, 7, 100):
-        for i in range(d // 2):
-            angle = pos / 10000 ** (2 * i / d)
-            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-5)
-            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-5)
-    pe = PositionalEncoding(d, 128)
-    torch.testing.assert_close(pe(3, offset=5), table[5:8])
-    with pytest.raises(ValueError):
-        pe(10, offset=120)
-    assert "table" not in pe.state_dict()  # derived, not saved
-
-
 def test_embeddings_scaled_by_sqrt_d_model():
     model = small_model()
     seen = {}
@@ -217,7 +200,7 @@ def test_embeddings_scaled_by_sqrt_d_model():
     model.encoder_layers[0].register_forward_pre_hook(capture)
     src = random_ids(2, 6)
     model.encode(src, padding_mask(src))
-    expected = model.src_embed.weight[src] * math.sqrt(32) + model.positions.table[:6]
+    expected = model.src_embed.weight[src] * math.sqrt(32) + model.position_encoding.table[:6]
     torch.testing.assert_close(seen["x"], expected, **TOL)
 
 

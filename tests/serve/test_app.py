@@ -13,11 +13,12 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.helpers import LINES
+from tests.helpers import LINES, positions_model
 from transformer import cli
 from transformer.config import from_dict, to_dict
 from transformer.data.vocab import train_vocab
@@ -26,7 +27,7 @@ from transformer.inference import ctranslate2_engine
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 from transformer.model.checkpoint import load_model, save_checkpoint
-from transformer.model.positions import PositionalEncoding
+from transformer.model.positions import sinusoid_table
 from transformer.model.transformer import Transformer, count_parameters
 
 pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")
@@ -380,9 +381,20 @@ def test_positions_table(client):
     got = client.get("/positions", params={"d_model": 16, "length": 30}).json()
     table = torch.tensor(got["table"])
     assert (got["d_model"], got["length"], tuple(table.shape)) == (16, 30, (30, 16))
-    assert torch.allclose(table, PositionalEncoding(16, 30).table, atol=1e-4)
+    assert torch.allclose(table, sinusoid_table(16, 30), atol=1e-4)
+    assert got["kind"] == "sinusoidal" and got["adds_table"] and "sin(pos" in got["note"]
+    assert list(got["tables"]) == ["source and target"]
     default = client.get("/positions").json()  # the model's own width and its positions (up to 100)
     assert (default["d_model"], default["length"]) == (32, 40)
+
+
+def test_serve_answers_with_the_view():
+    service = SimpleNamespace(model=positions_model("rotary"))
+    got = Service.position_view(service, 32, 10)
+    assert got["kind"] == "rotary" and not got["adds_table"] and "add no table" in got["note"]
+    assert len(got["table"]) == 10 and got["tables"]["cos"] == got["table"]
+    other = Service.position_view(service, 64, 10)  # another width: rotary's view for 64 / 2 heads
+    assert len(other["table"][0]) == 16
 
 
 def test_info(client, run):
@@ -595,6 +607,11 @@ def test_page_in_headless_chromium(server, tmp_path):
         driver.get(server + "/")
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "idle")
+        # The model's kind of position, as /positions describes it: its title, its note and its table drawn.
+        wait.until(lambda d: d.find_element(By.ID, "positions-help").text)
+        assert driver.find_element(By.ID, "positions-title").text.startswith("Sinusoidal positional encoding")
+        assert "sin(pos / 10000^(2i/d))" in driver.find_element(By.ID, "positions-help").text
+        assert driver.find_element(By.ID, "positions").size["height"] > 100
         box = driver.find_element(By.ID, "text")
         box.send_keys(SENTENCES[0])
         driver.find_element(By.ID, "go").click()

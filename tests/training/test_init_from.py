@@ -29,10 +29,11 @@ from tests.helpers import (
 from transformer.config import from_dict, load_config
 from transformer.data.loader import eval_batches
 from transformer.data.store import Store
-from transformer.data.vocab import train_vocab
+from transformer.data.vocab import train_vocab, vocab_from_stored
 from transformer.device import pick_precision
 from transformer.errors import UserError
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from transformer.model.transformer import Transformer
 from transformer.training.init_from import measure
 from transformer.training.loop import train
 from transformer.training.validation import evaluate_loss
@@ -247,3 +248,21 @@ def test_an_origin_holding_nan_is_refused_before_anything_is_built(base, new_dat
             "(step_*.pt, last.pt)"
         ), err
         assert not (tmp_path / "ft" / "store").exists() and not (tmp_path / "ft" / "spm.model").exists()
+
+
+def test_a_learned_table_keeps_its_size(base, new_data, tmp_path):
+    """model.max_positions may change under init_from while positions are a function of it; a learned table is
+    weights of the checkpoint's size: refused before anything is built, naming the weight and the setting."""
+    state = load_checkpoint(base / "best.pt")
+    state["config"]["model"]["positions"] = "learned"
+    model = Transformer(from_dict(state["config"]).model, len(vocab_from_stored(state["vocab"])))
+    save_checkpoint({**state, "model": model.state_dict()}, tmp_path / "learned.pt")
+    raw = fine_tune_config(tmp_path, tmp_path / "learned.pt", new_data)
+    raw["model"].update(positions="learned", max_positions=80)
+    with pytest.raises(
+        UserError,
+        match=r"position_encoding.source.weight is \(64, 32\), this model's would be "
+        r"\(80, 32\): set model.max_positions as it was there",
+    ):
+        train(from_dict(raw), quiet=True)
+    assert not (tmp_path / "ft" / "last.pt").exists()

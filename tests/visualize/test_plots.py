@@ -39,6 +39,21 @@ def test_plot_positions(tmp_path, capsys):
     assert "even" in capsys.readouterr().err
 
 
+def test_plot_positions_draws_each_kind_and_a_models_own(tmp_path, call):
+    for kind in ("rotary", "marian"):
+        status, out, err = call(
+            "plot-positions", "--kind", kind, "--d-model", "64", "--length", "20", "--out", tmp_path / f"{kind}.png"
+        )
+        assert status == 0 and (tmp_path / f"{kind}.png").stat().st_size > 1000, err
+    status, _, err = call(
+        "plot-positions", "--kind", "rotary", "--d-model", "64", "--n-heads", "64", "--out", tmp_path / "x.png"
+    )
+    assert status == 2 and "rotary positions need an even head size (--d-model / --n-heads" in err
+    status, _, err = call("plot-positions", "--kind", "learned", "--out", tmp_path / "x.png")
+    assert status == 2 and "a table a model learns" in err
+    # A learned table exists only in a model: --model (tests below)
+
+
 def write_metrics(path, bleu: bool) -> None:
     with path.open("w") as f:
         for step in range(10, 201, 10):

@@ -138,7 +138,8 @@ def cmd_attention(args: argparse.Namespace) -> None:
 def cmd_plot_positions(args: argparse.Namespace) -> None:
     from transformer.visualize.plots import positional_encoding, save
 
-    print(save(positional_encoding(args.d_model, args.length), args.out, "plot-positions"))
+    figure = positional_encoding(args.d_model, args.length, args.kind, args.n_heads, args.model)
+    print(save(figure, args.out, "plot-positions"))
 
 
 def cmd_plot(args: argparse.Namespace) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from transformer.cli import commands
+from transformer.config import POSITION_KINDS
 from transformer.errors import UserError
 from transformer.inference.settings import DTYPES, ENGINES, LENPEN_KINDS, STOP_RULES  # no torch: --help stays fast
 
@@ -173,12 +174,22 @@ def _add_attention(sub) -> None:
 def _add_plot_positions(sub) -> None:
     p = sub.add_parser(
         "plot-positions",
-        help="plot the sinusoidal positional-encoding table",
-        description="Plot the sinusoidal positional encodings as a heat map: one row per position, "
-        "one column per dimension, values in -1..1.",
+        help="plot a kind of position (the sinusoid table by default)",
+        description="Plot what a kind of position (model.positions) shows, as a heat map: one row per position. "
+        "sinusoidal and marian: the table added to the embeddings (values in -1..1); rotary: the cosine of the "
+        "angle each pair of a head's dimensions turns by; learned: a trained model's tables (--model).",
     )
-    p.add_argument("--d-model", type=int, default=512, help="model width (even; default 512)")
+    p.add_argument("--kind", choices=POSITION_KINDS, default=None, help="the kind of position (default sinusoidal)")
+    p.add_argument("--d-model", type=int, default=None, help="model width (default 512; even for the sinusoids)")
+    p.add_argument(
+        "--n-heads", type=int, default=None, help="attention heads: rotary's head size is d_model / n_heads (default 8)"
+    )
     p.add_argument("--length", type=int, default=100, help="number of positions (default 100)")
+    p.add_argument(
+        "--model",
+        metavar="RUN_OR_CHECKPOINT",
+        help="plot this model's own positions (its kind and sizes; a learned table exists only in a model)",
+    )
     p.add_argument("--out", required=True, metavar="FILE", help="image file: .png (default), .svg or .pdf")
     p.set_defaults(func=commands.cmd_plot_positions)
 

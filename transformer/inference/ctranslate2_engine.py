@@ -23,7 +23,6 @@ from transformer.files import current_umask, file_sha256
 from transformer.inference.search import Hypothesis, length_penalty, max_output_lengths
 from transformer.inference.settings import SearchSettings, parse_sample
 from transformer.model.checkpoint import load_model, resolve_checkpoint
-from transformer.model.positions import ctranslate2_encodings
 from transformer.run_dir import RunDir
 
 # The records that make a directory ours to replace (never its file names: a user's folder may hold a model.bin).
@@ -69,28 +68,28 @@ def build_spec(model, pieces: list[str]):
     tokens are the model's vocabulary's: a Marian vocabulary's decoder starts from <pad>)."""
     from ctranslate2.specs import common_spec, transformer_spec
 
-    c = model.cfg
+    c, positions = model.cfg, model.position_encoding
     activation = {"relu": common_spec.Activation.RELU, "swish": common_spec.Activation.SWISH}[c.activation]
-    spec = transformer_spec.TransformerSpec.from_config(
-        (c.n_encoder_layers, c.n_decoder_layers),
-        c.n_heads,
-        pre_norm=c.norm == "pre",
-        no_final_norm=c.norm == "post",
-        activation=activation,
-        # return_attention's weights: the last decoder layer's cross-attention averaged over all its heads, as
-        # alignment.py's default (CTranslate2's own default is the first head alone).
-        alignment_layer=-1,
-        alignment_heads=c.n_heads,
+    # What TransformerSpec.from_config builds, with the positions' own options (from_config takes no rotary_dim).
+    shared = dict(pre_norm=c.norm == "pre", no_final_norm=c.norm == "post", activation=activation)
+    shared.update(positions.ctranslate2_options())
+    encoder = transformer_spec.TransformerEncoderSpec(c.n_encoder_layers, c.n_heads, **shared)
+    # return_attention's weights: the last decoder layer's cross-attention averaged over all its heads, as
+    # alignment.py's default (CTranslate2's own default is the first head alone).
+    decoder = transformer_spec.TransformerDecoderSpec(
+        c.n_decoder_layers, c.n_heads, alignment_layer=-1, alignment_heads=c.n_heads, **shared
     )
-    table = ctranslate2_encodings(model)  # (P, C)
-    for side, embedding, final_norm in (
-        (spec.encoder, model.src_embed, model.encoder_norm),
-        (spec.decoder, model.tgt_embed, model.decoder_norm),
+    spec = transformer_spec.TransformerSpec(encoder, decoder)
+    for name, side, embedding, final_norm in (
+        ("source", spec.encoder, model.src_embed, model.encoder_norm),
+        ("target", spec.decoder, model.tgt_embed, model.decoder_norm),
     ):
         embeddings = side.embeddings[0] if isinstance(side.embeddings, list) else side.embeddings
         embeddings.weight = embedding.weight.detach().float().numpy()
         side.scale_embeddings = True  # x * sqrt(d_model), as in _embed
-        side.position_encodings.encodings = table
+        table = positions.ctranslate2_encodings(name)  # (P, C): ours, never CTranslate2's own; None: none added
+        if table is not None:
+            side.position_encodings.encodings = table
         if c.norm == "pre":
             _norm(side.layer_norm, final_norm)
     for layer_spec, layer in zip(spec.encoder.layer, model.encoder_layers):

@@ -21,7 +21,6 @@ from transformer.data.vocab import (
 )
 from transformer.errors import UserError
 from transformer.inference.ctranslate2_engine import write_export
-from transformer.model import positions
 from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.model.transformer import Transformer
 
@@ -52,7 +51,7 @@ def refusal(cfg: Config) -> str | None:
     model.* was checked: d_model, n_heads, the layer counts, d_ff, the dropouts and max_positions map to Marian's
     settings one to one; the feed-forward's activation is Marian's activation_function; the output bias its
     final_logits_bias; either kind of sinusoids is Marian's table once the residual stream is permuted
-    (positions.marian_order); post-norm is Marian's only layout (LayerNorm after each residual add, no final
+    (Positions.marian_order: other kinds of position are refused there); post-norm is Marian's only layout (LayerNorm after each residual add, no final
     LayerNorm), with LayerNorm's default epsilon; the embeddings are scaled by sqrt(d_model) (scale_embedding); shared
     or separate source and target embeddings and a tied or separate output projection all exist in Marian."""
     m = cfg.model
@@ -132,12 +131,12 @@ def generation_config(cfg: Config, vocab: AnyVocab) -> dict:
 
 
 def marian_weights(model: Transformer) -> dict[str, torch.Tensor]:
-    """Our weights under MarianMTModel's names, with the residual stream permuted (positions.marian_order): rows of
+    """Our weights under MarianMTModel's names, with the residual stream permuted (Positions.marian_order): rows of
     what writes into it (out_proj, fc2), columns of what reads from it (q/k/v, fc1, the output projection), the
     embeddings' columns, every LayerNorm; the positions table written too (Marian recomputes its own when absent);
     the output bias as final_logits_bias (zeros without one)."""
     c = model.cfg
-    perm = positions.marian_order(c)
+    perm = model.position_encoding.marian_order()  # or a one-line refusal: a kind Marian has no equivalent of
     out: dict[str, torch.Tensor] = {}
 
     def reads(name: str, linear) -> None:
@@ -163,7 +162,7 @@ def marian_weights(model: Transformer) -> dict[str, torch.Tensor]:
         out["model.shared.weight"] = src
     out["model.encoder.embed_tokens.weight"] = src
     out["model.decoder.embed_tokens.weight"] = tgt
-    table = positions.marian_encodings(model)[:, perm]
+    table = model.position_encoding.marian_encodings()[:, perm]
     out["model.encoder.embed_positions.weight"] = table
     out["model.decoder.embed_positions.weight"] = table
     for i, layer in enumerate(model.encoder_layers):
@@ -233,13 +232,14 @@ def write_marian(checkpoint: Path, out_dir: Path) -> None:
     problem = refusal(cfg)
     if problem is not None:
         raise UserError(f"export hf: {checkpoint}: {problem}")
+    weights = marian_weights(model)  # before any file: refuses positions Marian cannot express
     files = {"config.json": marian_config(cfg, vocab), "generation_config.json": generation_config(cfg, vocab)}
     for name, value in files.items():
         (out_dir / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
     for name, data in tokenizer_files(vocab, cfg).items():
         (out_dir / name).write_bytes(data)
     # As bytes, written like the other files: save_file would create the file readable by its owner alone.
-    (out_dir / "model.safetensors").write_bytes(save(marian_weights(model), metadata={"format": "pt"}))
+    (out_dir / "model.safetensors").write_bytes(save(weights, metadata={"format": "pt"}))
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, force: bool = False) -> Path:

@@ -99,7 +99,7 @@ def marian_settings(config: dict, where: Path) -> dict:
         "attention_dropout": get("attention_dropout", 0.0),
         "activation_dropout": get("activation_dropout", 0.0),
         "max_positions": get("max_position_embeddings", 512),
-        "positions": "marian",
+        "positions": positions.Marian.name,  # the sinusoids in Marian's layout
         "norm": "post",
         "share_embeddings": get("share_encoder_decoder_embeddings", True),
         "tie_output": get("tie_word_embeddings", True),
@@ -212,7 +212,7 @@ def our_weights(tensors: dict[str, torch.Tensor], cfg: Config, where: Path) -> d
         out["output.weight"] = out["tgt_embed.weight"]
     else:
         out["output.weight"] = take("lm_head.weight")
-    table = positions.marian_table(m.d_model, m.max_positions)
+    table = positions.Marian.make_table(m.d_model, m.max_positions)
     for side in ("encoder", "decoder"):
         name = f"model.{side}.embed_positions.weight"
         if name in tensors:  # transformers 5 saves none (it recomputes them); earlier versions did

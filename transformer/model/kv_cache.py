@@ -12,7 +12,10 @@ import torch
 
 
 class KVCache:
-    """Keys/values of one attention layer, (R, H, T, Dh) each, for incremental decoding.
+    """Keys/values of one attention layer, (R, H, T, Dh) each, for incremental decoding. Keys are kept as attention
+    reads them: under rotary positions already turned by their positions' angles (model/positions.py's Rotation,
+    applied once as a step writes them), so the cache never needs to know the kind of positions, and its length is
+    the offset the next step's positions start from (DecoderCache.length).
 
     Self-attention K/V grow by one position per step. They live in buffers with spare positions (and, once rows
     have left, spare rows), so a step writes its position in place, and reordering rows (beam search, finished

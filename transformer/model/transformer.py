@@ -25,6 +25,7 @@ from transformer.data.vocab import OURS, Specials
 from transformer.errors import UserError, out_of_memory_names
 from transformer.model import positions
 from transformer.model.kv_cache import DecoderCache, KVCache, by_row, by_source
+from transformer.model.positions import Rotation
 
 
 class TokenPacking:
@@ -93,8 +94,11 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         static_kv: bool = False,  # cross-attention: K/V depend only on the encoder output
         packing: TokenPacking | None = None,  # self-attention over packed tokens: query is (N, C)
+        rotation: Rotation | None = None,  # self-attention under rotary positions: turns the new queries and keys
     ) -> torch.Tensor:
         q = self._project(self.q_proj, query, packing)
+        if rotation is not None:
+            q = rotation(q)
         group = 1
         if cache is not None and static_kv:
             k, v = cache.k, cache.v  # the encoder's K/V, once per source, computed once by static_kv()
@@ -104,6 +108,8 @@ class MultiHeadAttention(nn.Module):
         else:
             k = self._project(self.k_proj, key_value, packing)
             v = self._project(self.v_proj, key_value, packing)
+            if rotation is not None:
+                k = rotation(k)  # once, before the cache keeps it: a cached key is never turned again
             if cache is not None:  # self-attention while decoding: append the new positions
                 cache.append(k, v)
                 k, v = cache.k, cache.v
@@ -184,9 +190,15 @@ class EncoderLayer(nn.Module):
         self.sub_attn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm, cfg.layer_norm_eps)
         self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm, cfg.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor, packing: TokenPacking | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        src_mask: torch.Tensor,
+        packing: TokenPacking | None = None,
+        rotation: Rotation | None = None,
+    ) -> torch.Tensor:
         """x (B, S, C), or (N, C) real tokens with their `packing`."""
-        x = self.sub_attn(x, lambda h: self.self_attn(h, h, src_mask, packing=packing))
+        x = self.sub_attn(x, lambda h: self.self_attn(h, h, src_mask, packing=packing, rotation=rotation))
         return self.sub_ffn(x, self.ffn)
 
 
@@ -202,8 +214,8 @@ class DecoderLayer(nn.Module):
         self.sub_cross = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm, cfg.layer_norm_eps)
         self.sub_ffn = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm, cfg.layer_norm_eps)
 
-    def forward(self, x, memory, tgt_mask, memory_mask, self_cache=None, cross_cache=None):
-        x = self.sub_self(x, lambda h: self.self_attn(h, h, tgt_mask, self_cache))
+    def forward(self, x, memory, tgt_mask, memory_mask, self_cache=None, cross_cache=None, rotation=None):
+        x = self.sub_self(x, lambda h: self.self_attn(h, h, tgt_mask, self_cache, rotation=rotation))
         x = self.sub_cross(x, lambda h: self.cross_attn(h, memory, memory_mask, cross_cache, static_kv=True))
         return self.sub_ffn(x, self.ffn)
 
@@ -222,7 +234,8 @@ class Transformer(nn.Module):
         self.tgt_embed = (
             self.src_embed if cfg.share_embeddings else nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
         )
-        self.positions = positions.module(cfg)
+        # How positions are told apart (the kind model.positions names): added to the embeddings, or a rotation.
+        self.position_encoding = positions.module(cfg)
         self.embed_dropout = nn.Dropout(cfg.dropout)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
@@ -247,9 +260,13 @@ class Transformer(nn.Module):
             with torch.no_grad():
                 emb.weight[self.pad_id].zero_()
 
-    def _embed(self, embedding: nn.Embedding, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def _embed(
+        self, embedding: nn.Embedding, tokens: torch.Tensor, side: positions.Side, offset: int = 0
+    ) -> tuple[torch.Tensor, Rotation | None]:
+        """-> the embeddings (B, T, C) with their positions, and the rotation self-attention applies (or None)."""
         x = embedding(tokens) * math.sqrt(self.cfg.d_model)  # (B, T, C)
-        return self.embed_dropout(x + self.positions(tokens.size(1), offset))
+        x, rotation = self.position_encoding(x, side, offset)
+        return self.embed_dropout(x), rotation
 
     def attention_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of attention's queries, which an additive mask must have: autocast's where autocast is on,
@@ -261,13 +278,13 @@ class Transformer(nn.Module):
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
         """src (B, S) token ids, src_mask (B, 1, 1, S), boolean or additive -> memory (B, S, C); zeros at padding
         on a CPU."""
-        x = self._embed(self.src_embed, src)
+        x, rotation = self._embed(self.src_embed, src, "source")
         packing = TokenPacking.of(src_mask)
         if packing is not None:
             x = packing.pack(x)  # (B, S, C) -> (N, C): the layers skip padding
         src_mask = attention_bias(src_mask, self.attention_dtype(src.device))  # once for every layer
         for layer in self.encoder_layers:
-            x = layer(x, src_mask, packing)
+            x = layer(x, src_mask, packing, rotation)
         x = self.encoder_norm(x)
         return packing.unpack(x) if packing is not None else x
 
@@ -291,11 +308,11 @@ class Transformer(nn.Module):
         memory_mask = attention_bias(memory_mask, dtype) if memory_mask is not None else None
         if tgt_mask is not None and tgt_mask is not CAUSAL:
             tgt_mask = attention_bias(tgt_mask, dtype)
-        x = self._embed(self.tgt_embed, tgt, offset)
+        x, rotation = self._embed(self.tgt_embed, tgt, "target", offset)  # offset: the positions the cache holds
         for i, layer in enumerate(self.decoder_layers):
             self_cache = cache.self_attn[i] if cache is not None else None
             cross_cache = cache.cross_attn[i] if cache is not None else None
-            x = layer(x, memory, tgt_mask, memory_mask, self_cache, cross_cache)
+            x = layer(x, memory, tgt_mask, memory_mask, self_cache, cross_cache, rotation)
         if cache is not None:
             cache.length += tgt.size(1)
         return self.output(self.decoder_norm(x))

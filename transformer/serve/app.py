@@ -33,7 +33,6 @@ from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.inference.search import TraceStep, search
 from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import SentenceOptions, Translation, Translator
-from transformer.model import positions as model_positions
 from transformer.model.checkpoint import resolve_checkpoint
 from transformer.serve.http_guard import (
     BACKLOG,
@@ -391,6 +390,23 @@ class Service:
             raise api_error(e, compute.__name__) from None
         return Response(body, media_type="application/json")
 
+    def position_view(self, d_model: int, length: int) -> dict:
+        """What the model's kind of position shows (Positions.view): its tables, or a note that it has none."""
+        view = self.model.position_encoding.view(length, d_model)
+        rounded = {name: np.round(table.double().numpy(), 4).tolist() for name, table in view.tables.items()}
+        return {
+            "kind": view.kind,
+            "title": view.title,
+            "note": view.note,
+            "columns": view.columns,
+            "values": view.values,
+            "adds_table": view.adds_table,
+            "d_model": d_model,
+            "length": length,
+            "table": next(iter(rounded.values()), None),  # the first (or only) table; null when there is none
+            "tables": rounded,
+        }
+
     def attention(self, text: str, target: str | None, beam: int) -> dict:
         settings = replace(self.translator.settings, beam=beam, nbest=1)
         maps = inspect_attention(self.model, self.vocab, text, target, settings)
@@ -504,17 +520,12 @@ def _validation_at(run_dir: Path, step: int | None) -> dict:
 
 
 def check_positions(d_model: int, length: int, max_values: int) -> None:
-    if d_model < 2 or d_model % 2:
-        raise ApiError(422, f"d_model must be a positive even number, got {d_model}")
+    """The size of a /positions answer; what the model's kind of position needs of d_model is its own check
+    (config.positions_problem, through Positions.view)."""
     if length < 1:
         raise ApiError(422, f"length must be at least 1, got {length}")
     if d_model * length > max_values:
-        raise ApiError(422, f"d_model x length is {d_model} x {length}; the limit is {max_values} values")
-
-
-def positions_table(kind: str, d_model: int, length: int) -> dict:
-    table = model_positions.table(kind, d_model, length)  # (length, d_model)
-    return {"d_model": d_model, "length": length, "table": np.round(table.double().numpy(), 4).tolist()}
+        raise ApiError(422, f"d_model x length is {d_model} x {length}; the limit is {max_values} values per table")
 
 
 def create_app(service: Service, listen_host: str = "") -> FastAPI:
@@ -637,7 +648,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         d_model = model.d_model if d_model is None else d_model
         length = min(model.max_positions, 100) if length is None else length
         check_positions(d_model, length, settings.max_position_values)
-        return await service.inspect(request, positions_table, model.positions, d_model, length)
+        return await service.inspect(request, service.position_view, d_model, length)
 
     @app.get("/health")
     async def health() -> dict:

@@ -17,11 +17,13 @@ from transformer.data.vocab import AnyVocab, save_vocab_files, vocab_from_stored
 from transformer.errors import UserError, first_line
 from transformer.files import file_sha256
 from transformer.model.checkpoint import check_finite, load_checkpoint, resolve_checkpoint
+from transformer.model.transformer import Transformer
 
 log = logging.getLogger("transformer")
 
 # model.* keys that change no weight: the checkpoint's model with other dropouts, or a longer positions table (a pure
-# function of its length). Every other model key, and the keys that made the vocabulary, must be the checkpoint's.
+# function of its length; a learned one is weights, whose shape check_settings compares). Every other model key, and
+# the keys that made the vocabulary, must be the checkpoint's.
 MAY_CHANGE = ("model.dropout", "model.attention_dropout", "model.activation_dropout", "model.max_positions")
 VOCABULARY = ("data.vocab_size", "data.spm_model_type")
 PROVENANCE = ("train.init_from", "train.init_from_sha256")  # where a run started: no setting to compare
@@ -89,6 +91,16 @@ def check_settings(origin: Origin, cfg: Config) -> list[str]:
             f"train.init_from: the model and its vocabulary come from {origin.path}, so their settings "
             f"must be its own: {'; '.join(refused)} (its config.yaml has them all)"
         )
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        shapes = Transformer(cfg.model, len(origin.vocab), origin.vocab.specials).state_dict()
+    for name, weight in origin.weights.items():
+        if name in shapes and tuple(shapes[name].shape) != tuple(weight.shape):
+            sizing = [c.split(": ")[0] for c in changed if c.split(": ")[0] in MAY_CHANGE]
+            raise UserError(
+                f"train.init_from: {origin.path}: its weight {name} is {tuple(weight.shape)}, this model's would be "
+                f"{tuple(shapes[name].shape)}: set {' or '.join(sizing)} as it was there (a learned table of "
+                "positions is sized by model.max_positions)"
+            )
     return changed
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from transformer.config import DEFAULT_POSITIONS
 from transformer.errors import UserError, out_of_memory_names
 from transformer.files import check_output_path, refuse_directory
 
@@ -234,29 +235,62 @@ def attention_map(
 # ----------------------------------------------------------------------------- positions
 
 
-def positional_encoding(d_model: int, length: int):
-    """The sinusoid table: one row per position, one column per dimension."""
-    if d_model < 2 or d_model % 2:
-        raise UserError(f"--d-model must be a positive even number, got {d_model}")
+def positional_encoding(
+    d_model: int | None, length: int, kind: str | None = None, n_heads: int | None = None, model: str | None = None
+):
+    """What a kind of position shows (Positions.view), as heat maps: one row per position. Without `model`, the kind
+    at d_model (512) and n_heads (8; rotary's head size); with `model` (a run directory or checkpoint), that
+    model's own positions, whose kind and sizes it fixes (a learned table exists only there)."""
+    if model is not None and (kind, d_model, n_heads) != (None, None, None):
+        raise UserError(
+            "plot-positions: --model takes the kind, --d-model and --n-heads from the model; give one or the other"
+        )
     if length < 1:
         raise UserError(f"--length must be at least 1, got {length}")
+    _matplotlib()  # before a checkpoint is read
+    from transformer.model import positions  # torch: only for this figure
+    from transformer.model.checkpoint import load_model
+
+    if model is not None:
+        loaded = load_model(model)[0].position_encoding
+        d_model = loaded.d_model
+    d_model = 512 if d_model is None else d_model
     if d_model * length > MAX_TABLE_VALUES:  # drawn as one image, and held in memory as one table
         raise UserError(
             f"--length x --d-model is {length:,} x {d_model:,}; the plotted table may hold at most "
             f"{MAX_TABLE_VALUES:,} values"
         )
-    from transformer.model import positions  # torch: only for this figure
-
     with out_of_memory_names(f"the table of --length {length} x --d-model {d_model}"):
-        table = positions.table("sinusoidal", d_model, length).numpy()
-    fig = new_figure(min(14.0, max(8.0, 4.0 + d_model / 64)), min(9.0, max(5.0, 3.0 + length / 25)))
-    ax = fig.subplots()
-    image = ax.imshow(table, cmap="RdBu_r", vmin=-1.0, vmax=1.0, aspect="auto", interpolation="nearest")
-    ax.set_xlabel("encoding dimension i (even: sin, odd: cos; frequency falls from left to right)")
-    ax.set_ylabel("position in the sequence")
-    ax.set_title(f"Sinusoidal positional encoding, d_model = {d_model}, positions 0..{length - 1}")
-    bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
-    bar.set_label("PE(position, i)")
+        if model is not None:
+            view = loaded.view(length)
+        else:
+            kind = DEFAULT_POSITIONS if kind is None else kind
+            view = positions.settings_view(kind, d_model, 8 if n_heads is None else n_heads, length, NAMES)
+    return _positions_figure(view, length)
+
+
+NAMES = ("--d-model", "--n-heads")  # how plot-positions' user gives the sizes a kind of position may need
+
+
+def _positions_figure(view, length: int):
+    tables = [(name, table.numpy()) for name, table in view.tables.items()]
+    width = max((t.shape[1] for _, t in tables), default=1)
+    fig = new_figure(
+        min(14.0, max(8.0, 4.0 + width / 64)), min(9.0, max(5.0, 3.0 + length / 25)) * max(1, len(tables)) ** 0.5
+    )
+    if not tables:  # a kind with nothing to draw: the figure says so
+        fig.text(0.5, 0.5, textwrap.fill(view.note, 90), ha="center", va="center", fontsize=11)
+        fig.suptitle(view.title)
+        return fig
+    scale = max(1e-9, max(float(np.abs(t).max()) for _, t in tables))  # sin and cos: 1; a learned table: its own
+    axes = fig.subplots(len(tables), 1, squeeze=False)[:, 0]
+    for ax, (name, table) in zip(axes, tables):
+        image = ax.imshow(table, cmap="RdBu_r", vmin=-scale, vmax=scale, aspect="auto", interpolation="nearest")
+        ax.set_ylabel(f"{name}: position" if len(tables) > 1 else "position in the sequence")
+    axes[-1].set_xlabel(view.columns)
+    fig.suptitle(_fit(f"{view.title}, positions 0..{length - 1}", fig.get_figwidth() - 0.4, 11), fontsize=11)
+    bar = fig.colorbar(image, ax=list(axes), fraction=0.04, pad=0.02)
+    bar.set_label(view.values)
     return fig
 
 

@@ -395,30 +395,46 @@ function drawBig() {
 // ------------------------------------------------------------------------------------------- positions
 
 async function showPositions() {
+  // What the model's kind of position has to show (Positions.view): its tables (one per side for learned
+  // positions), or only a note when it adds no table to the embeddings.
   const m = state.info.model, length = Math.min(m.max_positions, 100);
   const data = await api(`/positions?d_model=${m.d_model}&length=${length}`);
-  const canvas = $("positions"), available = Math.max(400, $("positions-card").clientWidth - 140);
-  const cw = Math.max(1, Math.min(16, Math.floor(available / data.d_model))), ch = Math.max(2, Math.min(4, Math.floor(300 / length)));
-  const left = 44, top = 6, mapW = cw * data.d_model, mapH = ch * length;
-  const ctx = sizeCanvas(canvas, left + mapW + 90, top + mapH + 34);
-  data.table.forEach((row, pos) => row.forEach((v, i) => {
-    ctx.fillStyle = redBlue(v);
-    ctx.fillRect(left + i * cw, top + pos * ch, cw, ch);
-  }));
+  $("positions-title").textContent = data.title;
+  $("positions-help").textContent = data.note;
+  const canvas = $("positions"), tables = Object.entries(data.tables);
+  canvas.hidden = tables.length === 0;
+  if (!tables.length) return;
+  const width = tables[0][1][0].length, available = Math.max(400, $("positions-card").clientWidth - 140);
+  const scale = Math.max(1e-9, ...tables.flatMap(([, t]) => t.flat().map(Math.abs)));
+  // A narrow table (rotary's angles: half a head's dimensions) gets wider cells; the canvas leaves room for the label.
+  const cw = Math.max(1, Math.min(40, Math.floor(available / width))), ch = Math.max(2, Math.min(4, Math.floor(300 / length)));
+  const left = 44, named = tables.length > 1 ? 16 : 0, mapW = cw * width, mapH = ch * length, block = named + mapH + 10;
+  const ctx = sizeCanvas(canvas, Math.max(left + mapW + 90, 560), 6 + tables.length * block + 24);
   ctx.font = "11px 'DejaVu Sans', sans-serif";
-  ctx.fillStyle = "#5f6b7a";
-  ctx.textAlign = "right";
-  ctx.textBaseline = "middle";
-  for (let pos = 0; pos < length; pos += length > 50 ? 20 : 10) ctx.fillText(String(pos), left - 6, top + pos * ch + ch / 2);
+  tables.forEach(([name, table], k) => {
+    const top = 6 + k * block + named;
+    table.forEach((row, pos) => row.forEach((v, i) => {
+      ctx.fillStyle = redBlue(v / scale);
+      ctx.fillRect(left + i * cw, top + pos * ch, cw, ch);
+    }));
+    ctx.fillStyle = "#5f6b7a";
+    ctx.textAlign = "left";
+    ctx.textBaseline = "bottom";
+    if (named) ctx.fillText(name, left, top - 3);
+    ctx.textAlign = "right";
+    ctx.textBaseline = "middle";
+    for (let pos = 0; pos < length; pos += length > 50 ? 20 : 10) ctx.fillText(String(pos), left - 6, top + pos * ch + ch / 2);
+    ctx.save();
+    ctx.translate(12, top + mapH / 2);
+    ctx.rotate(-Math.PI / 2);
+    ctx.textAlign = "center";
+    ctx.fillText("position ↓", 0, 0);
+    ctx.restore();
+  });
+  const top = 6 + named, bottom = 6 + tables.length * block - 10;
   ctx.textAlign = "left";
   ctx.textBaseline = "top";
-  ctx.fillText("dimension i →  (even: sin, odd: cos; the frequency falls from left to right)", left, top + mapH + 8);
-  ctx.save();
-  ctx.translate(12, top + mapH / 2);
-  ctx.rotate(-Math.PI / 2);
-  ctx.textAlign = "center";
-  ctx.fillText("position ↓", 0, 0);
-  ctx.restore();
+  ctx.fillText(`${data.columns} →`, left, bottom + 8);
   const barX = left + mapW + 24;
   for (let y = 0; y < mapH; y++) {
     ctx.fillStyle = redBlue(1 - 2 * y / mapH);
@@ -426,9 +442,8 @@ async function showPositions() {
   }
   ctx.fillStyle = "#5f6b7a";
   ctx.textBaseline = "middle";
-  [[1, 0], [0, mapH / 2], [-1, mapH]].forEach(([v, y]) => ctx.fillText(String(v), barX + 20, top + y));
-  $("positions-help").textContent = `PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(…): the table added to the ` +
-    `embeddings of this model (d_model ${data.d_model}), positions 0 to ${length - 1}.`;
+  const label = (v) => String(Number(v.toPrecision(2)));
+  [[scale, 0], [0, mapH / 2], [-scale, mapH]].forEach(([v, y]) => ctx.fillText(label(v), barX + 20, top + y));
 }
 
 // ------------------------------------------------------------------------------------------- wiring
