@@ -293,7 +293,7 @@ def read_slowly(sock: socket.socket, every_s: float, size: int, limit_s: float) 
     return taken, False
 
 
-BIG_TABLE = "/positions?d_model=512&length=3900"  # about 14.5 MB of JSON
+BIG_TABLE = "/positions?d_model=512&length=1950"  # about 14.5 MB of JSON: the table twice, as "table" and in "tables"
 
 
 def test_a_client_that_takes_its_answer_a_trickle_at_a_time_is_dropped(run):
@@ -305,7 +305,7 @@ def test_a_client_that_takes_its_answer_a_trickle_at_a_time_is_dropped(run):
         taken, closed = read_slowly(trickle, every_s=0.2, size=1024, limit_s=20)
         trickle.close()
         assert closed and taken < 1_000_000, taken  # dropped within seconds, most of the answer never sent
-        steady = slow_reader(port, "/positions?d_model=512&length=300")  # about 1.2 MB, at about 320 KB/s
+        steady = slow_reader(port, "/positions?d_model=512&length=150")  # about 1.2 MB, at about 320 KB/s
         taken, closed = read_slowly(steady, every_s=0.1, size=32 * 1024, limit_s=60)
         steady.close()
     assert closed and taken > 1_000_000  # all of it, then closed as idle (--keep-alive-timeout)
@@ -586,10 +586,8 @@ def test_translate_waits_for_at_most_one_inspection_and_health_for_none(run, mon
 
 def test_positions_are_computed_off_the_event_loop(run, monkeypatch):
     """A large /positions table stalled every client while it was built and encoded on the loop."""
-    import transformer.serve.app as serve_module
-
-    gate, started, real = threading.Event(), threading.Event(), serve_module.positions_table
-    monkeypatch.setattr(serve_module, "positions_table", lambda *a: started.set() or gate.wait(30) and real(*a))
+    gate, started, real = threading.Event(), threading.Event(), Service.position_view
+    monkeypatch.setattr(Service, "position_view", lambda *a: started.set() or gate.wait(30) and real(*a))
     with TestClient(create_app(Service(run, settings(), "cpu", SearchFlags(dtype="fp32")))) as c:
         got = {}
         t = threading.Thread(target=lambda: got.setdefault("r", c.get("/positions?d_model=16&length=30")))
