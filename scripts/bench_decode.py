@@ -338,7 +338,7 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
                 return [vocab.piece_ids(r.hypotheses[0]) for r in results]
 
             def engine_pass(translator=translator, theirs=theirs, scores=False):
-                found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions, scores)
+                found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions, scores=scores)
                 return [hyps[0].tokens for hyps in found]
 
             passes = [("ctranslate2_itself", "ct2", itself_pass), ("ctranslate2", "ctranslate2", engine_pass)]
