@@ -214,6 +214,30 @@ def run_ct2_hf(translator, vocab, src_ids, batches, limits, settings: SearchSett
     return outputs
 
 
+def ctranslate2_pieces(vocab, src_ids, max_positions: int) -> list[list[str]]:
+    """CTranslate2 itself's input: the sources as SentencePiece pieces, cut where our engines cut them (the model
+    has no positions beyond)."""
+    return [vocab.pieces(ids[: source_limit(max_positions)]) for ids in src_ids]
+
+
+def ctranslate2_itself(
+    translator, vocab, pieces, settings: SearchSettings, max_positions: int, max_batch_size: int, batch_type: str
+) -> list[list[int]]:
+    """CTranslate2 as its users call it: one `translate_batch` over `pieces` (ctranslate2_pieces) in batches of
+    max_batch_size (batch_type "tokens" or "examples"), with settings' beam and length penalty and
+    max_decoding_length = max_positions - 1, nothing else set -> the best output's ids per source. Also
+    bench_serve's row of that name."""
+    results = translator.translate_batch(
+        pieces,
+        beam_size=settings.beam,
+        length_penalty=settings.lenpen,
+        max_batch_size=max_batch_size,
+        batch_type=batch_type,
+        max_decoding_length=max_positions - 1,
+    )
+    return [vocab.piece_ids(r.hypotheses[0]) for r in results]
+
+
 def score(row: dict, outputs, reference_outputs, vocab, refs) -> None:
     row["same_as_first"] = sum(a == b for a, b in zip(outputs, reference_outputs)) / len(outputs)
     row["target_tokens"] = sum(len(o) + 1 for o in outputs)
@@ -280,8 +304,7 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
     tensors = [
         prepare_sources([src_ids[i] for i in b], cfg.model.max_positions, specials)[0].to(device) for b in batches
     ]
-    # CTranslate2 itself's input, cut where our engines cut it (the model has no positions beyond)
-    pieces = [vocab.pieces(ids[: source_limit(cfg.model.max_positions)]) for ids in src_ids]
+    pieces = ctranslate2_pieces(vocab, src_ids, cfg.model.max_positions)
 
     rows, clock_zero = [], time.perf_counter()
     for beam in args.beam:
@@ -320,15 +343,9 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
             batch_tokens = max(1, max_tokens // translator.num_translators)  # as source_batches sizes ours
 
             def itself_pass(translator=translator, theirs=theirs, batch_tokens=batch_tokens):
-                results = translator.translate_batch(
-                    pieces,
-                    beam_size=theirs.beam,
-                    length_penalty=theirs.lenpen,
-                    max_batch_size=batch_tokens,
-                    batch_type="tokens",
-                    max_decoding_length=cfg.model.max_positions - 1,
+                return ctranslate2_itself(
+                    translator, vocab, pieces, theirs, cfg.model.max_positions, batch_tokens, "tokens"
                 )
-                return [vocab.piece_ids(r.hypotheses[0]) for r in results]
 
             def engine_pass(translator=translator, theirs=theirs, scores=False):
                 found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions, scores=scores)

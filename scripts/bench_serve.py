@@ -16,6 +16,19 @@ seconds have passed. Reports requests/s, sentences/s, p50/p99 latency, the mean 
 errors (warm-up included; must be 0: the script exits 1 otherwise) and the server's RSS before and after the
 load (after the warm-up; it should stay flat).
 
+After each server, once it has stopped, a row ctranslate2_itself: what CTranslate2 itself does with the same work,
+called as its users call it (bench_decode's row of that name), on the same model: a ctranslate2.Translator on the
+conversion `--engine ctranslate2` caches beside the checkpoint, in the server's dtype; the sentences the server
+answered, in the order they were sent, as SentencePiece pieces made beforehand; `translate_batch` with the same
+beam, length penalty and max_decoding_length = model.max_positions - 1, in calls of the size the server formed (its
+mean sentences per batched search: 1 a call with one client, window 0 and one sentence per request), one call at a
+time on the server's threads (inter_threads 1, intra_threads = torch's thread count, which this process and the
+server it started share). Why that batching: the server searches one batch at a time, and a batch holds what its
+clients had waiting; CTranslate2 given the same batches one after another is the same work without the server
+around it. Its warm-up: the calls that hold the sentences of the server's warm-up. Every server row gets the ratio
+/ct2 itself (vs_ct2_itself in the JSON): its sentences/s over that row's. Without ctranslate2 installed the rows and
+the ratio are left out (a note on stderr says so).
+
 --soak: one server (the first --engines and --windows value) under --clients clients for --minutes, each
 sending a mix of requests one at a time: /translate of 1 to 64 sentences at beams 1 to 8 (n-best up to 3),
 /attention, /beam traces and /positions tables of random sizes, and some that a hostile client sends (one that
@@ -42,9 +55,13 @@ from collections import Counter
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import torch
+from bench_decode import ctranslate2_itself, ctranslate2_pieces  # this script's folder is first on sys.path
+
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
-from transformer.inference.settings import ENGINES, STOP_RULES
+from transformer.inference.settings import ENGINES, STOP_RULES, SearchFlags
+from transformer.inference.translator import CT2_COMPUTE_TYPES, Translator
 from transformer.serve.app import spawn
 
 
@@ -63,11 +80,11 @@ def request(conn: http.client.HTTPConnection, method: str, path: str, body=None)
     return response.status, json.loads(response.read() or b"{}")
 
 
-def health(port: int) -> dict:
-    """GET /health on a new connection (a kept-alive one may have been closed by the server while idle)."""
+def health(port: int, path: str = "/health") -> dict:
+    """GET /health (or `path`) on a new connection (a kept-alive one may have been closed by the server while idle)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        return request(conn, "GET", "/health")[1]
+        return request(conn, "GET", path)[1]
     finally:
         conn.close()
 
@@ -143,6 +160,7 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
     )
     port = urlsplit(url).port
     try:
+        dtype = health(port, "/info")["dtype"]
         # Warm-up, a short burst of the same load: first-call allocations and the allocator's growth to the
         # batch sizes this load makes are not what a running service keeps adding.
         warmup = load(port, sentences, args.clients, 2 * args.clients, args.sentences, args.beam, args.time_limit)
@@ -158,11 +176,60 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
     return {
         "engine": engine,
         "window_ms": window,
+        "dtype": dtype,
         **result,
         "rss_before_mb": before,
         "rss_after_mb": after,
         "batches": batches,
         "sentences_per_batch": searched / max(1, batches),
+    }
+
+
+def itself_translator(args, dtype: str) -> Translator:
+    """CTranslate2 on the conversion `--engine ctranslate2` caches beside the checkpoint (its .ct2), in `dtype`,
+    as one translator on all of torch's threads: the server searches one batch at a time."""
+    return Translator(
+        args.checkpoint, args.device, SearchFlags(beam=args.beam, dtype=dtype, engine="ctranslate2", workers=1)
+    )
+
+
+def itself_row(ct2: Translator, sentences: list[str], server: dict, args) -> dict | None:
+    """CTranslate2 itself on a server run's work (the docstring above says how and why) -> its row; None when the
+    server answered nothing."""
+    n = server["requests"] * args.sentences
+    if n == 0:
+        return None
+    max_positions = ct2.cfg.model.max_positions
+    sent = [sentences[k % len(sentences)] for k in range(n)]  # what load() sent, in order
+    pieces = ctranslate2_pieces(ct2.vocab, ct2.encode(sent, warn=False), max_positions)
+    calls = min(n, max(1, round(n / server["sentences_per_batch"])))
+    batches = [pieces[i * n // calls : (i + 1) * n // calls] for i in range(calls)]  # sizes differ by 1 at most
+
+    def translate(batch: list[list[str]]) -> None:
+        ctranslate2_itself(ct2.ct2, ct2.vocab, batch, ct2.settings, max_positions, len(batch), "examples")
+
+    for batch in batches[: max(1, round(2 * args.clients * args.sentences * calls / n))]:  # the server's warm-up
+        translate(batch)
+    start = time.perf_counter()
+    for batch in batches:
+        translate(batch)
+    elapsed = time.perf_counter() - start
+    return {
+        "engine": "ctranslate2_itself",
+        "window_ms": server["window_ms"],
+        "server_engine": server["engine"],
+        "dtype": server["dtype"],
+        "compute_type": CT2_COMPUTE_TYPES[server["dtype"]],
+        "sentences": n,
+        "calls": calls,
+        "sentences_per_call": n / calls,
+        "seconds": elapsed,
+        "sentences_per_s": n / elapsed,
+        "inter_threads": 1,
+        "intra_threads": torch.get_num_threads() if ct2.device.type == "cpu" else 1,
+        "beam": ct2.settings.beam,
+        "length_penalty": ct2.settings.lenpen,
+        "max_decoding_length": max_positions - 1,
     }
 
 
@@ -399,24 +466,60 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         sys.exit(1 if result["errors"] else 0)
 
-    results = [run_one(args, sentences, engine, window) for engine in args.engines for window in args.windows]
+    try:
+        import ctranslate2  # noqa: F401
+
+        itself: dict[str, Translator] | None = {}  # CTranslate2 itself, by the servers' dtype
+    except ImportError:
+        itself = None
+        print(
+            "note: ctranslate2 is not installed: no ctranslate2_itself rows and no /ct2 itself column "
+            "(pip install -e '.[ctranslate2]')",
+            file=sys.stderr,
+        )
+    results = []
+    for engine in args.engines:
+        for window in args.windows:
+            server = run_one(args, sentences, engine, window)
+            results.append(server)
+            if itself is not None:  # after the server has stopped: nothing else runs beside it
+                if server["dtype"] not in itself:
+                    itself[server["dtype"]] = itself_translator(args, server["dtype"])
+                row = itself_row(itself[server["dtype"]], sentences, server, args)
+                if row is not None:
+                    server["vs_ct2_itself"] = server["sentences_per_s"] / row["sentences_per_s"]
+                    results.append(row)
     print(
         f"{args.clients} clients, {args.sentences} sentence(s) per request, beam {args.beam}, "
         f"stop {args.stop or 'decode.stop'}, {args.device}; "
         f"server RSS in MiB"
     )
     print(
-        f"{'engine':>11} {'window':>8} {'requests':>8} {'errors':>6} {'req/s':>8} {'sent/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'sent/batch':>10} {'RSS before':>10} {'RSS after':>9}"
+        f"{'engine':>18} {'window':>8} {'requests':>8} {'errors':>6} {'req/s':>8} {'sent/s':>8} {'p50 ms':>8} "
+        f"{'p99 ms':>8} {'sent/batch':>10} {'RSS before':>10} {'RSS after':>9} {'/ct2 itself':>11}"
     )
     for r in results:
+        if r["engine"] == "ctranslate2_itself":
+            print(
+                f"{r['engine']:>18} {r['window_ms']:>6g}ms {'':>8} {'':>6} {'':>8} {r['sentences_per_s']:>8.1f} "
+                f"{'':>8} {'':>8} {r['sentences_per_call']:>10.2f}"
+            )
+            continue
+        ratio = f"{r['vs_ct2_itself']:.2f}x" if "vs_ct2_itself" in r else ""
         print(
-            f"{r['engine']:>11} {r['window_ms']:>6g}ms {r['requests']:>8} {r['errors']:>6} {r['requests_per_s']:>8.1f} "
+            f"{r['engine']:>18} {r['window_ms']:>6g}ms {r['requests']:>8} {r['errors']:>6} {r['requests_per_s']:>8.1f} "
             f"{r['sentences_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['sentences_per_batch']:>10.2f} "
-            f"{r['rss_before_mb']:>10.1f} {r['rss_after_mb']:>9.1f}"
+            f"{r['rss_before_mb']:>10.1f} {r['rss_after_mb']:>9.1f} {ratio:>11}"
         )
         for why in r["first_errors"]:
             print(f"  error: {why}")
+    shown = next((r for r in results if r["engine"] == "ctranslate2_itself"), None)
+    if shown is not None:
+        print(
+            f"ctranslate2_itself: translate_batch on the server's sentences (as pieces) above it, in calls of its "
+            f"sent/batch, one at a time, inter_threads 1 x intra_threads {shown['intra_threads']}, "
+            f"{shown['compute_type']}; /ct2 itself: the server's sent/s over that row's"
+        )
     if args.json:
         report = {
             "checkpoint": str(args.checkpoint),
@@ -437,7 +540,7 @@ def main() -> None:
             "results": results,
         }
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    if any(r["errors"] for r in results):
+    if any(r.get("errors") for r in results):
         sys.exit(1)
 
 

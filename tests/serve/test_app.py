@@ -647,84 +647,81 @@ def test_page_in_headless_chromium(server, tmp_path):
 # ----------------------------------------------------------------------------- scripts/bench_serve.py
 
 
-def test_bench_serve_runs_and_writes_json(run, tmp_path):
-    """At toy size: both windows (and both engines where CTranslate2 is installed), every request answered,
-    no error; no timing is asserted."""
+def bench_serve(run, tmp_path, *flags, hide: Path | None = None) -> subprocess.CompletedProcess:
+    """scripts/bench_serve.py on `run` and SENTENCES (written to tmp_path/test.de) with `flags`, on one thread;
+    `hide`: a folder put first on its path."""
     root = Path(__file__).resolve().parents[2]
-    engines = ["ours", "ctranslate2"] if importlib.util.find_spec("ctranslate2") else ["ours"]
     (tmp_path / "test.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
-    out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "scripts/bench_serve.py",
-            str(run),
-            str(tmp_path / "test.de"),
-            "--clients",
-            "3",
-            "--requests",
-            "9",
-            "--time-limit",
-            "60",
-            "--sentences",
-            "2",
-            "--beam",
-            "2",
-            "--windows",
-            "5",
-            "0",
-            "--engines",
-            *engines,
-            "--stop",
-            "early",
-            "--json",
-            str(out),
-        ],
+    path = os.pathsep.join([*([str(hide)] if hide else []), str(root)])
+    return subprocess.run(
+        [sys.executable, "scripts/bench_serve.py", str(run), str(tmp_path / "test.de"), *map(str, flags)],
         capture_output=True,
         text=True,
         cwd=root,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
+    )
+
+
+def test_bench_serve_runs_and_writes_json(run, tmp_path):
+    """At toy size: both windows (and both engines where CTranslate2 is installed), every request answered,
+    no error; after each server (where CTranslate2 is installed) CTranslate2 itself on the same sentences in calls
+    of the size that server formed, and the server's ratio to it. No timing is asserted."""
+    engines = ["ours", "ctranslate2"] if importlib.util.find_spec("ctranslate2") else ["ours"]
+    out = tmp_path / "bench.json"
+    result = bench_serve(
+        run,
+        tmp_path,
+        *("--clients", 3, "--requests", 9, "--time-limit", 60, "--sentences", 2, "--beam", 2),
+        *("--windows", 5, 0, "--engines", *engines, "--stop", "early", "--json", out),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["stop"] == "early" and report["machine"]["cpu"] == cpu_description()
-    assert [(r["engine"], r["window_ms"]) for r in report["results"]] == [(e, w) for e in engines for w in (5, 0)]
-    for r in report["results"]:
+    servers = [r for r in report["results"] if r["engine"] != "ctranslate2_itself"]
+    assert [(r["engine"], r["window_ms"]) for r in servers] == [(e, w) for e in engines for w in (5, 0)]
+    for r in servers:
         assert r["requests"] == 9 and r["errors"] == 0 and r["requests_per_s"] > 0
         assert r["p50_ms"] <= r["p99_ms"] and r["rss_before_mb"] > 0 and r["rss_after_mb"] > 0
-        assert r["batches"] >= 1 and r["sentences_per_batch"] >= 1
+        assert r["batches"] >= 1 and r["sentences_per_batch"] >= 1 and r["dtype"] == "fp32"
     assert "req/s" in result.stdout and "p99 ms" in result.stdout
+    if "ctranslate2" not in engines:
+        return
+    # Each server row is followed by CTranslate2 itself on its work: the 18 sentences it answered, in as many calls
+    # as its mean sentences per search makes, in the server's dtype, on the same beam.
+    rows = report["results"]
+    assert [r["engine"] for r in rows] == [x for e in engines for _ in (5, 0) for x in (e, "ctranslate2_itself")]
+    for server, itself in zip(rows[::2], rows[1::2]):
+        assert (itself["server_engine"], itself["window_ms"]) == (server["engine"], server["window_ms"])
+        assert itself["sentences"] == 9 * 2 and itself["sentences_per_s"] > 0 and itself["seconds"] > 0
+        assert itself["calls"] == round(18 / server["sentences_per_batch"])
+        assert (itself["compute_type"], itself["beam"], itself["inter_threads"]) == ("float32", 2, 1)
+        assert itself["intra_threads"] >= 1 and itself["max_decoding_length"] > 0
+        assert server["vs_ct2_itself"] > 0
+        assert server["vs_ct2_itself"] == pytest.approx(server["sentences_per_s"] / itself["sentences_per_s"])
+    assert "/ct2 itself" in result.stdout and result.stdout.count("ctranslate2_itself") >= 4
+
+
+def test_bench_serve_without_ctranslate2_says_so_in_one_line(run, tmp_path):
+    """Where ctranslate2 cannot be imported (a module of that name that raises ImportError stands first on the
+    path), the server rows come without the CTranslate2 itself rows and the ratio, and a note says why."""
+    (tmp_path / "hidden").mkdir()
+    (tmp_path / "hidden" / "ctranslate2.py").write_text("raise ImportError('hidden by the test')\n", encoding="utf-8")
+    out = tmp_path / "bench.json"
+    flags = ("--clients", 1, "--requests", 2, "--windows", 0, "--beam", 1, "--json", out)
+    result = bench_serve(run, tmp_path, *flags, hide=tmp_path / "hidden")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "note: ctranslate2 is not installed: no ctranslate2_itself rows" in result.stderr
+    (server,) = json.loads(out.read_text())["results"]
+    assert server["engine"] == "ours" and server["requests"] == 2 and "vs_ct2_itself" not in server
+    assert "ctranslate2_itself" not in result.stdout
 
 
 def test_bench_serve_soak_reports_rss_over_time(run, tmp_path):
     """The soak at toy length: RSS samples, every kind of request answered or refused as it should be, no error;
     no figure is asserted."""
-    root = Path(__file__).resolve().parents[2]
-    (tmp_path / "test.de").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     out = tmp_path / "soak.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "scripts/bench_serve.py",
-            str(run),
-            str(tmp_path / "test.de"),
-            "--soak",
-            "--minutes",
-            "0.2",
-            "--every",
-            "4",
-            "--clients",
-            "3",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)},
-    )
+    result = bench_serve(run, tmp_path, "--soak", "--minutes", 0.2, "--every", 4, "--clients", 3, "--json", out)
     assert result.returncode == 0, result.stdout + result.stderr
     soak = json.loads(out.read_text())["soak"]
     assert soak["errors"] == 0 and len(soak["samples"]) >= 4 and soak["samples"][-1]["idle"]
