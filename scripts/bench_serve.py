@@ -60,8 +60,8 @@ from bench_decode import ctranslate2_itself, ctranslate2_pieces  # this script's
 
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
-from transformer.inference.settings import ENGINES, STOP_RULES, SearchFlags
 from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES
+from transformer.inference.settings import ENGINES, STOP_RULES, SearchFlags
 from transformer.inference.translator import Translator
 from transformer.serve.app import spawn
 
