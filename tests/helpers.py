@@ -182,8 +182,11 @@ def tiny_config(tmp_path: Path, run: str = "run", data_dir: Path | None = None, 
             "valid_every": 4,
             "seed": 3,
             "precision": "fp32",
-            "finish": False,
-        },  # the end-of-training summary has tests of its own (test_finish.py)
+            "finish": False,  # the end-of-training summary has tests of its own (test_finish.py)
+            # MFU against a given peak: measuring one costs every run half a second; test_loop.py's CLI run and
+            # test_cuda_paths.py test the measurement.
+            "peak_tflops": 1.0,
+        },
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)

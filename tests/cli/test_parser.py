@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import cli, tiny_config, write_config
+from tests.helpers import ROOT, cli, tiny_config, write_config
 
 COMMANDS = ("train", "prepare", "translate", "evaluate", "average", "export", "attention", "plot", "plot-positions")
 
@@ -63,15 +63,17 @@ def test_torchrun_failure_summary_shows_our_line(monkeypatch, tmp_path, call):
         (["train", "configs/tiny.yaml", "--set", "model.d_model=big"], "model.d_model must be an integer"),
     ],
 )
-def test_cli_errors_are_one_line(args, message):
-    result = cli(*args)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+def test_cli_errors_are_one_line(args, message, call, monkeypatch):
+    """In this process (a real one's exit status and stderr: test_data_parallel.py's worker test)."""
+    monkeypatch.chdir(ROOT)
+    status, _, err = call(*args)
+    assert status == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_unwritable_output_is_a_one_line_error(tmp_path):
+def test_unwritable_output_is_a_one_line_error(tmp_path, call):
     (tmp_path / "a_file").write_text("not a directory")
-    result = cli("plot-positions", "--d-model", "16", "--length", "8", "--out", str(tmp_path / "a_file" / "x.png"))
-    assert result.returncode == 2 and result.stderr.startswith("error: ")
-    assert len(result.stderr.strip().splitlines()) == 1
+    status, _, err = call("plot-positions", "--d-model", "16", "--length", "8", "--out", tmp_path / "a_file" / "x.png")
+    assert status == 2 and err.startswith("error: ")
+    assert len(err.strip().splitlines()) == 1

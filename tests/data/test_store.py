@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import cli, tiny_config, write_corpus, write_hub_folder
+from tests.helpers import tiny_config, write_corpus, write_hub_folder
 from transformer.config import from_dict
 from transformer.data import corpus as corpus_module
 from transformer.data import store as store_module
@@ -177,17 +177,17 @@ def test_an_error_while_encoding_closes_the_files_and_writes_no_manifest(tmp_pat
     assert problem(run_dir / "store") is None and not (run_dir / "store" / "building.json").exists()
 
 
-def test_prepare_command_then_train_reuses_the_store(tmp_path, corpus):
+def test_prepare_command_then_train_reuses_the_store(tmp_path, corpus, call):
     raw = tiny_config(tmp_path, data_dir=corpus, train={"max_steps": 2, "valid_every": 2})
     path = tmp_path / "c.yaml"
     path.write_text(json.dumps(raw), encoding="utf-8")
-    prepared = cli("prepare", str(path))
-    assert prepared.returncode == 0, prepared.stderr
-    assert prepared.stdout.strip() == str(tmp_path / "run" / "store")
-    assert "store: preparing" in prepared.stderr
-    trained = cli("train", str(path))
-    assert trained.returncode == 0, trained.stderr
-    assert "vocab: reusing" in trained.stderr and "store: reusing" in trained.stderr
+    status, out, err = call("prepare", path)
+    assert status == 0, err
+    assert out.strip() == str(tmp_path / "run" / "store")
+    assert "store: preparing" in err
+    status, _, err = call("train", path)
+    assert status == 0, err
+    assert "vocab: reusing" in err and "store: reusing" in err
 
 
 @pytest.mark.parametrize("block", [1, 3, 7, 1 << 20])

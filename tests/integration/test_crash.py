@@ -16,7 +16,6 @@ from tests.helpers import (
     ROOT,
     assert_same_training_state,
     change_training_loss,
-    cli,
     read_metrics,
     small_vocab,
     subprocess_env,
@@ -64,15 +63,15 @@ def _metrics_so_far(path):
     return out
 
 
-def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, random_seed):
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, random_seed, call):
     corpus = write_corpus(tmp_path / "c")
     # Dropout on, several epochs (the epoch boundary is inside the run), checkpoints every 3 updates.
     common = {"train": {"max_steps": 16, "valid_every": 3}, "data": {"max_tokens": 120}}
     straight = write_config(tmp_path / "straight.yaml", tiny_config(tmp_path, "straight", corpus, **common))
     killed = write_config(tmp_path / "killed.yaml", tiny_config(tmp_path, "killed", corpus, **common))
 
-    reference = cli("train", str(straight))
-    assert reference.returncode == 0, reference.stderr
+    status, _, err = call("train", straight)  # the reference and the resumption in this process, the kill in a child
+    assert status == 0, err
 
     # Random on purpose: any step must be safe, even before the first save.
     kill_after = random.Random(random_seed).randint(1, 14)
@@ -82,8 +81,8 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, random_
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
 
-    resumed = cli("train", str(killed), "--resume")
-    assert resumed.returncode == 0, f"seed {random_seed}: killed after step {kill_after}: {resumed.stderr}"
+    status, _, err = call("train", killed, "--resume")
+    assert status == 0, f"seed {random_seed}: killed after step {kill_after}: {err}"
     assert_same_training_state(tmp_path / "straight" / "last.pt", tmp_path / "killed" / "last.pt")
     assert (tmp_path / "straight" / "best.pt").read_bytes() and (tmp_path / "killed" / "best.pt").exists()
 

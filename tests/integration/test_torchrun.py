@@ -24,6 +24,7 @@ from tests.helpers import (
     write_config,
     write_corpus,
 )
+from transformer.model.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
@@ -189,7 +190,8 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_nothing_happened(unin
     )
     assert status == 0, err[-3000:]
     assert err.count("resume: continuing") == 1, err[-3000:]
-    assert_same_training_state(uninterrupted, tmp_path / "run" / "last.pt")
+    assert_same_training_state(uninterrupted, tmp_path / "run" / "last.pt")  # dropout on: every rank's RNG restored
+    assert len(load_checkpoint(tmp_path / "run" / "last.pt")["rng"]) == 2  # one RNG state per rank
     events = [m["event"] for m in read_metrics(tmp_path / "run") if "event" in m]
     assert events.count("resume") == 1 and events.count("done") == 1  # restarted once
     assert not list((tmp_path / "run").glob(".*.transformer-tmp"))  # the torn write's temporary file removed

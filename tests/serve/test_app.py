@@ -664,22 +664,23 @@ def bench_serve(run, tmp_path, *flags, hide: Path | None = None) -> subprocess.C
 
 
 def test_bench_serve_runs_and_writes_json(run, tmp_path):
-    """At toy size: both windows (and both engines where CTranslate2 is installed), every request answered,
-    no error; after each server (where CTranslate2 is installed) CTranslate2 itself on the same sentences in calls
-    of the size that server formed, and the server's ratio to it. No timing is asserted."""
+    """At toy size: both engines where CTranslate2 is installed (each with one window: a server costs seconds to
+    start), every request answered, no error; after each server (where CTranslate2 is installed) CTranslate2
+    itself on the same sentences in calls of the size that server formed, and the server's ratio to it. No timing
+    is asserted."""
     engines = ["ours", "ctranslate2"] if importlib.util.find_spec("ctranslate2") else ["ours"]
     out = tmp_path / "bench.json"
     result = bench_serve(
         run,
         tmp_path,
         *("--clients", 3, "--requests", 9, "--time-limit", 60, "--sentences", 2, "--beam", 2),
-        *("--windows", 5, 0, "--engines", *engines, "--stop", "early", "--json", out),
+        *("--windows", 5, "--engines", *engines, "--stop", "early", "--json", out),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["stop"] == "early" and report["machine"]["cpu"] == cpu_description()
     servers = [r for r in report["results"] if r["engine"] != "ctranslate2_itself"]
-    assert [(r["engine"], r["window_ms"]) for r in servers] == [(e, w) for e in engines for w in (5, 0)]
+    assert [(r["engine"], r["window_ms"]) for r in servers] == [(e, 5) for e in engines]
     for r in servers:
         assert r["requests"] == 9 and r["errors"] == 0 and r["requests_per_s"] > 0
         assert r["p50_ms"] <= r["p99_ms"] and r["rss_before_mb"] > 0 and r["rss_after_mb"] > 0
@@ -690,7 +691,7 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
     # Each server row is followed by CTranslate2 itself on its work: the 18 sentences it answered, in as many calls
     # as its mean sentences per search makes, in the server's dtype, on the same beam.
     rows = report["results"]
-    assert [r["engine"] for r in rows] == [x for e in engines for _ in (5, 0) for x in (e, "ctranslate2_itself")]
+    assert [r["engine"] for r in rows] == [x for e in engines for x in (e, "ctranslate2_itself")]
     for server, itself in zip(rows[::2], rows[1::2]):
         assert (itself["server_engine"], itself["window_ms"]) == (server["engine"], server["window_ms"])
         assert itself["sentences"] == 9 * 2 and itself["sentences_per_s"] > 0 and itself["seconds"] > 0
@@ -699,7 +700,7 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
         assert itself["intra_threads"] >= 1 and itself["max_decoding_length"] > 0
         assert server["vs_ct2_itself"] > 0
         assert server["vs_ct2_itself"] == pytest.approx(server["sentences_per_s"] / itself["sentences_per_s"])
-    assert "/ct2 itself" in result.stdout and result.stdout.count("ctranslate2_itself") >= 4
+    assert "/ct2 itself" in result.stdout and result.stdout.count("ctranslate2_itself") >= 2
 
 
 def test_bench_serve_without_ctranslate2_says_so_in_one_line(run, tmp_path):
@@ -721,7 +722,7 @@ def test_bench_serve_soak_reports_rss_over_time(run, tmp_path):
     """The soak at toy length: RSS samples, every kind of request answered or refused as it should be, no error;
     no figure is asserted."""
     out = tmp_path / "soak.json"
-    result = bench_serve(run, tmp_path, "--soak", "--minutes", 0.2, "--every", 4, "--clients", 3, "--json", out)
+    result = bench_serve(run, tmp_path, "--soak", "--minutes", 0.1, "--every", 1.5, "--clients", 3, "--json", out)
     assert result.returncode == 0, result.stdout + result.stderr
     soak = json.loads(out.read_text())["soak"]
     assert soak["errors"] == 0 and len(soak["samples"]) >= 4 and soak["samples"][-1]["idle"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import cli, read_metrics, tiny_config, write_config, write_corpus
+from tests.helpers import read_metrics, tiny_config, write_config, write_corpus
 from transformer.config import from_dict, load_config
 from transformer.data.store import Store
 from transformer.errors import UserError
@@ -119,33 +119,33 @@ def test_the_end_of_training_counts_as_done_only_with_a_summary_of_its_step_writ
     assert finished_summary(tmp_path, 60) is None
 
 
-def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path):
+def test_finish_command_redoes_the_end_and_resume_drops_a_stale_final(tmp_path, call):
     run_dir, raw = finished_run(tmp_path)
     (run_dir / "summary.json").unlink()
-    result = cli("finish", str(run_dir), "--device", "cpu")
-    assert result.returncode == 0, result.stderr
+    status, _, err = call("finish", run_dir, "--device", "cpu")
+    assert status == 0, err
     assert json.loads((run_dir / "summary.json").read_text())["test"]["split"] == "test"
     # Its data not where the config says (moved, or a relative data.dir from another directory): an error,
     # not a summary without its test score.
     summary = (run_dir / "summary.json").read_text()
     (tmp_path / "c").rename(tmp_path / "c_moved")
-    result = cli("finish", str(run_dir), "--device", "cpu")
-    assert result.returncode == 2 and result.stderr == (
-        f"error: finish: data.dir '{tmp_path}/c' is not a directory; put the corpus back there\n"
+    status, _, err = call("finish", run_dir, "--device", "cpu")
+    assert (
+        status == 2 and err == f"error: finish: data.dir '{tmp_path}/c' is not a directory; put the corpus back there\n"
     )
     assert (run_dir / "summary.json").read_text() == summary
     (tmp_path / "c_moved").rename(tmp_path / "c")
     # Resumed with nothing left to train (and finish off): final.pt still describes the weights, and stays.
     same = write_config(tmp_path / "same.yaml", {**raw, "train": {**raw["train"], "finish": False}})
-    assert cli("train", str(same), "--resume").returncode == 0
+    assert call("train", same, "--resume")[0] == 0
     assert resolve_checkpoint(run_dir) == run_dir / "final.pt"
     # Training on from this run: final.pt belonged to the end of the shorter run.
     config = write_config(tmp_path / "more.yaml", {**raw, "train": {**raw["train"], "max_steps": 62, "finish": False}})
-    result = cli("train", str(config), "--resume")
-    assert result.returncode == 0
+    status, _, err = call("train", config, "--resume")
+    assert status == 0
     assert not (run_dir / "final.pt").exists() and resolve_checkpoint(run_dir) == run_dir / "best.pt"
-    assert f"removed final.pt; train.finish is off: `transformer finish {run_dir}` chooses again" in result.stderr
-    assert cli("finish", str(tmp_path / "nowhere")).stderr.startswith("error: finish:")
+    assert f"removed final.pt; train.finish is off: `transformer finish {run_dir}` chooses again" in err
+    assert call("finish", tmp_path / "nowhere")[2].startswith("error: finish:")
 
 
 @pytest.mark.parametrize("beam, tried", [(1, {(1, 0.6)}), (4, {(4, a) for a in LENPENS} | {(4, 0.6), (6, 1.0)})])
