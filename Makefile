@@ -63,7 +63,10 @@ format: install
 	$(VENV)/bin/ruff check --fix transformer tests scripts
 
 # -rs: a skipped test prints its reason (the page's browser test says why it could not run).
-test: install browser lint
+# The Python packages and the browser's Debian packages install side by side (-j2: each waits on its downloads).
+test:
+	@$(MAKE) --no-print-directory -j2 install browser
+	@$(MAKE) --no-print-directory lint
 	TRANSFORMER_DATA="$(abspath $(DATA_MIRROR))" $(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder tests
 
 # The page's real-browser test (tests/serve/test_app.py) needs Chromium and its driver: Debian's packages, installed
