@@ -26,9 +26,23 @@ from tests.helpers import (
 from transformer.files import remove_stale_temporaries
 from transformer.model.checkpoint import load_checkpoint
 
+_children: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_training_left_behind():
+    """A test that fails midway leaves no training behind (some are set to run 100,000 steps): each process this
+    module started that still runs at the end of its test is killed."""
+    yield
+    while _children:
+        proc = _children.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
 
 def _start_training(config, *extra):
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "transformer", "train", str(config), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -36,6 +50,8 @@ def _start_training(config, *extra):
         env=subprocess_env(),
         cwd=ROOT,
     )
+    _children.append(proc)
+    return proc
 
 
 def _wait_for_step(proc, run_dir, step, timeout=120):
@@ -131,6 +147,7 @@ for i in itertools.count():
     rng = random.Random(random_seed)
     for attempt in range(4):
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=subprocess_env())
+        _children.append(proc)  # it writes for ever
         proc.stdout.readline()  # at least one complete write
         wait = rng.uniform(0.0, 0.3)
         time.sleep(wait)  # then die somewhere inside a later write
