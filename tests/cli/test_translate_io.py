@@ -155,53 +155,30 @@ def test_a_partial_that_appears_while_the_model_loads_is_not_written_over(run, s
     assert partial.read_text(encoding="utf-8") == "mine\n" and not output.exists()
 
 
-def test_translate_output_dev_stdout_appended_to_a_log(run, same_txt, tmp_path):
-    """--output /dev/stdout under `>> LOG`: LOG itself, in place; neither truncated nor renamed over."""
-    log = tmp_path / "log"
-    log.write_text("earlier\n")
+def translate_appending_to(log: Path, *args) -> subprocess.CompletedProcess:
+    """`python -m transformer translate ARGS >> LOG`: its standard output is LOG, opened for appending."""
     with log.open("a") as stdout:
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "transformer",
-                "translate",
-                run,
-                "--input",
-                same_txt,
-                "--output",
-                "/dev/stdout",
-            ],
+        return subprocess.run(
+            [sys.executable, "-m", "transformer", "translate", *args],
             stdout=stdout,
             stderr=subprocess.PIPE,
             text=True,
             env=subprocess_env(),
             timeout=120,
         )
+
+
+def test_translate_output_dev_stdout_appended_to_a_log(run, same_txt, tmp_path):
+    """--output /dev/stdout under `>> LOG`: LOG itself, in place; neither truncated nor renamed over."""
+    log = tmp_path / "log"
+    log.write_text("earlier\n")
+    result = translate_appending_to(log, run, "--input", same_txt, "--output", "/dev/stdout")
     assert result.returncode == 0, result.stderr
     lines = log.read_text().splitlines()
     assert lines[0] == "earlier" and len(lines) == 3
     # The same through a link to it: still the shell's file, in place, though it is a regular file.
     (tmp_path / "link").symlink_to(log)
-    with log.open("a") as stdout:
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "transformer",
-                "translate",
-                run,
-                "--input",
-                same_txt,
-                "--output",
-                tmp_path / "link",
-            ],
-            stdout=stdout,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=subprocess_env(),
-            timeout=120,
-        )
+    result = translate_appending_to(log, run, "--input", same_txt, "--output", tmp_path / "link")
     assert result.returncode == 0, result.stderr
     lines = log.read_text().splitlines()
     assert lines[0] == "earlier" and len(lines) == 5 and (tmp_path / "link").is_symlink()
