@@ -75,8 +75,9 @@ def _check_inputs(split: str | None, src: str | None, ref: str | None) -> None:
         raise UserError("evaluate: --src and --ref go together")
     if src is not None and split is not None:
         raise UserError("evaluate: give --split or --src/--ref, not both")
-    if split is not None and split_name_problem(split, "--split") is not None:
-        raise UserError(f"evaluate: {split_name_problem(split, '--split')}; for other files pass --src FILE --ref FILE")
+    problem = split_name_problem(split, "--split") if split is not None else None
+    if problem is not None:
+        raise UserError(f"evaluate: {problem}; for other files pass --src FILE --ref FILE")
 
 
 def _read_split(data, split: str) -> tuple[list[str], list[str]]:
