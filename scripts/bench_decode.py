@@ -5,7 +5,7 @@ the same dimensions.
 
     python scripts/bench_decode.py data/multi30k/test.de --checkpoint runs/multi30k --ref data/multi30k/test.en \
         [--device cpu|cuda|auto|all] [--beam 1 4 5] [--stop exact early] [--dtype fp32 bf16 int8] \
-        [--ctranslate2] [--ct2-scored] [--no-hf] [--threads 2] [--workers 1 2] [--limit 500] [--repeats 3] \
+        [--ctranslate2] [--no-hf] [--threads 2] [--workers 1 2] [--limit 500] [--repeats 3] \
         [--json bench.json]
 
 Per setting it reports decoder steps per sentence (how long each sentence stayed in the search), sentences/s
@@ -22,9 +22,8 @@ With --ctranslate2, per compute type and --workers value, two rows on one ctrans
 - ctranslate2_itself: CTranslate2 as its users call it: the sources as SentencePiece pieces, one `translate_batch`
   over all of them in batches of max_tokens / workers tokens (max_batch_size, batch_type="tokens"), the same beam
   and length penalty, max_decoding_length = model.max_positions - 1, nothing else set;
-- ctranslate2: our engine (`ctranslate2_engine.ctranslate2_search` on subword ids, as translate and evaluate run it: no
-  scores shown, so no scoring pass); with --ct2-scored also ctranslate2_scored, as serve and n-best lists run it
-  (the kept hypotheses scored again).
+- ctranslate2: our engine (`ctranslate2_engine.ctranslate2_search` on subword ids, as translate, evaluate and serve
+  run it; its search scores are ours, so no scoring pass).
 Tokenisation is excluded everywhere (ours gets subword ids, CTranslate2 itself pieces made beforehand). Our
 engine's beam outputs can differ from ours (its own stop rule and penalty: ctranslate2_search). Marian (random
 weights; `pip install -e '.[bench]'`) is forced to run exactly as many decoder steps per batch as our first
@@ -49,7 +48,6 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -347,13 +345,11 @@ def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
                     translator, vocab, pieces, theirs, cfg.model.max_positions, batch_tokens, "tokens"
                 )
 
-            def engine_pass(translator=translator, theirs=theirs, scores=False):
-                found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions, scores=scores)
+            def engine_pass(translator=translator, theirs=theirs):
+                found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions)
                 return [hyps[0].tokens for hyps in found]
 
             passes = [("ctranslate2_itself", "ct2", itself_pass), ("ctranslate2", "ctranslate2", engine_pass)]
-            if args.ct2_scored:
-                passes.append(("ctranslate2_scored", "ctranslate2", partial(engine_pass, scores=True)))
             for impl, stop, run in passes:
                 row = {"device": device_name, "beam": beam, "impl": impl, "stop": stop, "dtype": dtype, "workers": w}
                 if impl == "ctranslate2_itself":  # how it was called
@@ -519,11 +515,6 @@ def main() -> None:
         "--ctranslate2",
         action="store_true",
         help="also time CTranslate2 itself and our --engine ctranslate2 on our weights (the ratio columns need it)",
-    )
-    ap.add_argument(
-        "--ct2-scored",
-        action="store_true",
-        help="with --ctranslate2, also our engine as serve and n-best lists run it (scores computed again)",
     )
     ap.add_argument(
         "--ct2-dtype",

@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                 )
 
         passes["CTranslate2: encoder + 1 step"] = ct2_first_step
-        passes["CTranslate2: whole search"] = lambda: ct2.search(ids, scores=False)  # as translate runs it
+        passes["CTranslate2: whole search"] = lambda: ct2.search(ids)  # as translate runs it
     times = interleaved(passes, args.rounds)
     median = {name: statistics.median(t) for name, t in times.items()}
 

@@ -25,7 +25,7 @@ from transformer.inference.ctranslate2_engine import (
     export_ctranslate2,
     limit_bucket,
 )
-from transformer.inference.search import search
+from transformer.inference.search import length_penalty, search
 from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator, search_ids
 from transformer.model.checkpoint import load_model, save_checkpoint
@@ -380,8 +380,9 @@ def own_limits(translator: Translator, ids) -> dict[int, int]:
 @pytest.mark.parametrize("checkpoint", ["run", "copy_model"])
 def test_ctranslate2_engine_in_few_calls_is_the_search_under_each_sentences_own_limit(request, ctranslate2, checkpoint):
     """A batch goes as one call per limit bucket, not one per distinct limit; with a length penalty the outcome is
-    still each sentence searched under its own limit (one call per limit, as ctranslate2_limited searches), also
-    for an untrained model whose sentences run to their limits and are searched again."""
+    still each sentence searched under its own limit (one call per limit, as ctranslate2_limited searches; with BOS
+    and PAD suppressed where a hypothesis holds one), also for an untrained model whose sentences run to their
+    limits and are searched again."""
     path = request.getfixturevalue(checkpoint)
     flags = SearchFlags(beam=3, nbest=3, lenpen=0.6, engine="ctranslate2", max_tokens=100_000)  # one batch
     translator = Translator(path, "cpu", flags)
@@ -392,7 +393,10 @@ def test_ctranslate2_engine_in_few_calls_is_the_search_under_each_sentences_own_
     found = ctranslate2_search(counting, translator.vocab, ids, settings, translator.cfg.model.max_positions)
     vocab = translator.vocab
     sources, none = {i: vocab.pieces(s) for i, s in enumerate(ids)}, {i: [] for i in range(len(ids))}
-    one_per_limit = ctranslate2_limited(translator.ct2, vocab, sources, none, list(sources), limits, settings)
+    one_per_limit = ctranslate2_limited(translator.ct2, vocab, sources, none, list(sources), limits, settings, False)
+    never = {vocab.specials.bos, vocab.specials.pad}
+    unwanted = [i for i, hyps in one_per_limit.items() if any(never.intersection(h.tokens) for h in hyps)]
+    one_per_limit.update(ctranslate2_limited(translator.ct2, vocab, sources, none, unwanted, limits, settings, True))
     for i, hyps in enumerate(found):
         assert [h.tokens for h in hyps] == [h.tokens for h in one_per_limit[i]], i
         assert [h.score for h in hyps] == pytest.approx([h.score for h in one_per_limit[i]], abs=1e-4)
@@ -406,17 +410,35 @@ def test_ctranslate2_engine_in_few_calls_is_the_search_under_each_sentences_own_
         assert searched_again == 0 and len(counting.calls) == len({limit_bucket(n, 40) for n in limits.values()})
 
 
-def test_ctranslate2_translations_without_scores_are_those_with_scores(ctranslate2, copy_model, call):
-    """translate and evaluate show no score, so CTranslate2's search scores rank its hypotheses with no scoring
-    pass; n-best lists and serve get ours, computed again. The best translation is the same either way. Its
-    search scores leave BOS and PAD out of each step's normalisation, so they are never below ours."""
-    translator = Translator(copy_model, "cpu", SearchFlags(beam=4, lenpen=1.0, engine="ctranslate2"))
-    ids = translator.encode(LINES)
-    unscored, scored = translator.search(ids, scores=False), translator.search(ids)
-    assert [h[0].tokens for h in unscored] == [h[0].tokens for h in scored]
-    assert all(u[0].score >= s[0].score - 1e-5 for u, s in zip(unscored, scored))
-    assert any(u[0].score > s[0].score + 1e-4 for u, s in zip(unscored, scored))  # this model gives BOS some
-    assert translator.translate(LINES) == [hyps[0][1] for hyps in translator.translate_nbest(LINES)]
+def test_ctranslate2_engine_search_scores_are_ours_without_a_scoring_pass(ctranslate2, copy_model):
+    """BOS and PAD are not suppressed in its search, so each step is normalised over the whole vocabulary, as ours:
+    the scores it searched with are those its scorer gives (ours), and no hypothesis is scored again. Suppressed,
+    this model's scores would differ (it gives BOS some probability), so the check is not vacuous."""
+    translator = Translator(copy_model, "cpu", SearchFlags(beam=4, nbest=4, lenpen=1.0, engine="ctranslate2"))
+    ids, vocab, settings = translator.encode(LINES), translator.vocab, translator.settings
+    counting = CountingCalls(translator.ct2)
+    found = ctranslate2_search(counting, vocab, ids, settings, translator.cfg.model.max_positions)
+    assert counting.scored == 0  # every sentence settled in the first calls: no scoring pass
+    sources = {i: vocab.pieces(s) for i, s in enumerate(ids)}
+    pairs = [(sources[i], vocab.pieces(h.tokens), h) for i, hyps in enumerate(found) for h in hyps]
+    scored = translator.ct2.score_batch([p[0] for p in pairs], [p[1] for p in pairs])
+    penalty = [length_penalty(len(h.tokens) + 1, settings.lenpen, settings.lenpen_kind) for _, _, h in pairs]
+    assert [h.score for _, _, h in pairs] == pytest.approx(
+        [sum(r.log_probs) / lp for r, lp in zip(scored, penalty)], abs=1e-4
+    )
+    # Suppressed, its search scores are renormalised: above the scorer's wherever BOS and PAD had some.
+    raw = translator.ct2.translate_batch(
+        list(sources.values()),
+        beam_size=4,
+        length_penalty=0.0,
+        return_scores=True,
+        return_end_token=True,
+        suppress_sequences=[[piece] for piece in vocab.pieces([BOS_ID, PAD_ID])],
+    )
+    rescored = translator.ct2.score_batch(list(sources.values()), [r.hypotheses[0][:-1] for r in raw])  # no </s>
+    assert all(r.hypotheses[0][-1] == "</s>" for r in raw)
+    assert any(r.scores[0] > sum(x.log_probs) + 1e-4 for r, x in zip(raw, rescored))
+    assert translator.translate(LINES) == [hyps[0][1] for hyps in translator.translate_nbest(LINES, 1)]
 
 
 def test_limit_buckets_hold_their_limits():
@@ -473,15 +495,16 @@ class CountingCalls:
     """A ctranslate2.Translator that records each translate_batch call: its sentence count and length limit."""
 
     def __init__(self, ct2):
-        self.ct2, self.calls = ct2, []
+        self.ct2, self.calls, self.scored = ct2, [], 0  # scored: hypotheses scored again
         self.num_translators = ct2.num_translators
 
     def translate_batch(self, sources, **options):
         self.calls.append((len(sources), options["max_decoding_length"]))
         return self.ct2.translate_batch(sources, **options)
 
-    def score_batch(self, *args, **options):
-        return self.ct2.score_batch(*args, **options)
+    def score_batch(self, sources, *args, **options):
+        self.scored += len(sources)
+        return self.ct2.score_batch(sources, *args, **options)
 
 
 def test_ctranslate2_workers_translate_as_one(ctranslate2, copy_model, two_threads):

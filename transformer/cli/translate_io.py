@@ -306,9 +306,7 @@ def run_translate(
             chunks = file_chunks(lines, progress=input is not None) if lines is not None else stdin_chunks()
             for chunk in chunks:
                 prefixes, constraints = _per_line(files, len(chunk))
-                write_translations(
-                    out, translator.translate_lines(chunk, prefixes, constraints, scores=nbest > 1), nbest, alignments
-                )
+                write_translations(out, translator.translate_lines(chunk, prefixes, constraints), nbest, alignments)
             for line_file in files.values():  # stdin: the input ended; the file must have ended too
                 line_file.check_count(line_file.used)
         translator.report_truncation()

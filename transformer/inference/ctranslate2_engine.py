@@ -338,11 +338,10 @@ def ctranslate2_search(
     settings: SearchSettings,
     max_positions: int,
     prefixes: Sequence[Sequence[int]] | None = None,
-    scores: bool = True,
 ) -> list[list[Hypothesis]]:
     """translator.search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
-    limits and score definition; like ours, it never emits BOS or PAD (suppressed). settings.stop, .dtype and
-    .workers do not apply here (the translator was made with its compute type and inter_threads).
+    limits and score definition; like ours, it never emits BOS or PAD. settings.stop, .dtype and .workers do not
+    apply here (the translator was made with its compute type and inter_threads).
 
     Length limits (one per call in CTranslate2): each sentence is searched under the limit of its bucket
     (limit_bucket: its own limit rounded up to a power of two), so that a batch goes as one or two calls
@@ -355,38 +354,41 @@ def ctranslate2_search(
     stops once its best candidate is EOS) a search can run past that step unseen, when its `nbest` returned
     finished earlier: those are then the outcome.
 
+    Scores, in one pass: BOS and PAD are not suppressed in the search, so each step's log-probabilities are
+    normalised over the whole vocabulary, as ours are, and its search scores are ours (to float rounding, ~1e-5
+    a hypothesis): no scoring pass is needed. (Suppressing them, as its suppress_sequences does, renormalises
+    over the tokens left, about 1e-5 a token after training, so every shown score took a scoring pass.) A
+    sentence one of whose returned hypotheses holds BOS or PAD (an untrained model) is searched again under
+    its own limit with both suppressed, and its hypotheses scored again. Scored again too, by CTranslate2's
+    scorer (ours exactly): hypotheses searched again under their own limit (at the limit CTranslate2 does not
+    force EOS, so one still unfinished there has none, and the scorer adds the EOS ours would force) and those
+    with a forced prefix (its search score leaves the prefix's tokens out).
+
     Ranking: with a length penalty it returns its `beam` best, ranked by its own penalty (length**lenpen
     rather than GNMT's ((5 + length) / 6)**lenpen; length counting EOS in both, hence return_end_token),
     re-ranked here by ours computed from its scores; without one, its `nbest` best (the two rankings agree,
-    and its early exit waits for nbest finished). Its log-probabilities are renormalised over the tokens it
-    may emit (ours drops BOS's and PAD's probability instead), so the score it gives differs from ours by
-    the log of what BOS and PAD would have had at each step (about 1e-5 a token after training).
-    scores=True: the kept `nbest` hypotheses are scored again by its scorer (one teacher-forced pass, in one
-    call), which gives ours exactly, and ordered by it; scores=False (only the tokens are used: translate
-    without --nbest, evaluate) leaves the scores from the search, ours but for that renormalisation.
-    Sentences searched again under their own limit have every returned hypothesis scored again and ranked
-    by it, whatever `scores` says: at the limit CTranslate2 does not force EOS, so one still unfinished there
-    has none, and the scorer adds the EOS ours would force.
+    and its early exit waits for nbest finished).
 
     Beam outputs can differ from ours (greedy outputs do not): (1) it stops as our "early" rule does but keeps
     every hypothesis finished at the stopping step, up to 2*beam-1, where ours keeps the first `beam`; (2) only
     the `beam` best by its penalty reach the re-ranking; (3) at the limit its unfinished hypotheses, scored
     without their EOS, can push a shorter finished one out of those `beam`, and a live hypothesis ours ends
-    there is missing when an EOS took its place in the beam's top `beam`; (4) the renormalisation can reorder
-    candidates of rows that give BOS and PAD different probabilities (an untrained model; after training
-    label smoothing leaves each ~smoothing / vocabulary). With several workers (the translator's
-    inter_threads) the batches are sized and run side by side as search_batches runs ours.
+    there is missing when an EOS took its place in the beam's top `beam`; (4) a BOS or PAD candidate can hold
+    a place in its beam for some steps and drop out again before the end (ours never ranks them), leaving
+    another beam than ours (an untrained model; after training label smoothing leaves each ~smoothing /
+    vocabulary, far below any beam's candidates). With several workers (the translator's inter_threads) the
+    batches are sized and run side by side as search_batches runs ours.
 
-    What else it maps (ctranslate2_options): sampling (its sampling_topk, sampling_topp, sampling_temperature; a
-    random stream per worker, seeded when the Translator is made, so that a run repeats itself with the same seed,
-    the same input and one worker, but a sentence's samples depend on its batch, on what was drawn before it and,
-    with several workers, on which worker takes its batch), a forced prefix (`prefixes`: per source, the target
-    ids of its SentenceOptions.prefix; target_prefix, whose limit counts the prefix, as ours does) and alignments
-    (return_attention: the conversion asks for the last layer's cross-attention averaged over all heads,
-    alignment.py's default, and the source's EOS is not in it). Constraints and ensembles it does not have (the
-    Translator refuses them).
+    What else it maps (ctranslate2_options): sampling (its sampling_topk, sampling_topp, sampling_temperature,
+    with BOS and PAD suppressed; a random stream per worker, seeded when the Translator is made, so that a run
+    repeats itself with the same seed, the same input and one worker, but a sentence's samples depend on its
+    batch, on what was drawn before it and, with several workers, on which worker takes its batch), a forced
+    prefix (`prefixes`: per source, the target ids of its SentenceOptions.prefix; target_prefix, whose limit
+    counts the prefix, as ours does) and alignments (return_attention: the conversion asks for the last
+    layer's cross-attention averaged over all heads, alignment.py's default, and the source's EOS is not in
+    it). Constraints and ensembles it does not have (the Translator refuses them).
     """
-    nbest = settings.nbest
+    nbest, sampling = settings.nbest, settings.sample is not None
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     limit = source_limit(max_positions)
     workers = translator.num_translators
@@ -407,25 +409,31 @@ def ctranslate2_search(
         # At least the prefix, as search.max_lengths says.
         max_lens = torch.maximum(max_lens, torch.tensor([len(forced[i]) for i in batch]))
         own.update(zip(batch, max_lens.clamp(max=max_positions - 1).tolist()))
-        if settings.sample is not None:  # samples searched again would be other samples: each under its own limit
+        if sampling:  # samples searched again would be other samples: each under its own limit
             continue
         buckets = [limit_bucket(own[i], max_positions) for i in batch]
         for bucket, rows in same_limit(buckets):  # asynchronous: every worker takes calls from the queue
             indices = [batch[r] for r in rows]
-            calls.append((indices, _translate_async(translator, vocab, sources, forced, indices, settings, bucket)))
+            pending = _translate_async(translator, vocab, sources, forced, indices, settings, bucket, suppress=False)
+            calls.append((indices, pending))
     found: dict[int, list[Hypothesis]] = {}
-    again = list(sources) if settings.sample is not None else []  # sentences to search under their own limit
+    prefixed: dict[int, list[Hypothesis]] = {}  # their search scores leave the prefix out: scored again
+    again = list(sources) if sampling else []  # sentences to search under their own limit
     for indices, pending in calls:
         for i, result in zip(indices, pending):
             hyps = _hypotheses(vocab, result.result(), settings)
             if any(len(h.tokens) >= own[i] - 1 for h in hyps):
                 again.append(i)
-            else:  # every hypothesis ended with EOS: its score is ours but for the renormalisation
-                found[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest]
-    limited = ctranslate2_limited(translator, vocab, sources, forced, again, own, settings)
-    if scores:
-        found = dict(zip(found, _scored(translator, vocab, sources, found, settings, tokens_per_batch)))
-    for i, hyps in (*found.items(), *limited.items()):
+            elif forced[i]:
+                prefixed[i] = hyps
+            else:  # every hypothesis ended with EOS: its score is ours
+                found[i] = hyps
+    found.update(zip(prefixed, _scored(translator, vocab, sources, prefixed, settings, tokens_per_batch)))
+    found.update(ctranslate2_limited(translator, vocab, sources, forced, again, own, settings, suppress=sampling))
+    never = {vocab.specials.bos, vocab.specials.pad}
+    unwanted = [i for i, hyps in found.items() if any(never.intersection(h.tokens) for h in hyps)]
+    found.update(ctranslate2_limited(translator, vocab, sources, forced, unwanted, own, settings, suppress=True))
+    for i, hyps in found.items():
         out[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest]
     return out
 
@@ -438,15 +446,18 @@ def ctranslate2_limited(
     indices: Sequence[int],
     limits: dict[int, int],
     settings: SearchSettings,
+    suppress: bool,
 ) -> dict[int, list[Hypothesis]]:
     """The sources (pieces, by index) of `indices` searched each under its own length limit (`limits`, by index):
     one call per distinct limit, every returned hypothesis scored again (ours: the EOS that the limit ended
-    added), best first."""
+    added), best first. suppress: BOS and PAD are never candidates (_translate_async)."""
     tokens_per_batch = max(1, settings.max_tokens // translator.num_translators)
     calls = []
     for max_len, rows in same_limit([limits[i] for i in indices]):
         batch = [indices[r] for r in rows]
-        pending = _translate_async(translator, vocab, sources, prefixes, batch, settings, max_len, tokens_per_batch)
+        pending = _translate_async(
+            translator, vocab, sources, prefixes, batch, settings, max_len, suppress, tokens_per_batch
+        )
         calls.append((batch, pending))
     found = {}
     for batch, pending in calls:
@@ -471,21 +482,24 @@ def _translate_async(
     indices: Sequence[int],
     settings: SearchSettings,
     max_len: int,
+    suppress: bool,
     max_tokens: int = 0,
 ) -> list:
     """One asynchronous translate_batch call for the sources of `indices` under length limit `max_len`, as ours
-    searches: BOS and PAD never emitted, EOS allowed at once, the sources as given (cut already), each one's
-    forced prefix, the hypotheses with their EOS (which its penalty then counts, as ours does: an empty output
-    would otherwise rank last, divided by 0**lenpen). max_tokens: CTranslate2 splits the sources into batches of
+    searches: EOS allowed at once, the sources as given (cut already), each one's forced prefix, the hypotheses
+    with their EOS (which its penalty then counts, as ours does: an empty output would otherwise rank last,
+    divided by 0**lenpen). suppress: BOS and PAD are never candidates (its log-probabilities are then normalised
+    over the other tokens; unsuppressed, over all of them, as ours). max_tokens: CTranslate2 splits the sources into batches of
     that many tokens (0: they are one batch)."""
     forced = [prefixes[i] for i in indices]
+    never = [[piece] for piece in vocab.pieces(sorted({vocab.specials.bos, vocab.specials.pad}))]
     return translator.translate_batch(
         [sources[i] for i in indices],
         target_prefix=forced if any(forced) else None,
         num_hypotheses=settings.nbest if settings.lenpen == 0 or settings.sample is not None else settings.beam,
         length_penalty=settings.lenpen,
         max_decoding_length=max_len,
-        suppress_sequences=[[piece] for piece in vocab.pieces(sorted({vocab.specials.bos, vocab.specials.pad}))],
+        suppress_sequences=never if suppress else None,
         min_decoding_length=0,
         return_end_token=True,
         return_scores=True,

@@ -410,13 +410,11 @@ class Translator:
         settings: SearchSettings | None = None,
         options: Sequence[SentenceOptions] | None = None,
         unmet: list[int] | None = None,
-        scores: bool = True,
     ) -> list[list[Hypothesis]]:
         """Per source (subword ids), its settings.nbest best hypotheses, through this translator's engine, each
         with its alignment when settings.alignments. settings: this translator's, or a variant of them (serve's
         request settings: dataclasses.replace of these; their dtype and engine are this translator's whatever
-        they say). options and unmet: as for search_ids. scores=False: the caller uses only the tokens, which spares
-        CTranslate2 a scoring pass (ctranslate2_search); ours scores either way."""
+        they say). options and unmet: as for search_ids."""
         settings = self.settings if settings is None else settings
         if self.ct2 is not None:
             if options is not None and any(o.constraints for o in options):
@@ -425,7 +423,7 @@ class Translator:
 
             prefixes = None if options is None else [o.prefix for o in options]
             max_positions = self.cfg.model.max_positions
-            return ctranslate2_search(self.ct2, self.vocab, src_ids, settings, max_positions, prefixes, scores)
+            return ctranslate2_search(self.ct2, self.vocab, src_ids, settings, max_positions, prefixes)
         found = search_ids(self.model, src_ids, settings, self.device, options, unmet)
         if settings.alignments:
             limit = source_limit(self.cfg.model.max_positions)
@@ -494,16 +492,15 @@ class Translator:
         prefixes: Sequence[str] | None = None,
         constraints: Sequence[Sequence[str]] | None = None,
         settings: SearchSettings | None = None,
-        scores: bool = True,
     ) -> list[list[Translation]]:
         """Per line, its settings.nbest Translations, best first; per line optionally a forced target prefix and
         target phrases its translations must contain. A line whose phrases cannot all be met gets its best
-        unconstrained translations and a warning on stderr. scores=False: the caller shows no score (search())."""
+        unconstrained translations and a warning on stderr."""
         first = self.lines_seen
         ids = self.encode(lines)
         options = self.sentence_options(len(lines), prefixes, constraints, first)
         unmet: list[int] = []
-        found = self.search(ids, settings, options, unmet, scores)
+        found = self.search(ids, settings, options, unmet)
         for i in sorted(unmet):
             print(
                 f"warning: input line {first + i + 1}: its translations could not contain every constraint "
@@ -512,13 +509,10 @@ class Translator:
             )
         return self.translations(ids, found, unmet)
 
-    def translate_nbest(
-        self, lines: Sequence[str], nbest: int | None = None, scores: bool = True
-    ) -> list[list[tuple[float, str]]]:
-        """Per line, up to `nbest` (default settings.nbest) (score, translation) pairs, best first. scores=False:
-        the caller shows no score (search())."""
+    def translate_nbest(self, lines: Sequence[str], nbest: int | None = None) -> list[list[tuple[float, str]]]:
+        """Per line, up to `nbest` (default settings.nbest) (score, translation) pairs, best first."""
         settings = None if nbest is None else replace(self.settings, nbest=nbest)
-        return self.texts(self.search(self.encode(lines), settings, scores=scores))
+        return self.texts(self.search(self.encode(lines), settings))
 
     def texts(self, found: Sequence[Sequence[Hypothesis]]) -> list[list[tuple[float, str]]]:
         """search()'s hypotheses as (score, translation) pairs, one line each."""
@@ -528,4 +522,4 @@ class Translator:
         ]
 
     def translate(self, lines: Sequence[str]) -> list[str]:
-        return [hyps[0][1] for hyps in self.translate_nbest(lines, 1, scores=False)]
+        return [hyps[0][1] for hyps in self.translate_nbest(lines, 1)]
