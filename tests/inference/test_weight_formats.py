@@ -1,6 +1,6 @@
-"""Inference weight formats (transformer/inference/weight_formats.py): input-major float linears and packed bf16
-linears compute what nn.Linear does, and a model converted to them searches the same hypotheses; the Translator
-uses them for fp32 and bf16 on a CPU."""
+"""Inference weight formats (transformer/inference/weight_formats.py): input-major float linears, packed fp32 and
+bf16 linears compute what nn.Linear does, and a model converted to them searches the same hypotheses; the
+Translator uses them for fp32 (the output projection packed) and bf16 on a CPU."""
 
 import copy
 import sys
@@ -16,8 +16,10 @@ from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 from transformer.inference.weight_formats import (
     InputMajorLinear,
-    PackedBF16Linear,
+    PackedLinear,
+    can_pack,
     can_pack_bf16,
+    cpu_fp32,
     input_major,
     pack_bf16,
 )
@@ -62,15 +64,60 @@ def test_input_major_model_searches_the_same(copy_model):
     )  # varied outputs: the check means something
 
 
+needs_onednn = pytest.mark.skipif(not can_pack(torch.float32), reason="this torch has no oneDNN linear ops")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_fp32_linear_computes_what_linear_does(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 300, bias=bias)
+    packed = PackedLinear(linear, torch.float32)
+    for shape in [(4, 16), (3, 7, 16), (2, 1, 16)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(packed(x), linear(x))  # another kernel: equal to float rounding
+    with torch.no_grad():  # a copy: training the original later does not change a converted model
+        linear.weight.add_(1.0)
+    x = torch.randn(4, 16)
+    assert not torch.allclose(packed(x), linear(x))
+
+
+@needs_onednn
+def test_cpu_fp32_model_packs_the_output_projection_and_searches_the_same(copy_model):
+    model, vocab, _ = load_model(copy_model)
+    converted = cpu_fp32(copy.deepcopy(model))
+    assert isinstance(converted.output, PackedLinear)
+    layer = converted.decoder_layers[0]
+    assert isinstance(layer.ffn.fc1, InputMajorLinear) and isinstance(layer.self_attn.q_proj, InputMajorLinear)
+    assert not any(isinstance(m, nn.Linear) for m in converted.modules())
+    assert converted.tgt_embed.weight.dtype == torch.float32  # the tied embedding stays as it was
+    src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
+    for beam in (1, 3):
+        with torch.inference_mode():
+            a = search(model, src, beam=beam, nbest=beam)
+            b = search(converted, src, beam=beam, nbest=beam)
+        assert [[h.tokens for h in hyps] for hyps in a.hypotheses] == [
+            [h.tokens for h in hyps] for hyps in b.hypotheses
+        ]
+        for x, y in zip(a.hypotheses, b.hypotheses):
+            assert [h.score for h in x] == pytest.approx([h.score for h in y], abs=1e-4)
+    assert len({tuple(h[0].tokens) for h in a.hypotheses}) > len(LINES) // 2
+
+
 def test_translator_uses_input_major_weights_for_fp32_and_packed_ones_for_bf16_on_a_cpu(run, monkeypatch):
-    assert isinstance(Translator(run, "cpu").model.output, InputMajorLinear)
+    fp32 = Translator(run, "cpu").model
+    assert isinstance(fp32.output, PackedLinear if can_pack(torch.float32) else InputMajorLinear)
+    assert isinstance(fp32.decoder_layers[0].ffn.fc1, InputMajorLinear)
     bf16 = Translator(run, "cpu", SearchFlags(dtype="bf16")).model
-    assert isinstance(bf16.output, PackedBF16Linear if can_pack_bf16() else nn.Linear)
+    assert isinstance(bf16.output, PackedLinear if can_pack_bf16() else nn.Linear)
     assert bf16.tgt_embed.weight.dtype == torch.bfloat16
     # Where oneDNN has no bf16 kernel (CPUs without AVX512-BF16/AMX), the weights are only cast.
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     plain = Translator(run, "cpu", SearchFlags(dtype="bf16")).model
     assert isinstance(plain.output, nn.Linear) and plain.output.weight.dtype == torch.bfloat16
+    # A torch without oneDNN: every fp32 projection input-major, the output one too.
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert isinstance(Translator(run, "cpu").model.output, InputMajorLinear)
 
 
 @pytest.mark.skipif(not can_pack_bf16(), reason="oneDNN runs no bf16 on this CPU (no AVX512-BF16/AMX)")
@@ -78,7 +125,7 @@ def test_packed_bf16_search_equals_the_plain_bf16_one(copy_model):
     model, vocab, _ = load_model(copy_model)
     plain = copy.deepcopy(model).to(torch.bfloat16)
     packed = pack_bf16(copy.deepcopy(model))
-    assert isinstance(packed.output, PackedBF16Linear)
+    assert isinstance(packed.output, PackedLinear)
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())  # every projection packed
     src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
     for beam in (1, 3):

@@ -335,9 +335,9 @@ class Translator:
 
             return quantize_int8(model)
         if self.device.type == "cpu":
-            from transformer.inference.weight_formats import input_major
+            from transformer.inference.weight_formats import cpu_fp32
 
-            return input_major(model)
+            return cpu_fp32(model)
         return model
 
     def _load_ctranslate2(self, checkpoint):

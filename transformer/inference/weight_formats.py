@@ -1,6 +1,7 @@
 """How the linear layers hold their weights for CPU inference: int8 (dynamic quantization: weights int8,
-activations quantized on the fly), fp32 stored input-major, (in, out), for MKL's faster untransposed product, or
-bf16 packed once into oneDNN's blocked layout for CPUs with native bf16 (AMX / AVX512-BF16)."""
+activations quantized on the fly), fp32 stored input-major, (in, out), for MKL's faster untransposed product, with
+the output projection packed once into oneDNN's blocked layout, or bf16 packed so for CPUs with native bf16
+(AMX / AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,17 @@ def input_major(model: nn.Module) -> nn.Module:
     return _replace_linears(model, InputMajorLinear, "input-major weights")
 
 
+def cpu_fp32(model: nn.Module) -> nn.Module:
+    """`model`, changed in place for fp32 inference on a CPU: the output projection packed for oneDNN (PackedLinear)
+    where this torch can (can_pack), every other nn.Linear input-major (InputMajorLinear). The output projection is
+    the widest weight (vocabulary x d_model), the one decoding multiplies most rows by, and at a decoding step's few
+    rows MKL's product with it costs 2-5x oneDNN's on a packed copy (docs/benchmarks/log.md, "A packed output
+    projection"); the narrower layers run as fast or faster through MKL."""
+    if can_pack(torch.float32):
+        model.output = PackedLinear(model.output, torch.float32)
+    return input_major(model)
+
+
 def _replace_linears(model: nn.Module, make, layout: str) -> nn.Module:
     """`model` in eval mode with every nn.Linear replaced, in place, by make(linear): a CPU-only layout."""
     if any(p.device.type != "cpu" for p in model.parameters()):
@@ -71,37 +83,44 @@ def _replace_linears(model: nn.Module, make, layout: str) -> nn.Module:
     return model.eval()
 
 
-def can_pack_bf16() -> bool:
-    """Whether PackedBF16Linear runs here: a torch with oneDNN's linear ops, on a CPU that oneDNN runs bf16 on
-    (AVX512-BF16/AMX; on others oneDNN has no bf16 kernel and a plain cast is all there is)."""
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether PackedLinear runs here in `dtype`: a torch with oneDNN's linear ops, and for bf16 a CPU that oneDNN
+    runs bf16 on (AVX512-BF16/AMX; on others oneDNN has no bf16 kernel and a plain cast is all there is)."""
     mkldnn = torch.ops.mkldnn
     if not torch.backends.mkldnn.is_available() or not all(
         hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")
     ):
         return False
-    return bool(mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or bool(mkldnn._is_mkldnn_bf16_supported())
 
 
-class PackedBF16Linear(nn.Module):
-    """nn.Linear for bf16 inference on a CPU: the weight reordered once into oneDNN's blocked layout, which a
-    plain bf16 F.linear reorders again at every call, reading and writing the whole weight for decoding's few
-    rows (a search 5-6 % faster end to end; docs/benchmarks/log.md, "bf16 on a CPU with AMX"). The product is the
+def can_pack_bf16() -> bool:
+    """Whether pack_bf16 packs here (can_pack in bf16)."""
+    return can_pack(torch.bfloat16)
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear for CPU inference in `dtype` (bf16 or fp32): the weight reordered once into oneDNN's blocked layout.
+    A plain bf16 F.linear reorders it again at every call, reading and writing the whole weight for decoding's few
+    rows (a search 5-6 % faster end to end; docs/benchmarks/log.md, "bf16 on a CPU with AMX"); the product is the
     same oneDNN kernel, so outputs are identical to F.linear in bf16. The packed weight is an opaque oneDNN
     tensor: it cannot be copied, saved or moved, only multiplied."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Module, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().to(torch.bfloat16)
+        weight = linear.weight.detach().to(dtype)
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)  # (out, in), blocked
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).clone()
+        self.bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
 def pack_bf16(model: nn.Module) -> nn.Module:
-    """`model` in bf16, changed in place for CPU inference: every nn.Linear becomes a PackedBF16Linear where this
+    """`model` in bf16, changed in place for CPU inference: every nn.Linear becomes a PackedLinear where this
     torch can pack (can_pack_bf16); otherwise only cast. A tied output projection gets its own packed copy."""
     model = model.to(torch.bfloat16)
-    return _replace_linears(model, PackedBF16Linear, "packed bf16 weights") if can_pack_bf16() else model.eval()
+    if not can_pack_bf16():
+        return model.eval()
+    return _replace_linears(model, lambda linear: PackedLinear(linear, torch.bfloat16), "packed bf16 weights")
