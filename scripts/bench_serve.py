@@ -3,14 +3,14 @@
 
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] [--clients 8] [--requests 400] \
         [--time-limit 60] [--sentences 1] [--beam 4] [--windows 5 0] [--engines ours ctranslate2] [--stop early] \
-        [--device cpu] [--json bench_serve.json]
+        [--device cpu] [--workers 1] [--json bench_serve.json]
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] --soak [--minutes 10] [--every 60] \
         [--clients 8] [--json soak.json]
 
 TEST_SET defaults to $TRANSFORMER_DATA/multi30k/test.de (else data/multi30k/test.de): Multi30k test sentences,
 sent in file order (cycling), --sentences per request. For each --engines value (what runs /translate: serve
 --engine) and each --windows value a fresh server is started (`transformer serve --port 0 --engine E
---batch-window-ms W`, on 127.0.0.1 only), warmed up with a short burst of the same
+--batch-window-ms W`, with --workers N where given, on 127.0.0.1 only), warmed up with a short burst of the same
 load (2 requests per client), and loaded by --clients threads that each send one request at a time until --requests have been sent or --time-limit
 seconds have passed. Reports requests/s, sentences/s, p50/p99 latency, the mean sentences per batched search,
 errors (warm-up included; must be 0: the script exits 1 otherwise) and the server's RSS before and after the
@@ -145,6 +145,7 @@ def load(
 
 def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
     stop = ("--stop", args.stop) if args.stop else ()
+    workers = ("--workers", str(args.workers)) if args.workers else ()
     server, url = spawn(
         args.checkpoint,
         "--device",
@@ -152,6 +153,7 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
         "--engine",
         engine,
         *stop,
+        *workers,
         "--batch-window-ms",
         str(window),
         "--max-pending",
@@ -161,7 +163,8 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
     )
     port = urlsplit(url).port
     try:
-        dtype = health(port, "/info")["dtype"]
+        info = health(port, "/info")
+        dtype, searches_side_by_side = info["dtype"], info["decode"]["workers"]
         # Warm-up, a short burst of the same load: first-call allocations and the allocator's growth to the
         # batch sizes this load makes are not what a running service keeps adding.
         warmup = load(port, sentences, args.clients, 2 * args.clients, args.sentences, args.beam, args.time_limit)
@@ -178,6 +181,7 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
         "engine": engine,
         "window_ms": window,
         "dtype": dtype,
+        "workers": searches_side_by_side,
         **result,
         "rss_before_mb": before,
         "rss_after_mb": after,
@@ -304,6 +308,7 @@ def mixed_request(rng: random.Random, sentences: list[str]) -> tuple[str, str, d
 def soak(args, sentences: list[str]) -> dict:
     """--clients clients sending the mix for --minutes; the server's RSS every --every seconds."""
     stop = ("--stop", args.stop) if args.stop else ()
+    workers = ("--workers", str(args.workers)) if args.workers else ()
     server, url = spawn(
         args.checkpoint,
         "--device",
@@ -311,6 +316,7 @@ def soak(args, sentences: list[str]) -> dict:
         "--engine",
         args.engines[0],
         *stop,
+        *workers,
         "--batch-window-ms",
         str(args.windows[0]),
         "--read-timeout",
@@ -434,6 +440,7 @@ def main() -> None:
         "CTranslate2 always stops like early",
     )
     ap.add_argument("--device", default="cpu", help="where the server runs the model (default cpu)")
+    ap.add_argument("--workers", type=int, help="the servers' --workers (default: theirs, decode.workers)")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     ap.add_argument("--soak", action="store_true", help="memory over time under a mix of requests (see above)")
     ap.add_argument("--minutes", type=float, default=10.0, help="--soak: how long (default 10)")

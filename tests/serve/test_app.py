@@ -665,7 +665,7 @@ def bench_serve(run, tmp_path, *flags, hide: Path | None = None) -> subprocess.C
 
 def test_bench_serve_runs_and_writes_json(run, tmp_path):
     """At toy size: both engines where CTranslate2 is installed (each with one window: a server costs seconds to
-    start), every request answered, no error; after each server (where CTranslate2 is installed) CTranslate2
+    start), every request answered, no error, each server with the --workers asked for; after each server (where CTranslate2 is installed) CTranslate2
     itself on the same sentences in calls of the size that server formed, and the server's ratio to it. No timing
     is asserted."""
     engines = ["ours", "ctranslate2"] if importlib.util.find_spec("ctranslate2") else ["ours"]
@@ -674,7 +674,7 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
         run,
         tmp_path,
         *("--clients", 3, "--requests", 9, "--time-limit", 60, "--sentences", 2, "--beam", 2),
-        *("--windows", 5, "--engines", *engines, "--stop", "early", "--json", out),
+        *("--windows", 5, "--engines", *engines, "--stop", "early", "--workers", 1, "--json", out),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
@@ -685,6 +685,7 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
         assert r["requests"] == 9 and r["errors"] == 0 and r["requests_per_s"] > 0
         assert r["p50_ms"] <= r["p99_ms"] and r["rss_before_mb"] > 0 and r["rss_after_mb"] > 0
         assert r["batches"] >= 1 and r["sentences_per_batch"] >= 1 and r["dtype"] == "fp32"
+        assert r["workers"] == 1  # --workers reached each server (its /info says so)
     assert "req/s" in result.stdout and "p99 ms" in result.stdout
     if "ctranslate2" not in engines:
         return
