@@ -4,6 +4,7 @@ quietly."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
@@ -70,6 +71,23 @@ def test_cli_errors_are_one_line(args, message, call, monkeypatch):
     assert status == 2
     assert message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_an_error_reaches_stderr_in_one_write(monkeypatch, call):
+    """torchrun's ranks share one stderr: a line written in two parts (print's text, then its newline) let two
+    ranks' errors run together on one line (test_torchrun's init_from=/dev/zero, now and then)."""
+    writes: list[str] = []
+
+    class Recording(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stderr", Recording())
+    monkeypatch.chdir(ROOT)
+    status, _, _ = call("train", "no/such.yaml")
+    assert status == 2
+    assert writes == ["error: config: no such file: no/such.yaml\n"]
 
 
 def test_unwritable_output_is_a_one_line_error(tmp_path, call):

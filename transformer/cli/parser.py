@@ -670,7 +670,10 @@ def _fill_closed_outputs() -> None:
 
 
 def _error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    # One write, flushed: torchrun's ranks share one stderr, and print's separate write of the newline let two
+    # ranks' errors run together on one line.
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under torchrun: its failure summary shows this line
         from transformer.distributed import report_to_launcher
 
