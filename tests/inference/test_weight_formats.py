@@ -18,7 +18,6 @@ from transformer.inference.weight_formats import (
     InputMajorLinear,
     PackedLinear,
     can_pack,
-    can_pack_bf16,
     cpu_fp32,
     input_major,
     pack_bf16,
@@ -104,7 +103,7 @@ def test_translator_uses_input_major_weights_for_fp32_and_packed_ones_for_bf16_o
     assert isinstance(fp32.output, PackedLinear if can_pack(torch.float32) else InputMajorLinear)
     assert isinstance(fp32.decoder_layers[0].ffn.fc1, InputMajorLinear)
     bf16 = Translator(run, "cpu", SearchFlags(dtype="bf16")).model
-    assert isinstance(bf16.output, PackedLinear if can_pack_bf16() else nn.Linear)
+    assert isinstance(bf16.output, PackedLinear if can_pack(torch.bfloat16) else nn.Linear)
     assert bf16.tgt_embed.weight.dtype == torch.bfloat16
     # Where oneDNN has no bf16 kernel (CPUs without AVX512-BF16/AMX), the weights are only cast.
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
@@ -115,7 +114,7 @@ def test_translator_uses_input_major_weights_for_fp32_and_packed_ones_for_bf16_o
     assert isinstance(Translator(run, "cpu").model.output, InputMajorLinear)
 
 
-@pytest.mark.skipif(not can_pack_bf16(), reason="oneDNN runs no bf16 on this CPU (no AVX512-BF16/AMX)")
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN runs no bf16 on this CPU (no AVX512-BF16/AMX)")
 def test_packed_bf16_search_equals_the_plain_bf16_one(copy_model):
     model, vocab, _ = load_model(copy_model)
     plain = copy.deepcopy(model).to(torch.bfloat16)

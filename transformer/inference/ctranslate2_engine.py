@@ -416,23 +416,31 @@ def ctranslate2_search(
             indices = [batch[r] for r in rows]
             pending = _translate_async(translator, vocab, sources, forced, indices, settings, bucket, suppress=False)
             calls.append((indices, pending))
+    never = {vocab.specials.bos, vocab.specials.pad}
+
+    def unwanted(hyps: list[Hypothesis]) -> bool:
+        return any(never.intersection(h.tokens) for h in hyps)
+
     found: dict[int, list[Hypothesis]] = {}
     prefixed: dict[int, list[Hypothesis]] = {}  # their search scores leave the prefix out: scored again
     again = list(sources) if sampling else []  # sentences to search under their own limit
+    suppressed = []  # sentences to search under their own limit with BOS and PAD suppressed
     for indices, pending in calls:
         for i, result in zip(indices, pending):
             hyps = _hypotheses(vocab, result.result(), settings)
             if any(len(h.tokens) >= own[i] - 1 for h in hyps):
                 again.append(i)
+            elif unwanted(hyps):
+                suppressed.append(i)
             elif forced[i]:
                 prefixed[i] = hyps
             else:  # every hypothesis ended with EOS: its score is ours
                 found[i] = hyps
     found.update(zip(prefixed, _scored(translator, vocab, sources, prefixed, settings, tokens_per_batch)))
-    found.update(ctranslate2_limited(translator, vocab, sources, forced, again, own, settings, suppress=sampling))
-    never = {vocab.specials.bos, vocab.specials.pad}
-    unwanted = [i for i, hyps in found.items() if any(never.intersection(h.tokens) for h in hyps)]
-    found.update(ctranslate2_limited(translator, vocab, sources, forced, unwanted, own, settings, suppress=True))
+    limited = ctranslate2_limited(translator, vocab, sources, forced, again, own, settings, suppress=sampling)
+    suppressed += [i for i, hyps in limited.items() if unwanted(hyps)]
+    found.update(limited)
+    found.update(ctranslate2_limited(translator, vocab, sources, forced, suppressed, own, settings, suppress=True))
     for i, hyps in found.items():
         out[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest]
     return out

@@ -94,11 +94,6 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or bool(mkldnn._is_mkldnn_bf16_supported())
 
 
-def can_pack_bf16() -> bool:
-    """Whether pack_bf16 packs here (can_pack in bf16)."""
-    return can_pack(torch.bfloat16)
-
-
 class PackedLinear(nn.Module):
     """nn.Linear for CPU inference in `dtype` (bf16 or fp32): the weight reordered once into oneDNN's blocked layout.
     A plain bf16 F.linear reorders it again at every call, reading and writing the whole weight for decoding's few
@@ -119,8 +114,8 @@ class PackedLinear(nn.Module):
 
 def pack_bf16(model: nn.Module) -> nn.Module:
     """`model` in bf16, changed in place for CPU inference: every nn.Linear becomes a PackedLinear where this
-    torch can pack (can_pack_bf16); otherwise only cast. A tied output projection gets its own packed copy."""
+    torch can pack (can_pack); otherwise only cast. A tied output projection gets its own packed copy."""
     model = model.to(torch.bfloat16)
-    if not can_pack_bf16():
+    if not can_pack(torch.bfloat16):
         return model.eval()
     return _replace_linears(model, lambda linear: PackedLinear(linear, torch.bfloat16), "packed bf16 weights")
