@@ -9,7 +9,15 @@ from tests.helpers import train_copy_task
 from transformer.config import ModelConfig
 from transformer.data.batch import causal_mask, pad_sequences, padding_mask
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
-from transformer.inference.search import Hypothesis, Rules, SearchResult, _beam_search, length_penalty, search
+from transformer.inference.search import (
+    Hypothesis,
+    Rules,
+    SearchResult,
+    _beam_search,
+    length_penalty,
+    new_decoder,
+    search,
+)
 from transformer.model.transformer import Transformer
 
 VOCAB = 24
@@ -387,6 +395,24 @@ def test_one_encoder_pass_one_new_token_per_step_and_steps_counted(trained, monk
     assert all(call == (1, True, True) for call in calls["decode"])  # the cache alone feeds cross-attention
     assert result.steps == len(calls["decode"]) == max(result.sentence_steps)
     assert all(n >= len(h[0].tokens) + 1 for n, h in zip(result.sentence_steps, result.hypotheses))
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_log_probs_are_the_log_softmax_of_the_newest_logits(trained, inference):
+    """Decoder.log_probs writes its log_softmax over the logits on a CPU (no new tensor a step): the values are
+    those of log_softmax itself, with BOS and PAD never emitted; with autograd recording, a plain log_softmax."""
+    src = as_batch(make_sources(22))
+    prefix = torch.tensor([[BOS_ID, 5, 6]] * src.size(0))
+    memory_mask = padding_mask(src, PAD_ID)
+    with torch.inference_mode(inference), torch.enable_grad():
+        logits = trained.decode(prefix, trained.encode(src, memory_mask), memory_mask, causal_mask(3, src.device))
+        expected = F.log_softmax(logits[:, -1], dim=-1)
+        got = new_decoder(trained, src, use_cache=False).log_probs(prefix)
+    assert got.requires_grad is not inference
+    expected = expected.detach().clone()
+    expected[:, [BOS_ID, PAD_ID]] = float("-inf")
+    assert torch.equal(got.detach(), expected)
+    assert got[:, 4:].isfinite().all()
 
 
 def test_restores_training_mode(trained):
