@@ -327,6 +327,10 @@ def test_evaluating_turns_dropout_off_and_gives_the_mode_back(inference):
     with evaluating(model, inference=inference):
         pass
     assert not model.training  # a model in eval mode stays there
+    model.encoder_layers[0].train()  # a part in training mode: given back as it was, the rest left alone
+    with evaluating(model, inference=inference):
+        assert not any(m.training for m in model.modules())
+    assert {m for m in model.modules() if m.training} == set(model.encoder_layers[0].modules())
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
