@@ -377,37 +377,46 @@ def own_limits(translator: Translator, ids) -> dict[int, int]:
     return {i: min(len(s) + 1 + translator.settings.max_len_offset, cap) for i, s in enumerate(ids) if s}
 
 
+@pytest.mark.parametrize("lenpen", [0.6, 0.0])
 @pytest.mark.parametrize("checkpoint", ["run", "copy_model"])
-def test_ctranslate2_engine_in_few_calls_is_the_search_under_each_sentences_own_limit(request, ctranslate2, checkpoint):
-    """A batch goes as one call per limit bucket, not one per distinct limit; with a length penalty the outcome is
-    still each sentence searched under its own limit (one call per limit, as ctranslate2_limited searches; with BOS
-    and PAD suppressed where a hypothesis holds one), also for an untrained model whose sentences run to their
-    limits and are searched again."""
+def test_ctranslate2_engine_in_few_calls_is_the_search_under_each_sentences_own_limit(
+    request, ctranslate2, checkpoint, lenpen
+):
+    """With a length penalty a batch goes as one call, under the largest of its sentences' limit buckets; without
+    one, as one call per bucket. Either way the outcome is each sentence's own: with a length penalty its search
+    under its own limit (one call per limit, as ctranslate2_limited searches; with BOS and PAD suppressed where a
+    hypothesis holds one), also for an untrained model whose sentences run to their limits and are searched again;
+    without one, its search alone."""
     path = request.getfixturevalue(checkpoint)
-    flags = SearchFlags(beam=3, nbest=3, lenpen=0.6, engine="ctranslate2", max_tokens=100_000)  # one batch
+    flags = SearchFlags(beam=3, nbest=3, lenpen=lenpen, engine="ctranslate2", max_tokens=100_000)  # one batch
     translator = Translator(path, "cpu", flags)
     ids = translator.encode(sentences(3, 24, lo=1, hi=9))
     limits = own_limits(translator, ids)
+    buckets = {limit_bucket(n, 40) for n in limits.values()}
+    assert len(set(limits.values())) > 4 and len(buckets) > 1  # the calls could be several
     counting = CountingCalls(translator.ct2)
-    settings = translator.settings
-    found = ctranslate2_search(counting, translator.vocab, ids, settings, translator.cfg.model.max_positions)
-    vocab = translator.vocab
-    sources, none = {i: vocab.pieces(s) for i, s in enumerate(ids)}, {i: [] for i in range(len(ids))}
-    one_per_limit = ctranslate2_limited(translator.ct2, vocab, sources, none, list(sources), limits, settings, False)
-    never = {vocab.specials.bos, vocab.specials.pad}
-    unwanted = [i for i, hyps in one_per_limit.items() if any(never.intersection(h.tokens) for h in hyps)]
-    one_per_limit.update(ctranslate2_limited(translator.ct2, vocab, sources, none, unwanted, limits, settings, True))
+    settings, vocab, max_positions = translator.settings, translator.vocab, translator.cfg.model.max_positions
+    found = ctranslate2_search(counting, vocab, ids, settings, max_positions)
+    if lenpen:
+        sources, none = {i: vocab.pieces(s) for i, s in enumerate(ids)}, {i: [] for i in range(len(ids))}
+        own = ctranslate2_limited(translator.ct2, vocab, sources, none, list(sources), limits, settings, False)
+        never = {vocab.specials.bos, vocab.specials.pad}
+        unwanted = [i for i, hyps in own.items() if any(never.intersection(h.tokens) for h in hyps)]
+        own.update(ctranslate2_limited(translator.ct2, vocab, sources, none, unwanted, limits, settings, True))
+    else:
+        own = {i: ctranslate2_search(translator.ct2, vocab, [s], settings, max_positions)[0] for i, s in enumerate(ids)}
     for i, hyps in enumerate(found):
-        assert [h.tokens for h in hyps] == [h.tokens for h in one_per_limit[i]], i
-        assert [h.score for h in hyps] == pytest.approx([h.score for h in one_per_limit[i]], abs=1e-4)
-    first = [limit for _, limit in counting.calls[: len({limit_bucket(n, 40) for n in limits.values()})]]
-    assert len(set(limits.values())) > 4 and all(limit == limit_bucket(limit, 40) for limit in first)
-    searched_again = sum(n for n, limit in counting.calls if limit != limit_bucket(limit, 40))
+        assert [h.tokens for h in hyps] == [h.tokens for h in own[i]], i
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in own[i]], abs=1e-4)
+    first = counting.calls[: 1 if lenpen else len(buckets)]
+    assert sorted(limit for _, limit in first) == ([max(buckets)] if lenpen else sorted(buckets))
+    assert sum(n for n, _ in first) == len(ids)
+    searched_again = sum(n for n, _ in counting.calls[len(first) :])
     at_limit = sum(len(hyps[0].tokens) == limits[i] for i, hyps in enumerate(found))
-    if checkpoint == "run":  # untrained: runs to its limits, so those sentences are searched again
+    if checkpoint == "run" and lenpen:  # untrained: runs to its limits, so those sentences are searched again
         assert at_limit >= 3 and searched_again >= at_limit
-    else:  # trained: every sentence settled in the first calls, one per bucket
-        assert searched_again == 0 and len(counting.calls) == len({limit_bucket(n, 40) for n in limits.values()})
+    elif checkpoint == "copy_model":  # trained: every sentence settled in the first calls
+        assert searched_again == 0 and counting.scored == 0
 
 
 def test_ctranslate2_engine_search_scores_are_ours_without_a_scoring_pass(ctranslate2, copy_model):
@@ -447,7 +456,7 @@ def test_limit_buckets_hold_their_limits():
             bucket = limit_bucket(max_len, max_positions)
             assert max_len <= bucket <= max_positions - 1
             assert bucket == max_positions - 1 or (bucket & (bucket - 1) == 0 and bucket < 2 * max_len)
-    assert len({limit_bucket(n, 256) for n in range(56, 92)}) == 2  # Multi30k's test limits: two calls a batch
+    assert len({limit_bucket(n, 256) for n in range(56, 92)}) == 2  # Multi30k's test limits: two buckets
 
 
 def test_ctranslate2_engine_forces_a_prefix_as_ours_does(ctranslate2, copy_model):

@@ -343,16 +343,18 @@ def ctranslate2_search(
     limits and score definition; like ours, it never emits BOS or PAD. settings.stop, .dtype and .workers do not
     apply here (the translator was made with its compute type and inter_threads).
 
-    Length limits (one per call in CTranslate2): each sentence is searched under the limit of its bucket
-    (limit_bucket: its own limit rounded up to a power of two), so that a batch goes as one or two calls
-    rather than one per distinct limit; a sentence one of whose returned hypotheses comes within a token of
-    its own limit is searched again under its own limit (ctranslate2_limited). Both depend on the sentence
-    alone, so its output never depends on the others in its batch. With a length penalty the first search
-    stops, as CTranslate2 stops, at the step its `beam`-th hypothesis finishes, which is among the `beam` it
-    returns: a search that ran past the step where its own limit would have ended it is always seen and done
-    again, and the outcome is the search under its own limit. Without one (lenpen 0: it returns `nbest` and
-    stops once its best candidate is EOS) a search can run past that step unseen, when its `nbest` returned
-    finished earlier: those are then the outcome.
+    Length limits (one per call in CTranslate2): a batch goes as one call, and a sentence one of whose returned
+    hypotheses comes within a token of its own limit is searched again under its own limit
+    (ctranslate2_limited). With a length penalty the first search stops, as CTranslate2 stops, at the step its
+    `beam`-th hypothesis finishes, and it returns its `beam` best finished ones: a search that ran past the step
+    where its own limit would have ended it had fewer than `beam` finished by then, so one it returns is longer
+    and it is always seen and done again; one that did not is, step for step, the search under its own limit.
+    The outcome is the search under its own limit whatever the call's limit, so the call takes the largest of
+    its sentences' buckets (limit_bucket: a limit rounded up to a power of two, which bounds what a sentence
+    that runs on costs). Without one (lenpen 0: it returns `nbest` and stops once its best candidate is EOS) a
+    search can run past that step unseen, when its `nbest` returned finished earlier: those are then the
+    outcome, so each sentence is searched under its own bucket, one call per bucket. Either way a sentence's
+    output depends on the sentence alone, never on the others in its batch.
 
     Scores, in one pass: BOS and PAD are not suppressed in the search, so each step's log-probabilities are
     normalised over the whole vocabulary, as ours are, and its search scores are ours (to float rounding, ~1e-5
@@ -412,6 +414,8 @@ def ctranslate2_search(
         if sampling:  # samples searched again would be other samples: each under its own limit
             continue
         buckets = [limit_bucket(own[i], max_positions) for i in batch]
+        if settings.lenpen > 0:  # the outcome does not depend on the call's limit (above): one call
+            buckets = [max(buckets)] * len(batch)
         for bucket, rows in same_limit(buckets):  # asynchronous: every worker takes calls from the queue
             indices = [batch[r] for r in rows]
             pending = _translate_async(translator, vocab, sources, forced, indices, settings, bucket, suppress=False)
