@@ -10,7 +10,17 @@ import yaml
 
 from tests.helpers import sentences, subprocess_env, tiny_config
 from transformer.config import from_dict
-from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocab, sample_sentences, train_vocab
+from transformer.data.vocab import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    POOL_FROM,
+    UNK_ID,
+    Vocab,
+    sample_sentences,
+    split_texts,
+    train_vocab,
+)
 from transformer.errors import UserError
 from transformer.model.checkpoint import load_checkpoint
 from transformer.training.loop import train
@@ -48,6 +58,32 @@ def test_text_that_is_not_unicode_encodes_as_the_replacement_character(vocab):
     assert vocab.encode(texts[:1]) != vocab.encode(bad[:1])  # the bad character is kept as one (unknown) piece
     with pytest.raises(TypeError):  # not text at all stays an error
         vocab.encode([texts[0], 5])
+
+
+def test_few_sentences_split_in_this_thread_as_many_do_on_the_pool(vocab):
+    """Below POOL_FROM sentences are split one by one in the calling thread (SentencePiece's pool costs about a
+    millisecond to start, a serve request's sentence 12 us), from it on one call on every core: the same ids,
+    bad text included."""
+    texts = sentences(5, POOL_FROM + 8, hi=12)
+    texts[7] = texts[7][:2] + "\udce4" + texts[7][2:]
+    many = vocab.encode(texts)
+    assert many == [vocab.encode([t])[0] for t in texts] == vocab.encode(texts[:50]) + vocab.encode(texts[50:])
+
+    class Calls:
+        def __init__(self):
+            self.calls = []
+
+        def encode(self, texts, **options):
+            self.calls.append((texts, options))
+            return [[1]] * len(texts) if isinstance(texts, list) else [1]
+
+    few, pooled = Calls(), Calls()
+    split_texts(few, texts[: POOL_FROM - 1], int)
+    split_texts(pooled, texts[:POOL_FROM], int)
+    assert len(few.calls) == POOL_FROM - 1 and all(
+        isinstance(t, str) and not o.get("num_threads") for t, o in few.calls
+    )
+    assert len(pooled.calls) == 1 and pooled.calls[0][1]["num_threads"] >= 1
 
 
 def test_vocab_errors(tmp_path):
