@@ -61,7 +61,7 @@ def test_text_that_is_not_unicode_encodes_as_the_replacement_character(vocab):
 
 
 def test_few_sentences_split_in_this_thread_as_many_do_on_the_pool(vocab):
-    """Below POOL_FROM sentences are split one by one in the calling thread (SentencePiece's pool costs about a
+    """Below POOL_FROM sentences are split one by one in the calling thread (SentencePiece's pool costs
     0.08 to 4 ms to start, a serve request's sentence 12 us), from it on one call on every core: the same ids,
     bad text included."""
     texts = sentences(5, POOL_FROM + 8, hi=12)
