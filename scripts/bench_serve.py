@@ -3,14 +3,14 @@
 
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] [--clients 8] [--requests 400] \
         [--time-limit 60] [--sentences 1] [--beam 4] [--windows 5 0] [--engines ours ctranslate2] [--stop early] \
-        [--device cpu] [--workers 1] [--json bench_serve.json]
+        [--device cpu] [--workers 1] [--dtype int8] [--json bench_serve.json]
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] --soak [--minutes 10] [--every 60] \
         [--clients 8] [--json soak.json]
 
 TEST_SET defaults to $TRANSFORMER_DATA/multi30k/test.de (else data/multi30k/test.de): Multi30k test sentences,
 sent in file order (cycling), --sentences per request. For each --engines value (what runs /translate: serve
 --engine) and each --windows value a fresh server is started (`transformer serve --port 0 --engine E
---batch-window-ms W`, with --workers N where given, on 127.0.0.1 only), warmed up with a short burst of the same
+--batch-window-ms W`, with --workers N and --dtype D where given, on 127.0.0.1 only), warmed up with a short burst of the same
 load (2 requests per client), and loaded by --clients threads that each send one request at a time until --requests have been sent or --time-limit
 seconds have passed. Reports requests/s, sentences/s, p50/p99 latency, the mean sentences per batched search,
 errors (warm-up included; must be 0: the script exits 1 otherwise) and the server's RSS before and after the
@@ -61,7 +61,7 @@ from bench_decode import ctranslate2_itself, ctranslate2_pieces  # this script's
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
 from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES
-from transformer.inference.settings import ENGINES, STOP_RULES, SearchFlags
+from transformer.inference.settings import DTYPES, ENGINES, STOP_RULES, SearchFlags
 from transformer.inference.translator import Translator
 from transformer.serve.app import spawn
 
@@ -146,6 +146,7 @@ def load(
 def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
     stop = ("--stop", args.stop) if args.stop else ()
     workers = ("--workers", str(args.workers)) if args.workers else ()
+    dtype = ("--dtype", args.dtype) if args.dtype else ()
     server, url = spawn(
         args.checkpoint,
         "--device",
@@ -154,6 +155,7 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
         engine,
         *stop,
         *workers,
+        *dtype,
         "--batch-window-ms",
         str(window),
         "--max-pending",
@@ -441,6 +443,7 @@ def main() -> None:
     )
     ap.add_argument("--device", default="cpu", help="where the server runs the model (default cpu)")
     ap.add_argument("--workers", type=int, help="the servers' --workers (default: theirs, decode.workers)")
+    ap.add_argument("--dtype", choices=DTYPES, help="the servers' --dtype (default: theirs, fp32)")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     ap.add_argument("--soak", action="store_true", help="memory over time under a mix of requests (see above)")
     ap.add_argument("--minutes", type=float, default=10.0, help="--soak: how long (default 10)")

@@ -706,16 +706,18 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
 
 def test_bench_serve_without_ctranslate2_says_so_in_one_line(run, tmp_path):
     """Where ctranslate2 cannot be imported (a module of that name that raises ImportError stands first on the
-    path), the server rows come without the CTranslate2 itself rows and the ratio, and a note says why."""
+    path), the server rows come without the CTranslate2 itself rows and the ratio, and a note says why. --dtype
+    reaches the server."""
     (tmp_path / "hidden").mkdir()
     (tmp_path / "hidden" / "ctranslate2.py").write_text("raise ImportError('hidden by the test')\n", encoding="utf-8")
     out = tmp_path / "bench.json"
-    flags = ("--clients", 1, "--requests", 2, "--windows", 0, "--beam", 1, "--json", out)
+    flags = ("--clients", 1, "--requests", 2, "--windows", 0, "--beam", 1, "--dtype", "int8", "--json", out)
     result = bench_serve(run, tmp_path, *flags, hide=tmp_path / "hidden")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "note: ctranslate2 is not installed: no ctranslate2_itself rows" in result.stderr
     (server,) = json.loads(out.read_text())["results"]
     assert server["engine"] == "ours" and server["requests"] == 2 and "vs_ct2_itself" not in server
+    assert server["dtype"] == "int8"  # the server's /info says so
     assert "ctranslate2_itself" not in result.stdout
 
 

@@ -669,6 +669,16 @@ def _send_later(url: str, body: dict, results: list, path: str = "/translate") -
     return t
 
 
+def _idle_connection(url: str) -> socket.socket:
+    """A connection that sends nothing (until its head deadline, --read-timeout 10 s): with it open, a request
+    on another waits the batching window for company, as it does not when it is alone."""
+    from urllib.parse import urlsplit
+
+    sock = socket.create_connection(("127.0.0.1", urlsplit(url).port), timeout=30)
+    time.sleep(0.2)  # accepted by the server's loop
+    return sock
+
+
 def test_sigterm_when_idle_exits_0(run):
     proc, url = spawn(run, "--device", "cpu", env=subprocess_env())
     proc.send_signal(signal.SIGTERM)
@@ -682,6 +692,7 @@ def test_sigterm_answers_requests_in_flight_then_503_past_the_drain(run):
     proc, url = spawn(
         run, "--device", "cpu", "--batch-window-ms", "1500", "--drain-timeout", "8", env=subprocess_env(), log=log
     )
+    other = _idle_connection(url)
     results: list = []
     threads = [_send_later(url, {"text": [s]}, results) for s in SENTENCES[:2]]
     time.sleep(0.5)  # both wait in the batching window
@@ -691,8 +702,14 @@ def test_sigterm_answers_requests_in_flight_then_503_past_the_drain(run):
     assert proc.wait(timeout=60) == 0
     assert [status for status, _ in results] == [200, 200], results
     assert any("stopping" in line for line in log), log
+    other.close()
 
     proc, url = spawn(run, "--device", "cpu", "--batch-window-ms", "9000", "--drain-timeout", "1", env=subprocess_env())
+    alone: list = []  # on the only open connection a request has nobody to wait for: it goes at once
+    start = time.monotonic()
+    _send_later(url, {"text": [SENTENCES[0]]}, alone).join(timeout=60)
+    assert alone and alone[0][0] == 200 and time.monotonic() - start < 5, alone
+    other = _idle_connection(url)
     results = []
     thread = _send_later(url, {"text": [SENTENCES[0]]}, results)
     time.sleep(0.5)
@@ -701,6 +718,7 @@ def test_sigterm_answers_requests_in_flight_then_503_past_the_drain(run):
     thread.join(timeout=60)
     assert proc.wait(timeout=60) == 0 and time.monotonic() - start < 8
     assert results and results[0][0] == 503 and "shutting down" in results[0][1]["error"], results
+    other.close()
 
 
 def _pending(url: str) -> int:
@@ -724,6 +742,7 @@ def test_a_second_ctrl_c_answers_what_is_in_flight_with_the_documented_503(run):
     proc, url = spawn(
         run, "--device", "cpu", "--batch-window-ms", "10000", "--drain-timeout", "30", env=subprocess_env(), log=log
     )
+    other = _idle_connection(url)
     results: list = []
     threads = [_send_later(url, {"text": [s]}, results) for s in SENTENCES[:3]]
     threads += [_send_later(url, {"text": s, "beam": 3}, results, "/beam") for s in SENTENCES[:3]]
@@ -741,6 +760,7 @@ def test_a_second_ctrl_c_answers_what_is_in_flight_with_the_documented_503(run):
     assert results == [(503, {"error": "the server is shutting down"})] * 6, results
     text = "".join(log)
     assert "Traceback" not in text and "never retrieved" not in text and "ERROR" not in text, text[-3000:]
+    other.close()
 
 
 # ----------------------------------------------------------------------------- 10: Host names

@@ -56,6 +56,25 @@ def test_requests_beyond_max_tokens_wait_for_the_next_batch():
     assert searches == [[3], [3]] and results == [[[Translation(0.0, "3")]], [[Translation(0.0, "3")]]]
 
 
+@pytest.mark.parametrize("others", [True, False])
+def test_the_window_is_waited_only_while_another_connection_is_open(others):
+    """Two requests 50 ms apart within a 300 ms window share a search while other connections are open; on the
+    only open connection the first has nobody to wait for and goes at once, alone."""
+
+    async def scenario():
+        translator = StubTranslator()
+        with ThreadPoolExecutor(1) as worker:
+            batcher = Batcher(translator, worker, window_s=0.3, others_connected=lambda: others)
+            task = asyncio.create_task(batcher.run())
+            first = asyncio.create_task(batcher.translate([[1, 2]], GREEDY))
+            await asyncio.sleep(0.05)
+            await asyncio.gather(first, batcher.translate([[3]], GREEDY))
+            task.cancel()
+        return translator.searches
+
+    assert asyncio.run(scenario()) == ([[2, 1]] if others else [[2], [1]])
+
+
 def test_a_failed_search_while_a_client_has_gone_leaves_the_service_answering():
     """Two requests share a search that fails after one of their clients went away: the other gets the error,
     and the batcher goes on (setting an exception on the cancelled request's future would have stopped it)."""

@@ -365,8 +365,9 @@ def _add_serve(sub) -> None:
         type=float,
         default=5.0,
         metavar="MS",
-        help="how long a /translate request waits for others to share its search (default 5; 0: only "
-        "requests that queued while the model was busy are merged)",
+        help="how long a /translate request waits for others to share its search, while another "
+        "connection is open (one on the only open connection goes at once) (default 5; 0: only requests "
+        "that queued while the model was busy are merged)",
     )
     _add_request_limits(p)
     _add_connection_limits(p)

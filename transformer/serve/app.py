@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, replace
@@ -220,6 +221,9 @@ class Service:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")  # searches never overlap
         self.batcher: Batcher | None = None
         self.drain = Drain(settings.drain_s)
+        # Whether a connection besides the request's own is open: its batch waits the window only then. run_serve
+        # asks uvicorn; elsewhere (a TestClient) the window always applies.
+        self.others_connected: Callable[[], bool] = lambda: True
 
     def _describe(self, path: Path) -> dict:
         m, d, run = self.cfg.model, self.translator.settings, self.translator.run
@@ -535,7 +539,8 @@ def create_app(service: Service, listen_host: str = "") -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        service.batcher = Batcher(service.translator, service.worker, service.settings.batch_window_ms / 1000)
+        window = service.settings.batch_window_ms / 1000
+        service.batcher = Batcher(service.translator, service.worker, window, service.others_connected)
         stopping = ApiError(503, "the server is shutting down")
         service.drain.on_over.append(lambda: service.batcher.fail_all(stopping))
         task = asyncio.create_task(service.batcher.run())
@@ -741,7 +746,9 @@ def run_serve(
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     step = f" (step {service.info['step']})" if service.info["step"] is not None else ""
     ready = f"serving {service.info['checkpoint']}{step} at http://{shown}:{bound_port}/"  # spawn() waits for it
-    make_server(create_app(service, host), settings, service.drain, connections, ready).run(sockets=[sock])
+    server = make_server(create_app(service, host), settings, service.drain, connections, ready)
+    service.others_connected = lambda: len(server.server_state.connections) > 1  # the request's own is one
+    server.run(sockets=[sock])
     service.worker.shutdown(wait=False, cancel_futures=True)  # the exit waits for a search in progress only
 
 

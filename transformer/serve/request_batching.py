@@ -65,14 +65,23 @@ class Batcher:
     """Everything that runs the model goes through here, onto its one worker thread:
 
     - /translate requests that arrive within the window go to the worker as one call (bounded by
-      decode.max_tokens); requests that arrive while it works wait and form the next batch;
+      decode.max_tokens); requests that arrive while it works wait and form the next batch. The window is
+      waited only while another connection is open (`others_connected`): a request on the only one has nobody
+      to wait for (a client of its own, one request at a time) and goes at once;
     - inspections (/attention, /beam, /positions) run one at a time, taking turns with translation batches,
       so that a translation waits for at most one of them (each is bounded by the server's settings);
     - a request whose client went away (its future cancelled) is dropped before it runs.
     """
 
-    def __init__(self, translator: Translator, worker: ThreadPoolExecutor, window_s: float):
+    def __init__(
+        self,
+        translator: Translator,
+        worker: ThreadPoolExecutor,
+        window_s: float,
+        others_connected: Callable[[], bool] = lambda: True,
+    ):
         self.translator, self.worker, self.window = translator, worker, window_s
+        self.others_connected = others_connected
         self.pending: list[_Job] = []
         self.inspections: deque[_Inspection] = deque()
         self.running: list[asyncio.Future] = []  # the futures of what the worker computes now
@@ -173,8 +182,8 @@ class Batcher:
 
     async def _collect(self) -> list[_Job]:
         """Wait until the first request's window closes or the waiting sources fill decode.max_tokens; take
-        what fits."""
-        deadline = self.pending[0].arrived + self.window
+        what fits. No window while no other connection is open."""
+        deadline = self.pending[0].arrived + (self.window if self.others_connected() else 0.0)
         while sum(job.tokens for job in self.pending) < self.translator.settings.max_tokens:
             left = deadline - time.monotonic()
             if left <= 0:
