@@ -3,7 +3,7 @@
 
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] [--clients 8] [--requests 400] \
         [--time-limit 60] [--sentences 1] [--beam 4] [--windows 5 0] [--engines ours ctranslate2] [--stop early] \
-        [--device cpu] [--workers 1] [--dtype int8] [--json bench_serve.json]
+        [--device cpu] [--workers 1] [--dtype int8] [--warmup N] [--json bench_serve.json]
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] --soak [--minutes 10] [--every 60] \
         [--clients 8] [--json soak.json]
 
@@ -11,14 +11,15 @@ TEST_SET defaults to $TRANSFORMER_DATA/multi30k/test.de (else data/multi30k/test
 sent in file order (cycling), --sentences per request. For each --engines value (what runs /translate: serve
 --engine) and each --windows value a fresh server is started (`transformer serve --port 0 --engine E
 --batch-window-ms W`, with --workers N and --dtype D where given, on 127.0.0.1 only), warmed up with a short burst of the same
-load (2 requests per client), and loaded by --clients threads that each send one request at a time until --requests have been sent or --time-limit
+load (2 requests per client, or --warmup), and loaded by --clients threads that each send one request at a time until --requests have been sent or --time-limit
 seconds have passed. Reports requests/s, sentences/s, p50/p99 latency, the mean sentences per batched search,
 errors (warm-up included; must be 0: the script exits 1 otherwise) and the server's RSS before and after the
 load (after the warm-up; it should stay flat).
 
 After each server, once it has stopped, a row ctranslate2_itself: what CTranslate2 itself does with the same work,
 called as its users call it (bench_decode's row of that name), on the same model: a ctranslate2.Translator on the
-conversion `--engine ctranslate2` caches beside the checkpoint, in the server's dtype; the sentences the server
+conversion `--engine ctranslate2` caches beside the checkpoint, in the server's dtype, a new one for each server
+(as cold as the server's new process); the sentences the server
 answered, in the order they were sent, as SentencePiece pieces made beforehand; `translate_batch` with the same
 beam, length penalty and max_decoding_length = model.max_positions - 1, in calls of the size the server formed (its
 mean sentences per batched search: 1 a call with one client, window 0 and one sentence per request), one call at a
@@ -169,7 +170,7 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
         dtype, searches_side_by_side = info["dtype"], info["decode"]["workers"]
         # Warm-up, a short burst of the same load: first-call allocations and the allocator's growth to the
         # batch sizes this load makes are not what a running service keeps adding.
-        warmup = load(port, sentences, args.clients, 2 * args.clients, args.sentences, args.beam, args.time_limit)
+        warmup = load(port, sentences, args.clients, warmup_requests(args), args.sentences, args.beam, args.time_limit)
         warm, before = health(port), rss_mb(server.pid)
         result = load(port, sentences, args.clients, args.requests, args.sentences, args.beam, args.time_limit)
         after, done = rss_mb(server.pid), health(port)
@@ -184,12 +185,18 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
         "window_ms": window,
         "dtype": dtype,
         "workers": searches_side_by_side,
+        "warmup_requests": warmup_requests(args),
         **result,
         "rss_before_mb": before,
         "rss_after_mb": after,
         "batches": batches,
         "sentences_per_batch": searched / max(1, batches),
     }
+
+
+def warmup_requests(args) -> int:
+    """Requests of the warm-up burst: --warmup, else 2 per client."""
+    return args.warmup if args.warmup is not None else 2 * args.clients
 
 
 def itself_translator(args, dtype: str) -> Translator:
@@ -215,7 +222,7 @@ def itself_row(ct2: Translator, sentences: list[str], server: dict, args) -> dic
     def translate(batch: list[list[str]]) -> None:
         ctranslate2_itself(ct2.ct2, ct2.vocab, batch, ct2.settings, max_positions, len(batch), "examples")
 
-    for batch in batches[: max(1, round(2 * args.clients * args.sentences * calls / n))]:  # the server's warm-up
+    for batch in batches[: max(1, round(warmup_requests(args) * args.sentences * calls / n))]:  # the server's warm-up
         translate(batch)
     start = time.perf_counter()
     for batch in batches:
@@ -444,6 +451,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the server runs the model (default cpu)")
     ap.add_argument("--workers", type=int, help="the servers' --workers (default: theirs, decode.workers)")
     ap.add_argument("--dtype", choices=DTYPES, help="the servers' --dtype (default: theirs, fp32)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        help="requests of the warm-up burst, before the timed load and CTranslate2 itself's row alike (default: "
+        "2 per client); --warmup equal to --requests measures both warm, at every shape the load makes",
+    )
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     ap.add_argument("--soak", action="store_true", help="memory over time under a mix of requests (see above)")
     ap.add_argument("--minutes", type=float, default=10.0, help="--soak: how long (default 10)")
@@ -480,9 +493,9 @@ def main() -> None:
     try:
         import ctranslate2  # noqa: F401
 
-        itself: dict[str, Translator] | None = {}  # CTranslate2 itself, by the servers' dtype
+        itself = True
     except ImportError:
-        itself = None
+        itself = False
         print(
             "note: ctranslate2 is not installed: no ctranslate2_itself rows and no /ct2 itself column "
             "(pip install -e '.[ctranslate2]')",
@@ -493,10 +506,11 @@ def main() -> None:
         for window in args.windows:
             server = run_one(args, sentences, engine, window)
             results.append(server)
-            if itself is not None:  # after the server has stopped: nothing else runs beside it
-                if server["dtype"] not in itself:
-                    itself[server["dtype"]] = itself_translator(args, server["dtype"])
-                row = itself_row(itself[server["dtype"]], sentences, server, args)
+            if itself:  # after the server has stopped: nothing else runs beside it
+                # A new translator for each server, as cold as the server's new process: CTranslate2's first
+                # calls at each shape are slower (int8 here: 22.7 sentences/s on a new translator, 37.4 on the
+                # one that had translated the same sentences before).
+                row = itself_row(itself_translator(args, server["dtype"]), sentences, server, args)
                 if row is not None:
                     server["vs_ct2_itself"] = server["sentences_per_s"] / row["sentences_per_s"]
                     results.append(row)

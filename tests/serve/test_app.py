@@ -674,7 +674,7 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
         run,
         tmp_path,
         *("--clients", 3, "--requests", 9, "--time-limit", 60, "--sentences", 2, "--beam", 2),
-        *("--windows", 5, "--engines", *engines, "--stop", "early", "--workers", 1, "--json", out),
+        *("--windows", 5, "--engines", *engines, "--stop", "early", "--workers", 1, "--warmup", 4, "--json", out),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
@@ -686,6 +686,7 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
         assert r["p50_ms"] <= r["p99_ms"] and r["rss_before_mb"] > 0 and r["rss_after_mb"] > 0
         assert r["batches"] >= 1 and r["sentences_per_batch"] >= 1 and r["dtype"] == "fp32"
         assert r["workers"] == 1  # --workers reached each server (its /info says so)
+        assert r["warmup_requests"] == 4
     assert "req/s" in result.stdout and "p99 ms" in result.stdout
     if "ctranslate2" not in engines:
         return
