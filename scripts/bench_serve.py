@@ -3,7 +3,7 @@
 
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] [--clients 8] [--requests 400] \
         [--time-limit 60] [--sentences 1] [--beam 4] [--windows 5 0] [--engines ours ctranslate2] [--stop early] \
-        [--device cpu] [--workers 1] [--dtype int8] [--warmup N] [--json bench_serve.json]
+        [--device cpu] [--workers 1] [--dtype int8] [--warmup N] [--bursts 25] [--json bench_serve.json]
     python scripts/bench_serve.py RUN_DIR_OR_CHECKPOINT [TEST_SET] --soak [--minutes 10] [--every 60] \
         [--clients 8] [--json soak.json]
 
@@ -14,7 +14,9 @@ sent in file order (cycling), --sentences per request. For each --engines value 
 load (2 requests per client, or --warmup), and loaded by --clients threads that each send one request at a time until --requests have been sent or --time-limit
 seconds have passed. Reports requests/s, sentences/s, p50/p99 latency, the mean sentences per batched search,
 errors (warm-up included; must be 0: the script exits 1 otherwise) and the server's RSS before and after the
-load (after the warm-up; it should stay flat).
+load (after the warm-up; it should stay flat). --bursts N: then N bursts of --clients requests released together
+at the idle server, 0.2 s apart, and the time to each burst's last answer (what the batching window is for: with
+one, the burst shares a search).
 
 After each server, once it has stopped, a row ctranslate2_itself: what CTranslate2 itself does with the same work,
 called as its users call it (bench_decode's row of that name), on the same model: a ctranslate2.Translator on the
@@ -144,6 +146,49 @@ def load(
     }
 
 
+def bursts(port: int, sentences: list[str], args) -> dict:
+    """--bursts rounds of --clients requests released together (a barrier; each client on its own open
+    connection) at an idle server, 0.2 s apart -> the time from a round's release to its last answer: the case
+    the batching window is for."""
+    timeout = max(10.0, args.time_limit)
+    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=timeout) for _ in range(args.clients)]
+    times, errors = [], []
+    try:
+        for round_ in range(args.bursts):
+            barrier = threading.Barrier(args.clients)
+
+            def client(k: int, round_: int = round_, barrier: threading.Barrier = barrier) -> None:
+                first = (round_ * args.clients + k) * args.sentences
+                batch = [sentences[(first + j) % len(sentences)] for j in range(args.sentences)]
+                barrier.wait()
+                try:
+                    status, answer = request(conns[k], "POST", "/translate", {"text": batch, "beam": args.beam})
+                    if status != 200:
+                        errors.append(answer.get("error", f"status {status}"))
+                except (OSError, http.client.HTTPException, ValueError) as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(args.clients)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            times.append(time.perf_counter() - start)
+            time.sleep(0.2)
+    finally:
+        for conn in conns:
+            conn.close()
+    ms = [1000 * t for t in times]
+    return {
+        "rounds": len(ms),
+        "median_ms": statistics.median(ms),
+        "min_ms": min(ms),
+        "max_ms": max(ms),
+        "errors": errors,
+    }
+
+
 def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
     stop = ("--stop", args.stop) if args.stop else ()
     workers = ("--workers", str(args.workers)) if args.workers else ()
@@ -175,11 +220,14 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
         result = load(port, sentences, args.clients, args.requests, args.sentences, args.beam, args.time_limit)
         after, done = rss_mb(server.pid), health(port)
         batches, searched = done["batches"] - warm["batches"], done["sentences"] - warm["sentences"]
+        burst = bursts(port, sentences, args) if args.bursts else None
     finally:
         server.terminate()
         server.wait(timeout=60)
-    result["errors"] += warmup["errors"]
-    result["first_errors"] = (warmup["first_errors"] + result["first_errors"])[:5]
+    result["errors"] += warmup["errors"] + len(burst["errors"] if burst else [])
+    result["first_errors"] = (warmup["first_errors"] + result["first_errors"] + (burst["errors"] if burst else []))[:5]
+    if burst:
+        result["bursts"] = {k: v for k, v in burst.items() if k != "errors"}
     return {
         "engine": engine,
         "window_ms": window,
@@ -452,6 +500,13 @@ def main() -> None:
     ap.add_argument("--workers", type=int, help="the servers' --workers (default: theirs, decode.workers)")
     ap.add_argument("--dtype", choices=DTYPES, help="the servers' --dtype (default: theirs, fp32)")
     ap.add_argument(
+        "--bursts",
+        type=int,
+        default=0,
+        help="after the load, this many bursts of --clients requests released together at the idle server "
+        "(the time to each burst's last answer; default 0: none)",
+    )
+    ap.add_argument(
         "--warmup",
         type=int,
         help="requests of the warm-up burst, before the timed load and CTranslate2 itself's row alike (default: "
@@ -536,6 +591,12 @@ def main() -> None:
             f"{r['sentences_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['sentences_per_batch']:>10.2f} "
             f"{r['rss_before_mb']:>10.1f} {r['rss_after_mb']:>9.1f} {ratio:>11}"
         )
+        if "bursts" in r:
+            b = r["bursts"]
+            print(
+                f"{'':>18} {'':>8} bursts of {args.clients} at once, {b['rounds']} rounds: last answer after "
+                f"{b['median_ms']:.0f} ms (median; {b['min_ms']:.0f}-{b['max_ms']:.0f})"
+            )
         for why in r["first_errors"]:
             print(f"  error: {why}")
     shown = next((r for r in results if r["engine"] == "ctranslate2_itself"), None)

@@ -674,7 +674,8 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
         run,
         tmp_path,
         *("--clients", 3, "--requests", 9, "--time-limit", 60, "--sentences", 2, "--beam", 2),
-        *("--windows", 5, "--engines", *engines, "--stop", "early", "--workers", 1, "--warmup", 4, "--json", out),
+        *("--windows", 5, "--engines", *engines, "--stop", "early", "--workers", 1, "--warmup", 4, "--bursts", 2),
+        *("--json", out),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
@@ -687,7 +688,8 @@ def test_bench_serve_runs_and_writes_json(run, tmp_path):
         assert r["batches"] >= 1 and r["sentences_per_batch"] >= 1 and r["dtype"] == "fp32"
         assert r["workers"] == 1  # --workers reached each server (its /info says so)
         assert r["warmup_requests"] == 4
-    assert "req/s" in result.stdout and "p99 ms" in result.stdout
+        assert r["bursts"]["rounds"] == 2 and 0 < r["bursts"]["min_ms"] <= r["bursts"]["median_ms"]
+    assert "req/s" in result.stdout and "p99 ms" in result.stdout and "bursts of 3 at once" in result.stdout
     if "ctranslate2" not in engines:
         return
     # Each server row is followed by CTranslate2 itself on its work: the 18 sentences it answered, in as many calls
