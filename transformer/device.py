@@ -77,6 +77,16 @@ def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
     return [f for f in NATIVE_BF16_FLAGS if f in flags]
 
 
+def mkl_without_avx512(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has AVX512 that MKL leaves unused: one not made by Intel (AMD Zen 4 and 5). MKL picks its
+    kernels by vendor and runs AVX2 ones there, while oneDNN runs AVX512 wherever the CPU has it: on an AMD EPYC
+    with AVX512 oneDNN's fp32 product took about half MKL's time for every layer of a decoding step, at 4 to 600
+    rows (docs/benchmarks/log.md, "Sixth session of 2026-11-28"). On AVX2-only CPUs the two are even, and MKL the
+    faster at a step's few rows."""
+    fields = _cpuinfo_fields(cpuinfo)
+    return "avx512f" in fields.get("flags", "").split() and fields.get("vendor_id") != "GenuineIntel"
+
+
 def cpu_description(cpuinfo: str | Path = "/proc/cpuinfo") -> dict:
     """Which CPU a benchmark ran on, for its JSON: machines that share a model name ("AMD EPYC") differ in
     generation (family/model), vector units and cache, and so in speed ratios against other engines. The cache

@@ -17,11 +17,12 @@ from transformer.device import (
     bounded_onednn_caches,
     cpu_bf16_flags,
     cpu_description,
+    mkl_without_avx512,
 )
 from transformer.inference import translator as translate
 from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator, pick_dtype, search_ids, search_workers, translate_ids
-from transformer.inference.weight_formats import InputMajorLinear
+from transformer.inference.weight_formats import InputMajorLinear, PackedLinear
 from transformer.model.checkpoint import load_model, save_checkpoint
 
 
@@ -105,7 +106,7 @@ def test_int8_translation_runs_and_mostly_agrees(run, call):
     a, b = fp32.translate(lines), int8.translate(lines)
     assert len(b) == len(lines) and b[-1] == ""
     assert isinstance(int8.model.output, torch.ao.nn.quantized.dynamic.Linear)  # really the int8 path
-    assert isinstance(fp32.model.decoder_layers[0].ffn.fc1, InputMajorLinear)  # and the float model as it was
+    assert isinstance(fp32.model.decoder_layers[0].ffn.fc1, (InputMajorLinear, PackedLinear))  # the float model as it was
     assert sum(x == y for x, y in zip(a, b)) >= len(lines) // 2  # quantization noise flips few argmaxes
     assert call("translate", str(run), "ein hund", "--int8", "--device", "cpu")[0] == 0
 
@@ -120,6 +121,19 @@ def test_cpu_bf16_flags_reads_cpuinfo(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 amx_tile amx_bf16\n")
     assert cpu_bf16_flags(info) == ["avx512_bf16", "amx_bf16"]
     assert cpu_bf16_flags(tmp_path / "missing") == []
+
+
+def test_mkl_without_avx512_is_an_avx512_cpu_not_made_by_intel(tmp_path):
+    info = tmp_path / "cpuinfo"
+    cpu = "processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu avx2 {extra}\n"
+    for vendor, extra, expected in [
+        ("AuthenticAMD", "avx512f avx512_bf16", True),  # Zen 4/5: MKL runs its AVX2 kernels there
+        ("AuthenticAMD", "", False),  # AVX2 only: nothing left unused
+        ("GenuineIntel", "avx512f amx_bf16", False),  # MKL's own AVX512 kernels
+    ]:
+        info.write_text(cpu.format(vendor=vendor, extra=extra))
+        assert mkl_without_avx512(info) is expected, (vendor, extra)
+    assert mkl_without_avx512(tmp_path / "missing") is False
 
 
 def test_cpu_description_names_the_generation_and_vector_units(tmp_path):
@@ -191,8 +205,11 @@ def test_stop_rule_setting(run, call):
         found = translator.search(ids, replace(translator.settings, nbest=3))
         expected = search_ids(model, ids, settings, "cpu")
         assert [[h.tokens for h in hyps] for hyps in found] == [[h.tokens for h in hyps] for hyps in expected]
-        # Its input-major weights (weight_formats.py) multiply in another order: scores agree to float rounding.
-        assert [h.score for hyps in found for h in hyps] == pytest.approx([h.score for hyps in expected for h in hyps])
+        # Its input-major or packed weights (weight_formats.py) multiply in another order: scores agree to float
+        # rounding (a sum of ~10 log-probabilities, each rounded on its own).
+        assert [h.score for hyps in found for h in hyps] == pytest.approx(
+            [h.score for hyps in expected for h in hyps], rel=1e-6, abs=1e-5
+        )
     assert Translator(run, "cpu").settings.stop == "exact"  # decode.stop's default
     status, _, _ = call("evaluate", run, "--split", "test", "--beam", "2", "--stop", "early", "--dtype", "bf16")
     record = json.loads((run / "eval" / "test.beam2.lp0.6.early.bf16.json").read_text())

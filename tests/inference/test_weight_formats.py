@@ -14,6 +14,7 @@ from transformer.data.batch import prepare_sources
 from transformer.inference.search import search
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
+from transformer.inference import weight_formats
 from transformer.inference.weight_formats import (
     InputMajorLinear,
     PackedLinear,
@@ -89,7 +90,7 @@ def test_packed_fp32_linear_computes_what_linear_does(bias):
 @needs_onednn
 def test_cpu_fp32_model_packs_the_output_projection_and_searches_the_same(copy_model):
     model, vocab, _ = load_model(copy_model)
-    converted = cpu_fp32(copy.deepcopy(model))
+    converted = cpu_fp32(copy.deepcopy(model), every_layer=False)
     assert isinstance(converted.output, PackedLinear)
     layer = converted.decoder_layers[0]
     assert isinstance(layer.ffn.fc1, InputMajorLinear) and isinstance(layer.self_attn.q_proj, InputMajorLinear)
@@ -98,10 +99,26 @@ def test_cpu_fp32_model_packs_the_output_projection_and_searches_the_same(copy_m
     assert_searches_the_same(model, converted, vocab)
 
 
+@needs_onednn
+def test_cpu_fp32_model_packs_every_layer_where_asked_and_searches_the_same(copy_model):
+    model, vocab, _ = load_model(copy_model)
+    converted = cpu_fp32(copy.deepcopy(model), every_layer=True)
+    layer = converted.decoder_layers[0]
+    assert all(isinstance(m, PackedLinear) for m in (converted.output, layer.ffn.fc1, layer.self_attn.q_proj))
+    assert not any(isinstance(m, (nn.Linear, InputMajorLinear)) for m in converted.modules())
+    assert_searches_the_same(model, converted, vocab)
+
+
 def test_translator_uses_input_major_weights_for_fp32_and_packed_ones_for_bf16_on_a_cpu(run, monkeypatch):
+    monkeypatch.setattr(weight_formats, "mkl_without_avx512", lambda: False)  # as on AVX2 and Intel CPUs
     fp32 = Translator(run, "cpu").model
     assert isinstance(fp32.output, PackedLinear if can_pack(torch.float32) else InputMajorLinear)
     assert isinstance(fp32.decoder_layers[0].ffn.fc1, InputMajorLinear)
+    # Where MKL leaves the CPU's AVX512 unused (AMD Zen 4/5), every fp32 layer goes through oneDNN.
+    monkeypatch.setattr(weight_formats, "mkl_without_avx512", lambda: True)
+    packed = Translator(run, "cpu").model.decoder_layers[0].ffn.fc1
+    assert isinstance(packed, PackedLinear if can_pack(torch.float32) else InputMajorLinear)
+    monkeypatch.setattr(weight_formats, "mkl_without_avx512", lambda: False)
     bf16 = Translator(run, "cpu", SearchFlags(dtype="bf16")).model
     assert isinstance(bf16.output, PackedLinear if can_pack(torch.bfloat16) else nn.Linear)
     assert bf16.tgt_embed.weight.dtype == torch.bfloat16

@@ -11,6 +11,7 @@ import warnings
 import torch
 from torch import nn
 
+from transformer.device import mkl_without_avx512
 from transformer.errors import UserError
 
 
@@ -61,14 +62,21 @@ def input_major(model: nn.Module) -> nn.Module:
     return _replace_linears(model, InputMajorLinear, "input-major weights")
 
 
-def cpu_fp32(model: nn.Module) -> nn.Module:
+def cpu_fp32(model: nn.Module, every_layer: bool | None = None) -> nn.Module:
     """`model`, changed in place for fp32 inference on a CPU: the output projection packed for oneDNN (PackedLinear)
-    where this torch can (can_pack), every other nn.Linear input-major (InputMajorLinear). The output projection is
-    the widest weight (vocabulary x d_model), the one decoding multiplies most rows by, and at a decoding step's few
-    rows MKL's product with it costs 2-5x oneDNN's on a packed copy (docs/benchmarks/log.md, "A packed output
-    projection"); the narrower layers run as fast or faster through MKL."""
-    if can_pack(torch.float32):
-        model.output = PackedLinear(model.output, torch.float32)
+    where this torch can (can_pack), every other nn.Linear input-major (InputMajorLinear), or packed too where
+    `every_layer` (None: where MKL leaves this CPU's AVX512 unused, device.mkl_without_avx512). The output
+    projection is the widest weight (vocabulary x d_model), the one decoding multiplies most rows by, and at a
+    decoding step's few rows MKL's product with it costs 2-5x oneDNN's on a packed copy (docs/benchmarks/log.md,
+    "A packed output projection"); on AVX2-only CPUs the narrower layers run as fast or faster through MKL, on AMD
+    CPUs with AVX512 at about twice MKL's speed through oneDNN."""
+    if not can_pack(torch.float32):
+        return input_major(model)
+    if every_layer is None:
+        every_layer = mkl_without_avx512()
+    model.output = PackedLinear(model.output, torch.float32)
+    if every_layer:
+        return _replace_linears(model, lambda linear: PackedLinear(linear, torch.float32), "packed fp32 weights")
     return input_major(model)
 
 
