@@ -106,7 +106,7 @@ def test_int8_translation_runs_and_mostly_agrees(run, call):
     a, b = fp32.translate(lines), int8.translate(lines)
     assert len(b) == len(lines) and b[-1] == ""
     assert isinstance(int8.model.output, torch.ao.nn.quantized.dynamic.Linear)  # really the int8 path
-    assert isinstance(fp32.model.decoder_layers[0].ffn.fc1, (InputMajorLinear, PackedLinear))  # the float model as it was
+    assert isinstance(fp32.model.decoder_layers[0].ffn.fc1, (InputMajorLinear, PackedLinear))  # float as it was
     assert sum(x == y for x, y in zip(a, b)) >= len(lines) // 2  # quantization noise flips few argmaxes
     assert call("translate", str(run), "ein hund", "--int8", "--device", "cpu")[0] == 0
 

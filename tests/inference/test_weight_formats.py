@@ -11,10 +11,10 @@ from torch import nn
 
 from tests.helpers import LINES
 from transformer.data.batch import prepare_sources
+from transformer.inference import weight_formats
 from transformer.inference.search import search
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
-from transformer.inference import weight_formats
 from transformer.inference.weight_formats import (
     InputMajorLinear,
     PackedLinear,
