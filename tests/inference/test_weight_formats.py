@@ -118,7 +118,6 @@ def test_translator_uses_input_major_weights_for_fp32_and_packed_ones_for_bf16_o
     monkeypatch.setattr(weight_formats, "mkl_without_avx512", lambda: True)
     packed = Translator(run, "cpu").model.decoder_layers[0].ffn.fc1
     assert isinstance(packed, PackedLinear if can_pack(torch.float32) else InputMajorLinear)
-    monkeypatch.setattr(weight_formats, "mkl_without_avx512", lambda: False)
     bf16 = Translator(run, "cpu", SearchFlags(dtype="bf16")).model
     assert isinstance(bf16.output, PackedLinear if can_pack(torch.bfloat16) else nn.Linear)
     assert bf16.tgt_embed.weight.dtype == torch.bfloat16

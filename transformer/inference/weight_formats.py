@@ -74,9 +74,9 @@ def cpu_fp32(model: nn.Module, every_layer: bool | None = None) -> nn.Module:
         return input_major(model)
     if every_layer is None:
         every_layer = mkl_without_avx512()
-    model.output = PackedLinear(model.output, torch.float32)
     if every_layer:
         return _replace_linears(model, lambda linear: PackedLinear(linear, torch.float32), "packed fp32 weights")
+    model.output = PackedLinear(model.output, torch.float32)
     return input_major(model)
 
 
