@@ -162,7 +162,8 @@ class FeedForward(nn.Module):
         self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.dropout(self.activation(self.fc1(x))))
+        h = self.activation(self.fc1(x))
+        return self.fc2(self.dropout(h) if self.training else h)  # a no-op call a layer less per decoding step
 
 
 class SublayerConnection(nn.Module):
@@ -175,9 +176,13 @@ class SublayerConnection(nn.Module):
         self.pre_norm = norm == "pre"
 
     def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+        # Dropout only while training: in eval it returns its input, after a module call and an operator call
+        # (a decoding step made 25 of them).
         if self.pre_norm:
-            return x + self.dropout(sublayer(self.norm(x)))
-        return self.norm(x + self.dropout(sublayer(x)))
+            y = sublayer(self.norm(x))
+            return x + (self.dropout(y) if self.training else y)
+        y = sublayer(x)
+        return self.norm(x + (self.dropout(y) if self.training else y))
 
 
 class EncoderLayer(nn.Module):
@@ -266,7 +271,7 @@ class Transformer(nn.Module):
         """-> the embeddings (B, T, C) with their positions, and the rotation self-attention applies (or None)."""
         x = embedding(tokens) * math.sqrt(self.cfg.d_model)  # (B, T, C)
         x, rotation = self.position_encoding(x, side, offset)
-        return self.embed_dropout(x), rotation
+        return (self.embed_dropout(x) if self.training else x), rotation
 
     def attention_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of attention's queries, which an additive mask must have: autocast's where autocast is on,
