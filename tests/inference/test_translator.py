@@ -22,7 +22,7 @@ from transformer.device import (
 from transformer.inference import translator as translate
 from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator, pick_dtype, search_ids, search_workers, translate_ids
-from transformer.inference.weight_formats import InputMajorLinear, PackedLinear
+from transformer.inference.weight_formats import InputMajorLinear, Int8Linear, PackedLinear
 from transformer.model.checkpoint import load_model, save_checkpoint
 
 
@@ -105,7 +105,7 @@ def test_int8_translation_runs_and_mostly_agrees(run, call):
     lines = sentences(5, 20) + [""]
     a, b = fp32.translate(lines), int8.translate(lines)
     assert len(b) == len(lines) and b[-1] == ""
-    assert isinstance(int8.model.output, torch.ao.nn.quantized.dynamic.Linear)  # really the int8 path
+    assert isinstance(int8.model.output, Int8Linear)  # really the int8 path
     assert isinstance(fp32.model.decoder_layers[0].ffn.fc1, (InputMajorLinear, PackedLinear))  # float as it was
     assert sum(x == y for x, y in zip(a, b)) >= len(lines) // 2  # quantization noise flips few argmaxes
     assert call("translate", str(run), "ein hund", "--int8", "--device", "cpu")[0] == 0

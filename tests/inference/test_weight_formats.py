@@ -17,11 +17,13 @@ from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 from transformer.inference.weight_formats import (
     InputMajorLinear,
+    Int8Linear,
     PackedLinear,
     can_pack,
     cpu_fp32,
     input_major,
     pack_bf16,
+    quantize_int8,
 )
 from transformer.model.checkpoint import load_model
 
@@ -67,6 +69,35 @@ def test_input_major_model_searches_the_same(copy_model):
     torch.testing.assert_close(converted.output.weight_t, model.tgt_embed.weight.t())
     assert converted.tgt_embed.weight.data_ptr() != converted.output.weight_t.data_ptr()
     assert_searches_the_same(model, converted, vocab)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_computes_exactly_what_torchs_dynamic_quantized_linear_does(bias):
+    torch.manual_seed(0)
+    dynamic = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(16, 300, bias=bias)), {nn.Linear})[0]
+    assert isinstance(dynamic, torch.ao.nn.quantized.dynamic.Linear)
+    fast = Int8Linear(dynamic)
+    for shape in [(4, 16), (3, 7, 16), (2, 1, 16)]:
+        x = torch.randn(*shape) * 3
+        assert fast(x).shape == (*shape[:-1], 300)
+        assert torch.equal(fast(x), dynamic(x))  # the same operator on the same packed weight: bit for bit
+
+
+def test_int8_model_has_only_int8_linears_and_searches_the_same_as_torchs_modules(copy_model, monkeypatch):
+    model, vocab, _ = load_model(copy_model)
+    int8 = quantize_int8(model)
+    assert isinstance(int8.output, Int8Linear) and isinstance(int8.decoder_layers[0].self_attn.q_proj, Int8Linear)
+    assert not any(isinstance(m, (nn.Linear, torch.ao.nn.quantized.dynamic.Linear)) for m in int8.modules())
+    assert any(isinstance(m, nn.Linear) for m in model.modules())  # the original is untouched
+    monkeypatch.setattr(weight_formats, "Int8Linear", lambda dynamic: dynamic)  # torch's own modules kept
+    plain = quantize_int8(model)
+    assert isinstance(plain.output, torch.ao.nn.quantized.dynamic.Linear)
+    src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
+    with torch.inference_mode():
+        a, b = search(plain, src, beam=3, nbest=3), search(int8, src, beam=3, nbest=3)
+    assert [[(h.tokens, h.score) for h in hyps] for hyps in a.hypotheses] == [
+        [(h.tokens, h.score) for h in hyps] for hyps in b.hypotheses
+    ]  # exactly: tokens and scores
 
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.float32), reason="this torch has no oneDNN linear ops")
