@@ -45,14 +45,17 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 
 class Int8Linear(nn.Module):
     """torch's dynamically quantized linear layer (its packed int8 weight and its operator, so the same products)
-    without the Python its module runs around the operator at every call: a dtype and version check and the
-    operator's overload resolution (a decoding step calls 49 of them)."""
+    without the Python its module runs around the operator at every call: a dtype and version check, the
+    operator's overload resolution and its argument scan (a decoding step calls 49 of them)."""
 
     def __init__(self, dynamic: nn.Module):
         super().__init__()
         self.in_features, self.out_features = dynamic.in_features, dynamic.out_features
         self.packed = dynamic._packed_params._packed_params  # fbgemm's packed weight and bias
-        self.linear = torch.ops.quantized.linear_dynamic.default
+        overload = torch.ops.quantized.linear_dynamic.default
+        # The C++ operator itself: the overload object first searches every call's arguments for torch.compile's
+        # fake script objects, which eager inference never passes (1 us a call).
+        self.linear = getattr(overload, "_op", overload)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # reduce_range: activations in 7 bits, as torch's module (version 4) quantizes them
