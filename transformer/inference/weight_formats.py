@@ -46,7 +46,8 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 class Int8Linear(nn.Module):
     """torch's dynamically quantized linear layer (its packed int8 weight and its operator, so the same products)
     without the Python its module runs around the operator at every call: a dtype and version check, the
-    operator's overload resolution and its argument scan (a decoding step calls 49 of them)."""
+    operator's overload resolution and its argument scan (a decoding step calls 49 of them). The packed weight is
+    not in its state_dict: like PackedLinear, an inference-only layer that is multiplied, never saved."""
 
     def __init__(self, dynamic: nn.Module):
         super().__init__()
