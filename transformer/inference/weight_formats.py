@@ -36,11 +36,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         if "fbgemm" in torch.backends.quantized.supported_engines:
             torch.backends.quantized.engine = "fbgemm"  # x86 int8 GEMM
         quantized = quantize_dynamic(copy.deepcopy(model).eval(), {nn.Linear}, dtype=torch.qint8)
-    for module in list(quantized.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, torch.ao.nn.quantized.dynamic.Linear):
-                setattr(module, name, Int8Linear(child))
-    return quantized
+    return _replace_linears(quantized, Int8Linear, "int8 weights", kind=torch.ao.nn.quantized.dynamic.Linear)
 
 
 class Int8Linear(nn.Module):
@@ -104,13 +100,14 @@ def cpu_fp32(model: nn.Module, every_layer: bool | None = None) -> nn.Module:
     return input_major(model)
 
 
-def _replace_linears(model: nn.Module, make, layout: str) -> nn.Module:
-    """`model` in eval mode with every nn.Linear replaced, in place, by make(linear): a CPU-only layout."""
+def _replace_linears(model: nn.Module, make, layout: str, kind: type[nn.Module] = nn.Linear) -> nn.Module:
+    """`model` in eval mode with every linear layer of `kind` replaced, in place, by make(linear): a CPU-only
+    layout."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise ValueError(f"{layout} are a CPU layout")
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, kind):
                 setattr(module, name, make(child))
     return model.eval()
 
