@@ -6,6 +6,7 @@ Helpers that tests import are in helpers.py (`from tests.helpers import tiny_con
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import random
@@ -17,8 +18,8 @@ import torch
 
 from tests.helpers import (
     SENTENCES,
+    copying_model,
     sentences,
-    train_copy_task,
     translation_config,
     write_checkpoint,
     write_marian_dir,
@@ -29,7 +30,6 @@ from transformer.config import from_dict, to_dict
 from transformer.data.vocab import train_vocab
 from transformer.inference.translator import Translator
 from transformer.model.checkpoint import save_checkpoint
-from transformer.model.transformer import Transformer
 
 # --------------------------------------------------------------------------- processes
 
@@ -163,14 +163,13 @@ def untrained_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def copy_model(tmp_path_factory) -> Path:
-    """A checkpoint briefly trained to copy its input: peaky enough that most argmaxes are not near-ties."""
+    """A checkpoint that copies its input by construction (helpers.copying_model): the same outputs on every CPU
+    and in every precision, each choice far from a tie, and every hypothesis ends at or before the source's EOS."""
     root = tmp_path_factory.mktemp("copy")
     vocab = train_vocab(sentences(0, 300), vocab_size=80)
-    cfg = from_dict(translation_config(root, root))
-    torch.manual_seed(0)
-    model = Transformer(cfg.model, len(vocab))
-    data = vocab.encode(sentences(2, 3200))
-    train_copy_task(model, (data[step * 32 : step * 32 + 32] for step in range(100)), lr=5e-3)
+    raw = translation_config(root, root)
+    model = copying_model(len(vocab), raw["model"]["max_positions"])
+    cfg = from_dict({**raw, "model": dataclasses.asdict(model.cfg)})
     save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, root / "model.pt")
     return root / "model.pt"
 

@@ -1,6 +1,7 @@
 """Helpers the tests import (`from tests.helpers import tiny_config`): synthetic sentences and pairs, a tiny corpus
-and config, checkpoints for translation, OPUS-MT-like directories, the command line in a child process, training
-stand-ins and training-state checks. Fixtures, which reach tests by name, are in conftest.py.
+and config, a model that copies by construction, checkpoints for translation, OPUS-MT-like directories, the command
+line in a child process, training stand-ins and training-state checks. Fixtures, which reach tests by name, are in
+conftest.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import yaml
 
 from transformer.config import ModelConfig, from_dict, to_dict
 from transformer.data.batch import Batch
-from transformer.data.vocab import PAD_ID, train_vocab
+from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, train_vocab
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.model.transformer import Transformer
 
@@ -30,20 +31,85 @@ WORDS = (
 ).split()
 
 
-# --------------------------------------------------------------------------- training stand-ins
+# --------------------------------------------------------------------------- models by construction, training stand-ins
 
 
-def train_copy_task(model: Transformer, batches, lr: float) -> Transformer:
-    """Teach `model` to copy its input (plain cross entropy, Adam), one update per list of token sequences in
-    `batches`: a few hundred updates make a model peaky enough that most argmaxes are not near-ties."""
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    for seqs in batches:
-        batch = Batch.from_pairs([(s, s) for s in seqs])
-        logits = model(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=PAD_ID)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+def copying_model(
+    vocab_size: int,
+    max_positions: int,
+    n_decoder_layers: int = 2,
+    ending_early: float = 13.0,
+    sure: float = 9.0,
+    seed: int = 0,
+) -> Transformer:
+    """A model that copies its source by construction, not by training: its weights are set, so that what it
+    outputs is the same on every CPU and in every precision. Each target position attends to the source position
+    of the same index and emits the piece there (the source ends in EOS, so every output is the source, then EOS).
+
+    The residual stream has three blocks: the piece (V), the position (P, a learned table) and the copied piece
+    (V). Each is a one-hot code minus its block's mean, so every LayerNorm sees vectors of one norm and zero mean
+    and is a fixed scaling: every logit is then set here. At each step the log-probabilities, as costs below the
+    copied piece, u and u' seeded draws in [0, 2) per piece and position t:
+    - any other piece: `sure` - u + u' (each hypothesis but the copy differs from it in a piece or more);
+    - BOS: `sure` + 2.5 - u (about e^-10: what a search that suppresses it renormalises away); PAD, UNK: never;
+    - EOS: `ending_early` + t / 2 - u (by default more than any one other piece; below 7, the cheapest choice
+      after the copy, so that a search finds short hypotheses first);
+    at the last source position, EOS is copied: anything else costs over 20. One head, one encoder layer,
+    pre-norm; the layers' other sub-layers add nothing. The draws are Python's: the same weights everywhere."""
+    rng = random.Random(seed)  # Python's generator: the same draws on every machine
+    V, P = vocab_size, max_positions
+    tok, pos, cp = 0, V, V + P  # where each block starts
+    d = 2 * V + P
+    cfg = ModelConfig(
+        d_model=d,
+        n_heads=1,
+        n_encoder_layers=1,
+        n_decoder_layers=n_decoder_layers,
+        d_ff=8,
+        dropout=0.0,
+        max_positions=P,
+        positions="learned",
+        norm="pre",
+        tie_output=False,
+        output_bias=True,
+    )
+    model = Transformer(cfg, V).eval()
+
+    def code(n: int) -> torch.Tensor:  # rows: one-hot codes minus their mean (zero mean, squared norm 1 - 1/n)
+        return torch.eye(n) - 1.0 / n
+
+    scale = d**0.5  # each block's code scaled to about sqrt(d): every LayerNorm then divides by about sqrt(2)
+    var_in = (scale**2 * (1 - 1 / V) + scale**2 * (1 - 1 / P)) / d
+    sigma_in = (var_in + cfg.layer_norm_eps) ** 0.5  # the encoder's and the first decoder layer's LayerNorm
+    copied = scale / sigma_in  # the copied piece's code, as the cross-attention adds it
+    sigma_out = (var_in + copied**2 * (1 - 1 / V) / d + cfg.layer_norm_eps) ** 0.5  # the last LayerNorm's
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.fill_(1.0)
+        model.src_embed.weight[:, tok : tok + V] = code(V) * scale / d**0.5  # the model multiplies by sqrt(d)
+        model.src_embed.weight[PAD_ID].zero_()
+        for table in (model.position_encoding.source, model.position_encoding.target):
+            table.weight[:, pos : pos + P] = code(P) * scale
+        for layer in model.decoder_layers:
+            x = layer.cross_attn
+            x.q_proj.weight[pos : pos + P, pos : pos + P] = torch.eye(P) * 4.0  # scores ~25 apart: one-hot
+            x.k_proj.weight[pos : pos + P, pos : pos + P] = torch.eye(P)
+            x.v_proj.weight[cp : cp + V, tok : tok + V] = torch.eye(V)
+            x.out_proj.weight[cp : cp + V, cp : cp + V] = torch.eye(V) / n_decoder_layers
+        # logits = w_copy [w = copied] + the position table's row for w at t (its mean over t removed) + bias
+        copy_unit, position_unit = copied / sigma_out, scale / sigma_out  # what a weight of 1 gives, per block
+        base = torch.tensor([[-2.0 * rng.random() for _ in range(P)] for _ in range(V)])  # -u per (piece, t)
+        base[EOS_ID] = sure - ending_early - 0.5 * torch.arange(P, dtype=torch.float32)
+        base[BOS_ID] = -2.5
+        out = model.output
+        out.weight[:, cp : cp + V] = torch.eye(V) * (sure / copy_unit)
+        out.weight[EOS_ID, cp + EOS_ID] = (sure + 36.0) / copy_unit
+        out.weight[:, pos : pos + P] = base / position_unit
+        out.bias[:] = base.mean(dim=1)  # what the table's zero-mean code leaves out
+        out.bias[[PAD_ID, UNK_ID]] = -100.0
     return model
 
 

@@ -1,11 +1,11 @@
-"""Behaviour of search() (greedy and beam, both stop rules) on tiny seeded models (random, peaky, and briefly
-trained), against a plain reference implementation of the rules."""
+"""Behaviour of search() (greedy and beam, both stop rules) on tiny seeded models (random, peaky, and one that
+copies by construction), against a plain reference implementation of the rules."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import train_copy_task
+from tests.helpers import copying_model
 from transformer.config import ModelConfig
 from transformer.data.batch import causal_mask, pad_sequences, padding_mask
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
@@ -22,14 +22,6 @@ from transformer.model.transformer import Transformer
 
 VOCAB = 24
 CFG = ModelConfig(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64, dropout=0.0, max_positions=64)
-
-
-def copy_batches(updates: int, vocab: int = VOCAB):
-    """A copy task's batches: per update 32 sequences of 2 to 8 random ids (seeded: the same every run)."""
-    g = torch.Generator().manual_seed(1)
-    for _ in range(updates):
-        lengths = torch.randint(2, 9, (32,), generator=g).tolist()
-        yield [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def make_sources(seed: int, n: int = 6, lo: int = 2, hi: int = 9) -> list[list[int]]:
@@ -52,9 +44,10 @@ def nbest_lists(model, src, beam, lenpen, offset, nbest=1, stop="exact", use_cac
 
 @pytest.fixture(scope="module")
 def trained():
-    """A copy-task model after a few hundred updates: peaky, and it emits EOS at varied lengths."""
-    torch.manual_seed(0)
-    return train_copy_task(Transformer(CFG, VOCAB), copy_batches(150), lr=3e-3).eval()
+    """A model that copies its source by construction (helpers.copying_model), so it emits EOS at varied lengths,
+    with ending early the cheapest choice after the copy: a search meets short hypotheses first, and the stop
+    rules differ."""
+    return copying_model(VOCAB, CFG.max_positions, ending_early=3.0)
 
 
 def peaky_model() -> Transformer:
@@ -261,10 +254,13 @@ def test_cached_equals_uncached(model, beam, stop):
     assert_same(cached, plain)
 
 
-def test_larger_length_penalty_never_shortens(trained):
+def test_larger_length_penalty_never_shortens():
+    """On a copy model unsure of each piece (each costs about 0.5), for which ending at once (about 1) is the best
+    sentence without a penalty and the copy the best with a large one."""
+    unsure = copying_model(VOCAB, CFG.max_positions, sure=3.0, ending_early=1.0)
     src = as_batch(make_sources(13, n=10))
     lengths = [
-        [len(hs[0].tokens) for hs in nbest_lists(trained, src, 4, alpha, 15)] for alpha in (0.0, 0.3, 0.6, 1.0, 2.0)
+        [len(hs[0].tokens) for hs in nbest_lists(unsure, src, 4, alpha, 15)] for alpha in (0.0, 0.3, 0.6, 1.0, 2.0)
     ]
     for shorter_alpha, longer_alpha in zip(lengths, lengths[1:]):
         assert all(a <= b for a, b in zip(shorter_alpha, longer_alpha))
