@@ -25,6 +25,8 @@ from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
+# A run directory trained by the code before issue 34's layout (tests/fixtures/make_old_run.py): its last.pt.xz.
+OLD_RUN = ROOT / "tests" / "fixtures" / "old_run"
 WORDS = (
     "der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
     "the a man woman child dog cat house on in plays runs sits red blue green big small"

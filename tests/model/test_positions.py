@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import ROOT, positions_model, random_pairs, tiny_config
+from tests.helpers import OLD_RUN, ROOT, positions_model, random_pairs, tiny_config
 from transformer import config as config_module
 from transformer.config import POSITION_KINDS, ModelConfig, from_dict, to_dict
 from transformer.data.batch import Batch, prepare_sources
@@ -32,7 +32,6 @@ from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.model.positions import Sinusoidal
 from transformer.training.run_state import load_resumable
 
-OLD_RUN = Path(__file__).resolve().parents[1] / "fixtures" / "old_run"
 INTERFACE = ("transformer/model/positions.py", "transformer/config.py")  # the 2 files a kind of position is
 
 

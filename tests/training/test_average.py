@@ -1,11 +1,13 @@
 """Checkpoint averaging: the mean of the weights, a checkpoint translate loads, RUN_DIR --last N."""
 
+import lzma
 import os
 
 import pytest
 import torch
 
-from tests.helpers import SENTENCES, sentences
+from tests.helpers import OLD_RUN, SENTENCES, sentences
+from transformer.config import from_dict, to_dict
 from transformer.data.vocab import train_vocab
 from transformer.errors import UserError
 from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
@@ -112,3 +114,25 @@ def test_a_hard_link_or_a_copy_of_the_same_weights_is_refused(run, tmp_path, cal
     status, _, err = call("average", a, b, tmp_path / "copy.pt", "--output", tmp_path / "avg.pt")
     assert status == 2 and f"{a} and {tmp_path / 'copy.pt'} hold the same weights" in err, err
     assert not (tmp_path / "avg.pt").exists()
+
+
+def test_a_checkpoint_of_an_older_revision_averages_with_todays(tmp_path, call):
+    """A run resumed across revisions holds step checkpoints whose configs were written with other keys (the old
+    fixture's lacks positions, activation, output_bias and layer_norm_eps): they mean the same model, so they average;
+    a setting that really differs is still named."""
+    old = tmp_path / "run" / "step_00000004.pt"
+    old.parent.mkdir()
+    old.write_bytes(lzma.decompress((OLD_RUN / "last.pt.xz").read_bytes()))
+    state = load_checkpoint(old)
+    assert "layer_norm_eps" not in state["config"]["model"]
+    today = {**state, "config": to_dict(from_dict(state["config"]))}  # as today's code writes it
+    today["model"] = {k: v + 1.0 if v.is_floating_point() else v for k, v in state["model"].items()}
+    save_checkpoint(today, tmp_path / "run" / "step_00000008.pt")
+    averaged = average_checkpoints([old, tmp_path / "run" / "step_00000008.pt"])
+    key = "encoder_layers.0.ffn.fc1.weight"
+    torch.testing.assert_close(averaged["model"][key], state["model"][key] + 0.5)
+    assert call("average", "--last", "2", tmp_path / "run", "--out", tmp_path / "avg.pt")[0] == 0
+    other = {**today, "config": {**today["config"], "model": {**today["config"]["model"], "norm": "pre"}}}
+    save_checkpoint(other, tmp_path / "other.pt")
+    with pytest.raises(UserError, match=r"different model configs \(differing: norm\)"):
+        average_checkpoints([old, tmp_path / "other.pt"])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from transformer.config import ModelConfig, from_dict
 from transformer.errors import UserError
 from transformer.files import check_output_path
 from transformer.model.checkpoint import WEIGHT_KEYS, load_checkpoint, save_checkpoint, weights_checkpoint
@@ -66,18 +68,23 @@ def _fingerprint(weights: dict) -> tuple:
     return tuple((k, float(v.double().sum()), tuple(v.flatten()[:4].tolist())) for k, v in sorted(weights.items()))
 
 
+def _model_settings(state: dict, path) -> ModelConfig:
+    """The model settings a checkpoint means: its stored config with today's defaults for the keys an older
+    revision did not write (a run resumed across revisions holds both kinds of step checkpoint)."""
+    try:
+        return from_dict(state["config"]).model
+    except UserError as e:
+        raise UserError(f"average: {path}: {e}") from None
+
+
 def _check_same_model(state: dict, path, first: dict, first_path) -> None:
     if not all(k in state for k in WEIGHT_KEYS):
         raise UserError(f"average: {path} lacks its config, vocabulary or weights")
-    if state["config"].get("model") != first["config"].get("model"):
-        differ = sorted(
-            k
-            for k in set(state["config"].get("model", {})) | set(first["config"].get("model", {}))
-            if state["config"]["model"].get(k) != first["config"]["model"].get(k)
-        )
+    mine, theirs = _model_settings(state, path), _model_settings(first, first_path)
+    if mine != theirs:
+        differ = [f.name for f in dataclasses.fields(mine) if getattr(mine, f.name) != getattr(theirs, f.name)]
         raise UserError(
-            f"average: {path} and {first_path} have different model configs "
-            f"(differing: {', '.join(differ) or 'section'})"
+            f"average: {path} and {first_path} have different model configs (differing: {', '.join(differ)})"
         )
     if state["vocab"] != first["vocab"]:
         raise UserError(f"average: {path} and {first_path} use different vocabularies")
