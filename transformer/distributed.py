@@ -73,11 +73,22 @@ def init_distributed(device_name: str) -> tuple[DistInfo, torch.device]:
     return info, device
 
 
+TIMEOUT_VARIABLE = "TRANSFORMER_DIST_TIMEOUT"
+MAX_PEER_TIMEOUT = 7 * 24 * 3600  # a week: far beyond any wait, and within what the C++ side's clocks can hold
+
+
 def peer_timeout() -> int:
     """Seconds a rank waits for its peers at any one point (joining, a barrier, a collective) before it stops with
     a one-line error: TRANSFORMER_DIST_TIMEOUT, 1800 by default. Long enough for rank 0's solo work (SentencePiece
     training, the store, validation BLEU) while the others wait."""
-    return int(os.environ.get("TRANSFORMER_DIST_TIMEOUT", "1800"))
+    value = os.environ.get(TIMEOUT_VARIABLE, "1800")
+    seconds = int(value) if value.strip().isdecimal() else 0
+    if not 1 <= seconds <= MAX_PEER_TIMEOUT:
+        raise UserError(
+            f"{TIMEOUT_VARIABLE} is {value!r}: it must be a whole number of seconds from 1 to {MAX_PEER_TIMEOUT:,} "
+            "(how long a rank waits for its peers; 1800 if unset)"
+        )
+    return seconds
 
 
 # Where a group's keys go in torchrun's store: transformer/<nonce of this start's rank 0>/...
@@ -191,7 +202,7 @@ def peer_failure(e: BaseException, info: DistInfo) -> str:
     if "timed out" in str(e).lower() or "timeout" in str(e).lower():
         return (
             f"rank {info.rank}: distributed training stopped: another rank kept this one waiting for more than "
-            f"{peer_timeout()} s (TRANSFORMER_DIST_TIMEOUT; {first_line(e)[:200]})"
+            f"{peer_timeout()} s ({TIMEOUT_VARIABLE}; {first_line(e)[:200]})"
         )
     return (
         f"rank {info.rank}: distributed training stopped, most likely because another rank "

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from transformer.distributed import DistInfo, peer_failure_explained
+from transformer.distributed import DistInfo, init_distributed, peer_failure_explained, peer_timeout
 from transformer.errors import UserError
 from transformer.signals import StopRequested, stop_at_once
 
@@ -108,3 +108,16 @@ def test_outside_torchrun_the_group_makes_its_own_store(monkeypatch):
 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     assert group_store(DistInfo(rank=0, world_size=2), None) is None
+
+
+@pytest.mark.parametrize("value", ["abc", "1.5", "99999999999999999999", "0", "-5", ""])
+def test_a_bad_peer_timeout_is_one_line_before_any_group_forms(monkeypatch, value):
+    monkeypatch.setenv("TRANSFORMER_DIST_TIMEOUT", value)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "9")  # never reached: the check comes first
+    with pytest.raises(UserError, match=r"TRANSFORMER_DIST_TIMEOUT is .*: it must be a whole number of seconds"):
+        init_distributed("cpu")
+    monkeypatch.setenv("TRANSFORMER_DIST_TIMEOUT", "60")
+    assert peer_timeout() == 60
