@@ -437,3 +437,20 @@ def test_the_process_group_is_left_only_after_a_normal_end(monkeypatch, tmp_path
     else:
         assert train_module.train(cfg) == tmp_path
     assert left == ([] if fails else [True])
+
+
+def test_a_node_whose_machine_resolves_precision_auto_otherwise_is_refused(monkeypatch, tmp_path):
+    """Under torchrun, `auto` is resolved on each node: a node without native bf16 must not join a bf16 run."""
+    cfg = from_dict(tiny_config(tmp_path, train={"precision": "auto"}))
+    seen = {}
+
+    def gather(mine, info):
+        seen["mine"] = mine
+        return [mine, ("node-b", {**mine[1], "precision": "fp32"})]
+
+    monkeypatch.setattr(train_module, "gather_objects", gather)
+    with pytest.raises(UserError, match=r"train.precision auto is fp32 on rank 1 \(on node-b\) but bf16 on rank 0"):
+        train_module.same_on_every_rank(cfg, False, DistInfo(0, 0, 2), "bf16")
+    assert seen["mine"][1]["precision"] == "bf16"
+    monkeypatch.setattr(train_module, "gather_objects", lambda mine, info: [mine, mine])
+    train_module.same_on_every_rank(cfg, False, DistInfo(0, 0, 2), "bf16")  # one precision: no error

@@ -170,7 +170,8 @@ def _train(
     scope: contextlib.ExitStack,
 ) -> Path:
     metrics_since = time.perf_counter()
-    pick_precision(cfg.train.precision, device)  # fp16 on a CPU refused before a vocabulary and store are built
+    precision, _ = pick_precision(cfg.train.precision, device)  # fp16 on a CPU refused before any data is built
+    same_on_every_rank(cfg, resume, info, precision)
     check_compile(cfg, device)
     # Training, validation and the end of training compute fp32 products in TF32 on a GPU (device.tf32_matmuls).
     scope.enter_context(tf32_matmuls(device))
@@ -203,7 +204,6 @@ def start(
     model (train.init_from), that model."""
     run_dir = Path(cfg.train.run_dir)
     last_path = RunDir(run_dir).last
-    same_on_every_rank(cfg, resume, info)
     check_run_dir(run_dir, resume)
     if last_path.exists() and not resume:
         raise UserError(
@@ -274,12 +274,14 @@ def log_resume_source(run_dir: Path, source: Path | None, resume: bool, from_scr
         )
 
 
-def same_on_every_rank(cfg: Config, resume: bool, info: DistInfo) -> None:
+def same_on_every_rank(cfg: Config, resume: bool, info: DistInfo, precision: str) -> None:
     """Every rank must train the same run: a node started with another config (another file, --set) or without
-    --resume is refused in one line on every rank, before anything is written."""
+    --resume, or whose machine resolves train.precision `auto` otherwise (bf16 where its CPU has native bf16), is
+    refused in one line on every rank, before anything is written."""
     if not info.enabled:
         return
-    everyone = gather_objects((socket.gethostname(), {"config": to_dict(cfg), "resume": resume}), info)
+    mine = {"config": to_dict(cfg), "resume": resume, "precision": precision}
+    everyone = gather_objects((socket.gethostname(), mine), info)
     first_host, first = everyone[0]
     for rank, (host, theirs) in enumerate(everyone):
         if theirs == first:
@@ -292,6 +294,12 @@ def same_on_every_rank(cfg: Config, resume: bool, info: DistInfo) -> None:
         ]
         if theirs["resume"] != first["resume"]:
             differ.append(f"--resume is {'given' if theirs['resume'] else 'missing'} there, not on rank 0")
+        if theirs["precision"] != first["precision"] and not differ:
+            raise UserError(
+                f"rank {info.rank}: train.precision {cfg.train.precision} is {theirs['precision']} on rank {rank} "
+                f"(on {host}) but {first['precision']} on rank 0 (on {first_host}): every rank must train in one "
+                "precision; set train.precision to one that every node has (fp32 always is)"
+            )
         raise UserError(
             f"rank {info.rank}: rank {rank} (on {host}) was started with another config than rank 0 (on "
             f"{first_host}): {'; '.join(differ)}; every node must run the same command (config file, --set, --resume)"
