@@ -47,5 +47,9 @@ def test_a_kind_trains_resumes_averages_and_translates(tmp_path, kind, call):
     assert status == 0 and (tmp_path / "p.png").stat().st_size > 1000, err
     figure = positional_encoding(None, 20, model=str(averaged))
     assert len(figure.axes) == (3 if kind == "learned" else 2)  # its tables (source, target) and a colour bar
+    # Without --length: 100 positions, or the model's 64 where it has fewer (a learned table holds no more).
+    status, _, err = call("plot-positions", "--model", averaged, "--out", tmp_path / "all.png")
+    assert status == 0, err
+    assert positional_encoding(None, None, model=str(averaged)).axes[0].images[0].get_array().shape[0] == 64
     with pytest.raises(UserError, match="--model takes the kind"):
         positional_encoding(64, 20, model=str(averaged))

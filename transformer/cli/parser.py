@@ -184,7 +184,9 @@ def _add_plot_positions(sub) -> None:
     p.add_argument(
         "--n-heads", type=int, default=None, help="attention heads: rotary's head size is d_model / n_heads (default 8)"
     )
-    p.add_argument("--length", type=int, default=100, help="number of positions (default 100)")
+    p.add_argument(
+        "--length", type=int, default=None, help="number of positions (default 100, or a --model's positions if fewer)"
+    )
     p.add_argument(
         "--model",
         metavar="RUN_OR_CHECKPOINT",

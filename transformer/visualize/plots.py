@@ -235,17 +235,25 @@ def attention_map(
 # ----------------------------------------------------------------------------- positions
 
 
+DEFAULT_LENGTH = 100  # positions plot-positions shows unless told
+
+
 def positional_encoding(
-    d_model: int | None, length: int, kind: str | None = None, n_heads: int | None = None, model: str | None = None
+    d_model: int | None,
+    length: int | None,
+    kind: str | None = None,
+    n_heads: int | None = None,
+    model: str | None = None,
 ):
     """What a kind of position shows (Positions.view), as heat maps: one row per position. Without `model`, the kind
     at d_model (512) and n_heads (8; rotary's head size); with `model` (a run directory or checkpoint), that
-    model's own positions, whose kind and sizes it fixes (a learned table exists only there)."""
+    model's own positions, whose kind and sizes it fixes (a learned table exists only there). length: positions
+    0 .. length-1; None: DEFAULT_LENGTH, or the model's positions where it has fewer."""
     if model is not None and (kind, d_model, n_heads) != (None, None, None):
         raise UserError(
             "plot-positions: --model takes the kind, --d-model and --n-heads from the model; give one or the other"
         )
-    if length < 1:
+    if length is not None and length < 1:
         raise UserError(f"--length must be at least 1, got {length}")
     _matplotlib()  # before a checkpoint is read
     from transformer.model import positions  # torch: only for this figure
@@ -254,6 +262,8 @@ def positional_encoding(
     if model is not None:
         loaded = load_model(model)[0].position_encoding
         d_model = loaded.d_model
+        length = min(DEFAULT_LENGTH, loaded.max_positions) if length is None else length
+    length = DEFAULT_LENGTH if length is None else length
     d_model = 512 if d_model is None else d_model
     if d_model * length > MAX_TABLE_VALUES:  # drawn as one image, and held in memory as one table
         raise UserError(
