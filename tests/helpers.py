@@ -43,75 +43,91 @@ def copying_model(
     ending_early: float = 13.0,
     sure: float = 9.0,
     seed: int = 0,
+    **settings,
 ) -> Transformer:
     """A model that copies its source by construction, not by training: its weights are set, so that what it
     outputs is the same on every CPU and in every precision. Each target position attends to the source position
-    of the same index and emits the piece there (the source ends in EOS, so every output is the source, then EOS).
+    of the same index and emits the piece there; the source ends in EOS, so every output is the source, then EOS.
+    The paper's layout (post-norm, sinusoidal positions, one embedding matrix for both sides and the output), so
+    that every engine and export takes it; `settings`: other model.* values that keep the weights' meaning
+    (share_embeddings, tie_output: the same matrix, copied).
 
-    The residual stream has three blocks: the piece (V), the position (P, a learned table) and the copied piece
-    (V). Each is a one-hot code minus its block's mean, so every LayerNorm sees vectors of one norm and zero mean
-    and is a fixed scaling: every logit is then set here. At each step the log-probabilities, as costs below the
-    copied piece, u and u' seeded draws in [0, 2) per piece and position t:
-    - any other piece: `sure` - u + u' (each hypothesis but the copy differs from it in a piece or more);
-    - BOS: `sure` + 2.5 - u (about e^-10: what a search that suppresses it renormalises away); PAD, UNK: never;
-    - EOS: `ending_early` + t / 2 - u (by default more than any one other piece; below 7, the cheapest choice
-      after the copy, so that a search finds short hypotheses first);
-    at the last source position, EOS is copied: anything else costs over 20. One head, one encoder layer,
-    pre-norm; the layers' other sub-layers add nothing. The draws are Python's: the same weights everywhere."""
-    rng = random.Random(seed)  # Python's generator: the same draws on every machine
-    V, P = vocab_size, max_positions
-    tok, pos, cp = 0, V, V + P  # where each block starts
-    d = 2 * V + P
+    One head; the residual stream holds the sinusoids' 20 highest frequencies (`raw`: only the first layer reads
+    them), the pieces as one-hot codes minus their mean (`piece`), the positions again as +PE and -PE (`plus`,
+    `minus`), and EOS's own dimension with its counterweight (`eos`, `balance`). The first self-attention of each
+    side attends to its own position and moves the positions into `plus` and `minus` (the decoder's also takes the
+    previous piece out), so that the stream sums to zero and every LayerNorm after it only scales; cross-attention
+    matches `plus`/`minus` at equal positions and copies the piece (and, for EOS, its dimension). Every later
+    sub-layer adds nothing. The logits, as costs below the copied piece (u, u' seeded draws in [0, 2), each within
+    about 3 %): any other piece `sure` + u' - u; BOS about 10.5 (about e^-10: what a search that suppresses it
+    renormalises away); EOS `ending_early` (default: more than any one other piece; below 7: the cheapest choice
+    after the copy, so that a search meets short hypotheses first); at the last source position, skipping EOS about
+    25; PAD and UNK never. The draws are Python's: the same weights everywhere."""
+    rng = random.Random(seed)
+    V, Pd = vocab_size, 20 * 2  # the 20 highest frequencies tell the positions of a sentence apart
+    d = 3 * Pd + V + 2
     cfg = ModelConfig(
-        d_model=d,
-        n_heads=1,
-        n_encoder_layers=1,
-        n_decoder_layers=n_decoder_layers,
-        d_ff=8,
-        dropout=0.0,
-        max_positions=P,
-        positions="learned",
-        norm="pre",
-        tie_output=False,
-        output_bias=True,
+        **{
+            "d_model": d,
+            "n_heads": 1,
+            "n_encoder_layers": 1,
+            "n_decoder_layers": n_decoder_layers,
+            "d_ff": 8,
+            "dropout": 0.0,
+            "max_positions": max_positions,
+            "norm": "post",
+            "positions": "sinusoidal",
+            "output_bias": True,
+            **settings,
+        }
     )
     model = Transformer(cfg, V).eval()
-
-    def code(n: int) -> torch.Tensor:  # rows: one-hot codes minus their mean (zero mean, squared norm 1 - 1/n)
-        return torch.eye(n) - 1.0 / n
-
-    scale = d**0.5  # each block's code scaled to about sqrt(d): every LayerNorm then divides by about sqrt(2)
-    var_in = (scale**2 * (1 - 1 / V) + scale**2 * (1 - 1 / P)) / d
-    sigma_in = (var_in + cfg.layer_norm_eps) ** 0.5  # the encoder's and the first decoder layer's LayerNorm
-    copied = scale / sigma_in  # the copied piece's code, as the cross-attention adds it
-    sigma_out = (var_in + copied**2 * (1 - 1 / V) / d + cfg.layer_norm_eps) ** 0.5  # the last LayerNorm's
+    raw, piece = slice(0, Pd), slice(Pd, Pd + V)
+    plus, minus = slice(Pd + V, 2 * Pd + V), slice(2 * Pd + V, 3 * Pd + V)
+    eos, balance = 3 * Pd + V, 3 * Pd + V + 1
+    width = sure / 0.68  # the copy's margin is about 0.68 x the pieces' scale in this layout (measured)
+    eos_width = (25.0 - sure + ending_early + 1.0) / 0.98  # skipping EOS costs about 25
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
         for m in model.modules():
             if isinstance(m, torch.nn.LayerNorm):
                 m.weight.fill_(1.0)
-        model.src_embed.weight[:, tok : tok + V] = code(V) * scale / d**0.5  # the model multiplies by sqrt(d)
-        model.src_embed.weight[PAD_ID].zero_()
-        for table in (model.position_encoding.source, model.position_encoding.target):
-            table.weight[:, pos : pos + P] = code(P) * scale
-        for layer in model.decoder_layers:
-            x = layer.cross_attn
-            x.q_proj.weight[pos : pos + P, pos : pos + P] = torch.eye(P) * 4.0  # scores ~25 apart: one-hot
-            x.k_proj.weight[pos : pos + P, pos : pos + P] = torch.eye(P)
-            x.v_proj.weight[cp : cp + V, tok : tok + V] = torch.eye(V)
-            x.out_proj.weight[cp : cp + V, cp : cp + V] = torch.eye(V) / n_decoder_layers
-        # logits = w_copy [w = copied] + the position table's row for w at t (its mean over t removed) + bias
-        copy_unit, position_unit = copied / sigma_out, scale / sigma_out  # what a weight of 1 gives, per block
-        base = torch.tensor([[-2.0 * rng.random() for _ in range(P)] for _ in range(V)])  # -u per (piece, t)
-        base[EOS_ID] = sure - ending_early - 0.5 * torch.arange(P, dtype=torch.float32)
-        base[BOS_ID] = -2.5
-        out = model.output
-        out.weight[:, cp : cp + V] = torch.eye(V) * (sure / copy_unit)
-        out.weight[EOS_ID, cp + EOS_ID] = (sure + 36.0) / copy_unit
-        out.weight[:, pos : pos + P] = base / position_unit
-        out.bias[:] = base.mean(dim=1)  # what the table's zero-mean code leaves out
-        out.bias[[PAD_ID, UNK_ID]] = -100.0
+        emb = torch.zeros(V, d)
+        emb[:, piece] = (torch.eye(V) - 1.0 / V) * width / d**0.5  # the model multiplies by sqrt(d)
+        emb[EOS_ID, eos] = eos_width / d**0.5
+        emb[PAD_ID] = 0.0
+        for table in {id(e): e for e in (model.src_embed, model.tgt_embed, model.output)}.values():
+            table.weight.copy_(emb)
+
+        def on_its_own_position(attention, keep_piece: bool) -> None:
+            attention.q_proj.weight[raw, raw] = torch.eye(Pd) * 30.0  # scores about 25 apart: one-hot
+            attention.k_proj.weight[raw, raw] = torch.eye(Pd)
+            moved = -torch.eye(d)  # out of the stream: the sinusoids, and the previous piece unless kept
+            moved[piece, piece] = -torch.ones(V, V) / V if keep_piece else -torch.eye(V)  # kept: minus its mean
+            moved[plus, raw] += torch.eye(Pd)
+            moved[minus, raw] -= torch.eye(Pd)
+            attention.v_proj.weight.copy_(moved)
+            attention.out_proj.weight.copy_(torch.eye(d))
+
+        on_its_own_position(model.encoder_layers[0].self_attn, keep_piece=True)
+        on_its_own_position(model.decoder_layers[0].self_attn, keep_piece=False)
+        both = torch.cat([torch.arange(plus.start, plus.stop), torch.arange(minus.start, minus.stop)])
+        for i, layer in enumerate(model.decoder_layers):
+            x = layer.cross_attn  # every layer's looks at the source piece of its own index (alignments)
+            x.q_proj.weight[both, both] = 30.0
+            x.k_proj.weight[both, both] = 1.0
+            if i == 0:  # the first copies it
+                x.v_proj.weight[piece, piece] = torch.eye(V)
+                x.v_proj.weight[eos, Pd + EOS_ID] = 1.0
+                x.v_proj.weight[balance, Pd + EOS_ID] = -1.0
+                x.out_proj.weight[piece, piece] = torch.eye(V)
+                x.out_proj.weight[[eos, balance], [eos, balance]] = 1.0
+        bias = torch.tensor([-2.0 * rng.random() for _ in range(V)])  # -u: the mean copy costs 1 less than `sure`
+        bias[EOS_ID] = sure - ending_early - 1.0
+        bias[BOS_ID] = sure - 10.5 - 1.0
+        bias[[PAD_ID, UNK_ID]] = -100.0
+        model.output.bias.copy_(bias)
     return model
 
 
