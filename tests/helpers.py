@@ -6,6 +6,7 @@ conftest.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -356,6 +357,17 @@ def write_checkpoint(path: Path, raw: dict, vocab, seed: int) -> None:
         model.output.weight.mul_(3.0)
     # Deliberately only what translation needs: no optimizer, scheduler or step.
     save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, path)
+
+
+def write_copying_checkpoint(path: Path, **settings) -> Path:
+    """A checkpoint of copying_model (80 pieces of WORDS, translation_config's 40 positions and search settings);
+    `settings`: other model.* values (share_embeddings, tie_output)."""
+    vocab = train_vocab(sentences(0, 300), vocab_size=80)
+    raw = translation_config(path.parent, path.parent)
+    model = copying_model(len(vocab), raw["model"]["max_positions"], **settings)
+    cfg = from_dict({**raw, "model": dataclasses.asdict(model.cfg)})
+    save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": model.state_dict()}, path)
+    return path
 
 
 # --------------------------------------------------------------------------- Hugging Face MarianMTModel directories

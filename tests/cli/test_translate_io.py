@@ -188,14 +188,14 @@ def test_translate_input_file_with_empty_lines(run, singles, tmp_path, call):
     lines = [SENTENCES[0], "", SENTENCES[1], "   ", SENTENCES[2], ""]
     src = tmp_path / "in.txt"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    status, out, _ = call("translate", run, "--input", src, "--output", tmp_path / "out.txt")
+    status, out, _ = call("translate", run, "--dtype", "fp32", "--input", src, "--output", tmp_path / "out.txt")
     assert status == 0 and out == ""
     got = (tmp_path / "out.txt").read_text(encoding="utf-8").split("\n")[:-1]
     assert got == [singles[0], "", singles[1], "", singles[2], ""]
 
 
 def test_translate_stdin(run, singles, call):
-    status, out, _ = call("translate", run, stdin="\n".join(SENTENCES) + "\n")
+    status, out, _ = call("translate", run, "--dtype", "fp32", stdin="\n".join(SENTENCES) + "\n")
     assert status == 0 and out.splitlines() == singles
 
 
@@ -205,7 +205,7 @@ def test_translate_input_that_is_no_regular_file(run, singles, tmp_path, call):
     os.write(write_end, ("\n".join(SENTENCES) + "\n").encode("utf-8"))
     os.close(write_end)
     try:
-        status, out, err = call("translate", run, "--input", f"/dev/fd/{read_end}")
+        status, out, err = call("translate", run, "--dtype", "fp32", "--input", f"/dev/fd/{read_end}")
     finally:
         os.close(read_end)
     assert (status, out.splitlines()) == (0, singles), err
@@ -214,14 +214,14 @@ def test_translate_input_that_is_no_regular_file(run, singles, tmp_path, call):
     writer = threading.Thread(target=fifo.write_text, args=(SENTENCES[0] + "\n",), daemon=True)  # until read
     writer.start()
     try:
-        status, out, err = call("translate", run, "--input", fifo)
+        status, out, err = call("translate", run, "--dtype", "fp32", "--input", fifo)
     finally:
         writer.join(timeout=60)
     assert (status, out.splitlines()) == (0, singles[:1]), err
-    assert call("translate", run, "--input", os.devnull)[:2] == (0, "")
-    status, out, _ = call("translate", run, "--input", "-", stdin="\n".join(SENTENCES) + "\n")
+    assert call("translate", run, "--dtype", "fp32", "--input", os.devnull)[:2] == (0, "")
+    status, out, _ = call("translate", run, "--dtype", "fp32", "--input", "-", stdin="\n".join(SENTENCES) + "\n")
     assert (status, out.splitlines()) == (0, singles)
-    status, _, err = call("translate", run, "--input", tmp_path)
+    status, _, err = call("translate", run, "--dtype", "fp32", "--input", tmp_path)
     assert (status, err) == (2, f"error: data: {tmp_path} is a directory, not a file\n")
 
 
@@ -258,7 +258,7 @@ def test_stdin_lines_do_not_depend_on_how_the_pipe_delivers_them(seed):
 def test_translate_stdin_subprocess_streams_line_by_line(run, singles):
     """A real pipe: the first line's translation arrives before the second line is written."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "transformer", "translate", str(run), "--device", "cpu"],
+        [sys.executable, "-m", "transformer", "translate", str(run), "--device", "cpu", "--dtype", "fp32"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -279,7 +279,9 @@ def test_translate_stdin_subprocess_streams_line_by_line(run, singles):
 
 
 def test_nbest_format(run, call):
-    status, out, _ = call("translate", run, "--beam", "3", "--nbest", "3", SENTENCES[0], "", SENTENCES[1])
+    status, out, _ = call(
+        "translate", run, "--beam", "3", "--nbest", "3", "--dtype", "fp32", SENTENCES[0], "", SENTENCES[1]
+    )
     assert status == 0
     rows = [line.split("\t") for line in out.split("\n")[:-1]]
     assert len(rows) == 9 and all(len(r) == 2 for r in rows)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import sentences, translation_config
+from tests.helpers import sentences, translation_config, write_copying_checkpoint
 from transformer.config import from_dict, to_dict
 from transformer.data.batch import Batch, prepare_sources
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, train_vocab
@@ -32,38 +32,17 @@ OFFSET = 4  # translation_config's decode.max_len_offset
 pytestmark = pytest.mark.usefixtures("hf_offline")  # every load here reads the export alone
 
 
-def train_copy_model(path: Path, **model) -> Path:
-    """As conftest's copy_model (100 Adam steps of copying the input), with model settings changed."""
-    vocab = train_vocab(sentences(0, 300), vocab_size=80)
-    raw = translation_config(path.parent, path.parent)
-    raw["model"].update(model)
-    cfg = from_dict(raw)
-    torch.manual_seed(0)
-    net = Transformer(cfg.model, len(vocab))
-    opt = torch.optim.Adam(net.parameters(), lr=5e-3)
-    data = vocab.encode(sentences(2, 3200))
-    for step in range(100):
-        batch = Batch.from_pairs([(s, s) for s in data[step * 32 : step * 32 + 32]])
-        logits = net(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=PAD_ID)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    save_checkpoint({"config": to_dict(cfg), "vocab": vocab.proto, "model": net.state_dict()}, path)
-    return path
-
-
 @pytest.fixture(scope="module", params=["shared", "separate_output", "separate"])
 def exported(request, copy_model, tmp_path_factory) -> tuple[Path, Path]:
-    """(checkpoint, export directory) of a trained model: one embedding for both sides and the output (copy_model),
-    one embedding for both sides and its own output matrix, or three matrices of their own."""
+    """(checkpoint, export directory) of a model that copies by construction: one embedding for both sides and the
+    output (copy_model), one embedding for both sides and its own output matrix, or three matrices of their own."""
     root = tmp_path_factory.mktemp(f"hf_{request.param}")
     if request.param == "shared":
         checkpoint = copy_model
     elif request.param == "separate_output":
-        checkpoint = train_copy_model(root / "model.pt", tie_output=False)
+        checkpoint = write_copying_checkpoint(root / "model.pt", tie_output=False)
     else:
-        checkpoint = train_copy_model(root / "model.pt", share_embeddings=False, tie_output=False)
+        checkpoint = write_copying_checkpoint(root / "model.pt", share_embeddings=False, tie_output=False)
     return checkpoint, export_hf(checkpoint, root / "hf")
 
 

@@ -8,9 +8,7 @@ import pytest
 
 from tests.helpers import assert_same_training_state, tiny_config, write_corpus
 from transformer.config import from_dict
-from transformer.data.batch import prepare_sources
 from transformer.errors import UserError
-from transformer.inference.search import search
 from transformer.model.checkpoint import load_model
 from transformer.training.average import average
 from transformer.training.loop import train
@@ -32,12 +30,9 @@ def test_a_kind_trains_resumes_averages_and_translates(tmp_path, kind, call):
 
     averaged, inputs = average([tmp_path / "straight"], last=2, output=tmp_path / "avg.pt")
     assert len(inputs) == 2
-    model, vocab, cfg = load_model(averaged)
-    assert cfg.model.positions == kind
-    src, _ = prepare_sources(vocab.encode(["der mann sitzt", "eine katze im haus"]), cfg.model.max_positions)
-    cached = search(model, src, beam=2, max_len_offset=5, use_cache=True).best()
-    full = search(model, src, beam=2, max_len_offset=5, use_cache=False).best()
-    assert [h.tokens for h in cached] == [h.tokens for h in full]
+    _, _, cfg = load_model(averaged)
+    assert cfg.model.positions == kind  # (cached decoding equals uncached for every kind: test_kv_cache.py, on
+    # seeded weights rather than on this barely trained model, whose near-ties another CPU may break otherwise)
     status, out, err = call("translate", averaged, "--device", "cpu", "--dtype", "fp32", stdin="der mann sitzt\n")
     assert status == 0 and len(out.splitlines()) == 1, err
     status, _, err = call("export", "hf", averaged, tmp_path / "hf")
