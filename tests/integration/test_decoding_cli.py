@@ -28,6 +28,22 @@ def test_sampling_top_k_1_prints_greedy_search_and_a_seed_repeats_a_run(run, cal
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ("--sample", "topk:5", "--temperature", "1e-39"),
+        ("--sample", "topp:0.9", "--temperature", "1e-300"),
+        ("--sample", "topp:1e-46"),
+    ],
+)
+def test_a_tiny_temperature_or_nucleus_prints_greedy_search(run, call, argv):
+    """Their limit: greedy search's translations, not a NaN distribution that ran past max_positions."""
+    status, greedy, err = call("translate", run, *SENTENCES, "--beam", "1", *FP32)
+    assert status == 0, err
+    status, sampled, err = call("translate", run, *SENTENCES, *argv, "--seed", "1", *FP32)
+    assert (status, sampled) == (0, greedy), err
+
+
+@pytest.mark.parametrize(
     "argv, message",
     [
         (("--sample", "topk:3", "--beam", "4"), "--sample draws each token; it cannot go with --beam 4"),

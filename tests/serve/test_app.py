@@ -751,6 +751,13 @@ def test_sampling_requests_are_seeded_and_equal_the_translator(client, translato
     assert isinstance(unseeded["seed"], int)  # a new one, in the answer so that the request can be repeated
 
 
+def test_a_tiny_temperature_or_nucleus_answers_greedy_search(client):
+    greedy = post(client, "/translate", {"text": SENTENCES[:3], "beam": 1})["translations"]
+    for asked in ({"sample": "topk:5", "temperature": 1e-39}, {"sample": "topp:1e-46"}):
+        sampled = post(client, "/translate", {"text": SENTENCES[:3], **asked, "seed": 1})["translations"]
+        assert [t["text"] for t in sampled] == [t["text"] for t in greedy]
+
+
 def test_requests_that_differ_only_in_their_seeds_share_a_search_and_get_their_own_samples(run, translator):
     settings = replace(SETTINGS, batch_window_ms=1500)
     with TestClient(create_app(Service(run, settings, "cpu", SearchFlags(dtype="fp32")))) as c:

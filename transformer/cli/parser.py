@@ -591,7 +591,7 @@ SEARCH_HELP = {
     "--sample": "sample instead of searching: topk:K draws each token from the K most probable, topp:P from the "
     "fewest whose probabilities add up to P (nucleus); --nbest N gives N samples per line, best first",
     "--temperature": "with --sample: draw from p^(1/T), renormalised (default 1: the model's own; lower is more "
-    "conservative)",
+    "conservative, and near 0 greedy search)",
     "--seed": "with --sample: the random seed (default: a new one each run, printed on stderr); a sentence's "
     "samples depend only on the seed and the sentence, not on its batch",
 }
