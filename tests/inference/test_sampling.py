@@ -3,6 +3,7 @@ mates, and on a toy model the first token's sampled frequencies match the distri
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -184,3 +185,22 @@ def test_a_tiny_temperature_or_nucleus_samples_as_its_limit_greedy_search(peaky,
             assert [(h.tokens, h.score) for h in hyps] == [(best.tokens, best.score)] * 2
         probs = sampler.distribution(torch.log_softmax(torch.randn(5, VOCAB, dtype=torch.float64) * 3, 1).float())
         assert torch.isfinite(probs).all() and probs.max(dim=1).values.eq(1).all()
+
+
+def test_top_k_1_takes_greedy_searchs_token_among_exact_ties(peaky):
+    """Two tokens with the same output row tie at every step (as bf16's few bits make ties common): top-k 1 is
+    greedy search itself, which takes the first, whatever the seed; drawing among the ties took either."""
+    model = copy.deepcopy(peaky)
+    src = as_batch(make_sources(11))
+    firsts = [h.tokens[0] for h in search(model, src, beam=1, lenpen=0.6, max_len_offset=10).best()]
+    with torch.no_grad():
+        twins = iter(t for t in range(4, VOCAB) if t not in firsts)
+        for token in set(firsts):  # each token a sentence starts with gets a twin with the same logit
+            twin = next(twins)
+            model.output.weight[twin] = model.output.weight[token]
+            if model.output.bias is not None:
+                model.output.bias[twin] = model.output.bias[token]
+    greedy = search(model, src, beam=1, lenpen=0.6, max_len_offset=10).best()
+    for seed in range(8):
+        sampled = sample_search(model, src, Sampler("topk", 1, 1.0, seed), 2, 0.6, 10)
+        assert [[h.tokens for h in hyps] for hyps in sampled.hypotheses] == [[h.tokens] * 2 for h in greedy]

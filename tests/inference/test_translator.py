@@ -187,6 +187,21 @@ def test_translate_says_which_dtype_auto_picked(run, call, cpu_with_bf16_flags):
     assert status == 0 and err.startswith("warning:") and "emulated" in err  # unless it is a slow choice
 
 
+def test_sampling_auto_dtype_is_fp32_even_where_bf16_is_native(copy_model, cpu_with_bf16_flags):
+    """In bf16 a seeded sentence's samples depend on its batch: sampling's auto is fp32, said on stderr; an
+    explicit bf16 is kept, with a warning that its samples may change with the batching."""
+    cpu_with_bf16_flags(["amx_bf16"])
+    cpu = torch.device("cpu")
+    assert pick_dtype("auto", cpu)[0] == "bf16"  # the fixture at work: search's auto is bf16 here
+    assert pick_dtype("auto", cpu, sampling=True) == ("fp32", translate.SAMPLING_DTYPE)
+    sampling = Translator(copy_model, "cpu", SearchFlags(dtype="auto", sample="topk:5", seed=1))
+    assert sampling.settings.dtype == "fp32" and next(sampling.model.parameters()).dtype == torch.float32
+    assert f"dtype: fp32 ({translate.SAMPLING_DTYPE})" in sampling.note
+    explicit = Translator(copy_model, "cpu", SearchFlags(dtype="bf16", sample="topk:5", seed=1))
+    assert explicit.settings.dtype == "bf16" and translate.SAMPLING_IN.format(dtype="bf16") in explicit.note
+    assert "sampling in" not in (Translator(copy_model, "cpu", SearchFlags(dtype="bf16")).note or "")
+
+
 @pytest.mark.parametrize("beam", [1, 3])
 def test_bf16_translations_are_close_to_fp32(copy_model, beam):
     fp32 = Translator(copy_model, "cpu", SearchFlags(beam=beam)).translate(LINES)

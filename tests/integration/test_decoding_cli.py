@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.helpers import SENTENCES
+from tests.helpers import SENTENCES, sentences
 
 FP32 = ("--dtype", "fp32")
 
@@ -25,6 +25,37 @@ def test_sampling_top_k_1_prints_greedy_search_and_a_seed_repeats_a_run(run, cal
     ]
     assert runs[0][0] == 0 and runs[0][1] == runs[1][1] and len(runs[0][1].splitlines()) == 9
     assert "sampling with seed" not in runs[0][2]
+
+
+@pytest.mark.parametrize("dtype", [FP32, ()], ids=["fp32", "auto"])
+def test_a_seeded_sentences_samples_do_not_depend_on_the_batching(
+    run, call, tmp_path, two_threads, cpu_with_bf16_flags, dtype
+):
+    """Other --max-tokens and --workers, the same samples, in fp32 and in auto on a CPU that seems to have native
+    bf16 (auto is fp32 when sampling: bf16's draws depend on the batch's shape)."""
+    cpu_with_bf16_flags(["amx_bf16"])
+    source = tmp_path / "in.txt"
+    source.write_text("".join(s + "\n" for s in sentences(3, 40)), encoding="utf-8")
+    sampled = [
+        call("translate", run, "--input", source, "--sample", "topp:0.9", "--seed", "7", "--nbest", "2", *dtype, *more)
+        for more in ((), ("--max-tokens", "40", "--workers", "1"), ("--max-tokens", "40", "--workers", "2"))
+    ]
+    assert all(status == 0 for status, _, _ in sampled), sampled[0][2]
+    lines = [[line.split("\t") for line in out.splitlines()] for _, out, _ in sampled]
+    assert len(lines[0]) == 80
+    for other in lines[1:]:  # the same samples; their scores to float rounding (a sum's order follows the batch)
+        assert [text for _, text in other] == [text for _, text in lines[0]]
+        assert all(abs(float(a) - float(b)) < 1e-3 for (a, _), (b, _) in zip(other, lines[0]))
+    if not dtype:
+        assert "dtype: fp32 (auto: fp32 when sampling" in sampled[0][2]
+
+
+def test_top_k_1_prints_greedy_search_in_bf16_too(run, call):
+    status, greedy, err = call("translate", run, *SENTENCES, "--beam", "1", "--dtype", "bf16")
+    assert status == 0, err
+    status, sampled, err = call("translate", run, *SENTENCES, "--sample", "topk:1", "--dtype", "bf16")
+    assert (status, sampled) == (0, greedy), err
+    assert "warning: sampling in bf16" in err
 
 
 @pytest.mark.parametrize(

@@ -580,8 +580,8 @@ SEARCH_HELP = {
     "--dtype": "number format: fp32 (on CUDA full fp32, TF32 tensor cores off, as in torch's default: exact but "
     "several times slower than bf16 there); bf16 (fast on CUDA and on CPUs with avx512_bf16/amx_bf16, "
     "emulated and slow elsewhere); int8 (CPU: linear layers quantized, faster at a small cost in "
-    "accuracy); auto (default): bf16 where it is native, else fp32, printed on stderr. `evaluate` "
-    "measures what a choice costs",
+    "accuracy); auto (default): bf16 where it is native, else fp32, printed on stderr; with --sample fp32 "
+    "(in bf16 a sentence's samples would depend on its batch). `evaluate` measures what a choice costs",
     "--int8": "the same as --dtype int8",
     "--engine": "ours (PyTorch search, default) or ctranslate2: the checkpoint is converted once (kept in "
     "CHECKPOINT_DIR/ct2/, rebuilt when the checkpoint changes) and run by CTranslate2 (pip install "

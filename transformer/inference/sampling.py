@@ -17,7 +17,8 @@ What it guarantees:
   sample's number, the step), not from a generator shared by a batch. So a seeded run repeats itself, and a
   sentence's samples do not depend on its batch mates, the batch size or the order of the input (as its
   outputs do not: up to float rounding, which can move a probability across a drawn number in the last bits).
-  Two identical source lines get the same samples.
+  Two identical source lines get the same samples. In fp32: bf16's numbers depend on the batch's shape, and
+  with them the draws, so `--dtype auto` is fp32 when sampling (translator.pick_dtype).
 """
 
 from __future__ import annotations

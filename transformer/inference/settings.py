@@ -43,7 +43,8 @@ __all__ = [
 
 # The allowed values, each defined once. Stop rules: config.py (decode.stop is checked against them there, and
 # config.py imports nothing above it). Number formats and engines: here, since no config key holds them.
-Dtype = Literal["auto", "fp32", "bf16", "int8"]  # auto: bf16 where it is native, else fp32 (translator.pick_dtype)
+# auto: bf16 where it is native, else fp32; fp32 when sampling (translator.pick_dtype)
+Dtype = Literal["auto", "fp32", "bf16", "int8"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 Engine = Literal["ours", "ctranslate2"]
 ENGINES: tuple[str, ...] = typing.get_args(Engine)

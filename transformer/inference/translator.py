@@ -42,13 +42,15 @@ TRUNCATION_WARNINGS = 5  # lines named one by one before the rest are only count
 MAX_LINE_CHARS = 1 << 20
 
 
-def pick_dtype(name: str, device: torch.device, engine: str = "ours") -> tuple[str, str]:
+def pick_dtype(name: str, device: torch.device, engine: str = "ours", sampling: bool = False) -> tuple[str, str]:
     """-> (fp32|bf16|int8, why). "auto" takes the fastest that keeps BLEU: bf16 on a CUDA device that supports
     it and on a CPU with native bf16, else fp32 (int8 is never chosen for you: it changes more outputs). For
-    CTranslate2, bf16 only where CTranslate2 itself computes it on the device (its CPU builds do not). `name` is
-    one of settings.DTYPES (SearchFlags checked it)."""
+    CTranslate2, bf16 only where CTranslate2 itself computes it on the device (its CPU builds do not). Our
+    engine's sampling takes fp32 (SAMPLING_DTYPE). `name` is one of settings.DTYPES (SearchFlags checked it)."""
     if name != "auto":
         return name, "asked for"
+    if sampling and engine == "ours":
+        return "fp32", SAMPLING_DTYPE
     if engine == "ctranslate2":
         from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES, require_ctranslate2
 
@@ -56,6 +58,18 @@ def pick_dtype(name: str, device: torch.device, engine: str = "ours") -> tuple[s
             return "bf16", f"auto: CTranslate2 computes bf16 on this {device.type}"
         return "fp32", f"auto: CTranslate2 has no bf16 on this {device.type}"
     return auto_precision(device)
+
+
+# Why sampling's auto is fp32: in bf16 a row's log-probabilities depend on the shape of its batch (the kernels' blocking
+# and sums change with it), and a draw near a boundary moves with them: a seeded sentence drew other samples under
+# another --max-tokens or --workers (18 of 60 lines agreed; fp32: 60 of 60), which a resumed back-translation cannot
+# have. CTranslate2's samples depend on the batch anyway (its random stream): its auto is unchanged.
+SAMPLING_DTYPE = "auto: fp32 when sampling, so that a sentence's samples do not depend on its batch"
+# An explicit reduced precision with sampling is kept (the speed may be worth it where nothing is resumed) and said.
+SAMPLING_IN = (
+    "warning: sampling in {dtype}: a sentence's samples may change with its batch (--max-tokens, --workers, the "
+    "other lines); --dtype fp32 draws the same samples however the input is batched"
+)
 
 
 def search_workers(workers: int, device) -> int:
@@ -274,7 +288,7 @@ class Translator:
         engine = flags.engine or SearchSettings.engine
         if engine == "ctranslate2" and len(checkpoints) > 1:
             raise UserError("an ensemble runs on --engine ours only: CTranslate2 searches one model at a time")
-        dtype, why = pick_dtype(flags.dtype or SearchSettings.dtype, self.device, engine)
+        dtype, why = pick_dtype(flags.dtype or SearchSettings.dtype, self.device, engine, flags.sample is not None)
         models, vocabs = [], []
         for path in checkpoints:
             state = load_checkpoint(resolve_checkpoint(path))
@@ -300,6 +314,8 @@ class Translator:
                 "warning: this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 runs emulated, "
                 "much slower than fp32"
             ]
+        if flags.sample is not None and engine == "ours" and dtype != "fp32":
+            notes.append(SAMPLING_IN.format(dtype=dtype))
         if engine == "ctranslate2" and flags.stop == "exact":  # asked for, not the checkpoint's default
             notes.append("warning: --stop exact does not apply to --engine ctranslate2, which stops like --stop early")
         if self.settings.sample is not None and self.settings.seed is None:
