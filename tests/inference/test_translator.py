@@ -408,6 +408,28 @@ def test_two_workers_find_what_one_search_finds_in_input_order(run, two_threads,
     assert len({tuple(hyps[0].tokens) for hyps in two}) > 5  # different outputs: a mix-up of order would show
 
 
+def test_a_batch_of_sources_times_their_samples_stays_within_max_tokens(run, monkeypatch):
+    """Sampling searches each source as N rows: a batch's sources x N x its longest (with EOS) is within
+    --max-tokens, whatever N (a source alone aside)."""
+    model, vocab, _ = load_model(run)
+    src_ids = vocab.encode(sentences(4, 40))
+    seen = []
+    real = translate.sample_search
+
+    def recording(model, src, sampler, samples, *args, **kwargs):
+        seen.append((src.size(0), src.size(0) * samples * src.size(1)))
+        return real(model, src, sampler, samples, *args, **kwargs)
+
+    monkeypatch.setattr(translate, "sample_search", recording)
+    for nbest in (1, 4, 16):
+        seen.clear()
+        settings = SearchSettings(beam=1, sample="topk:5", seed=1, nbest=nbest, max_tokens=160, workers=1)
+        found = search_ids(model, src_ids, settings, "cpu")
+        assert len(seen) > 1 and all(tokens <= 160 or rows == 1 for rows, tokens in seen)
+        assert all(len(hyps) == nbest for hyps in found)
+    assert max(rows for rows, _ in seen) > 1  # a test of several sources a batch even at 16 samples
+
+
 def test_thread_count_is_given_back_to_the_caller_and_to_later_threads(run, two_threads):
     model, vocab, _ = load_model(run)
     search_ids(model, vocab.encode(LINES), greedy(workers=2), "cpu")

@@ -340,6 +340,8 @@ def test_settings_are_checked():
         ServeSettings(max_chars=0)
     with pytest.raises(Exception, match="--batch-window-ms"):
         ServeSettings(batch_window_ms=-1)
+    with pytest.raises(Exception, match="^--max-samples must be at most 16, got 17$"):  # translate's bound too
+        ServeSettings(max_samples=17)
 
 
 # ----------------------------------------------------------------------------- attention, beam, positions, info

@@ -16,7 +16,13 @@ from typing import NoReturn
 from transformer.cli import commands
 from transformer.config import POSITION_KINDS
 from transformer.errors import UserError
-from transformer.inference.settings import DTYPES, ENGINES, LENPEN_KINDS, STOP_RULES  # no torch: --help stays fast
+from transformer.inference.settings import (  # no torch: --help stays fast
+    DTYPES,
+    ENGINES,
+    LENPEN_KINDS,
+    MAX_SAMPLES,
+    STOP_RULES,
+)
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -266,7 +272,8 @@ def _add_translate(sub) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam; with --sample, N samples)",
+        help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam; with --sample, N samples, "
+        f"N <= {MAX_SAMPLES})",
     )
     _add_checkpoints(p)
     _add_line_options(p)
@@ -390,9 +397,10 @@ def _add_request_limits(p) -> None:
     p.add_argument(
         "--max-samples",
         type=int,
-        default=16,
+        default=MAX_SAMPLES,
         metavar="N",
-        help="most samples per sentence a sampling request may ask for (its nbest; default 16)",
+        help=f"most samples per sentence a sampling request may ask for (its nbest; default and at most {MAX_SAMPLES}, "
+        "as for translate --nbest)",
     )
     p.add_argument(
         "--max-constraints",

@@ -187,7 +187,7 @@ def search_batches(
     batches (source_batches). Input that fits one batch is searched in the calling thread on all threads:
     one sentence is not slower for it. `options`: per source, what it asks beyond the settings (run_search)."""
     workers = search_workers(settings.workers, device)
-    batches = source_batches(src_ids, model.cfg.max_positions, settings.max_tokens, workers)
+    batches = source_batches(src_ids, model.cfg.max_positions, settings.max_tokens, workers, settings.rows_per_source)
 
     def run(batch: list[int]) -> SearchResult:
         src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions, model.specials)  # (B, S)
