@@ -19,6 +19,7 @@ from transformer.device import (
     cpu_description,
     mkl_without_avx512,
 )
+from transformer.errors import UserError
 from transformer.inference import translator as translate
 from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator, pick_dtype, search_ids, search_workers, translate_ids
@@ -185,6 +186,24 @@ def test_translate_says_which_dtype_auto_picked(run, call, cpu_with_bf16_flags):
     cpu_with_bf16_flags([])
     status, _, err = call("translate", run, "--device", "cpu", "--dtype", "bf16", SENTENCES[0])
     assert status == 0 and err.startswith("warning:") and "emulated" in err  # unless it is a slow choice
+
+
+def test_text_the_vocabulary_lacks_is_named_from_the_ids_whichever_model_split_them(run):
+    vocab = load_model(run)[1]
+    assert translate.lacking(vocab, "the dog", vocab.encode(["the dog"])[0]) is None
+    text = "the 東京 dog 東 ﬁ"  # a character twice is named once; NFKC's "fi" is spelled by f and i
+    assert translate.lacking(vocab, text, vocab.encode([text])[0]) == "characters the vocabulary lacks: '東', '京'"
+    # Only the ids are read: an <unk> among pieces that spell every character is a piece the ids lack.
+    ids = vocab.encode(["the dog"])[0]
+    assert translate.lacking(vocab, "the dog", ids + [vocab.specials.unk]) == "pieces the vocabulary has no id for"
+    many = "".join(chr(0x4E00 + i) for i in range(12))
+    assert translate.lacking(vocab, many, vocab.encode([many])[0]).endswith("'三' and 2 more")
+    translator = Translator(run, "cpu", SearchFlags(dtype="fp32"))
+    with pytest.raises(UserError, match=r"^the prefix of input line 7 has characters the vocabulary lacks: '€' \("):
+        translator.sentence_options(2, ["the", "a €"], first_line=5)
+    with pytest.raises(UserError, match=r"^the constraint '€' of input line 1 has characters"):
+        translator.sentence_options(1, constraints=[["dog", "€"]])
+    assert translator.sentence_options(1, ["the dog"], [["red"]])[0].constraints
 
 
 def test_sampling_auto_dtype_is_fp32_even_where_bf16_is_native(copy_model, cpu_with_bf16_flags):

@@ -147,3 +147,36 @@ def test_constraints_go_with_beam_search_and_our_engine(run, call, tmp_path):
         status == 2
         and err == "error: translate: --engine ctranslate2 has no terminology constraints; use --engine ours\n"
     )
+
+
+@pytest.mark.parametrize(
+    "flag, text, message",
+    [
+        (
+            "--prefix-file",
+            "the dog\n\nthe 東京 dog\n",
+            "the prefix of input line 3 has characters the vocabulary lacks: '東', '京'",
+        ),
+        (
+            "--constraints-file",
+            "dog\n€\n\n",
+            "the constraint '€' of input line 2 has characters the vocabulary lacks: '€'",
+        ),
+    ],
+)
+def test_a_prefix_or_constraint_the_vocabulary_cannot_spell_is_refused_before_anything_is_written(
+    run, call, tmp_path, flag, text, message
+):
+    """Not forced as <unk> (⁇ in the output, and "met"): refused in one line naming the characters, whether the
+    input comes as arguments, a file or stdin, and --output is never begun."""
+    line_file, source, output = tmp_path / "lines.txt", tmp_path / "in.txt", tmp_path / "out.txt"
+    line_file.write_text(text, encoding="utf-8")
+    source.write_text("".join(s + "\n" for s in SENTENCES), encoding="utf-8")
+    for argv, stdin in (
+        ((*SENTENCES,), None),
+        (("--input", source, "--output", output), None),
+        ((), source.read_text()),
+    ):
+        status, out, err = call("translate", run, *argv, flag, line_file, *FP32, stdin=stdin)
+        assert (status, out) == (2, "") and err.startswith(f"error: {message} (") and err.count("\n") == 1, err
+    assert not output.exists() and not (tmp_path / "out.txt.partial").exists()

@@ -310,6 +310,20 @@ BAD = [
     ("post", "/translate", {"json": {"text": ["ein", "zwei"], "prefix": ["a"]}}, 422, "prefix must have one item per"),
     ("post", "/translate", {"json": {"text": ["ein"], "prefix": ["the " * 50]}}, 422, "pieces long; the limit is 38"),
     ("post", "/translate", {"json": {"text": ["ein"], "constraints": [["a"] * 9]}}, 422, "9 constraints for one"),
+    (
+        "post",
+        "/translate",
+        {"json": {"text": ["ein", "zwei"], "prefix": ["", "der 東京"]}},
+        422,
+        "the prefix of sentence 1 has characters the vocabulary lacks: '東', '京'",
+    ),
+    (
+        "post",
+        "/translate",
+        {"json": {"text": ["ein"], "constraints": [["hund", "€"]]}},
+        422,
+        "the constraint '€' of sentence 0 has characters the vocabulary lacks: '€'",
+    ),
     ("post", "/translate", {"json": {"text": ["ein"], "constraints": [[5]]}}, 422, "constraints.0.0"),
     ("post", "/translate", {"json": {"text": ["ein"], "constraints": [["x" * 399]]}}, 413, "characters"),
     (

@@ -10,7 +10,8 @@ import contextlib
 import math
 import random
 import sys
-from collections.abc import Iterator, Sequence
+import unicodedata
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -240,6 +241,38 @@ def translate_ids(model, src_ids: list[list[int]], settings: SearchSettings, dev
     return [hyps[0].tokens for hyps in search_ids(model, src_ids, replace(settings, nbest=1), device)]
 
 
+SHOWN_LACKING = 10  # characters a refusal names before it counts the rest
+
+
+def lacking(vocab, text: str, ids: Sequence[int]) -> str | None:
+    """What of `text` the vocabulary lacks, where `ids`, its encoding (by whichever side's model), hold the unknown
+    piece: the characters that none of its other pieces spell, quoted, or a phrase for pieces whose characters are
+    all spelled elsewhere (a piece the id list lacks); None when no id is unknown. Reads only the ids and the text,
+    not which model split them."""
+    unk = vocab.specials.unk
+    if unk not in ids:
+        return None
+    spelled = set(vocab.decode([[i for i in ids if i != unk]])[0])
+    # SentencePiece normalises (NFKC) before it splits: a character counts as spelled if its normal form is.
+    missing = [
+        c
+        for c in dict.fromkeys(text)
+        if not c.isspace() and not set(unicodedata.normalize("NFKC", c)) <= spelled | {" "}
+    ]
+    if not missing:
+        return "pieces the vocabulary has no id for"
+    more = f" and {len(missing) - SHOWN_LACKING} more" if len(missing) > SHOWN_LACKING else ""
+    return "characters the vocabulary lacks: " + ", ".join(map(repr, missing[:SHOWN_LACKING])) + more
+
+
+def refuse_lacking(vocab, text: str, ids: Sequence[int], what: str) -> None:
+    """A forced prefix or a constraint (`what`) with text the vocabulary lacks, refused in one line: that text would
+    be forced as the unknown piece, printed as ⁇, and a constraint of it counted as met."""
+    problem = lacking(vocab, text, ids)
+    if problem is not None:
+        raise UserError(f"{what} has {problem} (they would be <unk>, printed as ⁇); remove or replace them")
+
+
 def _one_line(text: str) -> str:
     # A subword may hold a line break (the vocabulary saw any character but '\n'): keep one line per input.
     return " ".join(text.splitlines()) if ("\n" in text or "\r" in text) else text
@@ -457,25 +490,34 @@ class Translator:
         prefixes: Sequence[str] | None = None,
         constraints: Sequence[Sequence[str]] | None = None,
         first_line: int = 0,
+        warn: bool = True,
+        where: Callable[[int], str] | None = None,
     ) -> list[SentenceOptions] | None:
         """What `count` sentences ask beyond the settings, from text: per sentence a target prefix ("" = none) and
         target phrases, encoded into pieces (None: no sentence asks anything). A prefix longer than
-        model.max_positions - 2 pieces is cut there, with a warning naming its line (first_line + 1 onwards)."""
+        model.max_positions - 2 pieces is cut there, with a warning naming its line (first_line + 1 onwards;
+        warn=False: none). A prefix or phrase with text the vocabulary lacks is refused (UserError, naming it:
+        `where(i)`, by default "input line N")."""
         if not prefixes and not constraints:
             return None
+        where = where or (lambda i: f"input line {first_line + i + 1}")
         limit = source_limit(self.cfg.model.max_positions)
         prefix_ids = self.vocab.encode([p if p.strip() else "" for p in prefixes]) if prefixes else [[]] * count
-        for i, ids in enumerate(prefix_ids):
-            if len(ids) > limit:
+        for i, (text, ids) in enumerate(zip(prefixes or [""] * count, prefix_ids)):
+            refuse_lacking(self.vocab, text, ids, f"the prefix of {where(i)}")
+            if warn and len(ids) > limit:
                 print(
-                    f"warning: the prefix of input line {first_line + i + 1} has {len(ids)} pieces; only the first "
+                    f"warning: the prefix of {where(i)} has {len(ids)} pieces; only the first "
                     f"{limit} are forced (model.max_positions - 2)",
                     file=sys.stderr,
                 )
         phrases = []
-        for line in constraints or [[]] * count:
+        for i, line in enumerate(constraints or [[]] * count):
             texts = [p for p in line if p.strip()]
-            phrases.append(tuple(tuple(ids) for ids in self.vocab.encode(texts) if ids) if texts else ())
+            encoded = self.vocab.encode(texts) if texts else []
+            for text, ids in zip(texts, encoded):
+                refuse_lacking(self.vocab, text, ids, f"the constraint {text!r} of {where(i)}")
+            phrases.append(tuple(tuple(ids) for ids in encoded if ids))
         return [SentenceOptions(tuple(p[:limit]), c) for p, c in zip(prefix_ids, phrases)]
 
     def translations(

@@ -330,7 +330,12 @@ class Service:
             for i, ids in enumerate(self.vocab.encode([p if p.strip() else "" for p in body.prefix or []])):
                 if len(ids) > limit:
                     raise ApiError(422, f"prefix {i} is {len(ids)} pieces long; the limit is {limit}")
-            options = self.translator.sentence_options(len(lines), body.prefix, body.constraints)
+            try:
+                options = self.translator.sentence_options(
+                    len(lines), body.prefix, body.constraints, where=lambda i: f"sentence {i}"
+                )
+            except UserError as e:  # text the vocabulary lacks
+                raise ApiError(422, str(e)) from None
         if seed is not None:
             options = [replace(o, seed=seed) for o in options or [SentenceOptions()] * len(lines)]
         return options
