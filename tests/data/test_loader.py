@@ -241,3 +241,15 @@ def test_long_pairs_are_sorted_like_lexsort_and_batched_within_budget():
     batches = make_batches(src_len, tgt_len, 8192, seed=0, epoch=0)
     for b in as_lists(batches):
         assert len(b) * int(size[b].max()) <= 8192 or len(b) == 1
+
+
+def test_source_batches_count_each_sources_rows():
+    """A source searched as `rows` rows (its samples) counts rows x (length + EOS) tokens against max_tokens."""
+    from transformer.data.loader import source_batches
+
+    src_ids = [[5] * n for n in (3, 9, 4, 0, 7, 2, 8, 5)]
+    for rows in (1, 4):
+        batches = source_batches(src_ids, 64, 80, rows=rows)
+        assert sorted(i for b in batches for i in b) == [0, 1, 2, 4, 5, 6, 7]  # the empty source is never searched
+        assert all(len(b) * rows * max(len(src_ids[i]) + 1 for i in b) <= 80 for b in batches)
+    assert len(source_batches(src_ids, 64, 80, rows=4)) > len(source_batches(src_ids, 64, 80))

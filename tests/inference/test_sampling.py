@@ -3,6 +3,7 @@ mates, and on a toy model the first token's sampled frequencies match the distri
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -161,3 +162,45 @@ def test_the_random_numbers_and_the_draw():
     assert draw(probs, torch.tensor([0.49, 0.99])).tolist() == [1, 2]
     assert draw(probs, torch.tensor([0.5, 0.2])).tolist() == [3, 2]
     assert draw(probs, torch.tensor([math.nextafter(1.0, 0.0)] * 2, dtype=torch.float64)).tolist() == [3, 2]
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        Sampler("topk", 8, 1e-39, seed=1),  # log p / T overflowed to -inf: every row NaN
+        Sampler("topk", VOCAB, 1e-300, seed=2),  # below float32's smallest: 0 there
+        Sampler("topp", 1e-46, 1.0, seed=3),  # 0 in float32: the nucleus was empty
+        Sampler("topp", 0.9, 1e-45, seed=4),
+    ],
+    ids=["t1e-39", "t1e-300", "p1e-46", "p0.9-t1e-45"],
+)
+def test_a_tiny_temperature_or_nucleus_samples_as_its_limit_greedy_search(peaky, flat, sampler):
+    """T -> 0 and P -> 0 leave the most probable token alone: greedy search's tokens and scores (fp32, no ties
+    in these models), never a NaN distribution that never draws the forced EOS and runs past max_positions."""
+    for model in (peaky, flat):
+        src = as_batch(make_sources(11))
+        greedy = search(model, src, beam=1, lenpen=0.6, max_len_offset=100)
+        sampled = sample_search(model, src, sampler, 2, 0.6, 100)
+        for hyps, best in zip(sampled.hypotheses, greedy.best()):
+            assert [(h.tokens, h.score) for h in hyps] == [(best.tokens, best.score)] * 2
+        probs = sampler.distribution(torch.log_softmax(torch.randn(5, VOCAB, dtype=torch.float64) * 3, 1).float())
+        assert torch.isfinite(probs).all() and probs.max(dim=1).values.eq(1).all()
+
+
+def test_top_k_1_takes_greedy_searchs_token_among_exact_ties(peaky):
+    """Two tokens with the same output row tie at every step (as bf16's few bits make ties common): top-k 1 is
+    greedy search itself, which takes the first, whatever the seed; drawing among the ties took either."""
+    model = copy.deepcopy(peaky)
+    src = as_batch(make_sources(11))
+    firsts = [h.tokens[0] for h in search(model, src, beam=1, lenpen=0.6, max_len_offset=10).best()]
+    with torch.no_grad():
+        twins = iter(t for t in range(4, VOCAB) if t not in firsts)
+        for token in set(firsts):  # each token a sentence starts with gets a twin with the same logit
+            twin = next(twins)
+            model.output.weight[twin] = model.output.weight[token]
+            if model.output.bias is not None:
+                model.output.bias[twin] = model.output.bias[token]
+    greedy = search(model, src, beam=1, lenpen=0.6, max_len_offset=10).best()
+    for seed in range(8):
+        sampled = sample_search(model, src, Sampler("topk", 1, 1.0, seed), 2, 0.6, 10)
+        assert [[h.tokens for h in hyps] for hyps in sampled.hypotheses] == [[h.tokens] * 2 for h in greedy]

@@ -14,7 +14,9 @@ from transformer.inference.search import (
     Rules,
     SearchResult,
     _beam_search,
+    greedy_search,
     length_penalty,
+    max_lengths,
     new_decoder,
     search,
 )
@@ -546,3 +548,17 @@ def test_a_prefix_longer_than_the_length_limit_raises_it(forced):
         found = search(forced, as_batch(sources), beam, 0.6, 1, prefixes=prefixes)
         assert [h.tokens[:9] for h in found.best()][0] == [5] * 9
         assert [len(h.tokens) for h in found.best()] == [9, 4, 4]
+
+
+def test_a_row_at_its_limit_ends_whatever_its_pick_chose(peaky):
+    """The forced EOS at the limit is taken even from a pick that never chooses it (as a sampled distribution
+    gone NaN once drew anything), so no output runs past model.max_positions."""
+
+    def never_eos(lprobs, t, rows):
+        return lprobs[:, 5], torch.full((lprobs.size(0),), 5)
+
+    src = as_batch(make_sources(19, n=3))
+    for offset in (2, 500):
+        found = greedy_search(peaky, src, Rules(0.0), offset, pick=never_eos)
+        limits = max_lengths(peaky, src, offset).tolist()
+        assert [h.tokens for h in found.best()] == [[5] * n for n in limits]

@@ -161,6 +161,13 @@ def test_what_only_the_combination_or_the_model_can_tell():
     SearchFlags(beam=2, nbest=3)  # the beam used may be another: settled by search_settings
     with pytest.raises(UserError, match=r"^--nbest \(5\) cannot exceed the beam size \(4\)"):
         search_settings(DecodeConfig(beam=4), SearchFlags(nbest=5))
+    message = r"^--nbest with --sample draws at most 16 samples per sentence, got 1000000; for more, run again with"
+    for make in (SearchFlags, SearchSettings):  # before a checkpoint loads, and in what serve and a library make
+        with pytest.raises(UserError, match=message):
+            make(sample="topk:5", nbest=1_000_000)
+        make(sample="topp:0.9", nbest=settings_module.MAX_SAMPLES)
+    with pytest.raises(UserError, match=message):
+        dataclasses.replace(SearchSettings(sample="topk:5"), nbest=1_000_000)
     with pytest.raises(UserError, match=r"^beam must be at most the vocabulary size \(80 pieces\), got 81$"):
         search_settings(DecodeConfig(), SearchFlags(beam=81), vocab_size=80)
     assert search_settings(DecodeConfig(), SearchFlags(beam=80), vocab_size=80).beam == 80
@@ -172,6 +179,12 @@ CLI_BAD = [
     ("--max-tokens", "0", "--max-tokens must be at least 1, got 0"),
     ("--workers", "0", "--workers must be at least 1, got 0"),
 ]
+
+
+def test_translate_refuses_more_samples_than_the_bound_before_it_reads_the_checkpoint(call, tmp_path):
+    status, out, err = call("translate", tmp_path / "nowhere", "x", "--sample", "topk:5", "--nbest", "1000000")
+    assert (status, out) == (2, "")
+    assert err.startswith("error: --nbest with --sample draws at most 16 samples per sentence, got 1000000")
 
 
 @pytest.mark.parametrize("verb", SEARCH_VERBS)

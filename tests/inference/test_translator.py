@@ -19,6 +19,7 @@ from transformer.device import (
     cpu_description,
     mkl_without_avx512,
 )
+from transformer.errors import UserError
 from transformer.inference import translator as translate
 from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator, pick_dtype, search_ids, search_workers, translate_ids
@@ -186,6 +187,39 @@ def test_translate_says_which_dtype_auto_picked(run, call, cpu_with_bf16_flags):
     cpu_with_bf16_flags([])
     status, _, err = call("translate", run, "--device", "cpu", "--dtype", "bf16", SENTENCES[0])
     assert status == 0 and err.startswith("warning:") and "emulated" in err  # unless it is a slow choice
+
+
+def test_text_the_vocabulary_lacks_is_named_from_the_ids_whichever_model_split_them(run):
+    vocab = load_model(run)[1]
+    assert translate.lacking(vocab, "the dog", vocab.encode(["the dog"])[0]) is None
+    text = "the 東京 dog 東 ﬁ"  # a character twice is named once; NFKC's "fi" is spelled by f and i
+    assert translate.lacking(vocab, text, vocab.encode([text])[0]) == "characters the vocabulary lacks: '東', '京'"
+    # Only the ids are read: an <unk> among pieces that spell every character is a piece the ids lack.
+    ids = vocab.encode(["the dog"])[0]
+    assert translate.lacking(vocab, "the dog", ids + [vocab.specials.unk]) == "pieces the vocabulary has no id for"
+    many = "".join(chr(0x4E00 + i) for i in range(12))
+    assert translate.lacking(vocab, many, vocab.encode([many])[0]).endswith("'三' and 2 more")
+    translator = Translator(run, "cpu", SearchFlags(dtype="fp32"))
+    with pytest.raises(UserError, match=r"^the prefix of input line 7 has characters the vocabulary lacks: '€' \("):
+        translator.sentence_options(2, ["the", "a €"], first_line=5)
+    with pytest.raises(UserError, match=r"^the constraint '€' of input line 1 has characters"):
+        translator.sentence_options(1, constraints=[["dog", "€"]])
+    assert translator.sentence_options(1, ["the dog"], [["red"]])[0].constraints
+
+
+def test_sampling_auto_dtype_is_fp32_even_where_bf16_is_native(copy_model, cpu_with_bf16_flags):
+    """In bf16 a seeded sentence's samples depend on its batch: sampling's auto is fp32, said on stderr; an
+    explicit bf16 is kept, with a warning that its samples may change with the batching."""
+    cpu_with_bf16_flags(["amx_bf16"])
+    cpu = torch.device("cpu")
+    assert pick_dtype("auto", cpu)[0] == "bf16"  # the fixture at work: search's auto is bf16 here
+    assert pick_dtype("auto", cpu, sampling=True) == ("fp32", translate.SAMPLING_DTYPE)
+    sampling = Translator(copy_model, "cpu", SearchFlags(dtype="auto", sample="topk:5", seed=1))
+    assert sampling.settings.dtype == "fp32" and next(sampling.model.parameters()).dtype == torch.float32
+    assert f"dtype: fp32 ({translate.SAMPLING_DTYPE})" in sampling.note
+    explicit = Translator(copy_model, "cpu", SearchFlags(dtype="bf16", sample="topk:5", seed=1))
+    assert explicit.settings.dtype == "bf16" and translate.SAMPLING_IN.format(dtype="bf16") in explicit.note
+    assert "sampling in" not in (Translator(copy_model, "cpu", SearchFlags(dtype="bf16")).note or "")
 
 
 @pytest.mark.parametrize("beam", [1, 3])
@@ -392,6 +426,28 @@ def test_two_workers_find_what_one_search_finds_in_input_order(run, two_threads,
     for hyps_two, hyps_one in zip(two, one):
         assert [h.score for h in hyps_two] == pytest.approx([h.score for h in hyps_one], abs=1e-4)
     assert len({tuple(hyps[0].tokens) for hyps in two}) > 5  # different outputs: a mix-up of order would show
+
+
+def test_a_batch_of_sources_times_their_samples_stays_within_max_tokens(run, monkeypatch):
+    """Sampling searches each source as N rows: a batch's sources x N x its longest (with EOS) is within
+    --max-tokens, whatever N (a source alone aside)."""
+    model, vocab, _ = load_model(run)
+    src_ids = vocab.encode(sentences(4, 40))
+    seen = []
+    real = translate.sample_search
+
+    def recording(model, src, sampler, samples, *args, **kwargs):
+        seen.append((src.size(0), src.size(0) * samples * src.size(1)))
+        return real(model, src, sampler, samples, *args, **kwargs)
+
+    monkeypatch.setattr(translate, "sample_search", recording)
+    for nbest in (1, 4, 16):
+        seen.clear()
+        settings = SearchSettings(beam=1, sample="topk:5", seed=1, nbest=nbest, max_tokens=160, workers=1)
+        found = search_ids(model, src_ids, settings, "cpu")
+        assert len(seen) > 1 and all(tokens <= 160 or rows == 1 for rows, tokens in seen)
+        assert all(len(hyps) == nbest for hyps in found)
+    assert max(rows for rows, _ in seen) > 1  # a test of several sources a batch even at 16 samples
 
 
 def test_thread_count_is_given_back_to_the_caller_and_to_later_threads(run, two_threads):

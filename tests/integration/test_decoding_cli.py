@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.helpers import SENTENCES
+from tests.helpers import SENTENCES, sentences
 
 FP32 = ("--dtype", "fp32")
 
@@ -25,6 +25,53 @@ def test_sampling_top_k_1_prints_greedy_search_and_a_seed_repeats_a_run(run, cal
     ]
     assert runs[0][0] == 0 and runs[0][1] == runs[1][1] and len(runs[0][1].splitlines()) == 9
     assert "sampling with seed" not in runs[0][2]
+
+
+@pytest.mark.parametrize("dtype", [FP32, ()], ids=["fp32", "auto"])
+def test_a_seeded_sentences_samples_do_not_depend_on_the_batching(
+    run, call, tmp_path, two_threads, cpu_with_bf16_flags, dtype
+):
+    """Other --max-tokens and --workers, the same samples, in fp32 and in auto on a CPU that seems to have native
+    bf16 (auto is fp32 when sampling: bf16's draws depend on the batch's shape)."""
+    cpu_with_bf16_flags(["amx_bf16"])
+    source = tmp_path / "in.txt"
+    source.write_text("".join(s + "\n" for s in sentences(3, 40)), encoding="utf-8")
+    sampled = [
+        call("translate", run, "--input", source, "--sample", "topp:0.9", "--seed", "7", "--nbest", "2", *dtype, *more)
+        for more in ((), ("--max-tokens", "40", "--workers", "1"), ("--max-tokens", "40", "--workers", "2"))
+    ]
+    assert all(status == 0 for status, _, _ in sampled), sampled[0][2]
+    lines = [[line.split("\t") for line in out.splitlines()] for _, out, _ in sampled]
+    assert len(lines[0]) == 80
+    for other in lines[1:]:  # the same samples; their scores to float rounding (a sum's order follows the batch)
+        assert [text for _, text in other] == [text for _, text in lines[0]]
+        assert all(abs(float(a) - float(b)) < 1e-3 for (a, _), (b, _) in zip(other, lines[0]))
+    if not dtype:
+        assert "dtype: fp32 (auto: fp32 when sampling" in sampled[0][2]
+
+
+def test_top_k_1_prints_greedy_search_in_bf16_too(run, call):
+    status, greedy, err = call("translate", run, *SENTENCES, "--beam", "1", "--dtype", "bf16")
+    assert status == 0, err
+    status, sampled, err = call("translate", run, *SENTENCES, "--sample", "topk:1", "--dtype", "bf16")
+    assert (status, sampled) == (0, greedy), err
+    assert "warning: sampling in bf16" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--sample", "topk:5", "--temperature", "1e-39"),
+        ("--sample", "topp:0.9", "--temperature", "1e-300"),
+        ("--sample", "topp:1e-46"),
+    ],
+)
+def test_a_tiny_temperature_or_nucleus_prints_greedy_search(run, call, argv):
+    """Their limit: greedy search's translations, not a NaN distribution that ran past max_positions."""
+    status, greedy, err = call("translate", run, *SENTENCES, "--beam", "1", *FP32)
+    assert status == 0, err
+    status, sampled, err = call("translate", run, *SENTENCES, *argv, "--seed", "1", *FP32)
+    assert (status, sampled) == (0, greedy), err
 
 
 @pytest.mark.parametrize(
@@ -100,3 +147,36 @@ def test_constraints_go_with_beam_search_and_our_engine(run, call, tmp_path):
         status == 2
         and err == "error: translate: --engine ctranslate2 has no terminology constraints; use --engine ours\n"
     )
+
+
+@pytest.mark.parametrize(
+    "flag, text, message",
+    [
+        (
+            "--prefix-file",
+            "the dog\n\nthe 東京 dog\n",
+            "the prefix of input line 3 has characters the vocabulary lacks: '東', '京'",
+        ),
+        (
+            "--constraints-file",
+            "dog\n€\n\n",
+            "the constraint '€' of input line 2 has characters the vocabulary lacks: '€'",
+        ),
+    ],
+)
+def test_a_prefix_or_constraint_the_vocabulary_cannot_spell_is_refused_before_anything_is_written(
+    run, call, tmp_path, flag, text, message
+):
+    """Not forced as <unk> (⁇ in the output, and "met"): refused in one line naming the characters, whether the
+    input comes as arguments, a file or stdin, and --output is never begun."""
+    line_file, source, output = tmp_path / "lines.txt", tmp_path / "in.txt", tmp_path / "out.txt"
+    line_file.write_text(text, encoding="utf-8")
+    source.write_text("".join(s + "\n" for s in SENTENCES), encoding="utf-8")
+    for argv, stdin in (
+        ((*SENTENCES,), None),
+        (("--input", source, "--output", output), None),
+        ((), source.read_text()),
+    ):
+        status, out, err = call("translate", run, *argv, flag, line_file, *FP32, stdin=stdin)
+        assert (status, out) == (2, "") and err.startswith(f"error: {message} (") and err.count("\n") == 1, err
+    assert not output.exists() and not (tmp_path / "out.txt.partial").exists()

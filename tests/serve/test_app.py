@@ -310,6 +310,20 @@ BAD = [
     ("post", "/translate", {"json": {"text": ["ein", "zwei"], "prefix": ["a"]}}, 422, "prefix must have one item per"),
     ("post", "/translate", {"json": {"text": ["ein"], "prefix": ["the " * 50]}}, 422, "pieces long; the limit is 38"),
     ("post", "/translate", {"json": {"text": ["ein"], "constraints": [["a"] * 9]}}, 422, "9 constraints for one"),
+    (
+        "post",
+        "/translate",
+        {"json": {"text": ["ein", "zwei"], "prefix": ["", "der 東京"]}},
+        422,
+        "the prefix of sentence 1 has characters the vocabulary lacks: '東', '京'",
+    ),
+    (
+        "post",
+        "/translate",
+        {"json": {"text": ["ein"], "constraints": [["hund", "€"]]}},
+        422,
+        "the constraint '€' of sentence 0 has characters the vocabulary lacks: '€'",
+    ),
     ("post", "/translate", {"json": {"text": ["ein"], "constraints": [[5]]}}, 422, "constraints.0.0"),
     ("post", "/translate", {"json": {"text": ["ein"], "constraints": [["x" * 399]]}}, 413, "characters"),
     (
@@ -340,6 +354,8 @@ def test_settings_are_checked():
         ServeSettings(max_chars=0)
     with pytest.raises(Exception, match="--batch-window-ms"):
         ServeSettings(batch_window_ms=-1)
+    with pytest.raises(Exception, match="^--max-samples must be at most 16, got 17$"):  # translate's bound too
+        ServeSettings(max_samples=17)
 
 
 # ----------------------------------------------------------------------------- attention, beam, positions, info
@@ -749,6 +765,13 @@ def test_sampling_requests_are_seeded_and_equal_the_translator(client, translato
     assert [[h["text"] for h in t["nbest"]] for t in first["translations"]] == [[h.text for h in t] for t in expected]
     unseeded = post(client, "/translate", {"text": SENTENCES[:1], "sample": "topk:5"})
     assert isinstance(unseeded["seed"], int)  # a new one, in the answer so that the request can be repeated
+
+
+def test_a_tiny_temperature_or_nucleus_answers_greedy_search(client):
+    greedy = post(client, "/translate", {"text": SENTENCES[:3], "beam": 1})["translations"]
+    for asked in ({"sample": "topk:5", "temperature": 1e-39}, {"sample": "topp:1e-46"}):
+        sampled = post(client, "/translate", {"text": SENTENCES[:3], **asked, "seed": 1})["translations"]
+        assert [t["text"] for t in sampled] == [t["text"] for t in greedy]
 
 
 def test_requests_that_differ_only_in_their_seeds_share_a_search_and_get_their_own_samples(run, translator):

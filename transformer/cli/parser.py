@@ -16,7 +16,13 @@ from typing import NoReturn
 from transformer.cli import commands
 from transformer.config import POSITION_KINDS
 from transformer.errors import UserError
-from transformer.inference.settings import DTYPES, ENGINES, LENPEN_KINDS, STOP_RULES  # no torch: --help stays fast
+from transformer.inference.settings import (  # no torch: --help stays fast
+    DTYPES,
+    ENGINES,
+    LENPEN_KINDS,
+    MAX_SAMPLES,
+    STOP_RULES,
+)
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -268,7 +274,8 @@ def _add_translate(sub) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam; with --sample, N samples)",
+        help="print the N best translations per line as SCORE<TAB>TEXT (N <= beam; with --sample, N samples, "
+        f"N <= {MAX_SAMPLES})",
     )
     _add_checkpoints(p)
     _add_line_options(p)
@@ -392,9 +399,10 @@ def _add_request_limits(p) -> None:
     p.add_argument(
         "--max-samples",
         type=int,
-        default=16,
+        default=MAX_SAMPLES,
         metavar="N",
-        help="most samples per sentence a sampling request may ask for (its nbest; default 16)",
+        help=f"most samples per sentence a sampling request may ask for (its nbest; default and at most {MAX_SAMPLES}, "
+        "as for translate --nbest)",
     )
     p.add_argument(
         "--max-constraints",
@@ -582,8 +590,8 @@ SEARCH_HELP = {
     "--dtype": "number format: fp32 (on CUDA full fp32, TF32 tensor cores off, as in torch's default: exact but "
     "several times slower than bf16 there); bf16 (fast on CUDA and on CPUs with avx512_bf16/amx_bf16, "
     "emulated and slow elsewhere); int8 (CPU: linear layers quantized, faster at a small cost in "
-    "accuracy); auto (default): bf16 where it is native, else fp32, printed on stderr. `evaluate` "
-    "measures what a choice costs",
+    "accuracy); auto (default): bf16 where it is native, else fp32, printed on stderr; with --sample fp32 "
+    "(in bf16 a sentence's samples would depend on its batch). `evaluate` measures what a choice costs",
     "--int8": "the same as --dtype int8",
     "--engine": "ours (PyTorch search, default) or ctranslate2: the checkpoint is converted once (kept in "
     "CHECKPOINT_DIR/ct2/, rebuilt when the checkpoint changes) and run by CTranslate2 (pip install "
@@ -593,7 +601,7 @@ SEARCH_HELP = {
     "--sample": "sample instead of searching: topk:K draws each token from the K most probable, topp:P from the "
     "fewest whose probabilities add up to P (nucleus); --nbest N gives N samples per line, best first",
     "--temperature": "with --sample: draw from p^(1/T), renormalised (default 1: the model's own; lower is more "
-    "conservative)",
+    "conservative, and near 0 greedy search)",
     "--seed": "with --sample: the random seed (default: a new one each run, printed on stderr); a sentence's "
     "samples depend only on the seed and the sentence, not on its batch",
 }

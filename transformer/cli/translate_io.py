@@ -295,6 +295,12 @@ def run_translate(
     nbest, alignments = translator.settings.nbest, translator.settings.alignments
     if translator.note:
         print(translator.note, file=sys.stderr)
+    # Every line's prefix and phrases taken or refused (text the vocabulary lacks) before anything is written.
+    if "prefix" in files:
+        translator.sentence_options(len(files["prefix"].lines), files["prefix"].lines, warn=False)
+    if "constraints" in files:
+        phrases = [line.split("\t") for line in files["constraints"].lines]
+        translator.sentence_options(len(phrases), constraints=phrases, warn=False)
     if output is None and hasattr(sys.stdout, "reconfigure"):
         try:  # a translation may hold characters the terminal's encoding lacks: never crash on printing
             sys.stdout.reconfigure(errors="replace")

@@ -45,14 +45,15 @@ def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 
 def source_batches(
-    src_ids: Sequence[Sequence[int]], max_positions: int, max_tokens: int, workers: int = 1
+    src_ids: Sequence[Sequence[int]], max_positions: int, max_tokens: int, workers: int = 1, rows: int = 1
 ) -> list[list[int]]:
     """Indices of the non-empty sources (empty ones are never searched) in length batches, as both engines
     take them: of max_tokens / workers source tokens each, so that with `workers` searches side by side the
-    tokens in flight stay max_tokens."""
+    tokens in flight stay max_tokens; `rows`: rows each source becomes in the search (its samples), which the
+    batch's tokens count (a source alone may still be more)."""
     todo = [i for i, ids in enumerate(src_ids) if len(ids) > 0]
     lengths = [min(len(src_ids[i]), source_limit(max_positions)) for i in todo]
-    return [[todo[j] for j in batch] for batch in length_batches(lengths, max(1, max_tokens // workers))]
+    return [[todo[j] for j in batch] for batch in length_batches(lengths, max(1, max_tokens // (workers * rows)))]
 
 
 @dataclass(frozen=True)

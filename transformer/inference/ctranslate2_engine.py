@@ -394,12 +394,13 @@ def ctranslate2_search(
     out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
     limit = source_limit(max_positions)
     workers = translator.num_translators
-    tokens_per_batch = max(1, settings.max_tokens // workers)  # as source_batches sizes them
+    rows = settings.rows_per_source
+    tokens_per_batch = max(1, settings.max_tokens // (workers * rows))  # as source_batches sizes them
     sources: dict[int, list[str]] = {}  # CTranslate2 appends </s> itself
     forced: dict[int, list[str]] = {}  # forced target prefixes, as pieces
     own: dict[int, int] = {}  # each sentence's own output-length limit
     calls = []  # per call: its indices and pending results
-    for batch in source_batches(src_ids, max_positions, settings.max_tokens, workers):
+    for batch in source_batches(src_ids, max_positions, settings.max_tokens, workers, rows):
         for i in batch:
             sources[i] = vocab.pieces(src_ids[i][:limit])
             forced[i] = vocab.pieces(list(prefixes[i])) if prefixes is not None else []
@@ -463,7 +464,7 @@ def ctranslate2_limited(
     """The sources (pieces, by index) of `indices` searched each under its own length limit (`limits`, by index):
     one call per distinct limit, every returned hypothesis scored again (ours: the EOS that the limit ended
     added), best first. suppress: BOS and PAD are never candidates (_translate_async)."""
-    tokens_per_batch = max(1, settings.max_tokens // translator.num_translators)
+    tokens_per_batch = max(1, settings.max_tokens // (translator.num_translators * settings.rows_per_source))
     calls = []
     for max_len, rows in same_limit([limits[i] for i in indices]):
         batch = [indices[r] for r in rows]

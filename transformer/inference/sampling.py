@@ -5,23 +5,27 @@ than with beam outputs (Edunov et al., 2018).
 
 What it guarantees:
 - A sample is drawn token by token from that distribution until its first EOS; at the length limit EOS is
-  forced (search.py's limits), so a sample that reaches it is cut there. There is no stop rule to apply.
+  forced whatever was drawn (search.greedy_search), so a sample that reaches it is cut there and none runs past
+  model.max_positions. There is no stop rule to apply.
 - Its score is the model's own, as beam search reports it (temperature 1, nothing cut): summed log-probabilities
   over the length penalty; a source's samples are listed best first.
 - A forced prefix (search.ForcedPrefix) is emitted first; only the tokens after it are drawn.
-- top-k 1 is greedy search: the same tokens and scores.
+- top-k 1 is greedy search, run as such: the same tokens and scores, ties and reduced precisions included. A
+  temperature -> 0 draws the most probable token (its limit: exact ties share it), a nucleus P -> 0 keeps the
+  most probable token alone: so do the smallest T and P, which neither underflow nor go NaN.
 - Reproducible: the random numbers come from a counter-based stream, a hash of (seed, the source's ids, the
   sample's number, the step), not from a generator shared by a batch. So a seeded run repeats itself, and a
   sentence's samples do not depend on its batch mates, the batch size or the order of the input (as its
   outputs do not: up to float rounding, which can move a probability across a drawn number in the last bits).
-  Two identical source lines get the same samples.
+  Two identical source lines get the same samples. In fp32: bf16's numbers depend on the batch's shape, and
+  with them the draws, so `--dtype auto` is fp32 when sampling (translator.pick_dtype).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -51,20 +55,35 @@ class Sampler:
     temperature: float = 1.0
     seed: int = 0
 
+    @property
+    def greedy(self) -> bool:
+        """top-k 1: always the most probable token, which greedy search's own choice gives (ties included)."""
+        return self.kind == "topk" and int(self.value) == 1
+
     def distribution(self, lprobs: torch.Tensor) -> torch.Tensor:
         """log p (R, V) -> the probabilities tokens are drawn from (R, V): p ** (1 / temperature), cut to the top
         K or the nucleus P, renormalised."""
-        logits = lprobs if self.temperature == 1 else lprobs / self.temperature
+        logits = lprobs
+        if self.temperature != 1:
+            # Less the row's maximum first: log p / T overflows to -inf for a small T (log p = -1 at T = 1e-39),
+            # and a row all -inf has no distribution (NaN). So the maximum stays at 0, and as T -> 0 the rest go
+            # to -inf: the limit, the most probable token (shared among exact ties). Divided in float64: a T
+            # below float32's smallest (1.4e-45) would be 0 there, and 0 / 0 NaN.
+            shifted = (lprobs - lprobs.max(dim=1, keepdim=True).values).double()
+            logits = (shifted / self.temperature).to(lprobs.dtype)
         inf = float("-inf")
         if self.kind == "topk":
             k = min(int(self.value), logits.size(1))
             kth = logits.topk(k, dim=1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, inf)  # ties at the K-th value all stay
         else:
-            ranked, order = logits.sort(dim=1, descending=True)
+            ranked, order = logits.sort(dim=1, descending=True, stable=True)
             probs = ranked.softmax(dim=1)
             before = probs.cumsum(dim=1) - probs  # the mass of the tokens ranked above each
-            ranked = ranked.masked_fill(before >= self.value, inf)  # the most probable token always stays
+            cut = before >= self.value
+            # The most probable token always stays: the comparison is in float32, where a P below 1.4e-45 is 0.
+            cut[:, 0] = False
+            ranked = ranked.masked_fill(cut, inf)
             logits = torch.full_like(logits, inf).scatter(1, order, ranked)
         return logits.softmax(dim=1)
 
@@ -121,6 +140,13 @@ def sample_search(
     steps count the decoder calls, and a row's sentence_steps those of its longest sample. `seeds`: per row, a
     seed of its own (None: the sampler's)."""
     rows = src.size(0)
+    if sampler.greedy:  # every sample of a source is its greedy output: searched once, by greedy search itself
+        with evaluating(model):
+            found = greedy_search(
+                model, src, Rules(lenpen, lenpen_kind), max_len_offset, forced=ForcedPrefix.of(prefixes, src)
+            )
+        hypotheses = [[replace(h) for _ in range(samples)] for h in found.best()]
+        return SearchResult(hypotheses, found.steps, found.sentence_steps)
     sources = [[t for t in row if t != model.specials.pad] for row in src.tolist()]
     keys = sampler.keys(sources, samples, seeds)
     if samples > 1:  # one row per sample: row b*samples + i is source b's i-th

@@ -375,6 +375,11 @@ def greedy_search(
         if forced is not None:
             lprobs = forced.apply(lprobs, t)
         best, token = pick(lprobs, t, alive)  # (R,)
+        if at_limit is not None:
+            # A row at its limit ends there whatever pick made of it (a sampled distribution gone NaN draws
+            # anything): no output may run past model.max_positions.
+            token = token.masked_fill(at_limit, eos)
+            best = torch.where(at_limit, lprobs[:, eos], best)
         scores = scores + best
         prefix = torch.cat([prefix, token[:, None]], dim=1)
         tokens, totals, prefixes = to_host(token, scores, prefix)  # the step's one read

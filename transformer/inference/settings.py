@@ -43,7 +43,8 @@ __all__ = [
 
 # The allowed values, each defined once. Stop rules: config.py (decode.stop is checked against them there, and
 # config.py imports nothing above it). Number formats and engines: here, since no config key holds them.
-Dtype = Literal["auto", "fp32", "bf16", "int8"]  # auto: bf16 where it is native, else fp32 (translator.pick_dtype)
+# auto: bf16 where it is native, else fp32; fp32 when sampling (translator.pick_dtype)
+Dtype = Literal["auto", "fp32", "bf16", "int8"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 Engine = Literal["ours", "ctranslate2"]
 ENGINES: tuple[str, ...] = typing.get_args(Engine)
@@ -52,6 +53,9 @@ ENGINES: tuple[str, ...] = typing.get_args(Engine)
 SamplingKind = Literal["topk", "topp"]
 SAMPLING_KINDS: tuple[str, ...] = typing.get_args(SamplingKind)
 MAX_TEMPERATURE = 100.0
+# Samples per sentence (--nbest with --sample; serve's --max-samples at most): each is a row of the search, its
+# source encoded again, and --nbest 1000000 took 16 GB in two minutes before this bound. More: other seeds.
+MAX_SAMPLES = 16
 
 # How each setting is named in an error: its flag (max_len_offset has none: decode.max_len_offset or a library
 # caller sets it).
@@ -146,6 +150,11 @@ def _check(values: dict) -> None:
         problem = _PROBLEMS[name](FLAGS[name], value)
         if problem is not None:
             raise UserError(problem)
+    if values.get("sample") is not None and values.get("nbest", 1) > MAX_SAMPLES:
+        raise UserError(
+            f"{FLAGS['nbest']} with {FLAGS['sample']} draws at most {MAX_SAMPLES} samples per sentence, got "
+            f"{values['nbest']}; for more, run again with another {FLAGS['seed']}"
+        )
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,12 @@ class SearchSettings:
     @property
     def sampling(self) -> bool:
         return self.sample is not None
+
+    @property
+    def rows_per_source(self) -> int:
+        """The rows a source takes in a batch that max_tokens bounds: with sampling one per sample, each encoding
+        the source again (a beam search encodes a source once: its beam is not counted)."""
+        return self.nbest if self.sample is not None else 1
 
     def describe(self) -> str:
         """The settings that change outputs, for evaluate's file names:

@@ -10,7 +10,8 @@ import contextlib
 import math
 import random
 import sys
-from collections.abc import Iterator, Sequence
+import unicodedata
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,13 +43,15 @@ TRUNCATION_WARNINGS = 5  # lines named one by one before the rest are only count
 MAX_LINE_CHARS = 1 << 20
 
 
-def pick_dtype(name: str, device: torch.device, engine: str = "ours") -> tuple[str, str]:
+def pick_dtype(name: str, device: torch.device, engine: str = "ours", sampling: bool = False) -> tuple[str, str]:
     """-> (fp32|bf16|int8, why). "auto" takes the fastest that keeps BLEU: bf16 on a CUDA device that supports
     it and on a CPU with native bf16, else fp32 (int8 is never chosen for you: it changes more outputs). For
-    CTranslate2, bf16 only where CTranslate2 itself computes it on the device (its CPU builds do not). `name` is
-    one of settings.DTYPES (SearchFlags checked it)."""
+    CTranslate2, bf16 only where CTranslate2 itself computes it on the device (its CPU builds do not). Our
+    engine's sampling takes fp32 (SAMPLING_DTYPE). `name` is one of settings.DTYPES (SearchFlags checked it)."""
     if name != "auto":
         return name, "asked for"
+    if sampling and engine == "ours":
+        return "fp32", SAMPLING_DTYPE
     if engine == "ctranslate2":
         from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES, require_ctranslate2
 
@@ -56,6 +59,18 @@ def pick_dtype(name: str, device: torch.device, engine: str = "ours") -> tuple[s
             return "bf16", f"auto: CTranslate2 computes bf16 on this {device.type}"
         return "fp32", f"auto: CTranslate2 has no bf16 on this {device.type}"
     return auto_precision(device)
+
+
+# Why sampling's auto is fp32: in bf16 a row's log-probabilities depend on the shape of its batch (the kernels' blocking
+# and sums change with it), and a draw near a boundary moves with them: a seeded sentence drew other samples under
+# another --max-tokens or --workers (18 of 60 lines agreed; fp32: 60 of 60), which a resumed back-translation cannot
+# have. CTranslate2's samples depend on the batch anyway (its random stream): its auto is unchanged.
+SAMPLING_DTYPE = "auto: fp32 when sampling, so that a sentence's samples do not depend on its batch"
+# An explicit reduced precision with sampling is kept (the speed may be worth it where nothing is resumed) and said.
+SAMPLING_IN = (
+    "warning: sampling in {dtype}: a sentence's samples may change with its batch (--max-tokens, --workers, the "
+    "other lines); --dtype fp32 draws the same samples however the input is batched"
+)
 
 
 def search_workers(workers: int, device) -> int:
@@ -173,7 +188,7 @@ def search_batches(
     batches (source_batches). Input that fits one batch is searched in the calling thread on all threads:
     one sentence is not slower for it. `options`: per source, what it asks beyond the settings (run_search)."""
     workers = search_workers(settings.workers, device)
-    batches = source_batches(src_ids, model.cfg.max_positions, settings.max_tokens, workers)
+    batches = source_batches(src_ids, model.cfg.max_positions, settings.max_tokens, workers, settings.rows_per_source)
 
     def run(batch: list[int]) -> SearchResult:
         src, _ = prepare_sources([src_ids[i] for i in batch], model.cfg.max_positions, model.specials)  # (B, S)
@@ -226,6 +241,38 @@ def translate_ids(model, src_ids: list[list[int]], settings: SearchSettings, dev
     return [hyps[0].tokens for hyps in search_ids(model, src_ids, replace(settings, nbest=1), device)]
 
 
+SHOWN_LACKING = 10  # characters a refusal names before it counts the rest
+
+
+def lacking(vocab, text: str, ids: Sequence[int]) -> str | None:
+    """What of `text` the vocabulary lacks, where `ids`, its encoding (by whichever side's model), hold the unknown
+    piece: the characters that none of its other pieces spell, quoted, or a phrase for pieces whose characters are
+    all spelled elsewhere (a piece the id list lacks); None when no id is unknown. Reads only the ids and the text,
+    not which model split them."""
+    unk = vocab.specials.unk
+    if unk not in ids:
+        return None
+    spelled = set(vocab.decode([[i for i in ids if i != unk]])[0])
+    # SentencePiece normalises (NFKC) before it splits: a character counts as spelled if its normal form is.
+    missing = [
+        c
+        for c in dict.fromkeys(text)
+        if not c.isspace() and not set(unicodedata.normalize("NFKC", c)) <= spelled | {" "}
+    ]
+    if not missing:
+        return "pieces the vocabulary has no id for"
+    more = f" and {len(missing) - SHOWN_LACKING} more" if len(missing) > SHOWN_LACKING else ""
+    return "characters the vocabulary lacks: " + ", ".join(map(repr, missing[:SHOWN_LACKING])) + more
+
+
+def refuse_lacking(vocab, text: str, ids: Sequence[int], what: str) -> None:
+    """A forced prefix or a constraint (`what`) with text the vocabulary lacks, refused in one line: that text would
+    be forced as the unknown piece, printed as ⁇, and a constraint of it counted as met."""
+    problem = lacking(vocab, text, ids)
+    if problem is not None:
+        raise UserError(f"{what} has {problem} (they would be <unk>, printed as ⁇); remove or replace them")
+
+
 def _one_line(text: str) -> str:
     # A subword may hold a line break (the vocabulary saw any character but '\n'): keep one line per input.
     return " ".join(text.splitlines()) if ("\n" in text or "\r" in text) else text
@@ -274,7 +321,7 @@ class Translator:
         engine = flags.engine or SearchSettings.engine
         if engine == "ctranslate2" and len(checkpoints) > 1:
             raise UserError("an ensemble runs on --engine ours only: CTranslate2 searches one model at a time")
-        dtype, why = pick_dtype(flags.dtype or SearchSettings.dtype, self.device, engine)
+        dtype, why = pick_dtype(flags.dtype or SearchSettings.dtype, self.device, engine, flags.sample is not None)
         models, vocabs = [], []
         for path in checkpoints:
             state = load_checkpoint(resolve_checkpoint(path))
@@ -300,6 +347,8 @@ class Translator:
                 "warning: this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 runs emulated, "
                 "much slower than fp32"
             ]
+        if flags.sample is not None and engine == "ours" and dtype != "fp32":
+            notes.append(SAMPLING_IN.format(dtype=dtype))
         if engine == "ctranslate2" and flags.stop == "exact":  # asked for, not the checkpoint's default
             notes.append("warning: --stop exact does not apply to --engine ctranslate2, which stops like --stop early")
         if self.settings.sample is not None and self.settings.seed is None:
@@ -441,25 +490,34 @@ class Translator:
         prefixes: Sequence[str] | None = None,
         constraints: Sequence[Sequence[str]] | None = None,
         first_line: int = 0,
+        warn: bool = True,
+        where: Callable[[int], str] | None = None,
     ) -> list[SentenceOptions] | None:
         """What `count` sentences ask beyond the settings, from text: per sentence a target prefix ("" = none) and
         target phrases, encoded into pieces (None: no sentence asks anything). A prefix longer than
-        model.max_positions - 2 pieces is cut there, with a warning naming its line (first_line + 1 onwards)."""
+        model.max_positions - 2 pieces is cut there, with a warning naming its line (first_line + 1 onwards;
+        warn=False: none). A prefix or phrase with text the vocabulary lacks is refused (UserError, naming it:
+        `where(i)`, by default "input line N")."""
         if not prefixes and not constraints:
             return None
+        where = where or (lambda i: f"input line {first_line + i + 1}")
         limit = source_limit(self.cfg.model.max_positions)
         prefix_ids = self.vocab.encode([p if p.strip() else "" for p in prefixes]) if prefixes else [[]] * count
-        for i, ids in enumerate(prefix_ids):
-            if len(ids) > limit:
+        for i, (text, ids) in enumerate(zip(prefixes or [""] * count, prefix_ids)):
+            refuse_lacking(self.vocab, text, ids, f"the prefix of {where(i)}")
+            if warn and len(ids) > limit:
                 print(
-                    f"warning: the prefix of input line {first_line + i + 1} has {len(ids)} pieces; only the first "
+                    f"warning: the prefix of {where(i)} has {len(ids)} pieces; only the first "
                     f"{limit} are forced (model.max_positions - 2)",
                     file=sys.stderr,
                 )
         phrases = []
-        for line in constraints or [[]] * count:
+        for i, line in enumerate(constraints or [[]] * count):
             texts = [p for p in line if p.strip()]
-            phrases.append(tuple(tuple(ids) for ids in self.vocab.encode(texts) if ids) if texts else ())
+            encoded = self.vocab.encode(texts) if texts else []
+            for text, ids in zip(texts, encoded):
+                refuse_lacking(self.vocab, text, ids, f"the constraint {text!r} of {where(i)}")
+            phrases.append(tuple(tuple(ids) for ids in encoded if ids))
         return [SentenceOptions(tuple(p[:limit]), c) for p, c in zip(prefix_ids, phrases)]
 
     def translations(

@@ -32,7 +32,7 @@ from transformer.data.batch import prepare_sources, source_limit
 from transformer.data.vocab import valid_text
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.inference.search import TraceStep, search
-from transformer.inference.settings import SearchFlags, SearchSettings
+from transformer.inference.settings import MAX_SAMPLES, SearchFlags, SearchSettings
 from transformer.inference.translator import SentenceOptions, Translation, Translator
 from transformer.model.checkpoint import resolve_checkpoint
 from transformer.serve.http_guard import (
@@ -59,7 +59,7 @@ class ServeSettings:
     max_sentences: int = 64  # sentences per /translate request
     max_chars: int = 10_000  # characters per request, all sentences together
     max_beam: int = 16
-    max_samples: int = 16  # samples per sentence a request may ask for (its nbest with "sample")
+    max_samples: int = MAX_SAMPLES  # samples per sentence a request may ask for (its nbest with "sample")
     max_constraints: int = 8  # target phrases per sentence
     max_prefix: int = 128  # pieces of a sentence's forced target prefix (and never more than the model takes)
     max_pending: int = 1024  # requests' sentences waiting for the model (an inspection counts one)
@@ -87,6 +87,8 @@ class ServeSettings:
         ):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_samples > MAX_SAMPLES:  # translate's bound, and the settings' check
+            raise UserError(f"--max-samples must be at most {MAX_SAMPLES}, got {self.max_samples}")
         if self.max_position_values < 1:
             raise UserError(f"max_position_values must be at least 1, got {self.max_position_values}")
         if self.max_pending < self.max_sentences:
@@ -328,7 +330,12 @@ class Service:
             for i, ids in enumerate(self.vocab.encode([p if p.strip() else "" for p in body.prefix or []])):
                 if len(ids) > limit:
                     raise ApiError(422, f"prefix {i} is {len(ids)} pieces long; the limit is {limit}")
-            options = self.translator.sentence_options(len(lines), body.prefix, body.constraints)
+            try:
+                options = self.translator.sentence_options(
+                    len(lines), body.prefix, body.constraints, where=lambda i: f"sentence {i}"
+                )
+            except UserError as e:  # text the vocabulary lacks
+                raise ApiError(422, str(e)) from None
         if seed is not None:
             options = [replace(o, seed=seed) for o in options or [SentenceOptions()] * len(lines)]
         return options
