@@ -6,6 +6,8 @@ writes are only ever its own."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from scripts.make_marian_dir import CODES as MARIAN_CODES
 from tests.helpers import marian_sentences, write_marian_dir
 from transformer.data.batch import Batch, prepare_sources
 from transformer.data.vocab import MarianVocab
+from transformer.errors import UserError
 from transformer.inference.hf_export import export_hf
 from transformer.inference.hf_import import import_hf
 from transformer.inference.search import search
@@ -35,6 +38,25 @@ def imported(marian_dir, tmp_path_factory) -> Path:
 
 def marian(directory: Path):
     return transformers.MarianMTModel.from_pretrained(directory).eval()
+
+
+def hf_copy(marian_dir: Path, directory: Path, config: dict | None = None, generation: dict | None = None) -> Path:
+    """A copy of marian_dir with keys of its config.json and generation_config.json changed."""
+    directory.mkdir()
+    for p in marian_dir.iterdir():
+        (directory / p.name).write_bytes(p.read_bytes())
+    for name, change in (("config.json", config), ("generation_config.json", generation)):
+        if change:
+            (directory / name).write_text(json.dumps({**json.loads((directory / name).read_text()), **change}))
+    return directory
+
+
+def refused(call, hf_dir: Path, run: Path) -> str:
+    """`import hf`'s one-line refusal (exit status 2, nothing written)."""
+    status, _, err = call("import", "hf", hf_dir, run)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert not run.exists()
+    return err
 
 
 def generate(hf, src: torch.Tensor, pad: int, beam: int, **kwargs) -> list[int]:
@@ -191,15 +213,8 @@ def test_ours_exported_and_imported_back_translates_the_same(copy_model, tmp_pat
     ],
 )
 def test_a_setting_we_cannot_honour_is_refused_in_one_line(marian_dir, tmp_path, call, change, message):
-    config = json.loads((marian_dir / "config.json").read_text())
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    for p in marian_dir.iterdir():
-        (hf_dir / p.name).write_bytes(p.read_bytes())
-    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
-    status, _, err = call("import", "hf", hf_dir, tmp_path / "run")
-    assert status == 2 and message in err and len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "run").exists()
+    err = refused(call, hf_copy(marian_dir, tmp_path / "hf", change), tmp_path / "run")
+    assert message in err, err
 
 
 @pytest.mark.parametrize("name", ["BartConfig", "T5Config", "M2M100Config"])
@@ -211,10 +226,7 @@ def test_another_architecture_is_refused_in_one_line(tmp_path, call, name):
 
 
 def test_separate_vocabularies_are_refused_in_one_line(marian_dir, tmp_path, call):
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    for p in marian_dir.iterdir():
-        (hf_dir / p.name).write_bytes(p.read_bytes())
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
     config = json.loads((hf_dir / "tokenizer_config.json").read_text())
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({**config, "separate_vocabs": True}))
     status, _, err = call("import", "hf", hf_dir, tmp_path / "run")
@@ -263,3 +275,47 @@ def test_a_real_size_directory_builds(tmp_path):
     directory = write_marian_dir(tmp_path / "hf", d_model=64, encoder_layers=1, decoder_layers=1)
     run, _ = import_hf(directory, tmp_path / "run")
     assert load_model(run)[2].model.d_model == 64
+
+
+def _import_in_a_thread(hf_dir: Path, run: Path) -> BaseException | None:
+    """import_hf's exception (None: it succeeded), failing the test if it has not returned within 30 s."""
+    outcome: list = []
+
+    def target():
+        try:
+            import_hf(hf_dir, run)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - whatever it raised is the outcome
+            outcome.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():  # release a reader waiting on a FIFO: it reads an end of file
+        for fifo in (p for p in hf_dir.iterdir() if p.is_fifo()):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(30)
+        pytest.fail("import hf waited on a FIFO")
+    return outcome[0]
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "vocab.json", "source.spm"])
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_a_fifo_or_a_device_in_place_of_a_file_is_refused_not_read(marian_dir, tmp_path, name, kind):
+    """config.json as a FIFO hung for ever; as a link to /dev/zero, it was read until memory ran out."""
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
+    (hf_dir / name).unlink()
+    if kind == "fifo":
+        os.mkfifo(hf_dir / name)
+    else:
+        (hf_dir / name).symlink_to("/dev/zero")
+    error = _import_in_a_thread(hf_dir, tmp_path / "run")
+    assert isinstance(error, UserError) and f"{name} is not a regular file" in str(error), repr(error)
+
+
+def test_a_json_file_larger_than_any_is_refused_before_it_is_read(marian_dir, tmp_path):
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
+    with open(hf_dir / "config.json", "r+b") as f:
+        f.truncate(64 << 20)  # sparse: no disk
+    with pytest.raises(UserError, match="config.json is larger than 16 MiB"):
+        import_hf(hf_dir, tmp_path / "run")

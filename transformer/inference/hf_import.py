@@ -20,7 +20,8 @@ import torch
 
 from transformer.config import Config, from_dict, lenpen_problem, save_config, to_dict
 from transformer.data.vocab import MarianVocab
-from transformer.errors import UserError
+from transformer.errors import UserError, first_line
+from transformer.files import JSON_LIMIT, read_regular
 from transformer.inference.ctranslate2_engine import IMPORT_FORMATS, write_export
 from transformer.model import positions
 from transformer.model.checkpoint import save_checkpoint, weights_checkpoint
@@ -38,12 +39,11 @@ POSITIONS_TOLERANCE = 1e-4  # a stored sinusoid table may be fp16: its values wi
 
 
 def _json(path: Path) -> dict:
+    data = read_regular(path, JSON_LIMIT, "import hf")
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"import hf: {path} is missing") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UserError(f"import hf: {path} is not a JSON file ({e})") from None
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UserError(f"import hf: {path} is not a JSON file ({first_line(e)})") from None
     if not isinstance(value, dict):
         raise UserError(f"import hf: {path} does not hold a JSON object")
     return value
@@ -262,7 +262,8 @@ def imported(hf_dir: Path, run_dir: Path) -> tuple[Config, MarianVocab, dict[str
         vocab = MarianVocab(vocab.files, start)
     check_special_ids(config, vocab, hf_dir / "config.json")
     generation_path = hf_dir / "generation_config.json"
-    generation = _json(generation_path) if generation_path.is_file() else {}
+    has_generation = generation_path.exists() or generation_path.is_symlink()  # a FIFO there is refused, not skipped
+    generation = _json(generation_path) if has_generation else {}
     decode = decode_settings(generation, config, generation_path if generation else hf_dir / "config.json")
     # generate has one limit for every source; ours is per source, capped by the positions: this makes it the cap.
     decode["max_len_offset"] = model["max_positions"]
