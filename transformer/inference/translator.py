@@ -448,7 +448,8 @@ class Translator:
         if not prefixes and not constraints:
             return None
         limit = source_limit(self.cfg.model.max_positions)
-        prefix_ids = self.vocab.encode([p if p.strip() else "" for p in prefixes]) if prefixes else [[]] * count
+        # Target text: split as the target side is (a Marian vocabulary's target.spm; ours is one model for both).
+        prefix_ids = self.vocab.encode_target([p if p.strip() else "" for p in prefixes]) if prefixes else [[]] * count
         for i, ids in enumerate(prefix_ids):
             if len(ids) > limit:
                 print(
@@ -459,7 +460,7 @@ class Translator:
         phrases = []
         for line in constraints or [[]] * count:
             texts = [p for p in line if p.strip()]
-            phrases.append(tuple(tuple(ids) for ids in self.vocab.encode(texts) if ids) if texts else ())
+            phrases.append(tuple(tuple(ids) for ids in self.vocab.encode_target(texts) if ids) if texts else ())
         return [SentenceOptions(tuple(p[:limit]), c) for p, c in zip(prefix_ids, phrases)]
 
     def translations(
