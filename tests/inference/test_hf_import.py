@@ -319,3 +319,17 @@ def test_a_json_file_larger_than_any_is_refused_before_it_is_read(marian_dir, tm
         f.truncate(64 << 20)  # sparse: no disk
     with pytest.raises(UserError, match="config.json is larger than 16 MiB"):
         import_hf(hf_dir, tmp_path / "run")
+
+
+def test_force_never_replaces_a_file_changed_since_the_import(marian_dir, tmp_path, call):
+    """--force replaced a config.yaml the user had edited after the import: the record listed names, not contents."""
+    run = tmp_path / "run"
+    assert call("import", "hf", marian_dir, run)[0] == 0
+    edited = (run / "config.yaml").read_text().replace("beam: 4", "beam: 6")
+    (run / "config.yaml").write_text(edited)
+    status, _, err = call("import", "hf", marian_dir, run, "--force")
+    assert status == 2 and f"{run / 'config.yaml'} was changed since" in err and len(err.splitlines()) == 1, err
+    assert (run / "config.yaml").read_text() == edited
+    (run / "config.yaml").unlink()  # a file the record lists, removed: nothing of the user's is lost
+    assert call("import", "hf", marian_dir, run, "--force")[0] == 0
+    assert "beam: 4" in (run / "config.yaml").read_text()
