@@ -210,11 +210,48 @@ def test_ours_exported_and_imported_back_translates_the_same(copy_model, tmp_pat
         ({"decoder_ffn_dim": 48}, "decoder_ffn_dim is 48"),
         ({"scale_embedding": False}, "scale_embedding is False"),
         ({"decoder_vocab_size": 7}, "decoder_vocab_size is 7"),
+        # Values of the wrong type (a TypeError, or read as another value: true as the id 1, <unk>).
+        ({"activation_function": ["swish"]}, "activation_function is ['swish']"),
+        ({"activation_function": {"swish": 1}}, "activation_function is {'swish': 1}"),
+        ({"early_stopping": [True]}, "early_stopping is [True]"),
+        ({"early_stopping": {}}, "early_stopping is {}"),
+        ({"early_stopping": 0}, "early_stopping is 0"),
+        ({"max_position_embeddings": "512"}, "max_position_embeddings is '512'"),
+        ({"max_position_embeddings": None}, "max_position_embeddings is None"),
+        ({"decoder_start_token_id": True}, "decoder_start_token_id is True"),
+        ({"eos_token_id": False}, "eos_token_id is False"),
+        ({"d_model": True}, "d_model is True"),
+        ({"encoder_layers": 2.0}, "encoder_layers is 2.0"),
+        ({"vocab_size": "63"}, "vocab_size is '63'"),
+        ({"dropout": "0.1"}, "dropout is '0.1'"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes'"),
+        ({"encoder_layerdrop": [0]}, "encoder_layerdrop is [0]"),
+        # Each key's own value before what it must equal: the key named is the one that is wrong.
+        ({"encoder_ffn_dim": -1}, "encoder_ffn_dim is -1"),
+        ({"encoder_attention_heads": 0}, "encoder_attention_heads is 0"),
+        ({"d_model": 30}, "d_model is 30: it must be a multiple of encoder_attention_heads"),
     ],
 )
 def test_a_setting_we_cannot_honour_is_refused_in_one_line(marian_dir, tmp_path, call, change, message):
     err = refused(call, hf_copy(marian_dir, tmp_path / "hf", change), tmp_path / "run")
     assert message in err, err
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_beams": 1_000_000}, "num_beams is 1000000: beam must be at most the vocabulary size (63 pieces)"),
+        ({"num_beams": True}, "num_beams is True"),
+        ({"renormalize_logits": "yes"}, "renormalize_logits is 'yes'"),
+        ({"early_stopping": None}, "early_stopping is None"),
+    ],
+)
+def test_a_generation_setting_no_search_of_ours_takes_is_refused_in_one_line(
+    marian_dir, tmp_path, call, change, message
+):
+    """num_beams 1000000 was imported, and every translate of the run then refused it."""
+    err = refused(call, hf_copy(marian_dir, tmp_path / "hf", generation=change), tmp_path / "run")
+    assert "generation_config.json" in err and message in err, err
 
 
 @pytest.mark.parametrize("name", ["BartConfig", "T5Config", "M2M100Config"])

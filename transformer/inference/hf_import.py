@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 
-from transformer.config import Config, from_dict, lenpen_problem, save_config, to_dict
+from transformer.config import Config, from_dict, lenpen_problem, positions_problem, save_config, to_dict
 from transformer.data.vocab import MarianVocab
 from transformer.errors import UserError, first_line
 from transformer.files import JSON_LIMIT, read_regular
 from transformer.inference.ctranslate2_engine import IMPORT_FORMATS, write_export
+from transformer.inference.settings import beam_above_vocabulary
 from transformer.model import positions
 from transformer.model.checkpoint import save_checkpoint, weights_checkpoint
 from transformer.model.transformer import Transformer
@@ -36,6 +38,18 @@ ACTIVATIONS = {"relu": "relu", "swish": "swish", "silu": "swish"}
 STOP_RULES = {False: "hf", True: "early", "never": "exact"}
 CONFIG_HEADER = "# The config of a model that `transformer import hf` imported (the source: transformer-import.json)."
 POSITIONS_TOLERANCE = 1e-4  # a stored sinusoid table may be fp16: its values within this of the computed one
+# Every model of ours computes its sinusoid table whole, max_positions x d_model (in float64 first), when it is built:
+# OPUS-MT's models have 512 positions, and transformers 5 saves no table that would bound a larger number.
+MAX_POSITIONS = 1 << 14
+
+
+def _whole(value) -> bool:
+    """A JSON integer (true and false are not: Python counts them as 1 and 0)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _json(path: Path) -> dict:
@@ -50,45 +64,81 @@ def _json(path: Path) -> dict:
 
 
 def marian_settings(config: dict, where: Path) -> dict:
-    """model.* for a MarianConfig, or a one-line refusal naming the first setting we cannot honour and its value."""
+    """model.* for a MarianConfig, or a one-line refusal naming the first setting we cannot honour and its value. Each
+    key's own value is checked first (its type, its range), then what keys must agree on: a message names the key
+    that is wrong, never one it is compared with."""
 
     def refuse(key: str, why: str):
         raise UserError(f"import hf: {where}: {key} is {config.get(key)!r}: {why}")
 
-    model_type = config.get("model_type")
-    if model_type != "marian":
+    get = config.get
+    if get("model_type") != "marian":
         refuse(
             "model_type",
             "only transformers MarianMTModel directories (model_type 'marian': OPUS-MT) can be imported; BART, T5, "
             "M2M100 and the others are other architectures",
         )
-    architectures = config.get("architectures") or ["MarianMTModel"]
-    if architectures != ["MarianMTModel"]:
+    if (get("architectures") or ["MarianMTModel"]) != ["MarianMTModel"]:
         refuse("architectures", "only MarianMTModel (an encoder-decoder) can be imported")
-    get = config.get
+    sizes = ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads")
+    sizes += ("decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")
+    for key in sizes:
+        if not _whole(get(key)) or get(key) < 1:
+            refuse(key, "it must be a positive whole number")
+    if (
+        "decoder_vocab_size" in config
+        and get("decoder_vocab_size") is not None
+        and not _whole(get("decoder_vocab_size"))
+    ):
+        refuse("decoder_vocab_size", "it must be a whole number")
+    max_positions = get("max_position_embeddings", 512)
+    if not _whole(max_positions) or not 3 <= max_positions <= MAX_POSITIONS:
+        refuse("max_position_embeddings", f"it must be a whole number from 3 to {MAX_POSITIONS}")
+    for key in ("scale_embedding", "share_encoder_decoder_embeddings", "tie_word_embeddings"):
+        if key in config and not isinstance(get(key), bool):
+            refuse(key, "it must be true or false")
+    for key in ("dropout", "attention_dropout", "activation_dropout"):
+        if key in config and not (_number(get(key)) and 0 <= get(key) < 1):
+            refuse(key, "it must be a number from 0 up to (not including) 1")
+    activation = get("activation_function", "gelu")
+    layerdrop = ("encoder_layerdrop", "decoder_layerdrop")
     checks = [
         ("scale_embedding", get("scale_embedding", False) is True, "our embeddings are always scaled by sqrt(d_model)"),
-        ("activation_function", get("activation_function", "gelu") in ACTIVATIONS, "only relu and swish are supported"),
+        (
+            "activation_function",
+            isinstance(activation, str) and activation in ACTIVATIONS,
+            "only relu and swish are supported",
+        ),
+        *(
+            (key, get(key) is None or (_number(get(key)) and get(key) == 0), "layer drop is not supported")
+            for key in layerdrop
+        ),
+        # What keys must agree on, now that each holds a value of its kind.
         (
             "decoder_attention_heads",
             get("decoder_attention_heads") == get("encoder_attention_heads"),
             "the encoder and decoder must have as many heads (model.n_heads)",
         ),
         ("decoder_ffn_dim", get("decoder_ffn_dim") == get("encoder_ffn_dim"), "one model.d_ff for both sides"),
-        ("encoder_layerdrop", not get("encoder_layerdrop", 0.0), "layer drop is not supported"),
-        ("decoder_layerdrop", not get("decoder_layerdrop", 0.0), "layer drop is not supported"),
         (
             "decoder_vocab_size",
             get("decoder_vocab_size") in (None, get("vocab_size")),
             "a target vocabulary of another size (separate vocabularies) is not supported",
         ),
+        (
+            "d_model",
+            get("d_model") % get("encoder_attention_heads") == 0,
+            f"it must be a multiple of encoder_attention_heads ({get('encoder_attention_heads')})",
+        ),
     ]
     for key, ok, why in checks:
         if not ok:
             refuse(key, why)
-    for key in ("d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "encoder_ffn_dim"):
-        if not isinstance(get(key), int) or get(key) < 1:
-            refuse(key, "it must be a positive whole number")
+    problem = positions_problem(
+        positions.Marian.name, get("d_model"), get("encoder_attention_heads"), ("d_model", "encoder_attention_heads")
+    )
+    if problem is not None:
+        raise UserError(f"import hf: {where}: {problem}")
     return {
         "d_model": get("d_model"),
         "n_heads": get("encoder_attention_heads"),
@@ -98,12 +148,12 @@ def marian_settings(config: dict, where: Path) -> dict:
         "dropout": get("dropout", 0.1),
         "attention_dropout": get("attention_dropout", 0.0),
         "activation_dropout": get("activation_dropout", 0.0),
-        "max_positions": get("max_position_embeddings", 512),
+        "max_positions": max_positions,
         "positions": positions.Marian.name,  # the sinusoids in Marian's layout
         "norm": "post",
         "share_embeddings": get("share_encoder_decoder_embeddings", True),
         "tie_output": get("tie_word_embeddings", True),
-        "activation": ACTIVATIONS[get("activation_function")],
+        "activation": ACTIVATIONS[activation],
         "layer_norm_eps": 1e-5,  # MarianMTModel's LayerNorms: torch's default
     }
 
@@ -111,7 +161,7 @@ def marian_settings(config: dict, where: Path) -> dict:
 def start_piece(config: dict, vocab: MarianVocab, where: Path) -> str | None:
     """The piece the decoder starts from (config.json's decoder_start_token_id): None for <pad>, OPUS-MT's."""
     start = config.get("decoder_start_token_id", vocab.specials.pad)
-    if not isinstance(start, int) or not 0 <= start < len(vocab):
+    if not _whole(start) or not 0 <= start < len(vocab):
         raise UserError(f"import hf: {where}: decoder_start_token_id is {start!r}: not an id of vocab.json")
     return None if start == vocab.specials.pad else vocab.pieces([start])[0]
 
@@ -120,7 +170,8 @@ def check_special_ids(config: dict, vocab: MarianVocab, where: Path) -> None:
     """config.json's token ids must be the tokenizer's: pad and eos."""
     s = vocab.specials
     for key, expected in (("pad_token_id", s.pad), ("eos_token_id", s.eos)):
-        if config.get(key, expected) != expected:
+        found = config.get(key, expected)
+        if not _whole(found) or found != expected:
             raise UserError(
                 f"import hf: {where}: {key} is {config.get(key)!r} but the tokenizer's is {expected} "
                 f"({vocab.pieces([expected])[0]}): the model and its tokenizer disagree"
@@ -131,21 +182,26 @@ def check_special_ids(config: dict, vocab: MarianVocab, where: Path) -> None:
         )
 
 
-def decode_settings(generation: dict, config: dict, where: Path) -> dict:
+def decode_settings(generation: dict, config: dict, where: Path, vocab_size: int) -> dict:
     """decode.* that search as generate() would with this directory's generation settings (its generation_config.json,
-    else config.json's keys, else generate's defaults)."""
+    else config.json's keys, else generate's defaults), and only settings every later search accepts."""
 
     def get(key, default):
         return generation.get(key, config.get(key, default))
 
     beam, lenpen, early = get("num_beams", 1), get("length_penalty", 1.0), get("early_stopping", False)
-    if not isinstance(beam, int) or isinstance(beam, bool) or beam < 1:
+    if not _whole(beam) or beam < 1:
         raise UserError(f"import hf: {where}: num_beams is {beam!r}: it must be a whole number from 1")
+    if beam > vocab_size:  # what search_settings refuses each translate with: refused here once
+        raise UserError(f"import hf: {where}: num_beams is {beam}: {beam_above_vocabulary(beam, vocab_size)}")
     problem = lenpen_problem(lenpen, "length_penalty")
     if problem is not None:
         raise UserError(f"import hf: {where}: {problem}")
-    if early not in STOP_RULES:
+    if not isinstance(early, (bool, str)) or early not in STOP_RULES:  # a list or an object cannot be looked up
         raise UserError(f'import hf: {where}: early_stopping is {early!r}: it must be true, false or "never"')
+    renormalize = generation.get("renormalize_logits", False)
+    if not isinstance(renormalize, bool):
+        raise UserError(f"import hf: {where}: renormalize_logits is {renormalize!r}: it must be true or false")
     return {"beam": beam, "lenpen": float(lenpen), "lenpen_kind": "length", "stop": STOP_RULES[early]}
 
 
@@ -264,7 +320,7 @@ def imported(hf_dir: Path, run_dir: Path) -> tuple[Config, MarianVocab, dict[str
     generation_path = hf_dir / "generation_config.json"
     has_generation = generation_path.exists() or generation_path.is_symlink()  # a FIFO there is refused, not skipped
     generation = _json(generation_path) if has_generation else {}
-    decode = decode_settings(generation, config, generation_path if generation else hf_dir / "config.json")
+    decode = decode_settings(generation, config, generation_path if generation else hf_dir / "config.json", len(vocab))
     # generate has one limit for every source; ours is per source, capped by the positions: this makes it the cap.
     decode["max_len_offset"] = model["max_positions"]
     src_lang, tgt_lang = vocab.source_lang or "src", vocab.target_lang or "tgt"
