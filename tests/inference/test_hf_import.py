@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -254,6 +255,36 @@ def test_a_generation_setting_no_search_of_ours_takes_is_refused_in_one_line(
     assert "generation_config.json" in err and message in err, err
 
 
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"d_model": 8192}, "d_model is 8192"),
+        ({"d_model": 16384, "encoder_ffn_dim": 10**9, "decoder_ffn_dim": 10**9}, "d_model is 16384"),
+        ({"d_model": 10**9}, "d_model is 1000000000"),
+        ({"encoder_ffn_dim": 10**12, "decoder_ffn_dim": 10**12}, "encoder_ffn_dim is 1000000000000"),
+        ({"decoder_layers": 10**9}, "decoder_layers is 1000000000"),
+        ({"vocab_size": 10**9, "decoder_vocab_size": 10**9}, "vocab_size is 1000000000"),
+        ({"max_position_embeddings": 10**9}, "max_position_embeddings is 1000000000"),
+    ],
+)
+def test_sizes_are_checked_against_the_weights_before_a_model_is_built(marian_dir, tmp_path, monkeypatch, change, key):
+    """A model was built at config.json's sizes before any weight's shape was compared: d_model 8192 took 6.6 GB and
+    27 s to be refused; 16384 or 10**9, allocation failures with tracebacks."""
+    from transformer.inference import hf_import
+
+    built = []
+    monkeypatch.setattr(hf_import, "Transformer", lambda *args: built.append(args))
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf", change)
+    with pytest.raises(UserError, match=re.escape(key)) as refusal:
+        import_hf(hf_dir, tmp_path / "run")
+    assert "\n" not in str(refusal.value) and not built
+
+
+def test_the_model_of_another_directorys_sizes_is_refused_naming_the_key(marian_dir, tmp_path, call):
+    err = refused(call, hf_copy(marian_dir, tmp_path / "hf", {"encoder_layers": 3}), tmp_path / "run")
+    assert "encoder_layers is 3 but" in err and "holds 2 encoder layer(s)" in err, err
+
+
 @pytest.mark.parametrize("name", ["BartConfig", "T5Config", "M2M100Config"])
 def test_another_architecture_is_refused_in_one_line(tmp_path, call, name):
     getattr(transformers, name)().save_pretrained(tmp_path / "hf")
@@ -312,6 +343,42 @@ def test_a_real_size_directory_builds(tmp_path):
     directory = write_marian_dir(tmp_path / "hf", d_model=64, encoder_layers=1, decoder_layers=1)
     run, _ = import_hf(directory, tmp_path / "run")
     assert load_model(run)[2].model.d_model == 64
+
+
+@pytest.mark.parametrize("content", ["empty", "int", "string", "nested", "no tensors", "an int tensor"])
+def test_a_weights_file_that_holds_no_tensors_is_refused_in_one_line(marian_dir, tmp_path, call, content):
+    """An empty pytorch_model.bin was an IndexError; one holding an int, a string or a nested dict, AttributeError."""
+    from safetensors.torch import load_file
+
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
+    (hf_dir / "model.safetensors").unlink()
+    weights = load_file(marian_dir / "model.safetensors")
+    held = {
+        "int": 5,
+        "string": "weights",
+        "nested": {"model": weights},
+        "no tensors": {},
+        "an int tensor": {**weights, "final_logits_bias": torch.zeros(1, 63, dtype=torch.long)},
+    }
+    if content == "empty":
+        (hf_dir / "pytorch_model.bin").write_bytes(b"")
+    else:
+        torch.save(held[content], hf_dir / "pytorch_model.bin")
+    err = refused(call, hf_dir, tmp_path / "run")
+    assert "pytorch_model.bin" in err, err
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_or_infinite_weights_are_refused_at_import_naming_the_tensor(marian_dir, tmp_path, call, value):
+    """They were imported, and every later command refused the run with advice meant for training runs."""
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
+    weights = load_file(hf_dir / "model.safetensors")
+    weights["model.decoder.layers.1.fc2.weight"][3, 4] = value
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    err = refused(call, hf_dir, tmp_path / "run")
+    assert "model.decoder.layers.1.fc2.weight holds NaN or infinite values" in err and "step_" not in err, err
 
 
 def _import_in_a_thread(hf_dir: Path, run: Path) -> BaseException | None:

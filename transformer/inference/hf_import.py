@@ -11,9 +11,11 @@ max_position_embeddings -> model.max_positions; its vocabulary (source.spm, targ
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from transformer.files import JSON_LIMIT, read_regular
 from transformer.inference.ctranslate2_engine import IMPORT_FORMATS, write_export
 from transformer.inference.settings import beam_above_vocabulary
 from transformer.model import positions
-from transformer.model.checkpoint import save_checkpoint, weights_checkpoint
+from transformer.model.checkpoint import nonfinite, save_checkpoint, weights_checkpoint
 from transformer.model.transformer import Transformer
 from transformer.run_dir import RunDir
 
@@ -41,6 +43,8 @@ POSITIONS_TOLERANCE = 1e-4  # a stored sinusoid table may be fp16: its values wi
 # Every model of ours computes its sinusoid table whole, max_positions x d_model (in float64 first), when it is built:
 # OPUS-MT's models have 512 positions, and transformers 5 saves no table that would bound a larger number.
 MAX_POSITIONS = 1 << 14
+GENERATION_CONFIG = "generation_config.json"
+LAYER_NAME = re.compile(r"model\.(encoder|decoder)\.layers\.(\d+)\.")
 
 
 def _whole(value) -> bool:
@@ -206,13 +210,16 @@ def decode_settings(generation: dict, config: dict, where: Path, vocab_size: int
 
 
 def read_weights(hf_dir: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """The checkpoint's tensors in float32, from model.safetensors or pytorch_model.bin."""
+    """The checkpoint's tensors in float32, from model.safetensors or pytorch_model.bin: a flat mapping of names to
+    floating-point tensors, none of them NaN or infinite."""
     for name in WEIGHT_FILES:
         path = hf_dir / name
-        if path.is_file():
+        if path.exists() or path.is_symlink():
             break
     else:
         raise UserError(f"import hf: {hf_dir} holds no {' or '.join(WEIGHT_FILES)}")
+    if not path.is_file():  # a FIFO waits for a writer, a device never ends
+        raise UserError(f"import hf: {path} is not a regular file (a directory, a pipe or a device); give the file")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -221,10 +228,56 @@ def read_weights(hf_dir: Path) -> tuple[dict[str, torch.Tensor], Path]:
         else:
             tensors = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # both readers report a torn or foreign file through many exception types
-        raise UserError(f"import hf: {path} cannot be read as a weights file ({str(e).splitlines()[0]})") from None
-    if not isinstance(tensors, dict):
-        raise UserError(f"import hf: {path} holds no dictionary of tensors")
-    return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, path
+        raise UserError(f"import hf: {path} cannot be read as a weights file ({first_line(e)})") from None
+    # torch.load returns whatever was pickled: an int, a string, a nested state of another program.
+    if not isinstance(tensors, dict) or not tensors:
+        raise UserError(f"import hf: {path} holds no weights (a model's file maps each weight's name to a tensor)")
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            what = f"a {tensor.dtype} tensor" if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}"
+            raise UserError(
+                f"import hf: {path} holds {what} under {name!r}: a model's file maps each weight's name to a "
+                "floating-point tensor"
+            )
+    bad = nonfinite(tensors)
+    if bad:  # refused here, in the file's names: a run of ours with them would be refused by every command
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UserError(
+            f"import hf: {path}: {bad[0]}{more} holds NaN or infinite values: the file is corrupt or its model "
+            "diverged; download or save it again"
+        )
+    return {k: v.float() for k, v in tensors.items()}, path
+
+
+def check_sizes(config: dict, tensors: dict[str, torch.Tensor], where: Path, path: Path) -> None:
+    """config.json's sizes against the file's tensors, before anything of those sizes is made (a model at a
+    d_model of 8192 takes gigabytes; even on the meta device, its positions table is computed): the embeddings are
+    (vocab_size, d_model), each side holds its number of layers, and the first layer's fc1 is (ffn_dim, d_model).
+    The other weights' shapes follow from these (imported's meta model checks them)."""
+
+    def refuse(key: str, found: str):
+        raise UserError(f"import hf: {where}: {key} is {config[key]!r} but {path} holds {found}")
+
+    name = next((n for n in ("model.encoder.embed_tokens.weight", "model.shared.weight") if n in tensors), None)
+    if name is None:
+        raise UserError(f"import hf: {path} lacks the weight model.shared.weight")
+    shape = tuple(tensors[name].shape)
+    if len(shape) != 2 or shape[1] != config["d_model"]:
+        refuse("d_model", f"{name} of shape {shape}")
+    if shape[0] != config["vocab_size"]:
+        refuse("vocab_size", f"{name} of shape {shape}")
+    layers: dict[str, set[int]] = {"encoder": set(), "decoder": set()}
+    for found in map(LAYER_NAME.match, tensors):
+        if found:
+            layers[found[1]].add(int(found[2]))
+    for side, held in layers.items():
+        if len(held) != config[f"{side}_layers"] or held != set(range(len(held))):
+            numbers = sorted(held)
+            listed = ", ".join(map(str, numbers[:4])) + (", ..." if len(numbers) > 4 else "")
+            refuse(f"{side}_layers", f"{len(held)} {side} layer(s)" + (f" (numbered {listed})" if held else ""))
+        fc1 = f"model.{side}.layers.0.fc1.weight"
+        if fc1 in tensors and tuple(tensors[fc1].shape) != (config[f"{side}_ffn_dim"], config["d_model"]):
+            refuse(f"{side}_ffn_dim", f"{fc1} of shape {tuple(tensors[fc1].shape)}")
 
 
 def our_weights(tensors: dict[str, torch.Tensor], cfg: Config, where: Path) -> dict[str, torch.Tensor]:
@@ -268,13 +321,15 @@ def our_weights(tensors: dict[str, torch.Tensor], cfg: Config, where: Path) -> d
         out["output.weight"] = out["tgt_embed.weight"]
     else:
         out["output.weight"] = take("lm_head.weight")
-    table = positions.Marian.make_table(m.d_model, m.max_positions)
+    table = None
     for side in ("encoder", "decoder"):
         name = f"model.{side}.embed_positions.weight"
         if name in tensors:  # transformers 5 saves none (it recomputes them); earlier versions did
             used.add(name)
             stored = tensors[name]
-            if stored.shape != table.shape or (stored - table).abs().max() > POSITIONS_TOLERANCE:
+            if stored.shape == (m.max_positions, m.d_model) and table is None:  # computed only at the file's size
+                table = positions.Marian.make_table(m.d_model, m.max_positions)
+            if stored.shape != (m.max_positions, m.d_model) or (stored - table).abs().max() > POSITIONS_TOLERANCE:
                 raise UserError(
                     f"import hf: {where}: {name} is not MarianMTModel's sinusoid table of {m.max_positions} x "
                     f"{m.d_model}: learned or other positions are not supported"
@@ -308,19 +363,20 @@ def our_weights(tensors: dict[str, torch.Tensor], cfg: Config, where: Path) -> d
 
 
 def imported(hf_dir: Path, run_dir: Path) -> tuple[Config, MarianVocab, dict[str, torch.Tensor], list[str]]:
-    """What `import hf` writes: the run's config, its vocabulary and our model's weights, checked by building the
-    model; and notes for the user (what generate does that our search does not)."""
-    config = _json(hf_dir / "config.json")
-    model = marian_settings(config, hf_dir / "config.json")
+    """What `import hf` writes: the run's config, its vocabulary and our model's weights (in our state_dict's order,
+    tied matrices one tensor), every size and setting checked before a model is made; and notes for the user (what
+    generate does that our search does not)."""
+    config_path, generation_path = hf_dir / "config.json", hf_dir / GENERATION_CONFIG
+    config = _json(config_path)
+    model = marian_settings(config, config_path)
     vocab = MarianVocab.load(hf_dir)
-    start = start_piece(config, vocab, hf_dir / "config.json")
+    start = start_piece(config, vocab, config_path)
     if start is not None:
         vocab = MarianVocab(vocab.files, start)
-    check_special_ids(config, vocab, hf_dir / "config.json")
-    generation_path = hf_dir / "generation_config.json"
+    check_special_ids(config, vocab, config_path)
     has_generation = generation_path.exists() or generation_path.is_symlink()  # a FIFO there is refused, not skipped
     generation = _json(generation_path) if has_generation else {}
-    decode = decode_settings(generation, config, generation_path if generation else hf_dir / "config.json", len(vocab))
+    decode = decode_settings(generation, config, generation_path if generation else config_path, len(vocab))
     # generate has one limit for every source; ours is per source, capped by the positions: this makes it the cap.
     decode["max_len_offset"] = model["max_positions"]
     src_lang, tgt_lang = vocab.source_lang or "src", vocab.target_lang or "tgt"
@@ -337,22 +393,24 @@ def imported(hf_dir: Path, run_dir: Path) -> tuple[Config, MarianVocab, dict[str
         "decode": decode,
     }
     tensors, path = read_weights(hf_dir)
+    check_sizes(config, tensors, config_path, path)
     raw["model"]["output_bias"] = bool(tensors.get("final_logits_bias", torch.zeros(1)).any())
     try:
         cfg = from_dict(raw)
     except UserError as e:
         raise UserError(f"import hf: {hf_dir}: its settings make no model of ours ({e})") from None
     weights = our_weights(tensors, cfg, path)
-    model = Transformer(cfg.model, len(vocab), vocab.specials)
-    for name, tensor in model.state_dict().items():
+    # Our state_dict's names and shapes without allocating: the sinusoid table is no weight (a buffer not saved), and
+    # even on the meta device it is computed, so the meta model has the shortest one.
+    with torch.device("meta"):
+        shapes = Transformer(dataclasses.replace(cfg.model, max_positions=2), len(vocab), vocab.specials).state_dict()
+    for name, tensor in shapes.items():
         if name not in weights or weights[name].shape != tensor.shape:
             found = tuple(weights[name].shape) if name in weights else "none"
             raise UserError(
                 f"import hf: {path}: {name} should have shape {tuple(tensor.shape)} for config.json's model, "
                 f"it has {found}"
             )
-    model.load_state_dict(weights)  # the shapes checked above: strict loading cannot fail now
-    weights = model.state_dict()  # shared and tied matrices shared again, as a model of ours saves them
     notes = []
     if generation.get("renormalize_logits"):
         notes.append(
@@ -360,7 +418,7 @@ def imported(hf_dir: Path, run_dir: Path) -> tuple[Config, MarianVocab, dict[str
             "log-probabilities by 1 - p(<pad>), which our search does not (beam outputs can differ where <pad> is "
             "given probability; docs/opus-mt.md)"
         )
-    return cfg, vocab, weights, notes
+    return cfg, vocab, {name: weights[name] for name in shapes}, notes
 
 
 def _sha256(path: Path) -> str:
