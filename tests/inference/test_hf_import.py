@@ -9,6 +9,7 @@ import json
 import os
 import re
 import threading
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -423,6 +424,28 @@ def test_a_json_file_larger_than_any_is_refused_before_it_is_read(marian_dir, tm
         f.truncate(64 << 20)  # sparse: no disk
     with pytest.raises(UserError, match="config.json is larger than 16 MiB"):
         import_hf(hf_dir, tmp_path / "run")
+
+
+def test_only_the_files_read_are_hashed_and_none_whole(marian_dir, tmp_path):
+    """Every file of the directory was read whole to hash it: a 3 GiB file beside the model took 3.4 GB (30 GiB: a
+    MemoryError). Now the files the import read are hashed, block by block; another file is no source."""
+    import hashlib
+
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
+    with open(hf_dir / "tf_model.h5", "wb") as f:  # another framework's copy of the weights (sparse: no disk)
+        f.truncate(512 << 20)
+    tracemalloc.start()
+    try:
+        run, _ = import_hf(hf_dir, tmp_path / "run")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 128 << 20, f"{peak / 2**20:.0f} MiB of Python objects at once"
+    hashed = json.loads((run / "transformer-import.json").read_text())["source_files"]
+    read = {"config.json", "generation_config.json", "model.safetensors", *MarianVocab.load(hf_dir).files}
+    assert set(hashed) == read
+    for name in read:
+        assert hashed[name] == hashlib.sha256((hf_dir / name).read_bytes()).hexdigest()
 
 
 def test_force_never_replaces_a_file_changed_since_the_import(marian_dir, tmp_path, call):

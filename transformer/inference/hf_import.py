@@ -12,19 +12,19 @@ max_position_embeddings -> model.max_positions; its vocabulary (source.spm, targ
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from transformer.config import Config, from_dict, lenpen_problem, positions_problem, save_config, to_dict
-from transformer.data.vocab import MarianVocab
+from transformer.data.vocab import MARIAN_FILES, MarianVocab
 from transformer.errors import UserError, first_line
-from transformer.files import JSON_LIMIT, read_regular
+from transformer.files import JSON_LIMIT, file_sha256, read_regular
 from transformer.inference.ctranslate2_engine import IMPORT_FORMATS, write_export
 from transformer.inference.settings import beam_above_vocabulary
 from transformer.model import positions
@@ -362,10 +362,21 @@ def our_weights(tensors: dict[str, torch.Tensor], cfg: Config, where: Path) -> d
     return out
 
 
-def imported(hf_dir: Path, run_dir: Path) -> tuple[Config, MarianVocab, dict[str, torch.Tensor], list[str]]:
-    """What `import hf` writes: the run's config, its vocabulary and our model's weights (in our state_dict's order,
-    tied matrices one tensor), every size and setting checked before a model is made; and notes for the user (what
-    generate does that our search does not)."""
+@dataclass
+class Imported:
+    """What `import hf` writes: the run's config, its vocabulary, our model's weights (in our state_dict's order,
+    tied matrices one tensor); notes for the user (what generate does that our search does not); and the files of
+    the directory that were read."""
+
+    cfg: Config
+    vocab: MarianVocab
+    weights: dict[str, torch.Tensor]
+    notes: list[str]
+    read: list[Path]
+
+
+def imported(hf_dir: Path, run_dir: Path) -> Imported:
+    """The directory's model as a run of ours, every size and setting checked before a model is made."""
     config_path, generation_path = hf_dir / "config.json", hf_dir / GENERATION_CONFIG
     config = _json(config_path)
     model = marian_settings(config, config_path)
@@ -418,37 +429,33 @@ def imported(hf_dir: Path, run_dir: Path) -> tuple[Config, MarianVocab, dict[str
             "log-probabilities by 1 - p(<pad>), which our search does not (beam outputs can differ where <pad> is "
             "given probability; docs/opus-mt.md)"
         )
-    return cfg, vocab, {name: weights[name] for name in shapes}, notes
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    read = [config_path, *([generation_path] if has_generation else []), *(hf_dir / n for n in MARIAN_FILES), path]
+    return Imported(cfg, vocab, {name: weights[name] for name in shapes}, notes, read)
 
 
 def import_hf(hf_dir: str | Path, run_dir: str | Path, force: bool = False) -> tuple[Path, list[str]]:
     """Write RUN_DIR (final.pt, config.yaml, the tokenizer's four files, transformer-import.json) for the
     MarianMTModel directory hf_dir; returns it and the notes. force: replace an earlier import of ours (its record
-    lists every file there) or an empty directory, nothing else."""
+    lists every file there, none changed since) or an empty directory, nothing else."""
     from transformer.inference.hf_export import require_transformers
 
     require_transformers()
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise UserError(f"import hf: {hf_dir} is not a directory (a MarianMTModel's, as save_pretrained writes it)")
-    cfg, vocab, weights, notes = imported(hf_dir, Path(run_dir))
+    found = imported(hf_dir, Path(run_dir))
 
     def write(staging: Path) -> dict:
         final = RunDir(staging).final
-        save_checkpoint(
-            weights_checkpoint(to_dict(cfg), vocab.stored, weights, imported_from=str(hf_dir.resolve())), final
-        )
-        save_config(cfg, RunDir(staging).config, header=CONFIG_HEADER)
-        for name, data in vocab.files.items():
+        about = {"imported_from": str(hf_dir.resolve())}
+        save_checkpoint(weights_checkpoint(to_dict(found.cfg), found.vocab.stored, found.weights, **about), final)
+        save_config(found.cfg, RunDir(staging).config, header=CONFIG_HEADER)
+        for name, data in found.vocab.files.items():
             (staging / name).write_bytes(data)
-        read = [p for p in sorted(hf_dir.iterdir()) if p.is_file()]
-        return {"source": str(hf_dir.resolve()), "source_files": {p.name: _sha256(p) for p in read}}
+        # The files it read, hashed block by block (a weights file may be gigabytes); the others are no source.
+        return {"source": str(hf_dir.resolve()), "source_files": {p.name: file_sha256(p) for p in found.read}}
 
-    return write_export(run_dir, force, IMPORT_FORMAT, write, RunDir.IMPORT, "import hf"), notes
+    return write_export(run_dir, force, IMPORT_FORMAT, write, RunDir.IMPORT, "import hf"), found.notes
 
 
 def run_import_hf(hf_dir: str, run_dir: str, force: bool) -> None:
