@@ -1,10 +1,12 @@
-"""File writes: atomic (a crash at any moment leaves the old file or the new one), and never over what must survive."""
+"""File writes: atomic (a crash at any moment leaves the old file or the new one), and never over what must survive;
+reads of small files that can neither hang (a FIFO) nor take all memory (/dev/zero, a huge file)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import re
+import stat
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable
@@ -18,6 +20,9 @@ from transformer.run_dir import RunDir
 # after a kill removes only files that atomic_write made, never a user's own *.tmp.
 TEMP_SUFFIX = ".transformer-tmp"
 _TEMP_NAME = re.compile(r"\..+\.[A-Za-z0-9_]{8}" + re.escape(TEMP_SUFFIX))
+# The most a JSON file read whole may hold (read_regular's limit): the largest a model directory holds is its
+# vocab.json, about 1.5 MB for 64,000 pieces; parsed, a JSON file takes several times its size in memory.
+JSON_LIMIT = 16 << 20
 
 
 def file_sha256(path: str | Path) -> str:
@@ -27,6 +32,26 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def read_regular(path: str | Path, limit: int, what: str) -> bytes:
+    """A regular file's bytes, refused in one line (prefixed by `what`) when it is missing, not a regular file (a
+    FIFO waits for a writer for ever, /dev/zero never ends) or larger than `limit` bytes. Opened without blocking and
+    checked on the open descriptor, so that what is read is what was checked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise UserError(f"{what}: {path} is missing") from None
+    except OSError as e:
+        raise UserError(f"{what}: cannot read {path}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UserError(f"{what}: {path} is not a regular file (a directory, a pipe or a device); give the file")
+        data = f.read(limit + 1) if info.st_size <= limit else b""
+    if info.st_size > limit or len(data) > limit:
+        raise UserError(f"{what}: {path} is larger than {limit / (1 << 20):g} MiB; that is not the file it should be")
+    return data
 
 
 def current_umask() -> int:

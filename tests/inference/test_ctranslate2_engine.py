@@ -198,6 +198,38 @@ def test_export_force_replaces_only_a_folder_its_record_says_it_wrote(tmp_path, 
     assert call("export", "ctranslate2", copy_model, out, "--force")[0] == 2
 
 
+def test_export_force_never_replaces_a_file_changed_since_the_export(tmp_path, copy_model, call):
+    """The record listed file names (with their size and mtime, which an edit can keep): --force replaced a file
+    edited since. Now it holds each file's sha256; an export that an earlier version recorded by [size, mtime_ns]
+    is still replaced while those are unchanged."""
+    from transformer.inference import ctranslate2_engine as export
+
+    out = tmp_path / "ours"
+    assert call("export", "ctranslate2", copy_model, out)[0] == 0
+    config = out / "config.json"
+    written, stat = config.read_bytes(), config.stat()
+    edited = written.replace(b"{", b"{ ", 1)  # the same size and mtime: only the contents tell
+    config.write_bytes(edited)
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    status, _, err = call("export", "ctranslate2", copy_model, out, "--force")
+    assert (status, err) == (
+        2,
+        f"error: export: {config} was changed since transformer-export.json recorded it; it is never replaced: "
+        "move it away, or delete the directory yourself to replace it\n",
+    )
+    assert config.read_bytes() == edited
+    config.write_bytes(written)
+    assert call("export", "ctranslate2", copy_model, out, "--force")[0] == 0  # as written again: replaced
+
+    record = json.loads((out / export.EXPORT_RECORD).read_text())
+    record["files"] = {
+        p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in out.iterdir() if p.name in record["files"]
+    }
+    (out / export.EXPORT_RECORD).write_text(json.dumps(record))
+    assert call("export", "ctranslate2", copy_model, out, "--force")[0] == 0
+    assert all(isinstance(f, dict) for f in json.loads((out / export.EXPORT_RECORD).read_text())["files"].values())
+
+
 def test_the_engines_conversion_never_empties_a_folder_it_did_not_write(tmp_path, copy_model, call):
     """`--engine ctranslate2 CKPT` used to empty CKPT_DIR/ct2/<name>/ whatever was there."""
     checkpoint = tmp_path / "model.pt"

@@ -6,6 +6,10 @@ writes are only ever its own."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import threading
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from scripts.make_marian_dir import CODES as MARIAN_CODES
 from tests.helpers import marian_sentences, write_marian_dir
 from transformer.data.batch import Batch, prepare_sources
 from transformer.data.vocab import MarianVocab
+from transformer.errors import UserError
 from transformer.inference.hf_export import export_hf
 from transformer.inference.hf_import import import_hf
 from transformer.inference.search import search
@@ -35,6 +40,25 @@ def imported(marian_dir, tmp_path_factory) -> Path:
 
 def marian(directory: Path):
     return transformers.MarianMTModel.from_pretrained(directory).eval()
+
+
+def hf_copy(marian_dir: Path, directory: Path, config: dict | None = None, generation: dict | None = None) -> Path:
+    """A copy of marian_dir with keys of its config.json and generation_config.json changed."""
+    directory.mkdir()
+    for p in marian_dir.iterdir():
+        (directory / p.name).write_bytes(p.read_bytes())
+    for name, change in (("config.json", config), ("generation_config.json", generation)):
+        if change:
+            (directory / name).write_text(json.dumps({**json.loads((directory / name).read_text()), **change}))
+    return directory
+
+
+def refused(call, hf_dir: Path, run: Path) -> str:
+    """`import hf`'s one-line refusal (exit status 2, nothing written)."""
+    status, _, err = call("import", "hf", hf_dir, run)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert not run.exists()
+    return err
 
 
 def generate(hf, src: torch.Tensor, pad: int, beam: int, **kwargs) -> list[int]:
@@ -188,18 +212,78 @@ def test_ours_exported_and_imported_back_translates_the_same(copy_model, tmp_pat
         ({"decoder_ffn_dim": 48}, "decoder_ffn_dim is 48"),
         ({"scale_embedding": False}, "scale_embedding is False"),
         ({"decoder_vocab_size": 7}, "decoder_vocab_size is 7"),
+        # Values of the wrong type (a TypeError, or read as another value: true as the id 1, <unk>).
+        ({"activation_function": ["swish"]}, "activation_function is ['swish']"),
+        ({"activation_function": {"swish": 1}}, "activation_function is {'swish': 1}"),
+        ({"early_stopping": [True]}, "early_stopping is [True]"),
+        ({"early_stopping": {}}, "early_stopping is {}"),
+        ({"early_stopping": 0}, "early_stopping is 0"),
+        ({"max_position_embeddings": "512"}, "max_position_embeddings is '512'"),
+        ({"max_position_embeddings": None}, "max_position_embeddings is None"),
+        ({"decoder_start_token_id": True}, "decoder_start_token_id is True"),
+        ({"eos_token_id": False}, "eos_token_id is False"),
+        ({"d_model": True}, "d_model is True"),
+        ({"encoder_layers": 2.0}, "encoder_layers is 2.0"),
+        ({"vocab_size": "63"}, "vocab_size is '63'"),
+        ({"dropout": "0.1"}, "dropout is '0.1'"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes'"),
+        ({"encoder_layerdrop": [0]}, "encoder_layerdrop is [0]"),
+        # Each key's own value before what it must equal: the key named is the one that is wrong.
+        ({"encoder_ffn_dim": -1}, "encoder_ffn_dim is -1"),
+        ({"encoder_attention_heads": 0}, "encoder_attention_heads is 0"),
+        ({"d_model": 30}, "d_model is 30: it must be a multiple of encoder_attention_heads"),
     ],
 )
 def test_a_setting_we_cannot_honour_is_refused_in_one_line(marian_dir, tmp_path, call, change, message):
-    config = json.loads((marian_dir / "config.json").read_text())
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    for p in marian_dir.iterdir():
-        (hf_dir / p.name).write_bytes(p.read_bytes())
-    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
-    status, _, err = call("import", "hf", hf_dir, tmp_path / "run")
-    assert status == 2 and message in err and len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "run").exists()
+    err = refused(call, hf_copy(marian_dir, tmp_path / "hf", change), tmp_path / "run")
+    assert message in err, err
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_beams": 1_000_000}, "num_beams is 1000000: beam must be at most the vocabulary size (63 pieces)"),
+        ({"num_beams": True}, "num_beams is True"),
+        ({"renormalize_logits": "yes"}, "renormalize_logits is 'yes'"),
+        ({"early_stopping": None}, "early_stopping is None"),
+    ],
+)
+def test_a_generation_setting_no_search_of_ours_takes_is_refused_in_one_line(
+    marian_dir, tmp_path, call, change, message
+):
+    """num_beams 1000000 was imported, and every translate of the run then refused it."""
+    err = refused(call, hf_copy(marian_dir, tmp_path / "hf", generation=change), tmp_path / "run")
+    assert "generation_config.json" in err and message in err, err
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"d_model": 8192}, "d_model is 8192"),
+        ({"d_model": 16384, "encoder_ffn_dim": 10**9, "decoder_ffn_dim": 10**9}, "d_model is 16384"),
+        ({"d_model": 10**9}, "d_model is 1000000000"),
+        ({"encoder_ffn_dim": 10**12, "decoder_ffn_dim": 10**12}, "encoder_ffn_dim is 1000000000000"),
+        ({"decoder_layers": 10**9}, "decoder_layers is 1000000000"),
+        ({"vocab_size": 10**9, "decoder_vocab_size": 10**9}, "vocab_size is 1000000000"),
+        ({"max_position_embeddings": 10**9}, "max_position_embeddings is 1000000000"),
+    ],
+)
+def test_sizes_are_checked_against_the_weights_before_a_model_is_built(marian_dir, tmp_path, monkeypatch, change, key):
+    """A model was built at config.json's sizes before any weight's shape was compared: d_model 8192 took 6.6 GB and
+    27 s to be refused; 16384 or 10**9, allocation failures with tracebacks."""
+    from transformer.inference import hf_import
+
+    built = []
+    monkeypatch.setattr(hf_import, "Transformer", lambda *args: built.append(args))
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf", change)
+    with pytest.raises(UserError, match=re.escape(key)) as refusal:
+        import_hf(hf_dir, tmp_path / "run")
+    assert "\n" not in str(refusal.value) and not built
+
+
+def test_the_model_of_another_directorys_sizes_is_refused_naming_the_key(marian_dir, tmp_path, call):
+    err = refused(call, hf_copy(marian_dir, tmp_path / "hf", {"encoder_layers": 3}), tmp_path / "run")
+    assert "encoder_layers is 3 but" in err and "holds 2 encoder layer(s)" in err, err
 
 
 @pytest.mark.parametrize("name", ["BartConfig", "T5Config", "M2M100Config"])
@@ -211,10 +295,7 @@ def test_another_architecture_is_refused_in_one_line(tmp_path, call, name):
 
 
 def test_separate_vocabularies_are_refused_in_one_line(marian_dir, tmp_path, call):
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    for p in marian_dir.iterdir():
-        (hf_dir / p.name).write_bytes(p.read_bytes())
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
     config = json.loads((hf_dir / "tokenizer_config.json").read_text())
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({**config, "separate_vocabs": True}))
     status, _, err = call("import", "hf", hf_dir, tmp_path / "run")
@@ -263,3 +344,119 @@ def test_a_real_size_directory_builds(tmp_path):
     directory = write_marian_dir(tmp_path / "hf", d_model=64, encoder_layers=1, decoder_layers=1)
     run, _ = import_hf(directory, tmp_path / "run")
     assert load_model(run)[2].model.d_model == 64
+
+
+@pytest.mark.parametrize("content", ["empty", "int", "string", "nested", "no tensors", "an int tensor"])
+def test_a_weights_file_that_holds_no_tensors_is_refused_in_one_line(marian_dir, tmp_path, call, content):
+    """An empty pytorch_model.bin was an IndexError; one holding an int, a string or a nested dict, AttributeError."""
+    from safetensors.torch import load_file
+
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
+    (hf_dir / "model.safetensors").unlink()
+    weights = load_file(marian_dir / "model.safetensors")
+    held = {
+        "int": 5,
+        "string": "weights",
+        "nested": {"model": weights},
+        "no tensors": {},
+        "an int tensor": {**weights, "final_logits_bias": torch.zeros(1, 63, dtype=torch.long)},
+    }
+    if content == "empty":
+        (hf_dir / "pytorch_model.bin").write_bytes(b"")
+    else:
+        torch.save(held[content], hf_dir / "pytorch_model.bin")
+    err = refused(call, hf_dir, tmp_path / "run")
+    assert "pytorch_model.bin" in err, err
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_or_infinite_weights_are_refused_at_import_naming_the_tensor(marian_dir, tmp_path, call, value):
+    """They were imported, and every later command refused the run with advice meant for training runs."""
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
+    weights = load_file(hf_dir / "model.safetensors")
+    weights["model.decoder.layers.1.fc2.weight"][3, 4] = value
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    err = refused(call, hf_dir, tmp_path / "run")
+    assert "model.decoder.layers.1.fc2.weight holds NaN or infinite values" in err and "step_" not in err, err
+
+
+def _import_in_a_thread(hf_dir: Path, run: Path) -> BaseException | None:
+    """import_hf's exception (None: it succeeded), failing the test if it has not returned within 30 s."""
+    outcome: list = []
+
+    def target():
+        try:
+            import_hf(hf_dir, run)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - whatever it raised is the outcome
+            outcome.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():  # release a reader waiting on a FIFO: it reads an end of file
+        for fifo in (p for p in hf_dir.iterdir() if p.is_fifo()):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(30)
+        pytest.fail("import hf waited on a FIFO")
+    return outcome[0]
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "vocab.json", "source.spm"])
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_a_fifo_or_a_device_in_place_of_a_file_is_refused_not_read(marian_dir, tmp_path, name, kind):
+    """config.json as a FIFO hung for ever; as a link to /dev/zero, it was read until memory ran out."""
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
+    (hf_dir / name).unlink()
+    if kind == "fifo":
+        os.mkfifo(hf_dir / name)
+    else:
+        (hf_dir / name).symlink_to("/dev/zero")
+    error = _import_in_a_thread(hf_dir, tmp_path / "run")
+    assert isinstance(error, UserError) and f"{name} is not a regular file" in str(error), repr(error)
+
+
+def test_a_json_file_larger_than_any_is_refused_before_it_is_read(marian_dir, tmp_path):
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
+    with open(hf_dir / "config.json", "r+b") as f:
+        f.truncate(64 << 20)  # sparse: no disk
+    with pytest.raises(UserError, match="config.json is larger than 16 MiB"):
+        import_hf(hf_dir, tmp_path / "run")
+
+
+def test_only_the_files_read_are_hashed_and_none_whole(marian_dir, tmp_path):
+    """Every file of the directory was read whole to hash it: a 3 GiB file beside the model took 3.4 GB (30 GiB: a
+    MemoryError). Now the files the import read are hashed, block by block; another file is no source."""
+    import hashlib
+
+    hf_dir = hf_copy(marian_dir, tmp_path / "hf")
+    with open(hf_dir / "tf_model.h5", "wb") as f:  # another framework's copy of the weights (sparse: no disk)
+        f.truncate(512 << 20)
+    tracemalloc.start()
+    try:
+        run, _ = import_hf(hf_dir, tmp_path / "run")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 128 << 20, f"{peak / 2**20:.0f} MiB of Python objects at once"
+    hashed = json.loads((run / "transformer-import.json").read_text())["source_files"]
+    read = {"config.json", "generation_config.json", "model.safetensors", *MarianVocab.load(hf_dir).files}
+    assert set(hashed) == read
+    for name in read:
+        assert hashed[name] == hashlib.sha256((hf_dir / name).read_bytes()).hexdigest()
+
+
+def test_force_never_replaces_a_file_changed_since_the_import(marian_dir, tmp_path, call):
+    """--force replaced a config.yaml the user had edited after the import: the record listed names, not contents."""
+    run = tmp_path / "run"
+    assert call("import", "hf", marian_dir, run)[0] == 0
+    edited = (run / "config.yaml").read_text().replace("beam: 4", "beam: 6")
+    (run / "config.yaml").write_text(edited)
+    status, _, err = call("import", "hf", marian_dir, run, "--force")
+    assert status == 2 and f"{run / 'config.yaml'} was changed since" in err and len(err.splitlines()) == 1, err
+    assert (run / "config.yaml").read_text() == edited
+    (run / "config.yaml").unlink()  # a file the record lists, removed: nothing of the user's is lost
+    assert call("import", "hf", marian_dir, run, "--force")[0] == 0
+    assert "beam: 4" in (run / "config.yaml").read_text()

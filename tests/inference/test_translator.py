@@ -534,3 +534,22 @@ def test_a_line_over_the_bound_is_read_up_to_it_with_a_warning(untrained_checkpo
         in err
         and err.count("warning") == 1
     )
+
+
+@pytest.mark.usefixtures("hf_offline")
+def test_an_imported_models_prefixes_and_constraints_are_split_as_its_targets(marian_dir, tmp_path):
+    """A Marian vocabulary has a SentencePiece model per side: prefixes and constraints were split with source.spm
+    (an OPUS-MT model forced "yellow" as ▁ y ell o w where its target vocabulary has ▁yellow)."""
+    pytest.importorskip("transformers")
+    from transformer.inference.hf_import import import_hf
+
+    run, _ = import_hf(marian_dir, tmp_path / "run")
+    translator = Translator(run, "cpu", SearchFlags(beam=2))
+    vocab = translator.vocab
+    prefix, phrase = "the red dog", "blue cat"
+    assert vocab.encode_target([prefix]) != vocab.encode([prefix])  # the two sides split it differently
+    [options] = translator.sentence_options(1, [prefix], [[phrase]])
+    assert options.prefix == tuple(vocab.encode_target([prefix])[0])
+    assert options.constraints == (tuple(vocab.encode_target([phrase])[0]),)
+    [found] = translator.translate_lines(["der mann sitzt auf dem haus"], [prefix], [[phrase]])
+    assert found[0].text.startswith(prefix) and found[0].constrained, found[0]

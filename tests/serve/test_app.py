@@ -807,6 +807,19 @@ def test_a_prefix_starts_each_translation(client, translator):
     assert one["translations"][0]["text"].startswith("the red")
 
 
+@pytest.mark.usefixtures("hf_offline")
+def test_an_imported_models_prefix_is_counted_in_its_target_pieces(marian_dir, tmp_path):
+    """The prefix's length was checked in source.spm's pieces: "the red dog", three target pieces, was refused as
+    eleven by a server whose limit is four."""
+    pytest.importorskip("transformers")
+    from transformer.inference.hf_import import import_hf
+
+    run, _ = import_hf(marian_dir, tmp_path / "run")
+    with TestClient(create_app(Service(run, replace(SETTINGS, max_prefix=4), "cpu"))) as client:
+        result = post(client, "/translate", {"text": ["der mann sitzt"], "prefix": ["the red dog"]})
+    assert result["translations"][0]["text"].startswith("the red dog")
+
+
 def test_constraints_are_met_or_said_not_to_be(client):
     asked = [["blue"], [], ["red dog", "the"]]
     result = post(client, "/translate", {"text": SENTENCES[:3], "constraints": asked, "nbest": 2})

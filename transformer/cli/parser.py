@@ -529,7 +529,7 @@ def _add_export(sub) -> None:
         "--force",
         action="store_true",
         help="replace OUT_DIR if it is an earlier export (its transformer-export.json lists every file "
-        "in it), never any other directory",
+        "in it, none changed since), never any other directory",
     )
     p.set_defaults(func=commands.cmd_export)
 
@@ -554,8 +554,8 @@ def _add_import(sub) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="replace RUN_DIR if it is an earlier import (its transformer-import.json lists every file in it), "
-        "never any other directory",
+        help="replace RUN_DIR if it is an earlier import (its transformer-import.json lists every file in it, "
+        "none changed since), never any other directory",
     )
     p.set_defaults(func=commands.cmd_import)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from transformer.errors import UserError
-from transformer.files import atomic_write
+from transformer.files import JSON_LIMIT, atomic_write, read_regular
 from transformer.run_dir import RunDir
 
 
@@ -170,6 +170,8 @@ SPM_FILE = RunDir.VOCAB  # our vocabulary's one file
 # What MarianTokenizer.save_pretrained writes and an imported vocabulary keeps, verbatim.
 MARIAN_FILES = RunDir.MARIAN_VOCAB
 SOURCE_SPM, TARGET_SPM, VOCAB_JSON, TOKENIZER_CONFIG = MARIAN_FILES
+# The most each file may hold when it is read from a directory: OPUS-MT's SentencePiece models are under 1 MB.
+MARIAN_FILE_LIMITS = {SOURCE_SPM: 64 << 20, TARGET_SPM: 64 << 20, VOCAB_JSON: JSON_LIMIT, TOKENIZER_CONFIG: JSON_LIMIT}
 SPIECE_UNDERLINE = "\u2581"
 
 
@@ -243,10 +245,15 @@ class MarianVocab:
     @classmethod
     def load(cls, directory: str | Path) -> MarianVocab:
         directory = Path(directory)
-        missing = [name for name in MARIAN_FILES if not (directory / name).is_file()]
+        missing = [name for name in MARIAN_FILES if not (directory / name).exists()]
         if missing:
             raise UserError(f"Marian vocabulary: {directory} has no {', '.join(missing)}")
-        return cls({name: (directory / name).read_bytes() for name in MARIAN_FILES})
+        return cls(
+            {
+                name: read_regular(directory / name, MARIAN_FILE_LIMITS[name], "Marian vocabulary")
+                for name in MARIAN_FILES
+            }
+        )
 
     @property
     def stored(self) -> dict:

@@ -19,7 +19,7 @@ from transformer.data.batch import source_limit
 from transformer.data.loader import source_batches
 from transformer.data.vocab import AnyVocab
 from transformer.errors import UserError
-from transformer.files import current_umask, file_sha256
+from transformer.files import JSON_LIMIT, current_umask, file_sha256, read_regular
 from transformer.inference.search import Hypothesis, length_penalty, max_output_lengths
 from transformer.inference.settings import SearchSettings, parse_sample
 from transformer.model.checkpoint import load_model, resolve_checkpoint
@@ -138,17 +138,49 @@ def _write_model(checkpoint: Path, out_dir: Path, quantization: str | None) -> N
 
 
 def _read_record(path: Path) -> dict:
-    """A JSON record (an empty dict when it is missing, unreadable, or not a JSON object)."""
+    """A JSON record (an empty dict when it is missing, unreadable, no regular file, or not a JSON object)."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        record = json.loads(read_regular(path, JSON_LIMIT, "record").decode("utf-8"))
+    except (UserError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
 
 
 def _file_stamps(directory: Path) -> dict[str, list[int]]:
-    """[size, mtime_ns] of every file just written into `directory`: what its record lists as ours."""
+    """[size, mtime_ns] of every file just written into `directory`: what a cached conversion's record lists as ours
+    (a conversion whose files changed is not current, and is made again)."""
     return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(directory.iterdir())}
+
+
+def _file_contents(directory: Path) -> dict[str, dict]:
+    """The size and sha256 of every file just written into `directory`: what an export's record lists as ours, and
+    what --force compares (an mtime is no proof: an edit can keep it, a copy changes it)."""
+    return {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(directory.iterdir())}
+
+
+def _changed_since(target: Path, record_name: str) -> str | None:
+    """The first file an export's record lists that is no longer what was written (a config.yaml edited since): its
+    name, or None. An earlier version's record holds [size, mtime_ns] per file: those are compared instead."""
+    files = _read_record(target / record_name).get("files")
+    for name, written in files.items() if isinstance(files, dict) else ():
+        path = target / name
+        if not path.is_file() or path.is_symlink():  # a file removed since: nothing of the user's to lose
+            continue
+        size = path.stat().st_size
+        if isinstance(written, dict):
+            changed = written.get("size") != size or written.get("sha256") != file_sha256(path)
+        else:
+            changed = written != [size, path.stat().st_mtime_ns]
+        if changed:
+            return name
+    return None
+
+
+def _changed_error(target: Path, name: str, record_name: str, what: str) -> UserError:
+    return UserError(
+        f"{what}: {target / name} was changed since {record_name} recorded it; it is never replaced: move it away, "
+        "or delete the directory yourself to replace it"
+    )
 
 
 def _replaceable(target: Path, record_name: str) -> set[str] | None:
@@ -188,10 +220,13 @@ def _not_ours(target: Path, record_name: str, what: str) -> UserError:
 
 def _replace_ours(target: Path, staging: Path, record_name: str, what: str) -> None:
     """Put `staging` where `target` is, if _replaceable (checked again now, at the last moment): only the files
-    that its record lists are removed, by name."""
+    that its record lists are removed, by name; an export's or import's only if none of them was changed since."""
     ours = _replaceable(target, record_name)
     if ours is None:
         raise _not_ours(target, record_name, what)
+    changed = _changed_since(target, record_name) if record_name in RECORD_FORMATS and ours else None
+    if changed is not None:
+        raise _changed_error(target, changed, record_name, what)
     if target.exists():
         for name in ours:
             (target / name).unlink(missing_ok=True)
@@ -226,7 +261,8 @@ def write_export(
     """The export directory `out_dir`, made by write(staging) (which returns what the record says besides the format
     and the files) in a directory beside it, then put in its place: an existing out_dir only with force, and only
     when it is an earlier export of ours (EXPORT_FORMATS; for `import hf`, record_name RunDir.IMPORT: an earlier
-    import) or empty. Returns out_dir as given."""
+    import) whose files are all as it wrote them (its record holds their sha256), or empty. Returns out_dir as
+    given."""
     if not str(out_dir).strip():  # realpath('') is the working directory: it would be "replaced"
         raise UserError(f"{what}: the output directory is an empty name; give the directory to write")
     given, out_dir = out_dir, Path(os.path.realpath(out_dir))  # a link to the directory stays a link
@@ -235,12 +271,15 @@ def write_export(
             raise UserError(f"{what}: {given} exists; add --force to replace it")
         if _replaceable(out_dir, record_name) is None:
             raise _not_ours(Path(given), record_name, what)
+        changed = _changed_since(out_dir, record_name)
+        if changed is not None:  # before converting, not only at the end
+            raise _changed_error(Path(given), changed, record_name, what)
     # Converted beside it first: a conversion that fails leaves the earlier export as it was.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = _staging_dir(out_dir)
     try:
         about = write(staging)
-        record = {"format": export_format, **about, "files": _file_stamps(staging)}
+        record = {"format": export_format, **about, "files": _file_contents(staging)}
         (staging / record_name).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         _replace_ours(out_dir, staging, record_name, what)
     finally:

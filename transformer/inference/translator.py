@@ -502,7 +502,8 @@ class Translator:
             return None
         where = where or (lambda i: f"input line {first_line + i + 1}")
         limit = source_limit(self.cfg.model.max_positions)
-        prefix_ids = self.vocab.encode([p if p.strip() else "" for p in prefixes]) if prefixes else [[]] * count
+        # Target text: split as the target side is (a Marian vocabulary's target.spm; ours is one model for both).
+        prefix_ids = self.vocab.encode_target([p if p.strip() else "" for p in prefixes]) if prefixes else [[]] * count
         for i, (text, ids) in enumerate(zip(prefixes or [""] * count, prefix_ids)):
             refuse_lacking(self.vocab, text, ids, f"the prefix of {where(i)}")
             if warn and len(ids) > limit:
@@ -514,7 +515,7 @@ class Translator:
         phrases = []
         for i, line in enumerate(constraints or [[]] * count):
             texts = [p for p in line if p.strip()]
-            encoded = self.vocab.encode(texts) if texts else []
+            encoded = self.vocab.encode_target(texts) if texts else []
             for text, ids in zip(texts, encoded):
                 refuse_lacking(self.vocab, text, ids, f"the constraint {text!r} of {where(i)}")
             phrases.append(tuple(tuple(ids) for ids in encoded if ids))

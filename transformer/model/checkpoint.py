@@ -109,17 +109,22 @@ def check_finite(weights: dict, what: str) -> None:
     stop rule), or as a fine-tuning run whose every update is skipped. A sum is NaN or infinite when any term is:
     0.026 s against 0.18 s for isfinite().all() over 67M parameters on a 2-core EPYC, and no bool copy of each
     weight."""
-    bad = [
-        name
-        for name, w in weights.items()
-        if w.is_floating_point() and not bool(torch.isfinite(w.sum(dtype=torch.float32)))
-    ]
+    bad = nonfinite(weights)
     if bad:
         raise UserError(
             f"{what}: {len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
             f"{', ...' if len(bad) > 3 else ''}): the file is corrupt or its run diverged; use another "
             "checkpoint (step_*.pt, last.pt)"
         )
+
+
+def nonfinite(weights: dict) -> list[str]:
+    """The names of the floating-point tensors that hold a NaN or an infinite value (check_finite's sum), in order."""
+    return [
+        name
+        for name, w in weights.items()
+        if w.is_floating_point() and not bool(torch.isfinite(w.sum(dtype=torch.float32)))
+    ]
 
 
 def load_model(run_dir_or_file: str | Path, device: Any = "cpu") -> tuple[Transformer, AnyVocab, Config]:

@@ -327,7 +327,7 @@ class Service:
         options = None
         if body.prefix or body.constraints:
             limit = min(self.settings.max_prefix, source_limit(self.cfg.model.max_positions))
-            for i, ids in enumerate(self.vocab.encode([p if p.strip() else "" for p in body.prefix or []])):
+            for i, ids in enumerate(self.vocab.encode_target([p if p.strip() else "" for p in body.prefix or []])):
                 if len(ids) > limit:
                     raise ApiError(422, f"prefix {i} is {len(ids)} pieces long; the limit is {limit}")
             try:
