@@ -21,6 +21,7 @@ from tests.helpers import (
     translation_config,
     write_checkpoint,
     write_copying_checkpoint,
+    write_corpus,
     write_marian_dir,
 )
 from transformer import cli as cli_module
@@ -126,6 +127,19 @@ def offline_hub(monkeypatch, tmp_path):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache", raising=False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
     return tmp_path
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A corpus to prepare: 300 training and 30 validation pairs of the reversal task, each split ending in a blank
+    side and a whitespace-only line (dropped and counted)."""
+    directory = write_corpus(tmp_path / "corpus", n_train=300, n_valid=30, seed=4)
+    for split in ("train", "valid"):
+        with (directory / f"{split}.de").open("a", encoding="utf-8") as f:
+            f.write("\n   \nder hund\n")
+        with (directory / f"{split}.en").open("a", encoding="utf-8") as f:
+            f.write("the dog\nthe cat\n\n")
+    return directory
 
 
 # --------------------------------------------------------------------------- checkpoints for translation

@@ -74,6 +74,24 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class CorpusConfig:
+    """One more corpus of training pairs for a run (an entry of data.corpora): its files, how often its pairs are
+    drawn and the tag that marks its sources."""
+
+    name: str = ""  # what logs and the store call it: letters, digits, '-', '_' (required)
+    dir: str = ""  # files {dir}/{split}.{src_lang} and {dir}/{split}.{tgt_lang} (required)
+    split: str = "train"
+    src_lang: str = ""  # "" = data.src_lang
+    tgt_lang: str = ""  # "" = data.tgt_lang
+    # Pairs drawn per epoch as a multiple of its size: 2 = each pair twice, 0.5 = a random half (another each epoch).
+    weight: float = 1.0
+    # A reserved piece put before each of its source sentences ("" = none), e.g. "<bt>" for back-translations
+    # (Caswell et al. 2019): one piece of the vocabulary, added to it where the vocabulary lacks it.
+    tag: str = ""
+    max_pairs: int = 0  # use only its first N pairs (0 = all)
+
+
+@dataclass(frozen=True)
 class DataConfig:
     source: Literal["local", "hub"] = "local"
     dir: str = "data/multi30k"  # local: files {dir}/{split}.{lang}
@@ -93,6 +111,21 @@ class DataConfig:
     pad_to_multiple: int = 1  # pad lengths up to a multiple (8 helps tensor cores)
     max_train_pairs: int = 0  # use only the first N training pairs (0 = all)
     max_valid_pairs: int = 0  # use only the first N validation pairs (0 = all)
+    # Several corpora: the pairs above (data.dir's) are drawn `weight` times per epoch and marked with `tag`, as
+    # each of `corpora` is with its own (CorpusConfig). docs/more-data.md says how to use them.
+    weight: float = 1.0
+    tag: str = ""
+    corpora: tuple[CorpusConfig, ...] = ()
+    # A run directory or spm.model whose vocabulary a new run takes (tags it lacks added), instead of training one.
+    vocab_from: str = ""
+    # Where the corpora's encoded stores are kept, each reused by every run that names it with the same vocabulary:
+    # "" = a folder `stores` beside the run directory.
+    corpora_store: str = ""
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """Every tag a corpus of the run puts before its sources, once each, in the order the config names them."""
+        return tuple(dict.fromkeys(t for t in (self.tag, *(c.tag for c in self.corpora)) if t))
 
 
 @dataclass(frozen=True)
@@ -211,6 +244,13 @@ def _check_value(section: str, key: str, hint: Any, value: Any) -> Any:
             return None
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return _check_value(section, key, inner, value)
+    if origin is tuple and len(typing.get_args(hint)) == 2 and typing.get_args(hint)[1] is Ellipsis:
+        (item,) = typing.get_args(hint)[:1]
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"config: {where} must be a list, got {value!r}")
+        return tuple(_check_value(section, f"{key}[{i}]", item, v) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(hint):
+        return _build_section(where, hint, value)
     if origin is tuple:
         args = typing.get_args(hint)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
@@ -249,7 +289,8 @@ def _build_section(section: str, cls: type, values: Any):
     if values is None:
         values = {}
     if not isinstance(values, dict):
-        raise UserError(f"config: section '{section}' must be a mapping of keys to values")
+        what = f"section '{section}'" if section in SECTIONS else section
+        raise UserError(f"config: {what} must be a mapping of keys to values")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
@@ -285,6 +326,44 @@ def split_name_problem(value: str, name: str) -> str | None:
     if value and value not in (".", "..") and not any(c in value for c in ("/", "\\", "\0", os.sep)):
         return None
     return f"{name} must be a split's name, such as test or newstest2014 (no path, no '/'), got {value!r}"
+
+
+CORPUS_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAIN_CORPUS = "main"  # how logs and records call the pairs of data.dir among several corpora
+SPECIAL_PIECES = ("<pad>", "<unk>", "<s>", "</s>")
+
+
+def tag_problem(tag: str, name: str) -> str | None:
+    """Why `tag` cannot mark a corpus's sources (`name`: where the user gave it), or None."""
+    if tag == "" or (re.fullmatch(r"\S{1,64}", tag) and tag not in SPECIAL_PIECES):
+        return None
+    return f"{name} must be one piece of text without spaces (e.g. <bt>), not a special piece, got {tag!r}"
+
+
+def corpora_problems(d: DataConfig) -> list[str | None]:
+    """What is wrong with data.corpora and the main corpus's weight and tag (None for each thing that is fine)."""
+    problems = [
+        None if d.weight > 0 else f"data.weight must be positive, got {d.weight}",
+        tag_problem(d.tag, "data.tag"),
+    ]
+    names = [MAIN_CORPUS]
+    for i, c in enumerate(d.corpora):
+        where = f"data.corpora[{i}]"
+        src, tgt = c.src_lang or d.src_lang, c.tgt_lang or d.tgt_lang
+        problems += [
+            None
+            if CORPUS_NAME.fullmatch(c.name)
+            else f"{where}.name must be 1 to 64 letters, digits, '-' or '_', got {c.name!r}",
+            None if c.name not in names else f"{where}.name {c.name!r} is taken ('main' is data.dir's corpus)",
+            None if c.dir.strip() else f"{where}.dir must name the directory of its files",
+            split_name_problem(c.split, f"{where}.split"),
+            None if src != tgt else f"{where}: its source and target languages must differ, got {src!r} for both",
+            None if c.weight > 0 else f"{where}.weight must be positive, got {c.weight}",
+            None if c.max_pairs >= 0 else f"{where}.max_pairs must not be negative",
+            tag_problem(c.tag, f"{where}.tag"),
+        ]
+        names.append(c.name)
+    return problems
 
 
 def validate(cfg: Config) -> None:
@@ -364,6 +443,7 @@ def validate(cfg: Config) -> None:
     for p in ("dropout", "attention_dropout", "activation_dropout"):
         value = getattr(m, p)
         checks.append((0 <= value < 1, f"model.{p} must be in [0, 1), got {value}"))
+    checks += [(problem is None, problem) for problem in corpora_problems(d)]
     for ok, message in checks:
         if not ok:
             raise UserError(f"config: {message}")
@@ -392,6 +472,7 @@ def from_dict(raw: Any) -> Config:
 def to_dict(cfg: Config) -> dict:
     out = dataclasses.asdict(cfg)
     out["train"]["adam_betas"] = list(cfg.train.adam_betas)  # YAML-friendly
+    out["data"]["corpora"] = list(out["data"]["corpora"])
     return out
 
 

@@ -1,4 +1,5 @@
-"""The prepared store: round trip, reuse and rebuild by fingerprint, corruption detected, streaming reads, hub source."""
+"""The prepared store (through prepare, which builds it): round trip, reuse and rebuild by fingerprint, corruption
+detected, streaming reads, hub source."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from transformer.config import from_dict
 from transformer.data import corpus as corpus_module
 from transformer.data import store as store_module
 from transformer.data.corpus import count_lines, iter_lines, open_split, read_lines
-from transformer.data.store import Store, prepare, problem
+from transformer.data.prepare import prepare
+from transformer.data.store import Store, problem
 from transformer.data.vocab import Vocab
 from transformer.errors import UserError
 
@@ -39,18 +41,6 @@ def encoded_pairs(vocab: Vocab, corpus: Path, split: str, max_len: int) -> tuple
             kept.append((s, t))
             refs.append(t_text)
     return kept, counts, refs
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    directory = write_corpus(tmp_path / "corpus", n_train=300, n_valid=30, seed=4)
-    # Blank sides and whitespace-only lines are dropped and counted.
-    for split in ("train", "valid"):
-        with (directory / f"{split}.de").open("a", encoding="utf-8") as f:
-            f.write("\n   \nder hund\n")
-        with (directory / f"{split}.en").open("a", encoding="utf-8") as f:
-            f.write("the dog\nthe cat\n\n")
-    return directory
 
 
 @pytest.mark.parametrize("dtype, chunk_lines", [("uint16", None), ("int32", None), ("uint16", 7)])
@@ -176,19 +166,6 @@ def test_an_error_while_encoding_closes_the_files_and_writes_no_manifest(tmp_pat
     monkeypatch.undo()
     prepare(cfg, run_dir, quiet=True)  # the building record says whose it is: rebuilt
     assert problem(run_dir / "store") is None and not (run_dir / "store" / "building.json").exists()
-
-
-def test_prepare_command_then_train_reuses_the_store(tmp_path, corpus, call):
-    raw = tiny_config(tmp_path, data_dir=corpus, train={"max_steps": 2, "valid_every": 2})
-    path = tmp_path / "c.yaml"
-    path.write_text(json.dumps(raw), encoding="utf-8")
-    status, out, err = call("prepare", path)
-    assert status == 0, err
-    assert out.strip() == str(tmp_path / "run" / "store")
-    assert "store: preparing" in err
-    status, _, err = call("train", path)
-    assert status == 0, err
-    assert "vocab: reusing" in err and "store: reusing" in err
 
 
 @pytest.mark.parametrize("block", [1, 3, 7, 1 << 20])
@@ -357,35 +334,6 @@ def test_every_store_file_is_synced_before_the_manifest(tmp_path, corpus, monkey
     assert data <= set(events[:manifest_at]), events
 
 
-def test_a_complete_store_is_used_without_the_raw_corpus(tmp_path, corpus, caplog):
-    """Prepare once, train anywhere: a machine given only the run directory (or a corpus moved away) trains
-    from the store, with a warning; a store encoded with other data settings is not used."""
-    cfg = config(tmp_path, corpus)
-    run_dir = Path(cfg.train.run_dir)
-    built = prepare(cfg, run_dir, quiet=True)
-    pairs = [built.corpus("train").pair(i) for i in range(len(built.corpus("train")))]
-    corpus.rename(tmp_path / "elsewhere")
-    caplog.set_level(logging.WARNING, logger="transformer")
-    store = prepare(cfg, run_dir, quiet=True)
-    assert [store.corpus("train").pair(i) for i in range(len(store.corpus("train")))] == pairs
-    assert f"using the prepared store {run_dir / 'store'}" in caplog.text and "no such file" in caplog.text
-    vocab = Vocab.load(run_dir / "spm.model")
-    assert store_module.open_prepared(cfg, run_dir, vocab).manifest == store.manifest  # the other ranks
-    for changed in ({"max_len": 5}, {"max_train_pairs": 100}, {"train_split": "trian"}):
-        with pytest.raises(UserError, match="no such file"):
-            prepare(config(tmp_path, corpus, **changed), run_dir, quiet=True)
-    # A data.dir that is there but lacks a file (a new corpus without its valid split): reported, not replaced.
-    other = tmp_path / "new_corpus"
-    other.mkdir()
-    for side in ("de", "en"):
-        (other / f"train.{side}").write_text("ein hund\n", encoding="utf-8")
-    with pytest.raises(UserError, match="valid"):
-        prepare(from_dict(tiny_config(tmp_path, data_dir=other, data={"max_len": 6})), run_dir, quiet=True)
-    (run_dir / "store" / "manifest.json").unlink()
-    with pytest.raises(UserError, match="no such file"):
-        prepare(cfg, run_dir, quiet=True)
-
-
 def test_encoding_logs_how_far_it_is_when_no_progress_bar_shows(tmp_path, corpus, monkeypatch, caplog):
     """stderr is not a terminal here (as in a batch job's log), so tqdm shows no bar: log lines say how far it is."""
     monkeypatch.setattr(corpus_module, "CHUNK_LINES", 100)
@@ -400,36 +348,6 @@ def test_encoding_logs_how_far_it_is_when_no_progress_bar_shows(tmp_path, corpus
     caplog.clear()
     prepare(cfg, Path(cfg.train.run_dir), quiet=True)  # quiet: nothing
     assert not [r for r in caplog.records if "pairs encoded" in r.getMessage()]
-
-
-@pytest.mark.parametrize(
-    "spm_max_sentences, said", [(0, "on the 606 training"), (200, "on a sample of 200 of the 606")]
-)
-def test_the_vocabulary_log_says_whether_it_trains_on_a_sample(tmp_path, corpus, caplog, spm_max_sentences, said):
-    caplog.set_level(logging.INFO, logger="transformer")
-    cfg = config(tmp_path, corpus, spm_max_sentences=spm_max_sentences)
-    prepare(cfg, Path(cfg.train.run_dir), quiet=True)
-    assert said in caplog.text
-
-
-def test_a_sample_sentencepiece_refuses_is_a_clear_error_only_where_a_vocabulary_is_trained(tmp_path, corpus):
-    cfg = config(tmp_path, corpus, spm_max_sentences=100)  # SentencePiece: INTERNAL error in trainer_interface.cc
-    with pytest.raises(UserError, match=r"spm_max_sentences must be 0 \(every sentence\) or above 100 .*got 100"):
-        prepare(cfg, Path(cfg.train.run_dir), quiet=True)
-    reused = config(tmp_path, corpus)
-    prepare(reused, Path(reused.train.run_dir), quiet=True)
-    prepare(cfg, Path(cfg.train.run_dir), quiet=True)  # the vocabulary is reused: the setting plays no part
-
-
-def test_half_a_test_split_is_refused_at_the_start_when_training_will_score_it(tmp_path):
-    """The end of training scores the test split; one side's file missing is said before the vocabulary and
-    store are built, not when training ends. With train.finish off nothing reads it."""
-    corpus = write_corpus(tmp_path / "c", n_train=50, n_valid=8)
-    (corpus / "test.de").write_text("ein satz\n", encoding="utf-8")
-    with pytest.raises(UserError, match="no such file: .*test.en"):
-        prepare(from_dict(tiny_config(tmp_path, data_dir=corpus, train={"finish": True})), tmp_path / "run")
-    assert not (tmp_path / "run" / "spm.model").exists()
-    prepare(from_dict(tiny_config(tmp_path, data_dir=corpus, train={"finish": False})), tmp_path / "run")
 
 
 # --------------------------------------------------------------------------- whose store it is, and what it holds

@@ -18,7 +18,9 @@ from tests.helpers import LINES, change_training_loss, random_pairs, read_metric
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batch import Batch, prepare_sources
 from transformer.data.loader import BatchStream, Prefetcher
-from transformer.data.store import Corpus, open_prepared
+from transformer.data.mixture import Mixture
+from transformer.data.prepare import open_prepared
+from transformer.data.store import Corpus
 from transformer.data.vocab import Vocab
 from transformer.device import autocast_context, datasheet_tflops
 from transformer.distributed import DistInfo, init_distributed
@@ -234,7 +236,18 @@ def test_an_update_synchronizes_once(tmp_path):
     vocab = Vocab.load(run_dir / "spm.model")
     store = open_prepared(cfg, run_dir, vocab)
     device = torch.device("cuda", torch.cuda.current_device())
-    run = train_module.build(cfg, DistInfo(), device, run_dir, "resume", vocab, store, None, time.perf_counter())
+    run = train_module.build(
+        cfg,
+        DistInfo(),
+        device,
+        run_dir,
+        "resume",
+        vocab,
+        store,
+        Mixture.of(store.corpus("train")),
+        None,
+        time.perf_counter(),
+    )
     stream = BatchStream(store.corpus("train"), cfg.data, seed=1, update_freq=2)
 
     def update():

@@ -28,7 +28,9 @@ from transformer import device as device_module
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batch import CAUSAL, Batch, prepare_sources, target_mask
 from transformer.data.loader import BatchStream, Prefetcher
-from transformer.data.store import Corpus, open_prepared
+from transformer.data.mixture import Mixture
+from transformer.data.prepare import open_prepared
+from transformer.data.store import Corpus
 from transformer.data.vocab import PAD_ID, Vocab
 from transformer.device import (
     ALLOC_CONF_VARIABLES,
@@ -361,7 +363,16 @@ def test_an_update_reads_the_device_once_and_copies_nothing_from_pageable_memory
     vocab = Vocab.load(run_dir / "spm.model")
     store = open_prepared(cfg, run_dir, vocab)
     run = train_module.build(
-        cfg, DistInfo(), torch.device("cpu"), run_dir, "resume", vocab, store, None, time.perf_counter()
+        cfg,
+        DistInfo(),
+        torch.device("cpu"),
+        run_dir,
+        "resume",
+        vocab,
+        store,
+        Mixture.of(store.corpus("train")),
+        None,
+        time.perf_counter(),
     )
     # The optimizer as on CUDA: fused (the CPU's default per-tensor Adam reads its step counts on the host).
     run.optimizer = torch.optim.Adam(run.model.parameters(), lr=1e-4, fused=True)

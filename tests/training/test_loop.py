@@ -6,6 +6,7 @@ import gc
 import itertools
 import math
 import os
+import re
 import shutil
 import weakref
 
@@ -253,7 +254,8 @@ def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipp
     import time
 
     from transformer.data.loader import BatchStream
-    from transformer.data.store import open_prepared
+    from transformer.data.mixture import Mixture
+    from transformer.data.prepare import open_prepared
     from transformer.data.vocab import PAD_ID
     from transformer.distributed import DistInfo
     from transformer.signals import StopRequested
@@ -272,7 +274,16 @@ def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipp
     vocab = Vocab.load(run_dir / "spm.model")
     store = open_prepared(cfg, run_dir, vocab)
     run = train_module.build(
-        cfg, DistInfo(), torch.device("cpu"), run_dir, "resume", vocab, store, None, time.perf_counter()
+        cfg,
+        DistInfo(),
+        torch.device("cpu"),
+        run_dir,
+        "resume",
+        vocab,
+        store,
+        Mixture.of(store.corpus("train")),
+        None,
+        time.perf_counter(),
     )
     update = BatchStream(store.corpus("train"), cfg.data, seed=1, update_freq=2).next_update()
     assert update.batches[0].n_tgt_tokens != update.batches[1].n_tgt_tokens
@@ -454,3 +465,29 @@ def test_a_node_whose_machine_resolves_precision_auto_otherwise_is_refused(monke
     assert seen["mine"][1]["precision"] == "bf16"
     monkeypatch.setattr(train_module, "gather_objects", lambda mine, info: [mine, mine])
     train_module.same_on_every_rank(cfg, False, DistInfo(0, 0, 2), "bf16")  # one precision: no error
+
+
+def test_a_run_on_two_weighted_corpora_and_a_tag_resumes_as_the_uninterrupted_one(tmp_path):
+    """Two more corpora, one drawn twice an epoch, one half of it an epoch with <bt> before each source: stopped at
+    a validation and resumed, the run holds what the uninterrupted one holds, bit for bit; the log says each
+    corpus's pairs and share."""
+    corpus = write_corpus(tmp_path / "c", n_train=80, n_valid=10)
+    twice, half = write_corpus(tmp_path / "twice", n_train=40, seed=5), write_corpus(tmp_path / "half", seed=6)
+    corpora = [
+        {"name": "twice", "dir": str(twice), "weight": 2.0},
+        {"name": "half", "dir": str(half), "weight": 0.5, "tag": "<bt>"},
+    ]
+    settings = {"data": {"corpora": corpora}, "train": {"max_steps": 12, "valid_every": 4}}
+    train(from_dict(tiny_config(tmp_path, "straight", corpus, **settings)), quiet=True)
+    said = re.search(
+        r"data: corpus half: (\d+) pairs, [\d,]+ tokens, weight 0.5: (\d+) pairs an epoch \(([\d.]+)%",
+        (tmp_path / "straight" / "train.log").read_text(),
+    )
+    assert said and int(said[2]) == round(int(said[1]) / 2) and 0 < float(said[3]) < 100, said
+    split = tiny_config(tmp_path, "split", corpus, **settings)
+    split["train"]["max_steps"] = 4
+    train(from_dict(split), quiet=True)
+    split["train"]["max_steps"] = 12
+    train(from_dict(split), resume=True, quiet=True)
+    assert_same_training_state(tmp_path / "straight" / "last.pt", tmp_path / "split" / "last.pt")
+    assert len(list((tmp_path / "stores").iterdir())) == 2  # both runs used the same two stores

@@ -124,25 +124,45 @@ class Batch:
     ) -> Batch:
         """The same Batch as from_pairs, gathered straight from a corpus's flat token arrays (which may be
         memory-mapped): no Python list per sentence."""
-        indices = np.asarray(indices, dtype=np.int64)
-        src_start, src_len = corpus.src_offsets[indices], corpus.src_lengths[indices]
-        tgt_start, tgt_len = corpus.tgt_offsets[indices], corpus.tgt_lengths[indices]
+        return cls.from_corpora([(corpus, indices)], pad_to_multiple, specials)
+
+    @classmethod
+    def from_corpora(
+        cls, parts: Sequence[tuple[Corpus, np.ndarray]], pad_to_multiple: int = 1, specials: Specials = OURS
+    ) -> Batch:
+        """from_corpus of several corpora at once: the rows of each (corpus, indices), in that order."""
+        parts = [(corpus, np.asarray(indices, dtype=np.int64)) for corpus, indices in parts]
+        src_len = np.concatenate([corpus.src_lengths[indices] for corpus, indices in parts])
+        tgt_len = np.concatenate([corpus.tgt_lengths[indices] for corpus, indices in parts])
         src_width = round_up(int(src_len.max()) + 1, pad_to_multiple)
         tgt_width = round_up(int(tgt_len.max()) + 1, pad_to_multiple)
-        src = _gather(corpus.src_tokens, src_start, src_len, src_width, specials.pad)
-        tgt_out = _gather(corpus.tgt_tokens, tgt_start, tgt_len, tgt_width, specials.pad)
+
+        def gathered(side: str, width: int) -> np.ndarray:
+            blocks = [
+                _gather(
+                    getattr(c, f"{side}_tokens"),
+                    getattr(c, f"{side}_offsets")[i],
+                    getattr(c, f"{side}_lengths")[i],
+                    width,
+                    specials.pad,
+                )
+                for c, i in parts
+            ]
+            return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+
+        src, tgt_out = gathered("src", src_width), gathered("tgt", tgt_width)
         tgt_in = np.empty_like(tgt_out)  # the shift, from the one gather: the corpus is read once per side
         tgt_in[:, 0] = specials.bos
         tgt_in[:, 1:] = tgt_out[:, :-1]  # tgt_width > longest target, so every last id moves in
-        rows = np.arange(len(indices))
+        rows = np.arange(len(src_len))
         src[rows, src_len] = specials.eos
         tgt_out[rows, tgt_len] = specials.eos
         return cls(
             torch.from_numpy(src),
             torch.from_numpy(tgt_in),
             torch.from_numpy(tgt_out),
-            int(src_len.sum()) + len(indices),
-            int(tgt_len.sum()) + len(indices),
+            int(src_len.sum()) + len(src_len),
+            int(tgt_len.sum()) + len(tgt_len),
             specials.pad,
         )
 

@@ -15,6 +15,7 @@ import torch
 
 from transformer.config import DataConfig, round_up
 from transformer.data.batch import Batch, source_limit
+from transformer.data.mixture import Mixture
 from transformer.data.vocab import OURS, Specials
 from transformer.device import cuda_index
 from transformer.errors import UserError
@@ -166,7 +167,8 @@ class Update:
 
 
 class BatchStream:
-    """Endless stream of training Batches over an encoded corpus, epoch after epoch, resumable at (epoch, position).
+    """Endless stream of training Batches over an encoded corpus, or a mixture of several (mixture.py), epoch after
+    epoch, resumable at (epoch, position).
 
     An update consumes a group of world_size x update_freq consecutive batches of the epoch's
     order; rank r takes group[r::world_size]. So 1 process with update_freq 8 and 8 processes
@@ -187,24 +189,29 @@ class BatchStream:
         update_freq: int = 1,
         specials: Specials = OURS,
     ):
-        """batches_done: batches of the epoch already consumed by all ranks together (what state() saves),
-        so that a run may resume with another number of ranks or another update_freq. specials: the vocabulary's
-        ids (ours unless given)."""
+        """corpus: a Corpus (every pair once an epoch) or a Mixture. batches_done: batches of the epoch already
+        consumed by all ranks together (what state() saves), so that a run may resume with another number of ranks
+        or another update_freq. specials: the vocabulary's ids (ours unless given)."""
         if batches_done % (world_size * update_freq):
             raise UserError(
                 f"data: cannot resume after {batches_done} batches of an epoch with updates of "
                 f"{world_size} ranks x update_freq {update_freq}"
             )
-        self.corpus, self.cfg, self.seed, self.specials = corpus, cfg, seed, specials
-        self.src_len, self.tgt_len = corpus.src_lengths, corpus.tgt_lengths
+        self.mixture = corpus if isinstance(corpus, Mixture) else Mixture.of(corpus)
+        self.cfg, self.seed, self.specials = cfg, seed, specials
+        self.src_len, self.tgt_len = self.mixture.src_lengths, self.mixture.tgt_lengths
         self.rank, self.world_size, self.update_freq = rank, world_size, update_freq
         self.epoch, self.position = epoch, batches_done // world_size  # position: this rank's next batch
         self._batches = self._epoch_batches(epoch)
 
     def _epoch_batches(self, epoch: int) -> Batches:
+        drawn = self.mixture.drawn(self.seed, epoch)  # None: every pair once
+        src_len, tgt_len = (self.src_len, self.tgt_len) if drawn is None else (self.src_len[drawn], self.tgt_len[drawn])
         batches = make_batches(
-            self.src_len, self.tgt_len, self.cfg.max_tokens, self.seed, epoch, pad_to_multiple=self.cfg.pad_to_multiple
+            src_len, tgt_len, self.cfg.max_tokens, self.seed, epoch, pad_to_multiple=self.cfg.pad_to_multiple
         )
+        if drawn is not None:  # positions in the drawn list -> mixture indices
+            batches = Batches(drawn[batches.order], batches.starts, batches.ends)
         group = self.world_size * self.update_freq
         if len(batches) < group:
             raise UserError(
@@ -240,7 +247,7 @@ class BatchStream:
         self._roll_epoch()
         indices = self._batches[self._global_index(self.position)]
         self.position += 1
-        return Batch.from_corpus(self.corpus, indices, self.cfg.pad_to_multiple, self.specials)
+        return self.mixture.batch(indices, self.cfg.pad_to_multiple, self.specials)
 
     def next_update(self) -> Update:
         """This rank's update_freq batches, and the token counts of the whole update across all ranks."""

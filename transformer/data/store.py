@@ -1,7 +1,8 @@
 """The prepared corpus: SentencePiece-encoded splits in flat numpy files, built once (streaming), checked against a
-manifest, and memory-mapped by every run start, resume and rank.
+manifest, and memory-mapped by every run start, resume and rank. What to prepare, and when: prepare.py.
 
-Layout of RUN_DIR/store/ (all little-endian; `fairseq`'s .bin/.idx idea):
+Layout of RUN_DIR/store/ (all little-endian; `fairseq`'s .bin/.idx idea); a corpus of data.corpora has a store of
+the same layout with its train split alone:
   {split}.{side}.bin   every sentence's token ids back to back, no EOS (uint16 when the vocabulary fits, else int32)
   {split}.{side}.idx   int64 offsets, one more than the sentences: sentence i is bin[idx[i]:idx[i+1]]
   valid.refs.json      the raw target lines of the kept validation pairs (BLEU references)
@@ -32,11 +33,10 @@ import numpy as np
 from tqdm import tqdm
 
 from transformer.config import Config
-from transformer.data.corpus import SPLIT_ALIASES, RawSplit, chain_lines, has_split, open_split
-from transformer.data.vocab import AnyVocab, Vocab, train_vocab, vocab_in
+from transformer.data.corpus import RawSplit
+from transformer.data.vocab import AnyVocab
 from transformer.errors import UserError
 from transformer.files import atomic_write, remove_stale_temporaries
-from transformer.run_dir import RunDir
 
 log = logging.getLogger("transformer")
 
@@ -102,74 +102,28 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # --------------------------------------------------------------------------- fingerprint and checks
 
 
-def fingerprint(cfg: Config, vocab: AnyVocab, raw: dict[str, RawSplit]) -> dict:
-    """Everything that changes the store's contents: the inputs, the vocabulary and the filtering keys."""
-    return {"inputs": {split: raw[split].fingerprint for split in SPLITS}, **_encoding(cfg, vocab)}
+def fingerprint(raw: dict[str, RawSplit], encoding: dict) -> dict:
+    """Everything that changes the store's contents: the inputs, and how their text became tokens (encoding())."""
+    return {"inputs": {split: r.fingerprint for split, r in raw.items()}, **encoding}
 
 
-def _encoding(cfg: Config, vocab: AnyVocab) -> dict:
-    """The fingerprint's keys besides the input files: how their text became the stored tokens."""
+def encoding(vocab: AnyVocab, src_lang: str, tgt_lang: str, max_len: int, tag: str = "") -> dict:
+    """The fingerprint's keys besides the input files: the vocabulary, the languages, the length filter, and the
+    tag before each source (a key only where there is one: the stores built before tags existed stay current)."""
+    keys = {"vocab_sha256": vocab.sha256, "src_lang": src_lang, "tgt_lang": tgt_lang, "max_len": max_len}
+    return {**keys, "tag": tag} if tag else keys
+
+
+def main_encoding(cfg: Config, vocab: AnyVocab) -> dict:
+    """encoding() of the run's own corpus (data.dir's)."""
     d = cfg.data
-    return {
-        "vocab_sha256": vocab.sha256,
-        "src_lang": d.src_lang,
-        "tgt_lang": d.tgt_lang,
-        "max_len": d.max_len,
-    }
-
-
-def _store_without_corpus(cfg: Config, run_dir: Path, vocab: AnyVocab | None, missing: UserError) -> Store:
-    """run_dir's complete store when data.dir is not there at all (a machine given only the run directory, or a
-    corpus directory moved away): usable if it was encoded from files of these split names and languages, with
-    this vocabulary, these filtering keys and pair limits. Otherwise `missing` is raised as it was: a data.dir
-    that exists but lacks a file is a mistake to report, not a reason to train on something else."""
-    directory, d = RunDir(run_dir).store, cfg.data
-    if vocab is None:
-        vocab = vocab_in(run_dir)
-    if d.source != "local" or Path(d.dir).exists() or vocab is None or problem(directory) is not None:
-        raise missing
-    store = Store(directory, checked=True)
-    built = store.manifest["fingerprint"]
-    limits = {"train": d.max_train_pairs, "valid": d.max_valid_pairs}
-    names = {"train": d.train_split, "valid": d.valid_split}
-    for split in SPLITS:
-        recorded = built["inputs"][split]
-        allowed = {
-            f"{name}.{lang}"
-            for name in (names[split], *SPLIT_ALIASES.get(names[split], ()))
-            for lang in (d.src_lang, d.tgt_lang)
-        }
-        if (
-            recorded.get("limit") != limits[split]
-            or not recorded.get("files")
-            or not {Path(f["path"]).name for f in recorded["files"]} <= allowed
-        ):
-            raise missing
-    if {k: v for k, v in built.items() if k != "inputs"} != _encoding(cfg, vocab):
-        raise missing
-    source = Path(built["inputs"]["train"]["files"][0]["path"]).parent
-    later = (
-        (
-            f"; the end of training reads the test split as text, so set train.finish=false and run `transformer "
-            f"finish {run_dir}` where the corpus is"
-        )
-        if cfg.train.finish
-        else ""
-    )
-    log.warning(
-        "%s; using the prepared store %s, encoded from %s with this vocabulary and these data settings%s",
-        missing,
-        directory,
-        source,
-        later,
-    )
-    return store
+    return encoding(vocab, d.src_lang, d.tgt_lang, d.max_len, d.tag)
 
 
 def _differences(old: dict, new: dict) -> list[str]:
     """Why a store built for `old` does not fit `new`, in words."""
     reasons = []
-    for split in SPLITS:
+    for split in new["inputs"]:
         a, b = old["inputs"].get(split, {}), new["inputs"][split]
         if a == b:
             continue
@@ -188,9 +142,9 @@ def _differences(old: dict, new: dict) -> list[str]:
                 reasons.append(f"the {split} corpus changed")
     if old["vocab_sha256"] != new["vocab_sha256"]:
         reasons.append("the vocabulary changed")
-    for key in ("src_lang", "tgt_lang", "max_len"):
-        if old.get(key) != new[key]:
-            reasons.append(f"data.{key} changed ({old.get(key)} -> {new[key]})")
+    for key in ("src_lang", "tgt_lang", "max_len", "tag"):
+        if old.get(key) != new.get(key):
+            reasons.append(f"data.{key} changed ({old.get(key)} -> {new.get(key)})")
     return reasons
 
 
@@ -198,7 +152,7 @@ def _files(manifest: dict) -> dict[str, int]:
     """Expected size in bytes of every data file of a store."""
     itemsize = np.dtype(manifest["dtype"]).itemsize
     sizes = {}
-    for split in SPLITS:
+    for split in manifest["splits"]:
         counts = manifest["splits"][split]
         for side in SIDES:
             sizes[f"{split}.{side}.bin"] = counts[f"{side}_tokens"] * itemsize
@@ -249,27 +203,30 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _manifest_problem(manifest) -> str | None:
-    """What is missing from, or mistyped in, a parsed manifest (None: every key that is read is there)."""
+def _manifest_problem(manifest, splits: tuple[str, ...]) -> str | None:
+    """What is missing from, or mistyped in, a parsed manifest of a store of `splits` (None: every key that is read
+    is there)."""
     if not isinstance(manifest, dict):
         return f"it holds {type(manifest).__name__ if manifest is not None else 'null'}, not a JSON object"
     if manifest.get("format") != FORMAT:
         return f"it has format {manifest.get('format')!r}, this version reads {FORMAT!r}"
     if manifest.get("dtype") not in ("uint16", "int32") or not _is_count(manifest.get("vocab_size")):
         return "its dtype or vocab_size is missing or wrong"
-    splits, built = manifest.get("splits"), manifest.get("fingerprint")
+    counts, built = manifest.get("splits"), manifest.get("fingerprint")
     keys = ("pairs", "src_tokens", "tgt_tokens")
-    if not isinstance(splits, dict) or not all(
-        isinstance(splits.get(s), dict) and all(_is_count(splits[s].get(k)) for k in keys) for s in SPLITS
+    if (
+        not isinstance(counts, dict)
+        or set(counts) != set(splits)
+        or not all(isinstance(counts.get(s), dict) and all(_is_count(counts[s].get(k)) for k in keys) for s in splits)
     ):
         return "its split counts are missing or wrong"
     if (
         not isinstance(built, dict)
         or not isinstance(built.get("inputs"), dict)
-        or not all(isinstance(built["inputs"].get(s), dict) for s in SPLITS)
+        or not all(isinstance(built["inputs"].get(s), dict) for s in splits)
     ):
         return "it has no fingerprint of its inputs"
-    for split in SPLITS:
+    for split in splits:
         files = built["inputs"][split].get("files", [])
         if not isinstance(files, list) or not all(
             isinstance(f, dict) and isinstance(f.get("path"), str) for f in files
@@ -324,7 +281,8 @@ def _contents_problem(directory: Path, manifest: dict) -> str | None:
     """Why files of the sizes the manifest gives cannot be used: offsets out of order or past the tokens, ids
     outside the vocabulary, unreadable references. What training would otherwise meet as an IndexError hours in."""
     dtype, max_len = np.dtype(manifest["dtype"]), manifest["fingerprint"]["max_len"]
-    for split in SPLITS:
+    max_len += "tag" in manifest["fingerprint"]  # the tag before each source is one more piece
+    for split in manifest["splits"]:
         for side in SIDES:
             bin_path, idx_path = directory / f"{split}.{side}.bin", directory / f"{split}.{side}.idx"
             reason = _offsets_problem(idx_path, manifest["splits"][split][f"{side}_tokens"], max_len)
@@ -333,6 +291,8 @@ def _contents_problem(directory: Path, manifest: dict) -> str | None:
             reason = _tokens_problem(bin_path, dtype, manifest["vocab_size"])
             if reason is not None:
                 return f"{bin_path}: {reason}: corrupt"
+    if "valid" not in manifest["splits"]:
+        return None
     refs = _read_record(directory / "valid.refs.json")
     if (
         not isinstance(refs, list)
@@ -343,9 +303,12 @@ def _contents_problem(directory: Path, manifest: dict) -> str | None:
     return None
 
 
-def problem(directory: Path, expected: dict | None = None, contents: bool = True) -> str | None:
-    """Why the store in `directory` cannot be used (for `expected` inputs), or None when it can. contents: also
-    read the data once (offsets and ids, with numpy): what "reusing" promises; off only for a store just built."""
+def problem(
+    directory: Path, expected: dict | None = None, contents: bool = True, splits: tuple[str, ...] = SPLITS
+) -> str | None:
+    """Why the store of `splits` in `directory` cannot be used (for `expected` inputs), or None when it can.
+    contents: also read the data once (offsets and ids, with numpy): what "reusing" promises; off only for a store
+    just built."""
     path = directory / MANIFEST
     if not path.is_file():
         if not directory.exists():
@@ -353,7 +316,7 @@ def problem(directory: Path, expected: dict | None = None, contents: bool = True
         stopped = isinstance(_read_record(directory / BUILDING), dict)
         return "the store is incomplete (its build was stopped)" if stopped else "the store is incomplete (no manifest)"
     manifest = _read_record(path)
-    reason = _manifest_problem(manifest)
+    reason = _manifest_problem(manifest, splits)
     if reason is not None:
         return f"{path} is not a store manifest this version reads ({reason})"
     for name, size in _files(manifest).items():
@@ -379,10 +342,11 @@ def _map(path: Path, dtype: np.dtype) -> np.ndarray:
 class Store:
     """A prepared store, opened read-only: memory-mapped corpora per split, and the validation references."""
 
-    def __init__(self, directory: str | Path, checked: bool = False):
-        """checked: the caller has just had problem() read it all (or built it): only the cheap checks again."""
+    def __init__(self, directory: str | Path, checked: bool = False, splits: tuple[str, ...] = SPLITS):
+        """checked: the caller has just had problem() read it all (or built it): only the cheap checks again.
+        splits: what it must hold (a corpus of data.corpora: train alone)."""
         self.directory = Path(directory)
-        reason = problem(self.directory, contents=not checked)
+        reason = problem(self.directory, contents=not checked, splits=splits)
         if reason is not None:
             raise UserError(f"store: {reason}; run `transformer prepare CONFIG` (or train) to rebuild it")
         self.manifest = json.loads((self.directory / MANIFEST).read_text(encoding="utf-8"))
@@ -453,8 +417,10 @@ def _encode_split(
     dtype: np.dtype,
     keep_references: bool,
     quiet: bool,
+    tag_id: int | None = None,
 ) -> dict:
-    """Stream one split through SentencePiece into directory/{split}.{side}.bin/.idx; return its counts."""
+    """Stream one split through SentencePiece into directory/{split}.{side}.bin/.idx, each source after the
+    `tag_id` piece where there is one; return its counts."""
     totals = {"src": 0, "tgt": 0}
     counts = {"read": 0, "pairs": 0, "dropped_long": 0, "dropped_blank": 0}
     references: list[str] = []
@@ -479,8 +445,11 @@ def _encode_split(
         )
         for src_lines, tgt_lines in raw.chunks():
             ids = {"src": vocab.encode(src_lines), "tgt": vocab.encode_target(tgt_lines)}
+            if tag_id is not None:  # a blank source stays blank (dropped below), not a tag alone
+                ids["src"] = [[tag_id, *s] if s else s for s in ids["src"]]
             lengths = {side: np.fromiter(map(len, ids[side]), dtype=np.int64, count=len(ids[side])) for side in SIDES}
-            kept, blank, long = keep_mask(lengths["src"], lengths["tgt"], max_len)
+            text_lengths = lengths["src"] - (lengths["src"] > 0) if tag_id is not None else lengths["src"]
+            kept, blank, long = keep_mask(text_lengths, lengths["tgt"], max_len)  # max_len counts the text alone
             rows = np.flatnonzero(kept)
             for side in SIDES:
                 kept_lengths = lengths[side][rows]
@@ -527,7 +496,7 @@ def _encode_split(
 
 
 def _data_files() -> list[str]:
-    """The names build() writes besides the two records."""
+    """The names build() may write besides the two records."""
     return [f"{split}.{side}.{kind}" for split in SPLITS for side in SIDES for kind in ("bin", "idx")] + [
         f"{split}.refs.json" for split in SPLITS
     ]
@@ -546,18 +515,24 @@ def _clear(directory: Path) -> None:
 
 
 def build(
-    directory: Path, cfg: Config, vocab: AnyVocab, raw: dict[str, RawSplit], expected: dict, quiet: bool = False
+    directory: Path,
+    vocab: AnyVocab,
+    raw: dict[str, RawSplit],
+    expected: dict,
+    max_len: int,
+    quiet: bool = False,
+    tag_id: int | None = None,
 ) -> None:
-    """Write a new store into `directory`, replacing the store that is there (never a directory that is not a
-    store of ours: refuse_foreign); the manifest goes last."""
+    """Write a new store of the splits in `raw` into `directory`, replacing the store that is there (never a
+    directory that is not a store of ours: refuse_foreign); the manifest goes last."""
     count_pairs(raw)
     _clear(directory)
     dtype = token_dtype(len(vocab))
     splits = {
         split: _encode_split(
-            vocab, raw[split], split, cfg.data.max_len, directory, dtype, keep_references=split == "valid", quiet=quiet
+            vocab, r, split, max_len, directory, dtype, keep_references=split == "valid", quiet=quiet, tag_id=tag_id
         )
-        for split in SPLITS
+        for split, r in raw.items()
     }
     manifest = {
         "format": FORMAT,
@@ -571,122 +546,8 @@ def build(
     (directory / BUILDING).unlink()
 
 
-def log_counts(store: Store, max_len: int) -> None:
-    for split in SPLITS:
-        s = store.stats(split)
-        log.info(
-            "data: %s: %d pairs kept, %d dropped as longer than data.max_len=%d, %d dropped with a blank side",
-            split,
-            s["pairs"],
-            s["dropped_long"],
-            max_len,
-            s["dropped_blank"],
-        )
-        if not s["pairs"]:
-            raise UserError(f"data: no usable pairs left in split {split!r} after filtering")
-
-
-# --------------------------------------------------------------------------- the whole preparation
-
-
-def open_raw_splits(cfg: Config) -> dict[str, RawSplit]:
-    """Both splits training reads, checked to exist before anything expensive happens."""
-    d = cfg.data
-    return {
-        "train": open_split(d, d.train_split, d.max_train_pairs, log.info),
-        "valid": open_split(d, d.valid_split, d.max_valid_pairs, log.info),
-    }
-
-
 def count_pairs(raw: dict[str, RawSplit]) -> None:
     """Count every split's pairs, which checks that its sides exist, agree and are not empty: before the
     minutes of work that training a vocabulary or encoding a large training split takes."""
     for split in raw.values():
         _ = split.n_pairs  # cached: counted once
-
-
-def prepare_vocab(cfg: Config, run_dir: Path, train: RawSplit) -> AnyVocab:
-    """Reuse run_dir/spm.model (or the Marian vocabulary there), or train one on (a sample of) the training split and
-    store it there."""
-    path = RunDir(run_dir).vocab
-    if path.is_file():
-        log.info("vocab: reusing %s", path)
-        return Vocab.load(path).check_reuse(path, cfg.data.vocab_size)
-    marian = vocab_in(run_dir)
-    if marian is not None:
-        log.info("vocab: reusing the Marian vocabulary in %s", run_dir)
-        return marian
-    d = cfg.data
-    if 0 < d.spm_max_sentences <= 100:  # checked here, not in the config: a run that reuses its vocabulary may keep it
-        raise UserError(
-            f"data.spm_max_sentences must be 0 (every sentence) or above 100 (SentencePiece's smallest "
-            f"sample) to train a vocabulary, got {d.spm_max_sentences}"
-        )
-    sentences = 2 * train.n_pairs
-    sampled = 0 < d.spm_max_sentences < sentences  # 0: all of them
-    sample = f"a sample of {d.spm_max_sentences} of the" if sampled else "the"
-    log.info(
-        "vocab: training a joint %s SentencePiece model of %d pieces on %s %d training sentences",
-        d.spm_model_type,
-        d.vocab_size,
-        sample,
-        sentences,
-    )
-    start = time.perf_counter()
-    vocab = train_vocab(
-        chain_lines(train.chunks()),
-        d.vocab_size,
-        d.spm_model_type,
-        d.spm_character_coverage,
-        d.spm_max_sentences,
-        cfg.train.seed,
-    )
-    vocab.save(path)
-    log.info("vocab: trained in %.1f s", time.perf_counter() - start)
-    return vocab
-
-
-def prepare(cfg: Config, run_dir: Path, vocab: AnyVocab | None = None, quiet: bool = False) -> Store:
-    """The vocabulary (given, reused from run_dir or trained) and the store in run_dir/store (reused when its
-    inputs are unchanged, else rebuilt with a log line saying why). One process only: under torchrun rank 0.
-    Without the raw corpus, a complete store that fits is used as it is (_store_without_corpus)."""
-    try:
-        raw = open_raw_splits(cfg)
-    except UserError as missing:
-        store = _store_without_corpus(cfg, run_dir, vocab, missing)
-        log_counts(store, cfg.data.max_len)
-        return store
-    if cfg.train.finish:  # half a test split stops the end of training: said now, not hours from now
-        has_split(cfg.data, cfg.data.test_split)
-    if vocab is None:
-        if vocab_in(run_dir) is None:
-            count_pairs(raw)  # a bad validation split found before the vocabulary is trained, not after
-        vocab = prepare_vocab(cfg, run_dir, raw["train"])
-    directory = RunDir(run_dir).store
-    expected = fingerprint(cfg, vocab, raw)
-    reason = problem(directory, expected)
-    if reason is None:
-        log.info("store: reusing %s (its offsets and ids checked)", directory)
-    else:
-        refuse_foreign(directory)
-        if directory.exists():
-            log.info("store: rebuilding %s: %s", directory, reason)
-        else:
-            log.info("store: preparing %s", directory)
-        build(directory, cfg, vocab, raw, expected, quiet)
-    store = Store(directory, checked=True)
-    log_counts(store, cfg.data.max_len)
-    return store
-
-
-def open_prepared(cfg: Config, run_dir: Path, vocab: AnyVocab) -> Store:
-    """The store rank 0 prepared, checked against this rank's view of the inputs (other ranks)."""
-    directory = RunDir(run_dir).store
-    try:
-        raw = open_raw_splits(cfg)
-    except UserError as missing:
-        return _store_without_corpus(cfg, run_dir, vocab, missing)
-    reason = problem(directory, fingerprint(cfg, vocab, raw))
-    if reason is not None:
-        raise UserError(f"store: {directory} does not match this rank's data: {reason}")
-    return Store(directory, checked=True)

@@ -115,6 +115,21 @@ class Vocab:
     def save(self, path: str | Path) -> None:
         atomic_write(path, lambda f: f.write(self.proto))
 
+    def with_pieces(self, pieces: Sequence[str]) -> Vocab:
+        """This vocabulary with `pieces` it lacks appended as pieces kept whole wherever they occur in a text
+        (SentencePiece's user-defined pieces, numbered after every piece it has): a corpus's tag in a vocabulary
+        taken from a run that had none. Itself when it has them all."""
+        missing = [p for p in dict.fromkeys(pieces) if self.sp.piece_to_id(p) == UNK_ID and p != "<unk>"]
+        if not missing:
+            return self
+        from sentencepiece import sentencepiece_model_pb2
+
+        model = sentencepiece_model_pb2.ModelProto()
+        model.ParseFromString(self.proto)
+        for piece in missing:
+            model.pieces.add(piece=piece, score=0.0, type=sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED)
+        return Vocab(model.SerializeToString())
+
     @property
     def stored(self) -> bytes:
         """What a checkpoint holds of it: the SentencePiece model's bytes."""
@@ -362,9 +377,11 @@ def train_vocab(
     character_coverage: float = 1.0,
     max_sentences: int = 2_000_000,
     seed: int = 1,
+    reserved: Sequence[str] = (),
 ) -> Vocab:
     """Train a joint SentencePiece model on `sentences` (both languages mixed), or on a sample of `max_sentences`
-    of them (0: all) drawn with `seed`."""
+    of them (0: all) drawn with `seed`. `reserved`: pieces kept whole wherever they occur in a text (corpus tags),
+    numbered right after the special ids; none, as every model before them had."""
     model = io.BytesIO()
     sentences = (s for s in sentences if s.strip())
     first = next(sentences, None)
@@ -397,6 +414,7 @@ def train_vocab(
             # Words of any length, and a vocabulary that fits small corpora.
             max_sentence_length=1 << 16,
             hard_vocab_limit=False,
+            **({"user_defined_symbols": list(reserved)} if reserved else {}),
             minloglevel=2,
             num_threads=os.cpu_count() or 1,
         )

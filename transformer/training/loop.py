@@ -20,7 +20,15 @@ from tqdm import tqdm
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.batch import Batch
 from transformer.data.loader import BatchStream, Prefetcher, Update, eval_batches
-from transformer.data.store import Store, open_prepared, prepare
+from transformer.data.mixture import Mixture
+from transformer.data.prepare import (
+    open_prepared,
+    open_prepared_corpora,
+    prepare,
+    prepare_corpora,
+    training_mixture,
+)
+from transformer.data.store import Store
 from transformer.data.vocab import AnyVocab, run_vocab, vocab_from_stored
 from transformer.device import (
     Peak,
@@ -86,7 +94,8 @@ class Run:
     run_dir: Path
     command: str  # what continues the run after a stop
     vocab: AnyVocab
-    store: Store
+    store: Store  # data.dir's: validation, its references
+    train: Mixture  # the training pairs: data.dir's and data.corpora's
     valid: list[Batch]
     model: Transformer
     forward: torch.nn.Module  # TrainingLoss as updates call it: wrapped by DDP and/or torch.compile
@@ -122,6 +131,7 @@ def prepare_only(cfg: Config) -> Path:
             vocab = origin.vocab
             init_from.install_vocab(run_dir, vocab)
         directory = prepare(cfg, run_dir, vocab).directory
+        prepare_corpora(cfg, run_dir, vocab or run_vocab(run_dir))
         if origin is not None:
             init_from.fit_report(cfg, origin)
         return directory
@@ -176,8 +186,8 @@ def _train(
     # Training, validation and the end of training compute fp32 products in TF32 on a GPU (device.tf32_matmuls).
     scope.enter_context(tf32_matmuls(device))
     run_dir, saved, changes, cfg, origin = start(cfg, info, resume, command, scope)
-    vocab, store = load_data(cfg, info, run_dir, saved, quiet, origin)
-    run = build(cfg, info, device, run_dir, command, vocab, store, saved, metrics_since)
+    vocab, store, mixture = load_data(cfg, info, run_dir, saved, quiet, origin)
+    run = build(cfg, info, device, run_dir, command, vocab, store, mixture, saved, metrics_since)
     restore(run, saved, changes)
     if saved is not None:
         run.metrics.record({"step": run.state.step, "event": "resume"})
@@ -308,10 +318,11 @@ def same_on_every_rank(cfg: Config, resume: bool, info: DistInfo, precision: str
 
 def load_data(
     cfg: Config, info: DistInfo, run_dir: Path, saved: dict | None, quiet: bool, origin: Origin | None = None
-) -> tuple[AnyVocab, Store]:
+) -> tuple[AnyVocab, Store, Mixture]:
     """Rank 0 trains or reuses the SentencePiece model (takes the one of the model the run starts from) and builds or
-    reuses the memory-mapped store; the other ranks wait, then map the same files, checked against their own view of
-    the inputs (a node whose data differs stops every rank)."""
+    reuses the memory-mapped stores; the other ranks wait, then map the same files, checked against their own view of
+    the inputs (a node whose data differs stops every rank). -> the vocabulary, data.dir's store (validation) and
+    the mixture of every corpus training draws from."""
     saved_vocab = (
         vocab_from_stored(saved["vocab"]) if saved is not None else origin.vocab if origin is not None else None
     )
@@ -320,15 +331,17 @@ def load_data(
             if origin is not None:
                 init_from.install_vocab(run_dir, origin.vocab)
             store = prepare(cfg, run_dir, saved_vocab, quiet)
+            corpora = prepare_corpora(cfg, run_dir, saved_vocab or run_vocab(run_dir), quiet)
             if origin is not None:
                 init_from.fit_report(cfg, origin)
     vocab = saved_vocab or run_vocab(run_dir)
     with all_or_none(info, "read the prepared data"):
         if not info.is_main:
             store = open_prepared(cfg, run_dir, vocab)
+            corpora = open_prepared_corpora(cfg, run_dir, vocab)
     if info.is_main and len(vocab) != cfg.data.vocab_size:  # so that config.yaml does not misstate it
         save_config(cfg, RunDir(run_dir).config, pieces=len(vocab))
-    return vocab, store
+    return vocab, store, training_mixture(cfg, store, corpora)
 
 
 def check_compile(cfg: Config, device: torch.device) -> None:
@@ -371,6 +384,7 @@ def build(
     command: str,
     vocab: AnyVocab,
     store: Store,
+    mixture: Mixture,
     saved: dict | None,
     started: float,
 ) -> Run:
@@ -404,6 +418,7 @@ def build(
         command,
         vocab,
         store,
+        mixture,
         valid,
         model,
         forward,
@@ -431,7 +446,7 @@ def restore(run: Run, saved: dict | None, changes: list[ConfigChange]) -> None:
     reordered = any(c.reorders_data for c in changes)
     # Checkpoints written before train_order was saved have none: their position is kept, as it was.
     corpus_changed = (
-        bool(state.data["batches_done"]) and saved.get("train_order", run.store.train_order) != run.store.train_order
+        bool(state.data["batches_done"]) and saved.get("train_order", run.train.train_order) != run.train.train_order
     )
     if state.data["batches_done"] and (reordered or corpus_changed or state.data["batches_done"] % group_size):
         why = (
@@ -516,7 +531,7 @@ def save(run: Run, path: Path, rngs: list) -> None:
             run.scaler,
             rngs,
             asdict(run.state),
-            run.store.train_order,
+            run.train.train_order,
         ),
         path,
     )
@@ -645,7 +660,7 @@ def batch_stream(run: Run) -> BatchStream:
     """This rank's training batches from where the run's state left them, and the log line that starts training."""
     t, info = run.cfg.train, run.info
     stream = BatchStream(
-        run.store.corpus("train"),
+        run.train,
         run.cfg.data,
         t.seed,
         epoch=run.state.data["epoch"],
