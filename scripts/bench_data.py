@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import write_json
 
 from transformer.config import load_config
 from transformer.data.loader import BatchStream
@@ -381,20 +382,17 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(table(results))
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "machine": {
-                    "cpu": platform.processor() or platform.machine(),
-                    "cores": os.cpu_count(),
-                    "python": platform.python_version(),
-                },
-                "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                "results": results,
+    write_json(
+        args.json,
+        {
+            "machine": {
+                "cpu": platform.processor() or platform.machine(),
+                "cores": os.cpu_count(),
+                "python": platform.python_version(),
             },
-            indent=2,
-        )
-        + "\n"
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "results": results,
+        },
     )
     print(f"wrote {args.json}")
 

@@ -43,7 +43,6 @@ TransformersConverter (offline; once, into --ct2-hf-out), in --ct2-dtype's compu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -51,8 +50,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from common import ctranslate2_itself, ctranslate2_pieces, sync, write_json
 
-from transformer.data.batch import prepare_sources, source_limit
+from transformer.data.batch import prepare_sources
 from transformer.data.corpus import read_lines
 from transformer.data.loader import source_batches
 from transformer.device import cpu_description
@@ -60,11 +60,6 @@ from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES, ctransla
 from transformer.inference.scoring import bleu_chrf
 from transformer.inference.settings import STOP_RULES, SearchFlags, SearchSettings, search_settings
 from transformer.inference.translator import Translator, pick_dtype, search_batches, search_ids, search_workers
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed_rounds(settings: list, device: torch.device, repeats: int, clock_zero: float) -> None:
@@ -210,30 +205,6 @@ def run_ct2_hf(translator, vocab, src_ids, batches, limits, settings: SearchSett
         for i, result in zip(batch, found):
             outputs[i] = vocab.piece_ids(result.hypotheses[0])
     return outputs
-
-
-def ctranslate2_pieces(vocab, src_ids, max_positions: int) -> list[list[str]]:
-    """CTranslate2 itself's input: the sources as SentencePiece pieces, cut where our engines cut them (the model
-    has no positions beyond)."""
-    return [vocab.pieces(ids[: source_limit(max_positions)]) for ids in src_ids]
-
-
-def ctranslate2_itself(
-    translator, vocab, pieces, settings: SearchSettings, max_positions: int, max_batch_size: int, batch_type: str
-) -> list[list[int]]:
-    """CTranslate2 as its users call it: one `translate_batch` over `pieces` (ctranslate2_pieces) in batches of
-    max_batch_size (batch_type "tokens" or "examples"), with settings' beam and length penalty and
-    max_decoding_length = max_positions - 1, nothing else set -> the best output's ids per source. Also
-    bench_serve's row of that name."""
-    results = translator.translate_batch(
-        pieces,
-        beam_size=settings.beam,
-        length_penalty=settings.lenpen,
-        max_batch_size=max_batch_size,
-        batch_type=batch_type,
-        max_decoding_length=max_positions - 1,
-    )
-    return [vocab.piece_ids(r.hypotheses[0]) for r in results]
 
 
 def score(row: dict, outputs, reference_outputs, vocab, refs) -> None:
@@ -586,7 +557,7 @@ def main() -> None:
         "results": results,
     }
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, report)
         print(f"wrote {args.json}")
 
 

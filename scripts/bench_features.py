@@ -24,13 +24,12 @@ same round (paired: this project's shared CPUs drift between minutes). Writes a 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
+from common import sync, write_json
 
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
@@ -109,12 +108,10 @@ def main() -> None:
         results[name]["times_s"] = []
     for _ in range(args.rounds):
         for name, timed in rows.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             start = time.perf_counter()
             timed()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             results[name]["times_s"].append(time.perf_counter() - start)
     baseline = results[f"beam {base.beam}"]["times_s"]
     print(f"{len(lines)} sentences, {args.dtype} on {device}, {args.threads} threads, {args.rounds} rounds")
@@ -142,7 +139,7 @@ def main() -> None:
             "cpu": cpu_description(),
             "rows": results,
         }
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        write_json(args.json, record)
         print(f"wrote {args.json}")
 
 

@@ -32,24 +32,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common import rss_mib, write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 CAPACITIES = ("default", "bounded")
 PRECISIONS = ("fp32", "bf16")
-
-
-def rss_mib() -> float:
-    """This process's resident set now, in MiB."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_rss_mib() -> float:
-    """This process's resident high-water mark (VmHWM), in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def child_env(capacity: str) -> dict:
@@ -120,7 +107,7 @@ def train_child(args) -> dict:
         "settings": capacity_settings(),
         "start_mib": round(start, 1),
         "rss_mib": samples,
-        "peak_mib": round(peak_rss_mib(), 1),
+        "peak_mib": round(rss_mib("self", "VmHWM"), 1),
         "distinct_shapes": len(set(shapes)),
         "updates": args.updates,
     }
@@ -256,24 +243,21 @@ def main() -> None:
     for r in probe:
         print(f"{r['caches']:8} " + " ".join(f"{growth:6.0f}" for _, growth in r["growth_mib"]))
     native, why = native_bf16(torch.device("cpu"))
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "command": " ".join(["python", "scripts/bench_memory.py", *sys.argv[1:]]),
-                "cpu": cpu_description(),
-                "native_bf16": native,
-                "native_bf16_why": why,
-                "torch": torch.__version__,
-                "bounded_capacity": ONEDNN_CACHE_CAPACITY,
-                "config": args.config,
-                "set": args.set,
-                "threads": args.threads,
-                "training": training,
-                "probe": probe,
-            },
-            indent=2,
-        )
-        + "\n"
+    write_json(
+        args.json,
+        {
+            "command": " ".join(["python", "scripts/bench_memory.py", *sys.argv[1:]]),
+            "cpu": cpu_description(),
+            "native_bf16": native,
+            "native_bf16_why": why,
+            "torch": torch.__version__,
+            "bounded_capacity": ONEDNN_CACHE_CAPACITY,
+            "config": args.config,
+            "set": args.set,
+            "threads": args.threads,
+            "training": training,
+            "probe": probe,
+        },
     )
     print(f"wrote {args.json}")
 

@@ -19,13 +19,13 @@ The decoder's share is the whole pass less the first one. One search at a time (
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import write_json
 
 from transformer.data.batch import padding_mask, prepare_sources
 from transformer.data.corpus import read_lines
@@ -161,27 +161,24 @@ def main(argv=None) -> int:
         for op in profile:
             print(f"{op['op'][:52]:52} {op['self_s']:8.3f} {op['share']:6.1%} {op['calls']:7d}")
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "source": args.source,
-                    "checkpoint": str(args.checkpoint),
-                    "sentences": len(ids),
-                    "batches": len(batches),
-                    "beam": args.beam,
-                    "dtype": args.dtype,
-                    "stop": args.stop,
-                    "threads": args.threads,
-                    "rounds": args.rounds,
-                    "torch": torch.__version__,
-                    "cpu": cpu_description(),
-                    "times_s": times,
-                    "split": split,
-                    "profile": profile,
-                },
-                indent=2,
-            )
-            + "\n"
+        write_json(
+            args.json,
+            {
+                "source": args.source,
+                "checkpoint": str(args.checkpoint),
+                "sentences": len(ids),
+                "batches": len(batches),
+                "beam": args.beam,
+                "dtype": args.dtype,
+                "stop": args.stop,
+                "threads": args.threads,
+                "rounds": args.rounds,
+                "torch": torch.__version__,
+                "cpu": cpu_description(),
+                "times_s": times,
+                "split": split,
+                "profile": profile,
+            },
         )
         print(f"wrote {args.json}")
     return 0

@@ -19,7 +19,7 @@ at the idle server, 0.2 s apart, and the time to each burst's last answer (what 
 one, the burst shares a search).
 
 After each server, once it has stopped, a row ctranslate2_itself: what CTranslate2 itself does with the same work,
-called as its users call it (bench_decode's row of that name), on the same model: a ctranslate2.Translator on the
+called as its users call it (bench_decode's row of that name, common.ctranslate2_itself), on the same model: a ctranslate2.Translator on the
 conversion `--engine ctranslate2` caches beside the checkpoint, in the server's dtype, a new one for each server
 (as cold as the server's new process); the sentences the server
 answered, in the order they were sent, as SentencePiece pieces made beforehand; `translate_batch` with the same
@@ -59,7 +59,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
-from bench_decode import ctranslate2_itself, ctranslate2_pieces  # this script's folder is first on sys.path
+from common import ctranslate2_itself, ctranslate2_pieces, rss_mib, write_json
 
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
@@ -67,14 +67,6 @@ from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES
 from transformer.inference.settings import DTYPES, ENGINES, STOP_RULES, SearchFlags
 from transformer.inference.translator import Translator
 from transformer.serve.app import spawn
-
-
-def rss_mb(pid: int, field: str = "VmRSS") -> float:
-    """Resident memory of a process (Linux /proc), in MiB; field="VmHWM": its peak so far."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def request(conn: http.client.HTTPConnection, method: str, path: str, body=None) -> tuple[int, dict]:
@@ -216,9 +208,9 @@ def run_one(args, sentences: list[str], engine: str, window: float) -> dict:
         # Warm-up, a short burst of the same load: first-call allocations and the allocator's growth to the
         # batch sizes this load makes are not what a running service keeps adding.
         warmup = load(port, sentences, args.clients, warmup_requests(args), args.sentences, args.beam, args.time_limit)
-        warm, before = health(port), rss_mb(server.pid)
+        warm, before = health(port), rss_mib(server.pid)
         result = load(port, sentences, args.clients, args.requests, args.sentences, args.beam, args.time_limit)
-        after, done = rss_mb(server.pid), health(port)
+        after, done = rss_mib(server.pid), health(port)
         batches, searched = done["batches"] - warm["batches"], done["sentences"] - warm["sentences"]
         burst = bursts(port, sentences, args) if args.bursts else None
     finally:
@@ -411,7 +403,7 @@ def soak(args, sentences: list[str]) -> dict:
                 outcomes[what] += 1
         conn.close()
 
-    samples = [{"s": 0.0, "rss_mb": rss_mb(server.pid), "peak_mb": rss_mb(server.pid, "VmHWM"), "requests": 0}]
+    samples = [{"s": 0.0, "rss_mb": rss_mib(server.pid), "peak_mb": rss_mib(server.pid, "VmHWM"), "requests": 0}]
     threads = [threading.Thread(target=client, args=(seed,)) for seed in range(args.clients)]
     start = time.monotonic()
     try:
@@ -424,8 +416,8 @@ def soak(args, sentences: list[str]) -> dict:
             samples.append(
                 {
                     "s": round(time.monotonic() - start, 1),
-                    "rss_mb": rss_mb(server.pid),
-                    "peak_mb": rss_mb(server.pid, "VmHWM"),
+                    "rss_mb": rss_mib(server.pid),
+                    "peak_mb": rss_mib(server.pid, "VmHWM"),
                     "requests": done,
                 }
             )
@@ -435,8 +427,8 @@ def soak(args, sentences: list[str]) -> dict:
         samples.append(
             {
                 "s": round(time.monotonic() - start, 1),
-                "rss_mb": rss_mb(server.pid),
-                "peak_mb": rss_mb(server.pid, "VmHWM"),
+                "rss_mb": rss_mib(server.pid),
+                "peak_mb": rss_mib(server.pid, "VmHWM"),
                 "requests": sum(outcomes.values()),
                 "idle": True,
             }
@@ -542,7 +534,7 @@ def main() -> None:
                 },
                 "soak": result,
             }
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+            write_json(args.json, report)
         sys.exit(1 if result["errors"] else 0)
 
     try:
@@ -625,7 +617,7 @@ def main() -> None:
             },
             "results": results,
         }
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, report)
     if any(r.get("errors") for r in results):
         sys.exit(1)
 

@@ -24,10 +24,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import sync, write_json
 
 from transformer.config import load_config
 from transformer.data.batch import CAUSAL, padding_mask
@@ -37,11 +37,6 @@ from transformer.model.transformer import build_model, training_flops
 from transformer.training.loop import TrainingLoss
 
 IMPLS = ("ours", "marian", "torch")
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def flops_per_update(m, n_seq: int, src_len: int, tgt_len: int, vocab: int) -> float:
@@ -257,27 +252,25 @@ def main() -> None:
             f"{name:14} {r['step_s_median']:8.3f} {r['tgt_tokens_per_s']:10.0f} {r['tokens_per_s']:10.0f} "
             f"{r['tflops_per_s']:8.2f} {r['mfu']:6.1%} {r['peak_mem_gib']:8.2f} {ratio:7.2f}"
         )
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "device": str(device),
-                "device_name": device_name,
-                "cpu": cpu_description(),
-                "torch": torch.__version__,
-                "precision": args.precision,
-                "peak_flops": peak,
-                "peak_source": found.source,
-                "peak_measured": found.measure is not None,
-                "config": args.config,
-                "compile": args.compile,
-                "vocab": args.vocab,
-                "tokens": args.tokens,
-                "length": args.length,
-                "results": results,
-                "failed": failed,
-            },
-            indent=2,
-        )
+    write_json(
+        args.json,
+        {
+            "device": str(device),
+            "device_name": device_name,
+            "cpu": cpu_description(),
+            "torch": torch.__version__,
+            "precision": args.precision,
+            "peak_flops": peak,
+            "peak_source": found.source,
+            "peak_measured": found.measure is not None,
+            "config": args.config,
+            "compile": args.compile,
+            "vocab": args.vocab,
+            "tokens": args.tokens,
+            "length": args.length,
+            "results": results,
+            "failed": failed,
+        },
     )
     print(f"wrote {args.json}")
 

@@ -19,12 +19,11 @@ cannot serve the call raises and shows as unsupported.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import sync, write_json
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer.data.batch import CAUSAL, attention_bias, padding_mask, target_mask
@@ -42,13 +41,11 @@ TRAIN_DROPOUT = 0.1
 
 def timed(fn, device, reps: int) -> float:
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     for _ in range(reps):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     return (time.perf_counter() - start) / reps
 
 
@@ -173,20 +170,18 @@ def main() -> None:
                 f"{row['ms']:11.3f} {row['max_diff_out']:11.2e} {row['max_diff_grad']:12.2e}  {forced}"
             )
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "device": str(device),
-                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__,
-                    "dtype": name,
-                    "shape": {"batch": b, "heads": h, "tgt_len": t, "src_len": s, "head_dim": d},
-                    "dropout_train": TRAIN_DROPOUT,
-                    "reps": args.reps,
-                    "rows": rows,
-                },
-                indent=2,
-            )
+        write_json(
+            args.json,
+            {
+                "device": str(device),
+                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "dtype": name,
+                "shape": {"batch": b, "heads": h, "tgt_len": t, "src_len": s, "head_dim": d},
+                "dropout_train": TRAIN_DROPOUT,
+                "reps": args.reps,
+                "rows": rows,
+            },
         )
 
 

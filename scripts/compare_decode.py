@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import importlib.util
 import re
 import shutil
 import statistics
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import write_json
 
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
@@ -51,6 +52,17 @@ def package_copy(rev: str, name: str, into: Path) -> None:
     for path in target.rglob("*.py"):
         text = path.read_text()
         path.write_text(re.sub(r"\b(from|import) transformer\b", rf"\1 {name}", text))
+
+
+def load_package(name: str, into: Path) -> None:
+    """The copy `into/name` imported as package `name`, its submodules found under it, without putting `into` on
+    the import path."""
+    spec = importlib.util.spec_from_file_location(
+        name, into / name / "__init__.py", submodule_search_locations=[str(into / name)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
 
 
 def main() -> None:
@@ -84,10 +96,10 @@ def main() -> None:
     lines = lines[: args.limit] if args.limit else lines
 
     with tempfile.TemporaryDirectory() as tmp:
-        sys.path.insert(0, tmp)
         runs, outputs = [], []
         for i, rev in enumerate(args.rev):
             package_copy(rev, f"t_{i}", Path(tmp))
+            load_package(f"t_{i}", Path(tmp))
             try:  # the translator's module since the subpackages (issue 34), then before them
                 translate = importlib.import_module(f"t_{i}.inference.translator")
             except ModuleNotFoundError:
@@ -165,25 +177,22 @@ def main() -> None:
         )
         print(f"{rev:>12} {min(ts):7.3f} {statistics.median(ts):9.3f} {ratio:12.3f}x {same:12.1%}")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "test_set": args.test_set,
-                    "checkpoint": args.checkpoint,
-                    "beam": args.beam,
-                    "stop": args.stop,
-                    "dtype": args.dtype,
-                    "sentences": len(lines),
-                    "max_tokens": args.max_tokens or None,
-                    "workers": args.workers,
-                    "threads": args.threads,
-                    "torch": torch.__version__,
-                    "cpu": cpu_description(),
-                    "results": rows,
-                },
-                indent=1,
-            )
-            + "\n"
+        write_json(
+            args.json,
+            {
+                "test_set": args.test_set,
+                "checkpoint": args.checkpoint,
+                "beam": args.beam,
+                "stop": args.stop,
+                "dtype": args.dtype,
+                "sentences": len(lines),
+                "max_tokens": args.max_tokens or None,
+                "workers": args.workers,
+                "threads": args.threads,
+                "torch": torch.__version__,
+                "cpu": cpu_description(),
+                "results": rows,
+            },
         )
         print(f"wrote {args.json}")
 

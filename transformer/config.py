@@ -191,13 +191,13 @@ class DecodeConfig:
     max_tokens: int = 8192  # source tokens per translation batch
     # When beam search ends a sentence (search.py): "exact" (no live hypothesis can still win) or "early"
     # (fairseq's: once `beam` hypotheses have finished; faster), or "hf" (transformers' generate with
-    # early_stopping=False: a heuristic bound at the current length). Exact stays the default: early scored 0.26
-    # test BLEU below it on Multi30k, more than the 0.1 allowed for a default (docs/benchmarks/log.md).
+    # early_stopping=False: a heuristic bound at the current length). Exact stays the default: early loses more
+    # BLEU on Multi30k than a default may (docs/performance.md, "Which setting where").
     stop: StopRule = "exact"
     # Searches run side by side on a CPU, each on its own batches with threads / workers of torch's threads
-    # (CTranslate2's inter_threads): serial work in one overlaps the other's matrix products. 2 translated
-    # 1.2x the sentences/s of 1 on a 2-core CPU (docs/benchmarks/log.md). 1: one search on all threads. A
-    # single batch, and CUDA, always run as one search.
+    # (CTranslate2's inter_threads): serial work in one overlaps the other's matrix products, so 2 translate
+    # more sentences/s than 1 on a 2-core CPU (docs/performance.md, "Which setting where"). 1: one search on all
+    # threads. A single batch, and CUDA, always run as one search.
     workers: int = 2
 
 

@@ -80,8 +80,8 @@ def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str]:
 def mkl_without_avx512(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     """Whether this CPU has AVX512 that MKL leaves unused: one not made by Intel (AMD Zen 4 and 5). MKL picks its
     kernels by vendor and runs AVX2 ones there, while oneDNN runs AVX512 wherever the CPU has it: on an AMD EPYC
-    with AVX512 oneDNN's fp32 product took about half MKL's time for every layer of a decoding step, at 4 to 600
-    rows (docs/benchmarks/log.md, "Sixth session of 2026-11-28"). On AVX2-only CPUs the two are even, and MKL the
+    with AVX512 oneDNN's fp32 product is the faster for every layer of a decoding step, at any row count
+    (docs/benchmarks/log.md, "Sixth session of 2026-11-28"). On AVX2-only CPUs the two are even, and MKL the
     faster at a step's few rows."""
     fields = _cpuinfo_fields(cpuinfo)
     return "avx512f" in fields.get("flags", "").split() and fields.get("vendor_id") != "GenuineIntel"
@@ -165,11 +165,11 @@ def default_cuda_allocator(environ: dict | None = None) -> bool:
 
 
 # oneDNN keeps every primitive it built, one per operation and shape, in two caches of 1,024 entries each (its
-# own, and ideep's in torch): one 256x256 linear over 2,000 row counts grew RSS by 2.2 GB, by 0.18 GB with 64
-# entries (scripts/bench_memory.py; docs/benchmarks/bench_memory_cpu_avx2.json). Where torch
-# runs matmuls through oneDNN (bf16 on a CPU with avx512_bf16 or AMX, our packed bf16 translation), every new
-# batch shape adds primitives that are rarely used again: `make train` in bf16 grew to 3.5 GB where fp32 (MKL)
-# stays near 1.8 GB. 64 entries hold every shape of one update and of a decoder step.
+# own, and ideep's in torch), so memory grows with every shape it meets, and a bounded cache keeps a small part
+# of that. Where torch runs matmuls through oneDNN (bf16 on a CPU with avx512_bf16 or AMX, our packed bf16
+# translation), every new batch shape adds primitives that are rarely used again: `make train` in bf16 grew to
+# about twice fp32's (MKL) memory (docs/training.md, "Memory in training: oneDNN's caches"). 64 entries hold every
+# shape of one update and of a decoder step.
 ONEDNN_CACHE_CAPACITY = 64
 ONEDNN_CACHE_VARIABLES = (
     ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),  # oneDNN's, old name
@@ -260,10 +260,10 @@ def matmul_tflops(device: torch.device, precision: str, size: int = 0, repeats: 
     """The dense matmul rate this device reaches in `precision` (TFLOP/s), measured with square matmuls: the best
     of rounds of `repeats` products over about `seconds` (at least one round). The best round, because another
     process (or a busy moment) can only slow a round down: a single short probe at start-up on a busy 2-core CPU
-    gave a peak that training then beat by 9 %. fp32 on CUDA is measured as training runs it, in TF32. On a CPU
-    the products are 512 wide: they read a higher rate there than 1024 (0.079 against 0.070 TFLOP/s on one AVX2
-    core), and bf16 without native instructions, emulated, takes 0.2 s a product instead of 2.5 s (three rounds
-    at 1024 made a bf16 run wait 28 s for its first update)."""
+    gave a peak that training then beat. fp32 on CUDA is measured as training runs it, in TF32. On a CPU the
+    products are 512 wide: they read a higher rate there than 1024, and bf16 without native instructions,
+    emulated, takes a fraction of the time a product of 1024 takes (rounds at 1024 kept a bf16 run waiting for
+    its first update)."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     n = size or (8192 if device.type == "cuda" else 512)
     generator = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG streams alone
@@ -380,8 +380,8 @@ def best_of_probes(
 def mfu_peak(device: torch.device, precision: str, configured: float = 0.0) -> Peak:
     """The peak for MFU: train.peak_tflops when set; else the datasheet's dense peak of a known GPU in this precision
     (TF32 for fp32); else measured with matmul_tflops: on a CPU the best of up to PROBES probes, and where even that
-    reads under FAR_BELOW of the CPU's class (cpu_class_tflops; another process held the cores: a probe read 0.108
-    TFLOP/s where the CPU does 0.405, and every MFU line was 3.7x too high), the class's own figure. The source
+    reads under FAR_BELOW of the CPU's class (cpu_class_tflops; another process held the cores: a probe read a
+    fraction of the CPU's rate, and every MFU line was several times too high), the class's own figure. The source
     says which, for the log."""
     if configured:
         return Peak(configured, "train.peak_tflops")

@@ -26,7 +26,7 @@ README = ROOT / "README.md"
 GUIDES = sorted((ROOT / "docs").glob("*.md"))
 DOCS = [README, *GUIDES]
 LOG = ROOT / "docs" / "benchmarks" / "log.md"  # a dated record: its commands are history, its links still resolve
-MAX_LINES = {README: 200, ROOT / "docs" / "performance.md": 200}
+MAX_LINES = {README: 200, ROOT / "docs" / "performance.md": 180, ROOT / "docs" / "translation.md": 180}
 
 FENCE = re.compile(r"^[ \t]*```([\w-]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.S | re.M)
 SHELL = {"sh", "bash", "console", "shell"}

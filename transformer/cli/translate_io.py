@@ -52,7 +52,7 @@ def stdin_chunks(stream: TextIO | None = None, fallback_lines: int = 512) -> Ite
 def _fd_chunks(fd: int, line_bytes: int = LINE_BYTES) -> Iterator[list[str]]:
     # os.read returns what is available now (blocking only while nothing is), unlike a buffered readline loop.
     # The unfinished line is kept in pieces and only the new data is searched for a newline: joining and
-    # splitting it again on every read took quadratic time on a long line (20 MB: 4.6 s). Of a line, only its
+    # splitting it again on every read takes quadratic time on a long line (seconds at megabytes). Of a line, only its
     # first line_bytes are kept: the rest is read and dropped, so a line of any length costs bounded memory.
     pending: list[bytes] = []
     kept = 0  # bytes of the unfinished line in `pending`, at most line_bytes

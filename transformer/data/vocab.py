@@ -52,8 +52,8 @@ def valid_text(text: str) -> str:
     return _LONE_SURROGATE.sub("\ufffd", text)
 
 
-# SentencePiece splits a list on a thread pool it starts for the call: 0.08 ms on 2 idle cores, 4 ms on cores
-# a search keeps busy (serve's case), where one sentence alone takes 12 us. Below about 64 sentences the pool
+# SentencePiece splits a list on a thread pool it starts for the call, which costs far more than splitting one
+# sentence, and far more again on cores a search keeps busy (serve's case). Below about 64 sentences the pool
 # does not pay even on idle cores: those go one by one.
 POOL_FROM = 64
 
@@ -176,7 +176,7 @@ class Vocab:
     @functools.cached_property
     def _tables(self) -> tuple[list[str], dict[str, int]]:
         """(piece by id, id by piece): a CTranslate2 engine converts every source and output, and a call into
-        SentencePiece per piece was 4 % of its time at 500 Multi30k sentences in int8."""
+        SentencePiece per piece showed in its profile at full batches."""
         by_id = [self.sp.id_to_piece(i) for i in range(len(self))]
         return by_id, {piece: i for i, piece in enumerate(by_id)}
 

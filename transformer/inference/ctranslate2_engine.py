@@ -398,7 +398,7 @@ def ctranslate2_search(
     Scores, in one pass: BOS and PAD are not suppressed in the search, so each step's log-probabilities are
     normalised over the whole vocabulary, as ours are, and its search scores are ours (to float rounding, ~1e-5
     a hypothesis): no scoring pass is needed. (Suppressing them, as its suppress_sequences does, renormalises
-    over the tokens left, about 1e-5 a token after training, so every shown score took a scoring pass.) A
+    over the tokens left, slightly off ours at every token, so every shown score took a scoring pass.) A
     sentence one of whose returned hypotheses holds BOS or PAD (an untrained model) is searched again under
     its own limit with both suppressed, and its hypotheses scored again. Scored again too, by CTranslate2's
     scorer (ours exactly): hypotheses searched again under their own limit (at the limit CTranslate2 does not

@@ -54,7 +54,7 @@ SamplingKind = Literal["topk", "topp"]
 SAMPLING_KINDS: tuple[str, ...] = typing.get_args(SamplingKind)
 MAX_TEMPERATURE = 100.0
 # Samples per sentence (--nbest with --sample; serve's --max-samples at most): each is a row of the search, its
-# source encoded again, and --nbest 1000000 took 16 GB in two minutes before this bound. More: other seeds.
+# source encoded again, so an unbounded --nbest could fill the machine's memory. More: other seeds.
 MAX_SAMPLES = 16
 
 # How each setting is named in an error: its flag (max_len_offset has none: decode.max_len_offset or a library

@@ -37,9 +37,9 @@ from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint,
 from transformer.model.transformer import count_parameters, evaluating
 
 TRUNCATION_WARNINGS = 5  # lines named one by one before the rest are only counted
-# A line is cut to this many characters before SentencePiece splits it: splitting costs about 60 bytes of memory per
-# character (a 20 MB line peaked at 1.2 GB), while the model reads only max_positions - 2 subwords of a line, a few
-# thousand characters. A warning names each line cut; a stream goes on (one line must not stop it).
+# A line is cut to this many characters before SentencePiece splits it: splitting costs tens of bytes of memory per
+# character (a line of megabytes takes gigabytes), while the model reads only max_positions - 2 subwords of a line,
+# a few thousand characters. A warning names each line cut; a stream goes on (one line must not stop it).
 MAX_LINE_CHARS = 1 << 20
 
 

@@ -42,7 +42,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 class Int8Linear(nn.Module):
     """torch's dynamically quantized linear layer (its packed int8 weight and its operator, so the same products)
     without the Python its module runs around the operator at every call: a dtype and version check, the
-    operator's overload resolution and its argument scan (a decoding step calls 49 of them). The packed weight is
+    operator's overload resolution and its argument scan (a decoding step calls dozens of them). The packed weight is
     not in its state_dict: like PackedLinear, an inference-only layer that is multiplied, never saved."""
 
     def __init__(self, dynamic: nn.Module):
@@ -51,7 +51,7 @@ class Int8Linear(nn.Module):
         self.packed = dynamic._packed_params._packed_params  # fbgemm's packed weight and bias
         overload = torch.ops.quantized.linear_dynamic.default
         # The C++ operator itself: the overload object first searches every call's arguments for torch.compile's
-        # fake script objects, which eager inference never passes (1 us a call).
+        # fake script objects, which eager inference never passes (a cost paid at every call of every layer).
         self.linear = getattr(overload, "_op", overload)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ class Int8Linear(nn.Module):
 
 class InputMajorLinear(nn.Module):
     """nn.Linear for CPU inference with its weight stored transposed and contiguous, (in, out): x @ W_t is the
-    product MKL runs fastest. F.linear's x @ W^T reads the (out, in) weight transposed, which costs up to 2x on
+    product MKL runs fastest. F.linear's x @ W^T reads the (out, in) weight transposed, which is slower at
     decoding's few rows when the weight is not in cache (docs/benchmarks/log.md, "Input-major weights")."""
 
     def __init__(self, linear: nn.Linear):
@@ -87,9 +87,9 @@ def cpu_fp32(model: nn.Module, every_layer: bool | None = None) -> nn.Module:
     where this torch can (can_pack), every other nn.Linear input-major (InputMajorLinear), or packed too where
     `every_layer` (None: where MKL leaves this CPU's AVX512 unused, device.mkl_without_avx512). The output
     projection is the widest weight (vocabulary x d_model), the one decoding multiplies most rows by, and at a
-    decoding step's few rows MKL's product with it costs 2-5x oneDNN's on a packed copy (docs/benchmarks/log.md,
-    "A packed output projection"); on AVX2-only CPUs the narrower layers run as fast or faster through MKL, on AMD
-    CPUs with AVX512 at about twice MKL's speed through oneDNN."""
+    decoding step's few rows MKL's product with it costs several times oneDNN's on a packed copy; on AVX2-only
+    CPUs the narrower layers run as fast or faster through MKL, on AMD CPUs with AVX512 faster through oneDNN
+    (device.mkl_without_avx512)."""
     if not can_pack(torch.float32):
         return input_major(model)
     if every_layer is None:
@@ -126,7 +126,7 @@ def can_pack(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """nn.Linear for CPU inference in `dtype` (bf16 or fp32): the weight reordered once into oneDNN's blocked layout.
     A plain bf16 F.linear reorders it again at every call, reading and writing the whole weight for decoding's few
-    rows (a search 5-6 % faster end to end; docs/benchmarks/log.md, "bf16 on a CPU with AMX"); the product is the
+    rows, which a search feels end to end (docs/benchmarks/log.md, "bf16 on a CPU with AMX"); the product is the
     same oneDNN kernel, so outputs are identical to F.linear in bf16. The packed weight is an opaque oneDNN
     tensor: it cannot be copied, saved or moved, only multiplied."""
 

@@ -107,8 +107,7 @@ def check_finite(weights: dict, what: str) -> None:
     """Refuse weights that hold NaN or infinite values, naming them. Torn bytes inside the zip's tensor data, or a
     diverged run, would otherwise show up as empty or garbage translations (a NaN score never beats the search's
     stop rule), or as a fine-tuning run whose every update is skipped. A sum is NaN or infinite when any term is:
-    0.026 s against 0.18 s for isfinite().all() over 67M parameters on a 2-core EPYC, and no bool copy of each
-    weight."""
+    one pass over each weight, several times cheaper than isfinite().all(), and no bool copy of each weight."""
     bad = nonfinite(weights)
     if bad:
         raise UserError(

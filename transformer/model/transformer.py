@@ -31,8 +31,8 @@ from transformer.model.positions import Rotation
 class TokenPacking:
     """Where the real tokens of a padded (B, S) batch sit, so that position-wise layers (projections, feed-forward,
     LayerNorm) run on those N tokens alone, (N, C), and only attention sees them padded, (B, S, C). Batches of
-    sentences sorted by length are still much padding: the first 500 Multi30k test sources fill 7,386 of
-    11,994 positions in their two translation batches. CTranslate2 skips padding the same way."""
+    sentences sorted by length are still much padding: a translation batch of Multi30k test sources is about a
+    third padding. CTranslate2 skips padding the same way."""
 
     def __init__(self, keep: torch.Tensor):  # (B, S) bool, True on real tokens
         self.shape = keep.shape
@@ -349,7 +349,7 @@ def evaluating(model: nn.Module, inference: bool = True) -> Iterator[nn.Module]:
     validating, searching or inspecting a model that may be in the middle of training. inference=True also
     runs the block under torch.inference_mode (no autograd; tensors made inside can never join a backward
     pass); False leaves autograd to the caller. The modules that were training are set back, each: a model
-    in eval mode is left alone (setting every module's mode twice cost a serve request 1.6 ms)."""
+    in eval mode is left alone (setting every module's mode twice is a cost a short serve request notices)."""
     training = [m for m in model.modules() if m.training]
     for m in training:
         m.training = False

@@ -73,8 +73,9 @@ class GuardedH11Protocol(H11Protocol):
     request line and headers must arrive within read_timeout seconds: a fixed deadline, so that a byte now and
     then does not keep a connection), and bounds on what clients slower than their answers hold in memory: each
     must take MIN_SEND_RATE bytes a second of its answer (over each read_timeout), or is dropped, and together they
-    may leave UNSENT_BUDGET bytes unsent, past which the longest slow are dropped (a reader of 1 KB every 2 s held
-    its 9 MB answer for hours; 48 of them held 200 MiB). uvicorn closes idle kept-alive connections
+    may leave UNSENT_BUDGET bytes unsent, past which the longest slow are dropped (without them a reader of a few
+    bytes a second held a large answer for hours, and a few dozen such readers held hundreds of MiB). uvicorn
+    closes idle kept-alive connections
     (config.timeout_keep_alive); RequestGuard times the body."""
 
     _trim_pending = False  # a release of freed memory is scheduled (one at a time, for every connection)
@@ -177,7 +178,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _release_memory_soon(self) -> None:
         """malloc_trim, once, a second from now and off the event loop: freed answers otherwise stay in the
-        allocator's arenas (the server's memory stayed 100 MiB above its start after 48 slow clients left)."""
+        allocator's arenas (the server's memory stayed well above its start after many slow clients left)."""
         if GuardedH11Protocol._trim_pending:
             return
         GuardedH11Protocol._trim_pending = True

@@ -94,7 +94,7 @@ def _label_axes(ax, query: Sequence[str], key: Sequence[str], cell_pt: float, sh
         (query, ax.set_yticks, ax.set_yticklabels, show_y, 0),
     ):
         # Inner panels of a grid get no ticks at all: thousands of tick artists make a
-        # 6 x 8 grid take a minute to draw, and the outer panels label the same rows and columns.
+        # 6 x 8 grid slow to draw, and the outer panels label the same rows and columns.
         ticks = list(range(0, len(labels), step)) if show else []
         set_ticks(ticks)
         if show:
@@ -133,8 +133,8 @@ def attention_grid(
     cell = min(4.5, max(1.8, 0.16 * longest)) / longest  # inches per token
     pw, ph = tk * cell, tq * cell
     font = _label_font(cell * 72)
-    # Laid out by hand, in inches: a layout engine measures every label of every panel and
-    # takes tens of seconds on a 6 x 8 grid; this also makes the pixel size a plain formula.
+    # Laid out by hand, in inches: a layout engine measures every label of every panel, slow on a
+    # 6 x 8 grid; this also makes the pixel size a plain formula.
     label_x = 0.15 + 0.6 * font / 72 * max(len(p) for p in _clean(key))  # rotated key labels
     label_y = 0.15 + 0.6 * font / 72 * max(len(p) for p in _clean(query))
     gap_w = 0.12
