@@ -44,6 +44,7 @@ HEAVIEST_FIRST = [
     "integration/test_bench.py",
     "serve/test_app.py",
     "training/test_loop.py",
+    "inference/test_synthesis.py",
     "integration/test_crash.py",
     "training/test_finish.py",
     "inference/test_hf_export.py",

@@ -150,6 +150,16 @@ def cmd_plot(args: argparse.Namespace) -> None:
     print(save(training_curves(read_metrics(args.run), title=f"Training: {args.run}", x=x), args.out))
 
 
+def cmd_synthesize(args: argparse.Namespace) -> None:
+    from transformer.inference.synthesis import synthesize
+
+    flags = _search_flags(args)
+    with out_of_memory_names("the search (lower --beam or --max-tokens)"):
+        synthesize(
+            args.checkpoints, args.input, args.out, args.device, flags, args.chunk_lines, filtered=not args.no_filter
+        )
+
+
 def cmd_translate(args: argparse.Namespace) -> None:
     from transformer.cli.translate_io import run_translate
 

@@ -221,6 +221,52 @@ def _add_plot(sub) -> None:
     p.set_defaults(func=commands.cmd_plot)
 
 
+def _add_synthesize(sub) -> None:
+    p = sub.add_parser(
+        "synthesize",
+        help="write a training corpus from a model's translations (back-translation, distillation)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Translate every line of --input (monolingual text in the model's source language) and write\n"
+        "the pairs to --out as train.SRC and train.TGT (the model's languages), for data.corpora of a\n"
+        "training run: an English->German model's outputs of English captions are German sources for a\n"
+        "German->English run (back-translation); a teacher's outputs of its own sources train a student\n"
+        "(distillation). Beam search or sampling (--sample topk:K|topp:P, --temperature, --seed); --nbest N\n"
+        "outputs per line; several models make an ensemble.\n\n"
+        "Resumable: the input goes in parts of --chunk-lines lines, each written whole. After Ctrl-C,\n"
+        "kill -9 or a crash, the same command continues after the last part written; the result is\n"
+        "byte for byte what an uninterrupted run writes (a seeded sample depends on its source alone;\n"
+        "without --seed, the one drawn is kept in the record and used again). synthesis.json records the\n"
+        "models' sha256, the input, the settings and the counts. Empty outputs, copies of the source,\n"
+        "outputs over 3x longer or shorter, and runaway repetitions are left out and counted (--no-filter\n"
+        "keeps them). Cost on a 2-core CPU: as translate --input with the same settings (docs/more-data.md).",
+    )
+    p.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory (its final.pt, else best.pt, else last.pt) or a .pt file; several: an ensemble",
+    )
+    p.add_argument("--input", required=True, metavar="FILE", help="the text to translate, one sentence per line")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory of the pairs (created; resumed)")
+    p.add_argument(
+        "--nbest",
+        type=int,
+        default=1,
+        metavar="N",
+        help=f"outputs per input line: the N best (N <= beam), or N samples with --sample (N <= {MAX_SAMPLES})",
+    )
+    p.add_argument(
+        "--chunk-lines",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="lines per part written whole (what a stop may redo; default 10000, as translate --input batches)",
+    )
+    p.add_argument("--no-filter", action="store_true", help="keep every output, degenerate ones too")
+    add_search_options(p)
+    p.set_defaults(func=commands.cmd_synthesize)
+
+
 def _add_translate(sub) -> None:
     p = sub.add_parser(
         "translate",
@@ -658,6 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot_positions(sub)
     _add_plot(sub)
     _add_translate(sub)
+    _add_synthesize(sub)
     _add_evaluate(sub)
     _add_serve(sub)
     _add_average(sub)
