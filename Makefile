@@ -15,7 +15,7 @@ ARGS        ?=
 # tests/conftest.py gives them (heaviest first, so the processes end together). TEST_JOBS=0 runs them in this process.
 TEST_JOBS   ?= auto
 
-.PHONY: install data train test lint format browser clean
+.PHONY: install data train test lint format browser clean reverse bt-data bt distill-data student student-small
 
 install: $(VENV)/.installed
 
@@ -52,6 +52,34 @@ data/multi30k/train.de:
 # checkpoint left it (a new run directory simply starts); a finished run returns in seconds.
 train: install data
 	$(PY) -m transformer train $(CONFIG) --resume $(ARGS)
+
+# More than the parallel data (docs/more-data.md): back-translated captions, then a distilled student. Each step
+# continues where it stopped (a training resumes, a synthesis goes on after its last part); a finished step returns
+# in seconds, so any of these is safe to run again.
+CAPTIONS    := data/captions/train.en
+reverse: install data train
+	$(PY) -m transformer train configs/multi30k_en_de.yaml --resume $(ARGS)
+
+$(CAPTIONS):
+	mkdir -p $(dir $@)
+	cat $(DATA_MIRROR)/multi30k_captions/train.[1-5].en > $@.tmp && mv $@.tmp $@
+
+bt-data: reverse $(CAPTIONS)
+	$(PY) -m transformer synthesize runs/multi30k_en_de --input $(CAPTIONS) --out runs/synthetic/bt_captions \
+		--sample topk:10 --seed 1
+
+bt: bt-data
+	$(PY) -m transformer train configs/multi30k_bt.yaml --resume $(ARGS)
+
+distill-data: bt
+	$(PY) -m transformer synthesize runs/multi30k_bt --input data/multi30k/train.de --out runs/synthetic/distilled \
+		--beam 4
+
+student: distill-data
+	$(PY) -m transformer train configs/multi30k_student.yaml --resume $(ARGS)
+
+student-small: distill-data
+	$(PY) -m transformer train configs/multi30k_student_small.yaml --resume $(ARGS)
 
 # The code's format and lint rules (ruff, configured in pyproject.toml); `make format` applies them.
 lint: install

@@ -111,8 +111,9 @@ class DataConfig:
     pad_to_multiple: int = 1  # pad lengths up to a multiple (8 helps tensor cores)
     max_train_pairs: int = 0  # use only the first N training pairs (0 = all)
     max_valid_pairs: int = 0  # use only the first N validation pairs (0 = all)
-    # Several corpora: the pairs above (data.dir's) are drawn `weight` times per epoch and marked with `tag`, as
-    # each of `corpora` is with its own (CorpusConfig). docs/more-data.md says how to use them.
+    # Several corpora: the pairs above (data.dir's) are drawn `weight` times per epoch (0: none, its validation and
+    # test splits alone are read) and marked with `tag`, as each of `corpora` is with its own (CorpusConfig).
+    # docs/more-data.md says how to use them.
     weight: float = 1.0
     tag: str = ""
     corpora: tuple[CorpusConfig, ...] = ()
@@ -343,7 +344,10 @@ def tag_problem(tag: str, name: str) -> str | None:
 def corpora_problems(d: DataConfig) -> list[str | None]:
     """What is wrong with data.corpora and the main corpus's weight and tag (None for each thing that is fine)."""
     problems = [
-        None if d.weight > 0 else f"data.weight must be positive, got {d.weight}",
+        None if d.weight >= 0 else f"data.weight must not be negative, got {d.weight}",
+        None
+        if d.weight > 0 or d.corpora
+        else "data.weight 0 leaves no training pairs: name other corpora (data.corpora) or give it a weight",
         tag_problem(d.tag, "data.tag"),
     ]
     names = [MAIN_CORPUS]

@@ -32,7 +32,7 @@ class Mixture:
     """The corpora a run trains on, numbered one after the other: pair i of part k is mixture index starts[k] + i."""
 
     def __init__(self, parts: Sequence[Part]):
-        self.parts = list(parts)
+        self.parts = [p for p in parts if p.weight > 0] or list(parts)  # weight 0: none of its pairs are drawn
         self.starts = np.cumsum([0] + [len(p.corpus) for p in self.parts])
 
     @classmethod
