@@ -58,7 +58,13 @@ from transformer.data.loader import source_batches
 from transformer.device import cpu_description
 from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES, ctranslate2_search
 from transformer.inference.scoring import bleu_chrf
-from transformer.inference.settings import STOP_RULES, SearchFlags, SearchSettings, search_settings
+from transformer.inference.settings import (
+    STOP_RULES,
+    SearchFlags,
+    SearchSettings,
+    generate_keywords,
+    search_settings,
+)
 from transformer.inference.translator import Translator, pick_dtype, search_batches, search_ids, search_workers
 
 
@@ -141,10 +147,6 @@ def run_marian(marian, tensors, steps: list[int], beam: int) -> None:
             )
 
 
-# Our stop rule -> generate's early_stopping (--hf-dir): the rule of each that matches ours.
-EARLY_STOPPING = {"exact": "never", "early": True, "hf": False}
-
-
 def batch_limits(src_ids, batches, settings: SearchSettings, max_positions: int) -> list[int]:
     """Per batch, the longest of its sentences' output limits (search.max_output_lengths): one call's limit."""
     from transformer.inference.search import max_output_lengths
@@ -169,9 +171,7 @@ def run_generate(marian, tensors, batches, limits, settings: SearchSettings, n: 
             found = marian.generate(
                 input_ids=src,
                 attention_mask=(src != c.pad_token_id).long(),
-                num_beams=settings.beam,
-                length_penalty=settings.lenpen,
-                early_stopping=EARLY_STOPPING[settings.stop],
+                **generate_keywords(settings, config_only=True),  # our beam, length penalty and stop rule
                 max_length=limit + 2,  # the start token, `limit` tokens and EOS
                 do_sample=False,
             )

@@ -23,9 +23,13 @@ from transformer.inference.settings import (
     DTYPES,
     ENGINES,
     FLAGS,
+    OPTIONS,
     STOP_RULES,
     SearchFlags,
     SearchSettings,
+    Takes,
+    ctranslate2_keywords,
+    generate_keywords,
     search_settings,
 )
 from transformer.inference.translator import Translator
@@ -289,3 +293,90 @@ def test_describe_names_what_changes_outputs():
     assert SearchSettings(beam=4, stop="early", dtype="bf16").describe() == "beam4.lp0.6.early.bf16"
     assert SearchSettings(beam=1, stop="early").describe() == "beam1.lp0.6"  # greedy has no stop rule
     assert SearchSettings(beam=4, stop="early", engine="ctranslate2", dtype="int8").describe() == "beam4.lp0.6.int8.ct2"
+
+
+# ----------------------------------------------------------------------------- the options table
+
+
+def test_the_table_holds_every_setting_and_each_engine_maps_or_refuses_it():
+    """As test_positions does for kinds: each field of SearchSettings has its entry in OPTIONS, and each foreign
+    engine takes it under a keyword (one it has), or a line says what stands for it or refuses it."""
+    fields = [f.name for f in dataclasses.fields(SearchSettings)]
+    assert list(OPTIONS) == fields
+    assert {name for name, option in OPTIONS.items() if option.config} == {
+        f.name for f in dataclasses.fields(DecodeConfig)
+    }
+    for name, option in OPTIONS.items():
+        for engine in ("ctranslate2", "generate"):
+            takes: Takes = getattr(option, engine)
+            said = takes.keyword or takes.why or takes.refusal
+            assert said and "\n" not in said, (name, engine)
+        assert option.check(option.called, getattr(SearchSettings(), name)) is None, name  # the default passes
+        assert bool(option.help) == (bool(option.flag) and option.shared), name  # a shared flag says what it is
+
+
+def test_each_engines_keywords_are_ones_it_has():
+    pytest.importorskip("ctranslate2")
+    pytest.importorskip("transformers")
+    import ctranslate2
+    import transformers
+
+    signature = ctranslate2.Translator.translate_batch.__doc__.splitlines()[0]
+    translate_batch = set(re.findall(r"(\w+): ", signature))
+    generation = transformers.GenerationConfig()
+    for name, option in OPTIONS.items():
+        if option.ctranslate2.keyword:
+            assert option.ctranslate2.keyword in translate_batch, name
+        if option.generate.keyword:
+            assert hasattr(generation, option.generate.keyword), name
+
+
+def test_no_engine_maps_a_search_option_by_hand():
+    """What an engine takes as it is comes from the table: the CTranslate2 engine passes no table keyword to
+    translate_batch itself, and the hf export writes none into generation_config.json itself."""
+    keywords = {o.ctranslate2.keyword for o in OPTIONS.values()} | {o.generate.keyword for o in OPTIONS.values()}
+    written = []
+    for module in ("ctranslate2_engine", "hf_export"):
+        tree = ast.parse((ROOT / "transformer" / "inference" / f"{module}.py").read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Call):
+                names = [k.arg for k in node.keywords if k.arg]
+            elif isinstance(node, ast.Dict):
+                names = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+            written += [f"{module}:{node.lineno}: {n}" for n in names if n in keywords - {""}]
+    assert not written, written
+
+
+def test_every_stop_rule_goes_to_generate_or_is_refused_in_one_line():
+    for rule in STOP_RULES:
+        assert generate_keywords(SearchSettings(stop=rule))["early_stopping"] in (True, False, "never")
+    unknown = Takes(keyword="early_stopping", values={"exact": "never"})
+    patched = dataclasses.replace(OPTIONS["stop"], generate=unknown)
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(OPTIONS, "stop", patched)
+        with pytest.raises(UserError, match=r"^generate has no equivalent of stop 'early' \(its early_stopping takes"):
+            generate_keywords(SearchSettings(stop="early"))
+
+
+def test_a_refusal_is_one_line_for_a_value_other_than_the_default():
+    refusal = "--engine ctranslate2 has no such thing; use --engine ours"
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(
+            OPTIONS, "temperature", dataclasses.replace(OPTIONS["temperature"], ctranslate2=Takes(refusal=refusal))
+        )
+        ctranslate2_keywords(SearchSettings())  # the default: nothing to refuse
+        with pytest.raises(UserError, match="^" + re.escape(refusal) + "$"):
+            ctranslate2_keywords(SearchSettings(sample="topk:2", temperature=0.5))
+
+
+def test_the_parser_reads_each_flag_and_its_help_from_the_table():
+    for verb in ("translate", "evaluate", "synthesize", "serve"):
+        group = next(g for g in subparser(verb)._action_groups if g.title == "search options")
+        actions = {a.option_strings[0]: a for a in group._group_actions}
+        for option in OPTIONS.values():
+            if option.flag and option.shared:
+                words = (verb == "serve" and option.serve_help) or option.help
+                assert actions[option.flag].help == words and actions[option.flag].dest == option.dest
+    parsed = subparser("translate").parse_args(["CKPT", "--lenpen-kind", "length", "--temperature", "0.5"])
+    assert (parsed.lenpen_kind, parsed.temperature) == ("length", 0.5)

@@ -35,29 +35,16 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _search_flags(args: argparse.Namespace) -> SearchFlags:
-    """translate's, evaluate's and serve's search options (parser.add_search_options; translate's --nbest too) as
-    SearchFlags, checked there before anything loads. --int8 is --dtype int8: not with another --dtype (no last
-    flag wins); no --dtype is auto."""
-    from transformer.inference.settings import SearchFlags
+    """The search options a verb has (parser.add_search_options; translate's --nbest and --alignments too) as
+    SearchFlags, checked there before anything loads: every option of inference/settings.py's table with a flag,
+    None where the verb has no such option. --int8 is --dtype int8: not with another --dtype (no last flag wins);
+    no --dtype is auto."""
+    from transformer.inference.settings import OPTIONS, SearchFlags
 
     if args.int8 and args.dtype not in (None, "int8"):
         raise UserError(f"--int8 means --dtype int8; it cannot go with --dtype {args.dtype}")
-    return SearchFlags(
-        beam=args.beam,
-        lenpen=args.lenpen,
-        lenpen_kind=args.lenpen_kind,
-        stop=args.stop,
-        max_tokens=args.max_tokens,
-        workers=args.workers,
-        dtype="int8" if args.int8 else args.dtype or "auto",
-        engine=args.engine,
-        nbest=getattr(args, "nbest", None),
-        sample=args.sample,
-        temperature=args.temperature,
-        seed=args.seed,
-        alignments=getattr(args, "alignments", None),
-        alignment_layer=getattr(args, "alignment_layer", None),
-    )
+    given = {name: getattr(args, option.dest, None) for name, option in OPTIONS.items() if option.flag}
+    return SearchFlags(**{**given, "dtype": "int8" if args.int8 else args.dtype or "auto"})
 
 
 def _is_checkpoint(item: str) -> bool:

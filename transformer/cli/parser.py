@@ -1,7 +1,8 @@
 """The `transformer` command line: one subcommand per step of the pipeline, errors as one line.
 
 Each verb's options are built by its `_add_<verb>` function here; what the verb does is `commands.cmd_<verb>`.
-The search options of translate, evaluate and serve are declared once, by `add_search_options`."""
+The search options of translate, evaluate, synthesize and serve are inference/settings.py's table (OPTIONS), added
+by `add_search_options`."""
 
 from __future__ import annotations
 
@@ -10,19 +11,13 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
 
 from transformer.cli import commands
 from transformer.config import POSITION_KINDS
 from transformer.errors import UserError
-from transformer.inference.settings import (  # no torch: --help stays fast
-    DTYPES,
-    ENGINES,
-    LENPEN_KINDS,
-    MAX_SAMPLES,
-    STOP_RULES,
-)
+from transformer.inference.settings import MAX_SAMPLES, OPTIONS  # no torch: --help stays fast
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -414,7 +409,7 @@ def _add_serve(sub) -> None:
         help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)",
     )
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    add_search_options(p, SERVE_SEARCH_HELP)
+    add_search_options(p, serve=True)
     p.add_argument(
         "--batch-window-ms",
         type=float,
@@ -618,75 +613,24 @@ def _add_checkpoints(p: argparse.ArgumentParser) -> None:
     )
 
 
-# What the search options say in translate's and evaluate's --help; SERVE_SEARCH_HELP rewords some for serve.
-SEARCH_HELP = {
-    "--beam": "beam size; 1 = greedy (default: decode.beam of the checkpoint's config)",
-    "--lenpen": "length penalty alpha, 0 to 10: score = log p / ((5 + len) / 6)^A (GNMT's; with --lenpen-kind length "
-    "log p / len^A) (default: decode.lenpen)",
-    "--lenpen-kind": "the length penalty's form: gnmt ((5 + len) / 6)^A, or length (len^A, as transformers' generate "
-    "and CTranslate2) (default: decode.lenpen_kind)",
-    "--stop": "when beam search ends a sentence: exact (once no live hypothesis can beat the n-best finished ones), "
-    "early (fairseq's: once BEAM hypotheses have finished; fewer decoder steps) or hf (transformers' generate with "
-    "early_stopping=False, a heuristic) (default: decode.stop)",
-    "--max-tokens": "source tokens per batch (default: decode.max_tokens)",
-    "--workers": "searches run side by side on a CPU, each on its own batches of max-tokens / N tokens with torch's "
-    "threads / N threads (CTranslate2: its inter_threads); 1 = one search on all threads, the lowest "
-    "latency for one batch with CTranslate2 (default: decode.workers, 2)",
-    "--device": "where to run (default auto: CUDA when available)",
-    "--dtype": "number format: fp32 (on CUDA full fp32, TF32 tensor cores off, as in torch's default: exact but "
-    "several times slower than bf16 there); bf16 (fast on CUDA and on CPUs with avx512_bf16/amx_bf16, "
-    "emulated and slow elsewhere); int8 (CPU: linear layers quantized, faster at a small cost in "
-    "accuracy); auto (default): bf16 where it is native, else fp32, printed on stderr; with --sample fp32 "
-    "(in bf16 a sentence's samples would depend on its batch). `evaluate` measures what a choice costs",
-    "--int8": "the same as --dtype int8",
-    "--engine": "ours (PyTorch search, default) or ctranslate2: the checkpoint is converted once (kept in "
-    "CHECKPOINT_DIR/ct2/, rebuilt when the checkpoint changes) and run by CTranslate2 (pip install "
-    "'transformer[ctranslate2]'), with its own stop rule (like --stop early) and length penalty "
-    "(length^A rather than GNMT's; scores are still reported in ours); it samples, forces prefixes and gives "
-    "alignments, but has no constraints or ensembles",
-    "--sample": "sample instead of searching: topk:K draws each token from the K most probable, topp:P from the "
-    "fewest whose probabilities add up to P (nucleus); --nbest N gives N samples per line, best first",
-    "--temperature": "with --sample: draw from p^(1/T), renormalised (default 1: the model's own; lower is more "
-    "conservative, and near 0 greedy search)",
-    "--seed": "with --sample: the random seed (default: a new one each run, printed on stderr); a sentence's "
-    "samples depend only on the seed and the sentence, not on its batch",
-}
-SERVE_SEARCH_HELP = {
-    "--beam": "beam size when a request gives none (default: decode.beam)",
-    "--max-tokens": "source tokens per batched search; also ends a batching window early (default: decode.max_tokens)",
-    "--workers": "searches side by side on a CPU when a batched search holds several batches, as for translate "
-    "(default: decode.workers)",
-    "--dtype": "number format (default auto: fp32, so that each answer is what its request would get alone; in "
-    "bf16 or int8 an answer may depend on the other requests batched with it)",
-    "--sample": 'sample when a /translate request asks for nothing else (a request\'s "sample" overrides it); '
-    "as for translate",
-    "--seed": "the seed of a request that sends none (default: a new one per request)",
-    "--engine": "what runs /translate: ours (default) or ctranslate2, as for translate (pip install "
-    "'transformer[ctranslate2]'; on a CPU it answers sooner). The page's attention maps and beam traces "
-    "always come from our model, so with beam > 1 they may show a different translation (CTranslate2 "
-    "has its own stop rule and length penalty)",
-}
-
-
-def add_search_options(p: argparse.ArgumentParser, wording: Mapping[str, str] | None = None) -> None:
-    """The search options, the same for translate, evaluate and serve (commands._search_flags reads them), in a
-    group of their own; the choices are inference/settings.py's. `wording`: a verb's own help for some, by flag."""
-    words = {**SEARCH_HELP, **(wording or {})}
+def add_search_options(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """The search options, the same for translate, evaluate, synthesize and serve (commands._search_flags reads
+    them), in a group of their own: the options inference/settings.py's table shares among them (OPTIONS), with
+    where to run and --int8 beside --dtype. serve: serve's wording, where it has its own."""
     g = p.add_argument_group("search options")
-    g.add_argument("--beam", type=int, metavar="N", help=words["--beam"])
-    g.add_argument("--lenpen", type=float, metavar="A", help=words["--lenpen"])
-    g.add_argument("--lenpen-kind", choices=LENPEN_KINDS, help=words["--lenpen-kind"])
-    g.add_argument("--stop", choices=STOP_RULES, help=words["--stop"])
-    g.add_argument("--max-tokens", type=int, metavar="N", help=words["--max-tokens"])
-    g.add_argument("--workers", type=int, metavar="N", help=words["--workers"])
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=words["--device"])
-    # No default here: commands.py tells "--dtype X --int8" (refused) from "--int8" alone, then makes it auto.
-    g.add_argument("--dtype", choices=DTYPES, help=words["--dtype"])
-    g.add_argument("--int8", action="store_true", help=words["--int8"])
-    g.add_argument("--engine", choices=ENGINES, default="ours", help=words["--engine"])
-    g.add_argument("--sample", metavar="topk:K|topp:P", help=words["--sample"])
-    g.add_argument("--temperature", type=float, metavar="T", help=words["--temperature"])
-    g.add_argument("--seed", type=int, metavar="S", help=words["--seed"])
+    for option in OPTIONS.values():
+        if not (option.flag and option.shared):
+            continue
+        if option.name == "dtype":
+            g.add_argument(
+                "--device",
+                choices=("auto", "cpu", "cuda"),
+                default="auto",
+                help="where to run (default auto: CUDA when available)",
+            )
+        g.add_argument(option.flag, **option.cli, help=(serve and option.serve_help) or option.help)
+        if option.name == "dtype":
+            g.add_argument("--int8", action="store_true", help="the same as --dtype int8")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from transformer.data.vocab import AnyVocab
 from transformer.errors import UserError
 from transformer.files import JSON_LIMIT, current_umask, file_sha256, read_regular
 from transformer.inference.search import Hypothesis, length_penalty, max_output_lengths
-from transformer.inference.settings import SearchSettings, parse_sample
+from transformer.inference.settings import SearchSettings, ctranslate2_keywords, parse_sample
 from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.run_dir import RunDir
 
@@ -549,13 +549,11 @@ def _translate_async(
         [sources[i] for i in indices],
         target_prefix=forced if any(forced) else None,
         num_hypotheses=settings.nbest if settings.lenpen == 0 or settings.sample is not None else settings.beam,
-        length_penalty=settings.lenpen,
         max_decoding_length=max_len,
         suppress_sequences=never if suppress else None,
         min_decoding_length=0,
         return_end_token=True,
         return_scores=True,
-        return_attention=settings.alignments,
         max_input_length=0,
         max_batch_size=max_tokens,
         batch_type="tokens",
@@ -565,11 +563,13 @@ def _translate_async(
 
 
 def ctranslate2_options(settings: SearchSettings) -> dict:
-    """translate_batch's search options for `settings`: beam search, or sampling (top-k 0 is its whole vocabulary)."""
+    """translate_batch's search options for `settings`: those it takes as they are (settings.ctranslate2_keywords:
+    the length penalty, alignments...), and beam search or sampling (top-k 0 is its whole vocabulary)."""
     if settings.sample is None:
-        return {"beam_size": settings.beam}
+        return {**ctranslate2_keywords(settings), "beam_size": settings.beam}
     kind, value = parse_sample(settings.sample)
     return {
+        **ctranslate2_keywords(settings),
         "beam_size": 1,
         "sampling_topk": int(value) if kind == "topk" else 0,
         "sampling_topp": value if kind == "topp" else 1.0,

@@ -21,6 +21,7 @@ from transformer.data.vocab import (
 )
 from transformer.errors import UserError
 from transformer.inference.ctranslate2_engine import write_export
+from transformer.inference.settings import generate_keywords, search_settings
 from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.model.transformer import Transformer
 
@@ -102,27 +103,26 @@ def marian_config(cfg: Config, vocab: AnyVocab) -> dict:
     }
 
 
-# Our stop rule -> generate's early_stopping: exact is their "never", early their True, hf their False.
-EARLY_STOPPING = {"exact": "never", "early": True, "hf": False}
-
-
 def generation_config(cfg: Config, vocab: AnyVocab) -> dict:
-    """generation_config.json: our decode settings in `generate`'s terms. Their length penalty divides a hypothesis's
-    summed log-probability by length ** length_penalty, which is ours with decode.lenpen_kind "length"; GNMT's
-    ((5 + length) / 6) ** lenpen (both count the tokens with EOS) has the same alpha but not the same normalisation
-    unless it is 0 (docs/opus-mt.md). Our exact stop rule is their early_stopping "never", our early one their
-    True, our hf their False. generate has no per-source limit (ours: source length + decode.max_len_offset):
-    max_length is the model's own, BOS and EOS included."""
-    d, specials = cfg.decode, vocab.specials
+    """generation_config.json: our decode settings in `generate`'s terms, each as settings.py's table says
+    (settings.generate_keywords: num_beams, length_penalty, early_stopping; a value generate has no equivalent of
+    is refused in one line). Their length penalty divides a hypothesis's summed log-probability by
+    length ** length_penalty, which is ours with decode.lenpen_kind "length"; GNMT's ((5 + length) / 6) ** lenpen
+    (both count the tokens with EOS) has the same alpha but not the same normalisation unless it is 0
+    (docs/opus-mt.md). generate has no per-source limit (ours: source length + decode.max_len_offset): max_length
+    is the model's own, BOS and EOS included."""
+    specials = vocab.specials
+    try:
+        decode = generate_keywords(search_settings(cfg.decode), config_only=True)
+    except UserError as e:
+        raise UserError(f"export hf: {e}") from None
     return {
         "decoder_start_token_id": specials.bos,
         "bos_token_id": specials.bos,
         "eos_token_id": specials.eos,
         "pad_token_id": specials.pad,
         "forced_eos_token_id": specials.eos,
-        "num_beams": d.beam,
-        "length_penalty": d.lenpen,
-        "early_stopping": EARLY_STOPPING[d.stop],
+        **decode,
         "max_length": cfg.model.max_positions + 1,
         # Our search never emits PAD or BOS (their -inf comes after the log-softmax there too).
         "bad_words_ids": [[i] for i in sorted({specials.pad, specials.bos})],

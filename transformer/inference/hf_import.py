@@ -26,7 +26,7 @@ from transformer.data.vocab import MARIAN_FILES, MarianVocab
 from transformer.errors import UserError, first_line
 from transformer.files import JSON_LIMIT, file_sha256, read_regular
 from transformer.inference.ctranslate2_engine import IMPORT_FORMATS, write_export
-from transformer.inference.settings import beam_above_vocabulary
+from transformer.inference.settings import OPTIONS, beam_above_vocabulary
 from transformer.model import positions
 from transformer.model.checkpoint import nonfinite, save_checkpoint, weights_checkpoint
 from transformer.model.transformer import Transformer
@@ -36,8 +36,8 @@ IMPORT_FORMAT = IMPORT_FORMATS[0]
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # the first found is read
 # MarianConfig's activation_function -> model.activation (ACT2FN's "swish" and "silu" are one function).
 ACTIVATIONS = {"relu": "relu", "swish": "swish", "silu": "swish"}
-# generate's early_stopping -> decode.stop
-STOP_RULES = {False: "hf", True: "early", "never": "exact"}
+# generate's early_stopping -> our stop rule: the table's mapping (settings.py), read backwards.
+STOP_RULES = {theirs: ours for ours, theirs in OPTIONS["stop"].generate.values.items()}
 CONFIG_HEADER = "# The config of a model that `transformer import hf` imported (the source: transformer-import.json)."
 POSITIONS_TOLERANCE = 1e-4  # a stored sinusoid table may be fp16: its values within this of the computed one
 # Every model of ours computes its sinusoid table whole, max_positions x d_model (in float64 first), when it is built:
