@@ -441,3 +441,19 @@ def positions_model(kind: str) -> Transformer:
     shape = {"d_model": 32, "n_heads": 2, "n_encoder_layers": 1, "n_decoder_layers": 2, "d_ff": 64, "dropout": 0.0}
     cfg = from_dict({"model": {**shape, "max_positions": 40, "positions": kind}, "data": {"max_len": 20}})
     return Transformer(cfg.model, SMALL_VOCAB).eval()
+
+
+def sampling_settings(sampler, nbest: int = 1, **settings):
+    """SearchSettings that draw as `sampler` (sampling.Sampler) does, `nbest` samples per source; `settings`:
+    the others (lenpen, max_len_offset...)."""
+    from transformer.inference.settings import SearchSettings
+
+    value = int(sampler.value) if sampler.kind == "topk" else sampler.value
+    return SearchSettings(
+        beam=1,
+        nbest=nbest,
+        sample=f"{sampler.kind}:{value}",
+        temperature=sampler.temperature,
+        seed=sampler.seed,
+        **settings,
+    )

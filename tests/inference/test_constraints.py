@@ -84,7 +84,13 @@ def test_every_constrained_output_contains_every_phrase(random_seed, stop):
         sources = random_sources(random_seed + 70 + trial, vocab, n=6)
         phrases = random_constraints(random_seed + trial, vocab, len(sources))
         prefixes = random_prefixes(random_seed + 30 + trial, vocab, len(sources), longest=2) if trial % 2 else None
-        found = constrained_search(model, as_batch(sources), phrases, beam, 0.6, 8, nbest, stop, prefixes)
+        found = constrained_search(
+            model,
+            as_batch(sources),
+            phrases,
+            SearchSettings(beam=beam, lenpen=0.6, max_len_offset=8, nbest=nbest, stop=stop),
+            prefixes=prefixes,
+        )
         for row, hyps in enumerate(found.hypotheses):
             total += 1
             if not hyps:
@@ -107,14 +113,24 @@ def test_the_exact_rule_gives_what_running_to_the_length_limit_gives(monkeypatch
         vocab = model.output.out_features
         sources = random_sources(seed + 5, vocab, n=5)
         cases.append((model, sources, random_constraints(seed + 9, vocab, len(sources)), 1 + seed % 2))
-    exact = [constrained_search(m, as_batch(s), c, 3, 0.0, 6, n, "exact") for m, s, c, n in cases]
+    exact = [
+        constrained_search(
+            m, as_batch(s), c, SearchSettings(beam=3, lenpen=0.0, max_len_offset=6, nbest=n, stop="exact")
+        )
+        for m, s, c, n in cases
+    ]
     real = search_module.still_searching
 
     def to_the_limit(alive, finished, best_live, *rest):
         return real(alive, finished, [float("inf")] * len(best_live), *rest)  # the bound never settles
 
     monkeypatch.setattr(search_module, "still_searching", to_the_limit)
-    full = [constrained_search(m, as_batch(s), c, 3, 0.0, 6, n, "exact") for m, s, c, n in cases]
+    full = [
+        constrained_search(
+            m, as_batch(s), c, SearchSettings(beam=3, lenpen=0.0, max_len_offset=6, nbest=n, stop="exact")
+        )
+        for m, s, c, n in cases
+    ]
     stopped_sooner = 0
     for a, b in zip(exact, full):
         assert [[h.tokens for h in hyps] for hyps in a.hypotheses] == [
@@ -129,7 +145,11 @@ def test_no_constraints_leave_the_search_unchanged_bit_for_bit(random_seed):
     src = as_batch(random_sources(random_seed, model.output.out_features, n=6))
     for beam in (1, 3):
         settings = SearchSettings(beam=beam, nbest=beam, max_len_offset=6)
-        plain = search(model, src, beam, settings.lenpen, 6, beam, settings.stop)
+        plain = search(
+            model,
+            src,
+            SearchSettings(beam=beam, lenpen=settings.lenpen, max_len_offset=6, nbest=beam, stop=settings.stop),
+        )
         none = run_search(model, src, settings, [SentenceOptions() for _ in range(src.size(0))])
         assert [[(h.tokens, h.score) for h in hyps] for hyps in none.hypotheses] == [
             [(h.tokens, h.score) for h in hyps] for hyps in plain.hypotheses
@@ -146,7 +166,9 @@ def test_a_batch_mixing_constrained_and_free_sentences():
     phrases = [[(5, 6)], [], [(7,), (8,)], [], [(9,)], []]
     options = [SentenceOptions(constraints=tuple(p)) for p in phrases]
     found = run_search(model, as_batch(sources), settings, options)
-    alone = search(model, as_batch([sources[i] for i in (1, 3, 5)]), 3, 0.6, 6, 2).hypotheses
+    alone = search(
+        model, as_batch([sources[i] for i in (1, 3, 5)]), SearchSettings(beam=3, lenpen=0.6, max_len_offset=6, nbest=2)
+    ).hypotheses
     assert [[h.tokens for h in found.hypotheses[i]] for i in (1, 3, 5)] == [[h.tokens for h in a] for a in alone]
     for row in (0, 2, 4):
         hyps = found.hypotheses[row]
@@ -181,5 +203,10 @@ def test_the_search_takes_one_decoder_call_per_step_for_the_whole_batch():
     """Batched, not one search per sentence: the decoder steps equal the longest sentence's."""
     model = random_model(5)
     sources = random_sources(3, model.output.out_features, n=6)
-    found = constrained_search(model, as_batch(sources), [[(4,)]] * 6, 3, 0.6, 5, 1, "exact")
+    found = constrained_search(
+        model,
+        as_batch(sources),
+        [[(4,)]] * 6,
+        SearchSettings(beam=3, lenpen=0.6, max_len_offset=5, nbest=1, stop="exact"),
+    )
     assert found.steps == max(found.sentence_steps)

@@ -58,7 +58,7 @@ def test_exported_model_scores_and_translates_like_ours(tmp_path, model_override
     src, _ = prepare_sources(src_ids, model.cfg.max_positions)  # (B, S)
 
     # Scoring: CTranslate2's per-token log-probabilities of our greedy outputs equal ours.
-    ours = search(model, src, beam=1, max_len_offset=10).best()
+    ours = search(model, src, SearchSettings(beam=1, max_len_offset=10)).best()
     targets = [h.tokens for h in ours]
     scored = translator.score_batch([vocab.pieces(s) for s in src_ids], [vocab.pieces(t) for t in targets])
     with torch.no_grad():

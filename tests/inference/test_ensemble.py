@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import SENTENCES, sentences, translation_config, write_checkpoint
+from tests.helpers import SENTENCES, sampling_settings, sentences, translation_config, write_checkpoint
 from tests.inference.test_search import CFG, VOCAB, as_batch, make_sources
 from transformer.config import ModelConfig
 from transformer.data.batch import causal_mask, padding_mask
@@ -20,7 +20,7 @@ from transformer.errors import UserError
 from transformer.inference.ensemble import Ensemble
 from transformer.inference.sampling import Sampler, sample_search
 from transformer.inference.search import length_penalty, search
-from transformer.inference.settings import SearchFlags
+from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator
 from transformer.model.transformer import Transformer
 
@@ -41,12 +41,33 @@ def lists(found) -> list[list[tuple[list[int], float]]]:
 def test_an_ensemble_of_one_model_is_that_model_and_of_two_copies_gives_its_outputs(beam):
     one = model(1)
     src = as_batch(make_sources(3))
-    alone = lists(search(one, src, beam, 0.6, 8, nbest=beam))
-    assert lists(search(Ensemble([one]), src, beam, 0.6, 8, nbest=beam)) == alone
-    assert lists(search(Ensemble([one, copy.deepcopy(one)]), src, beam, 0.6, 8, nbest=beam)) == alone
+    alone = lists(search(one, src, SearchSettings(beam=beam, lenpen=0.6, max_len_offset=8, nbest=beam)))
+    assert (
+        lists(search(Ensemble([one]), src, SearchSettings(beam=beam, lenpen=0.6, max_len_offset=8, nbest=beam)))
+        == alone
+    )
+    assert (
+        lists(
+            search(
+                Ensemble([one, copy.deepcopy(one)]),
+                src,
+                SearchSettings(beam=beam, lenpen=0.6, max_len_offset=8, nbest=beam),
+            )
+        )
+        == alone
+    )
     sampler = Sampler("topp", 0.9, seed=4)
-    drawn = lists(sample_search(one, src, sampler, 2, 0.6, 8))
-    assert lists(sample_search(Ensemble([one, copy.deepcopy(one)]), src, sampler, 2, 0.6, 8)) == drawn
+    drawn = lists(sample_search(one, src, sampling_settings(sampler, lenpen=0.6, max_len_offset=8, nbest=2)))
+    assert (
+        lists(
+            sample_search(
+                Ensemble([one, copy.deepcopy(one)]),
+                src,
+                sampling_settings(sampler, lenpen=0.6, max_len_offset=8, nbest=2),
+            )
+        )
+        == drawn
+    )
 
 
 def forced_score(m: Transformer, source: list[int], tokens: list[int]) -> float:
@@ -67,7 +88,7 @@ def test_a_hypothesis_score_is_the_mean_of_the_members_scores_and_their_shapes_m
     ensemble = Ensemble(members)
     assert ensemble.cfg.max_positions == 40 and ensemble.cfg.d_model == CFG.d_model
     sources = make_sources(5, n=4)
-    found = search(ensemble, as_batch(sources), 3, 0.6, 6, nbest=2)
+    found = search(ensemble, as_batch(sources), SearchSettings(beam=3, lenpen=0.6, max_len_offset=6, nbest=2))
     for source, hyps in zip(sources, found.hypotheses):
         for h in hyps:
             mean = sum(forced_score(m, source, h.tokens) for m in members) / len(members)

@@ -18,6 +18,7 @@ from transformer.data.batch import Batch, prepare_sources
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, train_vocab
 from transformer.inference.hf_export import export_hf
 from transformer.inference.search import length_penalty, search
+from transformer.inference.settings import SearchSettings
 from transformer.model import positions
 from transformer.model.checkpoint import load_checkpoint, load_model, save_checkpoint
 from transformer.model.transformer import Transformer
@@ -123,7 +124,7 @@ def test_greedy_generate_gives_our_search_tokens(exported):
     hf = marian(directory)
     for source in vocab.encode(LINES):
         src, _ = prepare_sources([source], cfg.model.max_positions)
-        ours = search(model, src, beam=1, max_len_offset=OFFSET).best()[0].tokens
+        ours = search(model, src, SearchSettings(beam=1, max_len_offset=OFFSET)).best()[0].tokens
         assert tokens(generate(hf, source, 1, 0.0)[0]) == ours, source
 
 
@@ -161,7 +162,7 @@ def test_greedy_generate_gives_our_tokens_at_our_length_limit(endless):
         source = vocab.encode([text])[0]
         src, _ = prepare_sources([source], m.max_positions)
         assert input_ids[0].tolist() == src[0].tolist()  # truncated as ours: at most max_positions - 2 pieces + EOS
-        ours = search(model, src, beam=1, max_len_offset=OFFSET).best()[0].tokens
+        ours = search(model, src, SearchSettings(beam=1, max_len_offset=OFFSET)).best()[0].tokens
         limit = min(src.size(1) + OFFSET, m.max_positions - 1)
         assert len(ours) == limit  # the model never stops by itself: every output runs to the limit
         assert (limit == m.max_positions - 1) == (text in long)
@@ -199,7 +200,7 @@ def test_beam_search_without_length_penalty_gives_our_tokens(exported):
     compared = 0
     for source in vocab.encode(LINES):
         src, _ = prepare_sources([source], cfg.model.max_positions)
-        ours = search(model, src, beam=4, lenpen=0.0, max_len_offset=OFFSET).best()[0]
+        ours = search(model, src, SearchSettings(beam=4, lenpen=0.0, max_len_offset=OFFSET)).best()[0]
         out = generate(hf, source, 4, 0.0, early_stopping="never", output_scores=True, return_dict_in_generate=True)
         theirs, limit = tokens(out.sequences[0]), len(source) + 1 + OFFSET
         assert math.isclose(out.sequences_scores.item(), generate_summed(model, source, theirs), rel_tol=1e-4)
@@ -219,7 +220,7 @@ def test_beam_scores_differ_only_by_the_length_normalisation(copy_model, tmp_pat
     differ = 0
     for source in vocab.encode(LINES[:10]):
         src, _ = prepare_sources([source], cfg.model.max_positions)
-        ours = search(model, src, beam=4, lenpen=0.6, max_len_offset=OFFSET).best()[0]
+        ours = search(model, src, SearchSettings(beam=4, lenpen=0.6, max_len_offset=OFFSET)).best()[0]
         out = generate(hf, source, 4, 0.6, early_stopping="never", output_scores=True, return_dict_in_generate=True)
         theirs = tokens(out.sequences[0])
         assert math.isclose(

@@ -23,6 +23,7 @@ from transformer.errors import UserError
 from transformer.inference.hf_export import export_hf
 from transformer.inference.hf_import import import_hf
 from transformer.inference.search import search
+from transformer.inference.settings import SearchSettings
 from transformer.model.checkpoint import load_checkpoint, load_model
 
 transformers = pytest.importorskip("transformers")
@@ -119,7 +120,7 @@ def test_greedy_outputs_are_generates(imported, marian_dir):
     pad = vocab.specials.pad
     for source in vocab.encode(LINES):
         src, _ = prepare_sources([source], cfg.model.max_positions, vocab.specials)
-        ours = search(model, src, beam=1, max_len_offset=OFFSET).best()[0].tokens
+        ours = search(model, src, SearchSettings(beam=1, max_len_offset=OFFSET)).best()[0].tokens
         assert generate(hf, src, pad, 1) == ours, source
         assert pad not in ours  # <pad> starts the decoder and is never produced
     print(f"greedy: {len(LINES)} of {len(LINES)} identical")
@@ -135,7 +136,15 @@ def test_beam_outputs_are_generates_under_its_rules(imported, marian_dir, lenpen
     same = 0
     for source in vocab.encode(LINES):
         src, _ = prepare_sources([source], cfg.model.max_positions, vocab.specials)
-        ours = search(model, src, 4, lenpen, OFFSET, stop="hf", lenpen_kind="length").best()[0].tokens
+        ours = (
+            search(
+                model,
+                src,
+                SearchSettings(beam=4, lenpen=lenpen, max_len_offset=OFFSET, stop="hf", lenpen_kind="length"),
+            )
+            .best()[0]
+            .tokens
+        )
         theirs = generate(hf, src, vocab.specials.pad, 4, length_penalty=lenpen, early_stopping=False)
         same += ours == theirs
     print(f"beam 4, lenpen {lenpen}, stop hf: {same} of {len(LINES)} identical")
@@ -151,7 +160,9 @@ def test_beam_outputs_agree_where_the_rules_agree(imported, marian_dir):
     same = compared = 0
     for source in vocab.encode(LINES):
         src, _ = prepare_sources([source], cfg.model.max_positions, vocab.specials)
-        ours = search(model, src, 4, 0.0, OFFSET, stop="exact").best()[0].tokens
+        ours = (
+            search(model, src, SearchSettings(beam=4, lenpen=0.0, max_len_offset=OFFSET, stop="exact")).best()[0].tokens
+        )
         theirs = generate(hf, src, vocab.specials.pad, 4, length_penalty=0.0, early_stopping="never")
         same += ours == theirs
         if len(source) + 1 + OFFSET not in (len(ours), len(theirs)):
@@ -202,7 +213,10 @@ def test_ours_exported_and_imported_back_translates_the_same(copy_model, tmp_pat
         assert again_vocab.encode([vocab.decode([source])[0]])[0] == source
         src, _ = prepare_sources([source], 40)
         for beam in (1, 3):
-            assert search(ours, src, beam, 0.6, 4).best()[0].tokens == search(again, src, beam, 0.6, 4).best()[0].tokens
+            assert (
+                search(ours, src, SearchSettings(beam=beam, lenpen=0.6, max_len_offset=4)).best()[0].tokens
+                == search(again, src, SearchSettings(beam=beam, lenpen=0.6, max_len_offset=4)).best()[0].tokens
+            )
 
 
 @pytest.mark.parametrize(

@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import sampling_settings
 from tests.inference.test_search import CFG, VOCAB, as_batch, make_sources, peaky_model
 from transformer.data.batch import padding_mask
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from transformer.inference.sampling import Sampler, draw, sample_search, uniforms
 from transformer.inference.search import search
-from transformer.inference.settings import SearchSettings
+from transformer.inference.settings import MAX_SAMPLES, SearchSettings
 from transformer.inference.translator import SentenceOptions, search_ids
 from transformer.model.transformer import Transformer
 
@@ -79,8 +80,12 @@ def test_first_token_frequencies_match_the_distribution_drawn_from(flat, sampler
     source = [5, 9, 13, EOS_ID]
     q = expected(first_token_probs(flat, source), sampler)
     assert (q > 0.01).sum() >= 3  # a distribution worth testing
-    found = sample_search(flat, torch.tensor([source]), sampler, samples=SAMPLES, max_len_offset=1)
-    first = [h.tokens[0] if h.tokens else EOS_ID for h in found.hypotheses[0]]
+    # MAX_SAMPLES samples per row at most: the source in as many rows as that takes, each with a seed of its own.
+    rows = SAMPLES // MAX_SAMPLES
+    settings = sampling_settings(sampler, max_len_offset=1, nbest=MAX_SAMPLES)
+    seeds = [sampler.seed * 10_000 + row for row in range(rows)]
+    found = sample_search(flat, torch.tensor([source] * rows), settings, seeds=seeds)
+    first = [h.tokens[0] if h.tokens else EOS_ID for hyps in found.hypotheses for h in hyps]
     freq = np.bincount(first, minlength=VOCAB) / SAMPLES
     bound = 5 * np.sqrt(q * (1 - q) / SAMPLES) + 1 / SAMPLES
     assert np.all(np.abs(freq - q) <= bound), np.abs(freq - q) / np.maximum(bound, 1e-12)
@@ -96,19 +101,33 @@ def test_top_k_1_is_greedy_search(peaky, flat, temperature):
     for model in (peaky, flat):
         sources = make_sources(11)
         src = as_batch(sources)
-        greedy = search(model, src, beam=1, lenpen=0.6, max_len_offset=10)
-        sampled = sample_search(model, src, Sampler("topk", 1, temperature, seed=5), 1, 0.6, 10)
+        greedy = search(model, src, SearchSettings(beam=1, lenpen=0.6, max_len_offset=10))
+        sampled = sample_search(
+            model,
+            src,
+            sampling_settings(Sampler("topk", 1, temperature, seed=5), lenpen=0.6, max_len_offset=10, nbest=1),
+        )
         assert [h.tokens for h in sampled.best()] == [h.tokens for h in greedy.best()]
         assert [h.score for h in sampled.best()] == [h.score for h in greedy.best()]
         prefixes = [s[:2] for s in sources]
-        greedy = search(model, src, beam=1, lenpen=0.6, max_len_offset=10, prefixes=prefixes)
-        sampled = sample_search(model, src, Sampler("topk", 1, temperature), 1, 0.6, 10, prefixes)
+        greedy = search(model, src, SearchSettings(beam=1, lenpen=0.6, max_len_offset=10), prefixes=prefixes)
+        sampled = sample_search(
+            model,
+            src,
+            sampling_settings(Sampler("topk", 1, temperature), lenpen=0.6, max_len_offset=10, nbest=1),
+            prefixes=prefixes,
+        )
         assert [h.tokens for h in sampled.best()] == [h.tokens for h in greedy.best()]
 
 
 def test_a_seeded_run_repeats_itself_and_another_seed_draws_other_samples(flat):
     src = as_batch(make_sources(11))
-    runs = [sample_search(flat, src, Sampler("topp", 0.95, 1.0, seed), 3, 0.6, 8) for seed in (4, 4, 5)]
+    runs = [
+        sample_search(
+            flat, src, sampling_settings(Sampler("topp", 0.95, 1.0, seed), lenpen=0.6, max_len_offset=8, nbest=3)
+        )
+        for seed in (4, 4, 5)
+    ]
     tokens = [[[h.tokens for h in hyps] for hyps in run.hypotheses] for run in runs]
     assert tokens[0] == tokens[1]
     assert [[h.score for h in hyps] for hyps in runs[0].hypotheses] == [
@@ -141,7 +160,12 @@ def test_a_sentences_samples_do_not_depend_on_its_batch_mates(flat):
 def test_a_prefix_is_kept_and_only_what_follows_is_drawn(flat):
     sources = make_sources(13, n=5)
     prefixes = [[7, 8], [], [9], [10, 11, 12], [4]]
-    found = sample_search(flat, as_batch(sources), Sampler("topk", 10, seed=2), 3, 0.6, 6, prefixes)
+    found = sample_search(
+        flat,
+        as_batch(sources),
+        sampling_settings(Sampler("topk", 10, seed=2), lenpen=0.6, max_len_offset=6, nbest=3),
+        prefixes=prefixes,
+    )
     for hyps, prefix in zip(found.hypotheses, prefixes):
         assert all(h.tokens[: len(prefix)] == prefix for h in hyps)
     settings = SearchSettings(beam=1, sample="topk:10", seed=2, nbest=3, max_len_offset=6)
@@ -179,8 +203,8 @@ def test_a_tiny_temperature_or_nucleus_samples_as_its_limit_greedy_search(peaky,
     in these models), never a NaN distribution that never draws the forced EOS and runs past max_positions."""
     for model in (peaky, flat):
         src = as_batch(make_sources(11))
-        greedy = search(model, src, beam=1, lenpen=0.6, max_len_offset=100)
-        sampled = sample_search(model, src, sampler, 2, 0.6, 100)
+        greedy = search(model, src, SearchSettings(beam=1, lenpen=0.6, max_len_offset=100))
+        sampled = sample_search(model, src, sampling_settings(sampler, lenpen=0.6, max_len_offset=100, nbest=2))
         for hyps, best in zip(sampled.hypotheses, greedy.best()):
             assert [(h.tokens, h.score) for h in hyps] == [(best.tokens, best.score)] * 2
         probs = sampler.distribution(torch.log_softmax(torch.randn(5, VOCAB, dtype=torch.float64) * 3, 1).float())
@@ -192,7 +216,7 @@ def test_top_k_1_takes_greedy_searchs_token_among_exact_ties(peaky):
     greedy search itself, which takes the first, whatever the seed; drawing among the ties took either."""
     model = copy.deepcopy(peaky)
     src = as_batch(make_sources(11))
-    firsts = [h.tokens[0] for h in search(model, src, beam=1, lenpen=0.6, max_len_offset=10).best()]
+    firsts = [h.tokens[0] for h in search(model, src, SearchSettings(beam=1, lenpen=0.6, max_len_offset=10)).best()]
     with torch.no_grad():
         twins = iter(t for t in range(4, VOCAB) if t not in firsts)
         for token in set(firsts):  # each token a sentence starts with gets a twin with the same logit
@@ -200,7 +224,9 @@ def test_top_k_1_takes_greedy_searchs_token_among_exact_ties(peaky):
             model.output.weight[twin] = model.output.weight[token]
             if model.output.bias is not None:
                 model.output.bias[twin] = model.output.bias[token]
-    greedy = search(model, src, beam=1, lenpen=0.6, max_len_offset=10).best()
+    greedy = search(model, src, SearchSettings(beam=1, lenpen=0.6, max_len_offset=10)).best()
     for seed in range(8):
-        sampled = sample_search(model, src, Sampler("topk", 1, 1.0, seed), 2, 0.6, 10)
+        sampled = sample_search(
+            model, src, sampling_settings(Sampler("topk", 1, 1.0, seed), lenpen=0.6, max_len_offset=10, nbest=2)
+        )
         assert [[h.tokens for h in hyps] for hyps in sampled.hypotheses] == [[h.tokens] * 2 for h in greedy]

@@ -9,9 +9,9 @@ from tests.helpers import copying_model
 from transformer.config import ModelConfig
 from transformer.data.batch import causal_mask, pad_sequences, padding_mask
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.errors import UserError
 from transformer.inference.search import (
     Hypothesis,
-    Rules,
     SearchResult,
     _beam_search,
     greedy_search,
@@ -20,6 +20,7 @@ from transformer.inference.search import (
     new_decoder,
     search,
 )
+from transformer.inference.settings import SearchSettings
 from transformer.model.transformer import Transformer
 
 VOCAB = 24
@@ -37,11 +38,16 @@ def as_batch(sources: list[list[int]]) -> torch.Tensor:
 
 
 def greedy(model, src, offset, use_cache=True) -> list[Hypothesis]:
-    return search(model, src, beam=1, lenpen=0.0, max_len_offset=offset, use_cache=use_cache).best()
+    return search(model, src, SearchSettings(beam=1, lenpen=0.0, max_len_offset=offset), use_cache=use_cache).best()
 
 
 def nbest_lists(model, src, beam, lenpen, offset, nbest=1, stop="exact", use_cache=True) -> list[list[Hypothesis]]:
-    return search(model, src, beam, lenpen, offset, nbest, stop, use_cache).hypotheses
+    return search(
+        model,
+        src,
+        SearchSettings(beam=beam, lenpen=lenpen, max_len_offset=offset, nbest=nbest, stop=stop),
+        use_cache=use_cache,
+    ).hypotheses
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +175,8 @@ def test_greedy_equals_the_reference(model):
 def test_early_rule_beam_one_equals_greedy(model, lenpen):
     """search() runs beam 1 as greedy; the beam machinery under the early rule must agree with it."""
     src = as_batch(make_sources(11))
-    fast = search(model, src, beam=1, lenpen=lenpen, max_len_offset=10)
-    beam = _beam_search(model.eval(), src, 1, Rules(lenpen, stop="early"), 10, 1, True)
+    fast = search(model, src, SearchSettings(beam=1, lenpen=lenpen, max_len_offset=10))
+    beam = _beam_search(model.eval(), src, SearchSettings(beam=1, lenpen=lenpen, stop="early", max_len_offset=10), True)
     assert_same(fast.hypotheses, beam.hypotheses)
     assert fast.sentence_steps == beam.sentence_steps
 
@@ -220,14 +226,25 @@ def test_early_rule_keeps_at_most_beam_finished_and_equals_the_reference(random_
         lenpen = (0.0, 0.6, 1.0, 2.0)[int(torch.randint(4, (1,), generator=rng))]
         sources = random_sources(random_seed + 100 + trial, model.output.out_features)
         trace = []
-        found = search(model, as_batch(sources), beam, lenpen, 6, nbest, "early", trace=trace).hypotheses
+        found = search(
+            model,
+            as_batch(sources),
+            SearchSettings(beam=beam, lenpen=lenpen, max_len_offset=6, nbest=nbest, stop="early"),
+            trace=trace,
+        ).hypotheses
         assert_same(found, [reference_search(model, s, beam, lenpen, 6, nbest, "early") for s in sources])
         for row, hyps in enumerate(found):
             kept = [h for step in trace for h in step.finished[row]]
             assert len(hyps) == nbest and nbest <= len(kept) <= beam
         if beam == 1:
             assert_same(
-                found, _beam_search(model, as_batch(sources), 1, Rules(lenpen, stop="early"), 6, 1, True).hypotheses
+                found,
+                _beam_search(
+                    model,
+                    as_batch(sources),
+                    SearchSettings(beam=1, lenpen=lenpen, stop="early", max_len_offset=6),
+                    True,
+                ).hypotheses,
             )
 
 
@@ -239,7 +256,9 @@ def test_early_rule_drops_what_finishes_beyond_the_beam():
     for seed in range(10):  # 8 of these 50 lists differ (lenpen 2 favours the longer hypotheses dropped)
         model = random_model(seed)
         sources = random_sources(seed, model.output.out_features)
-        found = search(model, as_batch(sources), 3, 2.0, 6, 3, "early").hypotheses
+        found = search(
+            model, as_batch(sources), SearchSettings(beam=3, lenpen=2.0, max_len_offset=6, nbest=3, stop="early")
+        ).hypotheses
         expected = [reference_search(model, s, 3, 2.0, 6, 3, "early") for s in sources]
         assert_same(found, expected)
         every = [reference_search(model, s, 3, 2.0, 6, 3, "early", keep_all=True) for s in sources]
@@ -273,8 +292,13 @@ def test_larger_length_penalty_never_shortens():
 @pytest.mark.parametrize("beam", [1, 4])
 def test_batched_equals_one_at_a_time(model, beam, stop):
     sources = make_sources(14, n=7, lo=1, hi=12)  # very different lengths: lots of padding
-    batched = search(model, as_batch(sources), beam, 0.6, 10, nbest=beam, stop=stop)
-    single = [search(model, as_batch([s]), beam, 0.6, 10, nbest=beam, stop=stop) for s in sources]
+    batched = search(
+        model, as_batch(sources), SearchSettings(beam=beam, lenpen=0.6, max_len_offset=10, nbest=beam, stop=stop)
+    )
+    single = [
+        search(model, as_batch([s]), SearchSettings(beam=beam, lenpen=0.6, max_len_offset=10, nbest=beam, stop=stop))
+        for s in sources
+    ]
     assert_same(batched.hypotheses, [r.hypotheses[0] for r in single])
     assert batched.sentence_steps == [r.sentence_steps[0] for r in single]
 
@@ -313,8 +337,8 @@ def test_beam_not_worse_than_greedy_under_its_objective(trained):
 @pytest.mark.parametrize("lenpen", [0.0, 0.6, 1.0])
 def test_early_rule_never_takes_more_steps(trained, lenpen):
     src = as_batch(make_sources(17, n=10))
-    exact = search(trained, src, 4, lenpen, 15, stop="exact")
-    early = search(trained, src, 4, lenpen, 15, stop="early")
+    exact = search(trained, src, SearchSettings(beam=4, lenpen=lenpen, max_len_offset=15, stop="exact"))
+    early = search(trained, src, SearchSettings(beam=4, lenpen=lenpen, max_len_offset=15, stop="early"))
     assert all(a <= b for a, b in zip(early.sentence_steps, exact.sentence_steps))
     if lenpen > 0:  # the exact bound divides by the penalty at the length limit: loose, so early gains
         assert sum(early.sentence_steps) < sum(exact.sentence_steps)
@@ -348,7 +372,9 @@ def test_stops_at_eos(forced, use_cache, stop):
     forced.eos_at = 3
     src = as_batch(make_sources(17))
     assert all(len(h.tokens) == 3 for h in greedy(forced, src, 20, use_cache))
-    result = search(forced, src, 3, 0.6, 20, nbest=3, stop=stop, use_cache=use_cache)
+    result = search(
+        forced, src, SearchSettings(beam=3, lenpen=0.6, max_len_offset=20, nbest=3, stop=stop), use_cache=use_cache
+    )
     for hyps in result.hypotheses:
         assert [len(h.tokens) for h in hyps] == [3, 3, 3]
     assert result.sentence_steps == [4] * src.size(0) and result.steps == 4  # 3 tokens + EOS
@@ -388,7 +414,7 @@ def test_one_encoder_pass_one_new_token_per_step_and_steps_counted(trained, monk
     monkeypatch.setattr(trained, "encode", counting_encode)
     monkeypatch.setattr(trained, "decode", recording_decode)
     src = as_batch(make_sources(20))
-    result = search(trained, src, beam=beam, lenpen=0.0, max_len_offset=10)
+    result = search(trained, src, SearchSettings(beam=beam, lenpen=0.0, max_len_offset=10))
     assert calls["encode"] == 1
     assert all(call == (1, True, True) for call in calls["decode"])  # the cache alone feeds cross-attention
     assert result.steps == len(calls["decode"]) == max(result.sentence_steps)
@@ -425,14 +451,16 @@ def test_restores_training_mode(trained):
 def test_bad_arguments_are_errors(trained):
     src = as_batch(make_sources(21))
     for kwargs in ({"stop": "never"}, {"beam": 2, "nbest": 3}, {"beam": 0}):
-        with pytest.raises(ValueError):
-            search(trained, src, **kwargs)
+        with pytest.raises(UserError):  # settings a search cannot run with do not exist
+            search(trained, src, SearchSettings(**kwargs))
+    with pytest.raises(ValueError):  # more hypotheses than the beam: only sampling's settings may ask for it
+        search(trained, src, SearchSettings(beam=2, nbest=3, sample="topk:2"))
 
 
 def test_result_type_is_the_same_for_every_beam(trained):
     src = as_batch(make_sources(21, n=3))
     for beam in (1, 2):
-        result = search(trained, src, beam=beam, nbest=1)
+        result = search(trained, src, SearchSettings(beam=beam, nbest=1))
         assert isinstance(result, SearchResult) and len(result.hypotheses) == 3
         assert all(len(hyps) == 1 and isinstance(hyps[0], Hypothesis) for hyps in result.hypotheses)
 
@@ -450,9 +478,11 @@ def test_length_penalty_is_gnmt():
 @pytest.mark.parametrize("beam,nbest", [(1, 1), (3, 2), (4, 4)])
 def test_trace_leaves_outputs_alone_and_ends_in_the_nbest(model, beam, nbest, stop):
     src = as_batch(make_sources(seed=21, n=5))
-    plain = search(model, src, beam, 0.6, 5, nbest, stop)
+    plain = search(model, src, SearchSettings(beam=beam, lenpen=0.6, max_len_offset=5, nbest=nbest, stop=stop))
     trace = []
-    traced = search(model, src, beam, 0.6, 5, nbest, stop, trace=trace)
+    traced = search(
+        model, src, SearchSettings(beam=beam, lenpen=0.6, max_len_offset=5, nbest=nbest, stop=stop), trace=trace
+    )
     assert_same(traced.hypotheses, plain.hypotheses)
     assert (traced.steps, traced.sentence_steps) == (plain.steps, plain.sentence_steps)
     assert len(trace) == plain.steps  # one entry per decoder step
@@ -475,7 +505,7 @@ def test_trace_steps_extend_earlier_live_hypotheses(trained):
     """Each live hypothesis (and each finished one) continues one that was alive the step before."""
     src = as_batch(make_sources(seed=22, n=3))
     trace = []
-    search(trained, src, beam=3, lenpen=0.6, max_len_offset=5, nbest=2, trace=trace)
+    search(trained, src, SearchSettings(beam=3, lenpen=0.6, max_len_offset=5, nbest=2), trace=trace)
     for before, after in zip(trace, trace[1:]):
         for row in range(src.size(0)):
             prefixes = {tuple(h.tokens) for h in before.alive[row]}
@@ -507,7 +537,13 @@ def test_a_forced_prefix_starts_every_output_and_the_search_equals_the_reference
         sources = random_sources(random_seed + 50 + trial, model.output.out_features)
         prefixes = random_prefixes(random_seed + trial, model.output.out_features, len(sources))
         for use_cache in (True, False):
-            found = search(model, as_batch(sources), beam, 0.6, 4, nbest, stop, use_cache, prefixes=prefixes)
+            found = search(
+                model,
+                as_batch(sources),
+                SearchSettings(beam=beam, lenpen=0.6, max_len_offset=4, nbest=nbest, stop=stop),
+                use_cache=use_cache,
+                prefixes=prefixes,
+            )
             for hyps, prefix in zip(found.hypotheses, prefixes):
                 assert len(hyps) == nbest and all(h.tokens[: len(prefix)] == prefix for h in hyps)
         expected = [
@@ -519,10 +555,10 @@ def test_a_forced_prefix_starts_every_output_and_the_search_equals_the_reference
 
 def test_a_prefix_that_is_greedy_searchs_own_start_changes_nothing(model):
     src = as_batch(make_sources(23, n=8))
-    plain = search(model, src, beam=1, lenpen=0.6, max_len_offset=10)
+    plain = search(model, src, SearchSettings(beam=1, lenpen=0.6, max_len_offset=10))
     for cut in (1, 2, 100):
         prefixes = [h.tokens[:cut] for h in plain.best()]
-        forced = search(model, src, beam=1, lenpen=0.6, max_len_offset=10, prefixes=prefixes)
+        forced = search(model, src, SearchSettings(beam=1, lenpen=0.6, max_len_offset=10), prefixes=prefixes)
         assert [h.tokens for h in forced.best()] == [h.tokens for h in plain.best()]
         assert [h.score for h in forced.best()] == [h.score for h in plain.best()]
 
@@ -530,9 +566,11 @@ def test_a_prefix_that_is_greedy_searchs_own_start_changes_nothing(model):
 def test_no_prefix_is_the_plain_search_bit_for_bit(model):
     src = as_batch(make_sources(24))
     for beam in (1, 3):
-        plain = search(model, src, beam, 0.6, 8, nbest=beam)
+        plain = search(model, src, SearchSettings(beam=beam, lenpen=0.6, max_len_offset=8, nbest=beam))
         for none in (None, [[] for _ in range(src.size(0))]):
-            same = search(model, src, beam, 0.6, 8, nbest=beam, prefixes=none)
+            same = search(
+                model, src, SearchSettings(beam=beam, lenpen=0.6, max_len_offset=8, nbest=beam), prefixes=none
+            )
             assert [[(h.tokens, h.score) for h in hyps] for hyps in same.hypotheses] == [
                 [(h.tokens, h.score) for h in hyps] for hyps in plain.hypotheses
             ]
@@ -545,7 +583,9 @@ def test_a_prefix_longer_than_the_length_limit_raises_it(forced):
     sources = make_sources(25, n=3, lo=2, hi=3)  # 2 pieces + EOS: a limit of 3 + offset 1 = 4
     prefixes = [[5] * 9, [6, 7], []]
     for beam in (1, 2):
-        found = search(forced, as_batch(sources), beam, 0.6, 1, prefixes=prefixes)
+        found = search(
+            forced, as_batch(sources), SearchSettings(beam=beam, lenpen=0.6, max_len_offset=1), prefixes=prefixes
+        )
         assert [h.tokens[:9] for h in found.best()][0] == [5] * 9
         assert [len(h.tokens) for h in found.best()] == [9, 4, 4]
 
@@ -559,6 +599,6 @@ def test_a_row_at_its_limit_ends_whatever_its_pick_chose(peaky):
 
     src = as_batch(make_sources(19, n=3))
     for offset in (2, 500):
-        found = greedy_search(peaky, src, Rules(0.0), offset, pick=never_eos)
+        found = greedy_search(peaky, src, SearchSettings(beam=1, lenpen=0.0, max_len_offset=offset), pick=never_eos)
         limits = max_lengths(peaky, src, offset).tolist()
         assert [h.tokens for h in found.best()] == [[5] * n for n in limits]

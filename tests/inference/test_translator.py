@@ -436,9 +436,9 @@ def test_a_batch_of_sources_times_their_samples_stays_within_max_tokens(run, mon
     seen = []
     real = translate.sample_search
 
-    def recording(model, src, sampler, samples, *args, **kwargs):
-        seen.append((src.size(0), src.size(0) * samples * src.size(1)))
-        return real(model, src, sampler, samples, *args, **kwargs)
+    def recording(model, src, settings, *args, **kwargs):
+        seen.append((src.size(0), src.size(0) * settings.nbest * src.size(1)))
+        return real(model, src, settings, *args, **kwargs)
 
     monkeypatch.setattr(translate, "sample_search", recording)
     for nbest in (1, 4, 16):

@@ -13,7 +13,7 @@ from tests.helpers import LINES
 from transformer.data.batch import prepare_sources
 from transformer.inference import weight_formats
 from transformer.inference.search import search
-from transformer.inference.settings import SearchFlags
+from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator
 from transformer.inference.weight_formats import (
     InputMajorLinear,
@@ -49,8 +49,8 @@ def assert_searches_the_same(model, converted, vocab) -> None:
     src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
     for beam in (1, 3):
         with torch.inference_mode():
-            a = search(model, src, beam=beam, nbest=beam)
-            b = search(converted, src, beam=beam, nbest=beam)
+            a = search(model, src, SearchSettings(beam=beam, nbest=beam))
+            b = search(converted, src, SearchSettings(beam=beam, nbest=beam))
         assert [[h.tokens for h in hyps] for hyps in a.hypotheses] == [
             [h.tokens for h in hyps] for hyps in b.hypotheses
         ]
@@ -94,7 +94,7 @@ def test_int8_model_has_only_int8_linears_and_searches_the_same_as_torchs_module
     assert isinstance(plain.output, torch.ao.nn.quantized.dynamic.Linear)
     src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
     with torch.inference_mode():
-        a, b = search(plain, src, beam=3, nbest=3), search(int8, src, beam=3, nbest=3)
+        a, b = search(plain, src, SearchSettings(beam=3, nbest=3)), search(int8, src, SearchSettings(beam=3, nbest=3))
     assert [[(h.tokens, h.score) for h in hyps] for hyps in a.hypotheses] == [
         [(h.tokens, h.score) for h in hyps] for hyps in b.hypotheses
     ]  # exactly: tokens and scores
@@ -171,8 +171,8 @@ def test_packed_bf16_search_equals_the_plain_bf16_one(copy_model):
     src, _ = prepare_sources(vocab.encode(LINES), model.cfg.max_positions)
     for beam in (1, 3):
         with torch.inference_mode():
-            a = search(plain, src, beam=beam, nbest=beam)
-            b = search(packed, src, beam=beam, nbest=beam)
+            a = search(plain, src, SearchSettings(beam=beam, nbest=beam))
+            b = search(packed, src, SearchSettings(beam=beam, nbest=beam))
         # The same oneDNN product, only without the per-call weight reorder: the same numbers, not merely close.
         assert [[(h.tokens, h.score) for h in hyps] for hyps in a.hypotheses] == [
             [(h.tokens, h.score) for h in hyps] for hyps in b.hypotheses

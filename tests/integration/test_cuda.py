@@ -26,7 +26,7 @@ from transformer.device import autocast_context, datasheet_tflops
 from transformer.distributed import DistInfo, init_distributed
 from transformer.errors import UserError
 from transformer.inference.search import search
-from transformer.inference.settings import SearchFlags
+from transformer.inference.settings import SearchFlags, SearchSettings
 from transformer.inference.translator import Translator
 from transformer.model import transformer as model_module
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
@@ -210,7 +210,9 @@ def test_the_models_masks_never_get_the_math_kernel(monkeypatch, precision):
         with torch.no_grad():
             model.eval()(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)  # validation
     src, _ = prepare_sources([[5] * 13, [7] * 5, [9] * 9], model.cfg.max_positions)
-    search(model.float(), src.to(device), beam=4, max_len_offset=3)  # decoding: cached steps, beams per source
+    search(
+        model.float(), src.to(device), SearchSettings(beam=4, max_len_offset=3)
+    )  # decoding: cached steps, beams per source
     assert any(dropout == 0.1 for *_, dropout, _ in chosen) and any(causal for *_, causal, _, _ in chosen)
     assert [c for c in chosen if c[-1] == MATH] == []
 
@@ -268,9 +270,9 @@ def test_a_decoder_step_synchronizes_once(copy_model, beam):
     model, vocab, _ = model_from_checkpoint(load_checkpoint(copy_model), device)
     src, _ = prepare_sources(vocab.encode(LINES[:16]), model.cfg.max_positions)
     src = src.to(device)
-    search(model, src, beam=beam, max_len_offset=8)  # warm
+    search(model, src, SearchSettings(beam=beam, max_len_offset=8))  # warm
     found = []
-    sites = _syncs(lambda: found.append(search(model, src, beam=beam, max_len_offset=8)))
+    sites = _syncs(lambda: found.append(search(model, src, SearchSettings(beam=beam, max_len_offset=8))))
     assert len(sites) <= found[0].steps + 1, sorted(set(sites))  # the length limits once, then one per step
 
 

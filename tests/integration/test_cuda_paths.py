@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.helpers import LINES, ROOT, random_pairs, read_metrics, subprocess_env, tiny_config
+from tests.helpers import LINES, ROOT, random_pairs, read_metrics, sampling_settings, subprocess_env, tiny_config
 from transformer import device as device_module
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batch import CAUSAL, Batch, prepare_sources, target_mask
@@ -51,6 +51,7 @@ from transformer.inference import search as search_module
 from transformer.inference.constraints import constrained_search
 from transformer.inference.sampling import Sampler, sample_search
 from transformer.inference.search import search
+from transformer.inference.settings import SearchSettings
 from transformer.model import transformer as model_module
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.model.kv_cache import KVCache
@@ -390,7 +391,7 @@ def test_an_update_reads_the_device_once_and_copies_nothing_from_pageable_memory
 def test_a_decoder_step_reads_the_device_once(copy_model, monkeypatch, as_on_cuda, beam):
     model, vocab, _ = model_from_checkpoint(load_checkpoint(copy_model))
     src, _ = prepare_sources(vocab.encode(LINES[:12]), model.cfg.max_positions)
-    expected = search(model, src, beam=beam, max_len_offset=8)
+    expected = search(model, src, SearchSettings(beam=beam, max_len_offset=8))
     transfers = []
     counter = HostReads(monkeypatch)
     real = search_module.to_host
@@ -401,7 +402,7 @@ def test_a_decoder_step_reads_the_device_once(copy_model, monkeypatch, as_on_cud
             return real(*tensors)
 
     monkeypatch.setattr(search_module, "to_host", to_host)
-    found = search(model, src, beam=beam, max_len_offset=8)
+    found = search(model, src, SearchSettings(beam=beam, max_len_offset=8))
     assert [h.tokens for h in found.best()] == [h.tokens for h in expected.best()]
     assert counter.reads == [] and counter.copies == 0
     assert len(transfers) == found.steps + 1  # the length limits once, then one read per decoder step
@@ -416,7 +417,10 @@ def test_a_forced_prefix_and_sampling_read_the_device_no_more(copy_model, monkey
     src, _ = prepare_sources(ids, model.cfg.max_positions)
     prefixes = [s[:2] for s in ids]
     sampler = Sampler("topp", 0.9, seed=1)
-    expected = [search(model, src, beam=4, max_len_offset=8, prefixes=prefixes), sample_search(model, src, sampler)]
+    expected = [
+        search(model, src, SearchSettings(beam=4, max_len_offset=8), prefixes=prefixes),
+        sample_search(model, src, sampling_settings(sampler)),
+    ]
     counter = HostReads(monkeypatch)
     transfers = []
     real = search_module.to_host
@@ -428,14 +432,20 @@ def test_a_forced_prefix_and_sampling_read_the_device_no_more(copy_model, monkey
 
     monkeypatch.setattr(search_module, "to_host", to_host)
     monkeypatch.setattr(constraints_module, "to_host", to_host)
-    found = search(model, src, beam=4, max_len_offset=8, prefixes=prefixes)
+    found = search(model, src, SearchSettings(beam=4, max_len_offset=8), prefixes=prefixes)
     assert counter.reads == [] and counter.copies == 0 and len(transfers) == found.steps + 1
     transfers.clear()
-    drawn = sample_search(model, src, sampler)
+    drawn = sample_search(model, src, sampling_settings(sampler))
     assert counter.reads == ["tolist"] and counter.copies == 0 and len(transfers) == drawn.steps + 1
     counter.reads.clear()
     transfers.clear()
-    kept = constrained_search(model, src, [[tuple(s[-2:])] for s in ids], 4, 0.6, 8, 1, "exact", prefixes)
+    kept = constrained_search(
+        model,
+        src,
+        [[tuple(s[-2:])] for s in ids],
+        SearchSettings(beam=4, lenpen=0.6, max_len_offset=8, nbest=1, stop="exact"),
+        prefixes=prefixes,
+    )
     assert counter.reads == [] and counter.copies == 0 and len(transfers) == kept.steps + 1
     assert all(h.tokens[:2] == p for h, p in zip(kept.best(), prefixes))
     assert [[h.tokens for h in r.best()] for r in (found, drawn)] == [[h.tokens for h in r.best()] for r in expected]

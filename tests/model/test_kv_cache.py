@@ -12,6 +12,7 @@ from transformer.config import POSITION_KINDS
 from transformer.data.batch import Batch, causal_mask, prepare_sources
 from transformer.data.vocab import PAD_ID
 from transformer.inference.search import search
+from transformer.inference.settings import SearchSettings
 from transformer.model.kv_cache import KVCache
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -127,8 +128,8 @@ def test_cached_decoding_equals_uncached_for_every_kind(kind):
     src, _ = prepare_sources([[5, 9, 13, 7], [21, 4, 8], [33, 6, 11, 12, 30, 31]], 40)
     with torch.no_grad():
         for beam in (1, 3):
-            cached = search(model, src, beam=beam, max_len_offset=6, use_cache=True).best()
-            full = search(model, src, beam=beam, max_len_offset=6, use_cache=False).best()
+            cached = search(model, src, SearchSettings(beam=beam, max_len_offset=6), use_cache=True).best()
+            full = search(model, src, SearchSettings(beam=beam, max_len_offset=6), use_cache=False).best()
             assert [h.tokens for h in cached] == [h.tokens for h in full], (kind, beam)
             for a, b in zip(cached, full):
                 assert a.score == pytest.approx(b.score, abs=1e-4)

@@ -27,6 +27,7 @@ from transformer.config import POSITION_KINDS, ModelConfig, from_dict, to_dict
 from transformer.data.batch import Batch, prepare_sources
 from transformer.errors import UserError
 from transformer.inference.search import search
+from transformer.inference.settings import SearchSettings
 from transformer.model import positions
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.model.positions import Sinusoidal
@@ -180,8 +181,8 @@ def test_a_new_kind_reaches_every_reader_through_the_interface(unordered, tmp_pa
     assert isinstance(model.position_encoding, Unordered)
     src, _ = prepare_sources([[5, 9, 13], [21, 4]], 40)
     with torch.no_grad():
-        cached = search(model, src, beam=2, max_len_offset=4, use_cache=True).best()
-        full = search(model, src, beam=2, max_len_offset=4, use_cache=False).best()
+        cached = search(model, src, SearchSettings(beam=2, max_len_offset=4), use_cache=True).best()
+        full = search(model, src, SearchSettings(beam=2, max_len_offset=4), use_cache=False).best()
     assert [h.tokens for h in cached] == [h.tokens for h in full]
     with pytest.raises(UserError, match="^export hf: model.positions 'unordered' has no MarianMTModel equivalent"):
         model.position_encoding.marian_order()

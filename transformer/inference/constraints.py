@@ -34,20 +34,19 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from transformer.config import DecodeConfig
 from transformer.inference.search import (
     ForcedPrefix,
     Hypothesis,
-    Rules,
     SearchResult,
     Sentences,
     device_index,
     device_tensor,
-    force_eos,
     new_decoder,
+    next_log_probs,
+    penalty,
     to_host,
 )
-from transformer.inference.settings import LenpenKind, StopRule
+from transformer.inference.settings import SearchSettings
 from transformer.model.transformer import evaluating
 
 
@@ -117,26 +116,18 @@ def constrained_search(
     model,
     src: torch.Tensor,
     constraints: Sequence[Sequence[Sequence[int]]],
-    beam: int = DecodeConfig.beam,
-    lenpen: float = DecodeConfig.lenpen,
-    max_len_offset: int = DecodeConfig.max_len_offset,
-    nbest: int = 1,
-    stop: StopRule = DecodeConfig.stop,
+    settings: SearchSettings,
     prefixes: Sequence[Sequence[int]] | None = None,
-    lenpen_kind: LenpenKind = DecodeConfig.lenpen_kind,
 ) -> SearchResult:
-    """Per source row of `src` (B, S), its `nbest` best hypotheses that contain every phrase of its constraints
-    (lists of piece ids), best first; an empty list where none did (module docstring)."""
-    if beam < 1 or not 1 <= nbest <= beam:
-        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    """Per source row of `src` (B, S), its settings.nbest best hypotheses that contain every phrase of its
+    constraints (lists of piece ids), best first; an empty list where none did (module docstring)."""
+    if not 1 <= settings.nbest <= settings.beam:
+        raise ValueError(f"need 1 <= nbest <= beam, got beam={settings.beam}, nbest={settings.nbest}")
     if len(constraints) != src.size(0):
         raise ValueError(f"{len(constraints)} constraint lists for {src.size(0)} source rows")
     forced = ForcedPrefix.of(prefixes, src)
     with evaluating(model):
-        rules = Rules(lenpen, lenpen_kind, stop)
-        return _ConstrainedBeam(model, src, [Phrases(c) for c in constraints], beam, rules, nbest).run(
-            max_len_offset, forced
-        )
+        return _ConstrainedBeam(model, src, [Phrases(c) for c in constraints], settings).run(forced)
 
 
 class _Candidate(NamedTuple):
@@ -147,15 +138,15 @@ class _Candidate(NamedTuple):
 
 
 class _ConstrainedBeam:
-    def __init__(self, model, src, phrases: list[Phrases], beam: int, rules: Rules, nbest: int):
+    def __init__(self, model, src, phrases: list[Phrases], settings: SearchSettings):
         self.model, self.src, self.phrases = model, src, phrases
-        self.k, self.rules, self.nbest, self.stop = beam, rules, nbest, rules.stop
+        self.k, self.settings, self.stop = settings.beam, settings, settings.stop
         self.bos, self.eos, self.pad = model.specials.bos, model.specials.eos, model.specials.pad
 
-    def run(self, max_len_offset: int, forced: ForcedPrefix | None) -> SearchResult:
+    def run(self, forced: ForcedPrefix | None) -> SearchResult:
         model, src, k, device = self.model, self.src, self.k, self.src.device
         decoder = new_decoder(model, src, True)
-        sentences = Sentences.start(model, src, self.rules, k, self.nbest, max_len_offset, forced)
+        sentences = Sentences.start(model, src, self.settings, forced)
         alive, finished = sentences.alive, sentences.finished
         progress = [[self.phrases[s].start()] for s in alive]  # per live sentence, per row
         n = 1
@@ -163,9 +154,7 @@ class _ConstrainedBeam:
         scores = torch.zeros(src.size(0), device=device)
         t = 0
         while alive:
-            lprobs = force_eos(decoder.log_probs(prefix), sentences.at_limit(t, n), self.eos, self.stop == "hf")
-            if forced is not None:
-                lprobs = forced.apply(lprobs, t, n)
+            lprobs = next_log_probs(decoder, prefix, t, self.settings, sentences.at_limit(t, n), forced, n)
             # EOS only for a hypothesis that holds every phrase.
             unfinishable = [
                 s * n + j
@@ -192,14 +181,14 @@ class _ConstrainedBeam:
                 extra.setdefault(row, []).append((token, value))
 
             parents, tokens, new_scores, new_progress, best_live = [], [], [], [], []
-            penalty = self.rules.penalty(t + 1)
+            divisor = penalty(self.settings, t + 1)
             for s, index in enumerate(alive):
                 rows = range(s * n, s * n + n)
                 candidates = self._candidates(s, index, rows, progress[s], host_lprobs, host_tokens, host_scores, extra)
                 for c in self._finishing(candidates, index):
                     if self.stop == "early" and len(finished[index]) >= k:
                         break
-                    finished[index].append(Hypothesis(host_prefix[s * n + c.row, 1:].tolist(), c.score / penalty))
+                    finished[index].append(Hypothesis(host_prefix[s * n + c.row, 1:].tolist(), c.score / divisor))
                 kept = self._allocate([c for c in candidates if c.token != self.eos])
                 best_live.append(kept[0].score if kept else float("-inf"))
                 kept += [_Candidate(float("-inf"), 0, self.pad, self.phrases[index].start())] * (k - len(kept))

@@ -31,15 +31,8 @@ import numpy as np
 import torch
 
 from transformer.config import DecodeConfig
-from transformer.inference.search import (
-    ForcedPrefix,
-    Hypothesis,
-    Rules,
-    SearchResult,
-    device_index,
-    greedy_search,
-)
-from transformer.inference.settings import LenpenKind, SamplingKind
+from transformer.inference.search import ForcedPrefix, Hypothesis, SearchResult, device_index, greedy_search
+from transformer.inference.settings import SamplingKind, SearchSettings, parse_sample
 from transformer.model.transformer import evaluating
 
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
@@ -54,6 +47,12 @@ class Sampler:
     value: float
     temperature: float = 1.0
     seed: int = 0
+
+    @staticmethod
+    def of(settings: SearchSettings) -> Sampler:
+        """How settings.sample, .temperature and .seed draw (no seed: 0; a Translator always gives one)."""
+        kind, value = parse_sample(settings.sample)
+        return Sampler(kind, value, settings.temperature, settings.seed or 0)
 
     @property
     def greedy(self) -> bool:
@@ -128,23 +127,19 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_search(
     model,
     src: torch.Tensor,
-    sampler: Sampler,
-    samples: int = 1,
-    lenpen: float = DecodeConfig.lenpen,
-    max_len_offset: int = DecodeConfig.max_len_offset,
+    settings: SearchSettings,
     prefixes: Sequence[Sequence[int]] | None = None,
     seeds: Sequence[int | None] | None = None,
-    lenpen_kind: LenpenKind = DecodeConfig.lenpen_kind,
 ) -> SearchResult:
-    """`samples` samples for each source row of `src` (B, S) (module docstring), best first; SearchResult's
-    steps count the decoder calls, and a row's sentence_steps those of its longest sample. `seeds`: per row, a
-    seed of its own (None: the sampler's)."""
-    rows = src.size(0)
+    """settings.nbest samples for each source row of `src` (B, S), drawn as settings.sample, .temperature and .seed
+    say (module docstring), best first; SearchResult's steps count the decoder calls, and a row's sentence_steps
+    those of its longest sample. `seeds`: per row, a seed of its own (None: settings.seed)."""
+    rows, samples, sampler = src.size(0), settings.nbest, Sampler.of(settings)
+    # A sample has no stop rule: the EOS forced at the length limit keeps its log-probability (not "hf"'s 0).
+    settings = replace(settings, stop=DecodeConfig.stop)
     if sampler.greedy:  # every sample of a source is its greedy output: searched once, by greedy search itself
         with evaluating(model):
-            found = greedy_search(
-                model, src, Rules(lenpen, lenpen_kind), max_len_offset, forced=ForcedPrefix.of(prefixes, src)
-            )
+            found = greedy_search(model, src, settings, forced=ForcedPrefix.of(prefixes, src))
         hypotheses = [[replace(h) for _ in range(samples)] for h in found.best()]
         return SearchResult(hypotheses, found.steps, found.sentence_steps)
     sources = [[t for t in row if t != model.specials.pad] for row in src.tolist()]
@@ -162,7 +157,7 @@ def sample_search(
 
     forced = ForcedPrefix.of(prefixes, src)
     with evaluating(model):
-        found = greedy_search(model, src, Rules(lenpen, lenpen_kind), max_len_offset, forced=forced, pick=pick)
+        found = greedy_search(model, src, settings, forced=forced, pick=pick)
     hypotheses: list[list[Hypothesis]] = []
     sentence_steps = []
     for b in range(rows):

@@ -46,7 +46,11 @@ to finish is the answer, as the early rule says.
 
 Length penalties (`lenpen_kind`): "gnmt", lp(len) = ((5 + len) / 6) ** lenpen (Wu et al. 2016, the default);
 "length", lp(len) = len ** lenpen (transformers' and CTranslate2's length_penalty). Both grow with the length
-for lenpen >= 0, which is all the exact bound needs. `Rules` carries the penalty and the stop rule.
+for lenpen >= 0, which is all the exact bound needs.
+
+Every search takes its SearchSettings whole (settings.py): the beam, the length penalty and its form, the stop
+rule, the length limit, the n-best; what a step allows (`next_log_probs`: the EOS forced at the limit, a forced
+prefix) is applied in one place for greedy, beam, sampling (sampling.py) and constrained (constraints.py) search.
 
 Special ids (BOS, EOS, PAD) are the model's vocabulary's (`model.specials`): ours, or an imported Marian
 vocabulary's, whose BOS is its PAD.
@@ -84,7 +88,7 @@ import torch.nn.functional as F
 from transformer.config import DecodeConfig
 from transformer.data.batch import causal_mask, padding_mask
 from transformer.inference.ensemble import Ensemble
-from transformer.inference.settings import LENPEN_KINDS, STOP_RULES, LenpenKind, StopRule
+from transformer.inference.settings import LenpenKind, SearchSettings
 from transformer.model.transformer import evaluating
 
 
@@ -126,53 +130,39 @@ def length_penalty(length, alpha: float, kind: LenpenKind = DecodeConfig.lenpen_
     return ((5.0 + length) / 6.0) ** alpha
 
 
-@dataclass(frozen=True)
-class Rules:
-    """How hypotheses are scored and when a sentence stops: the length penalty and its form, and the stop rule."""
+def penalty(settings: SearchSettings, length):
+    """The length penalty of `settings` at `length` (floats and tensors)."""
+    return length_penalty(length, settings.lenpen, settings.lenpen_kind)
 
-    lenpen: float
-    kind: LenpenKind = DecodeConfig.lenpen_kind
-    stop: StopRule = DecodeConfig.stop
 
-    def penalty(self, length):
-        return length_penalty(length, self.lenpen, self.kind)
+DEFAULTS = SearchSettings()  # config.py's DecodeConfig defaults: beam 4, lenpen 0.6, exact
 
 
 def search(
     model,
     src: torch.Tensor,
-    beam: int = DecodeConfig.beam,
-    lenpen: float = DecodeConfig.lenpen,
-    max_len_offset: int = DecodeConfig.max_len_offset,
-    nbest: int = 1,
-    stop: StopRule = DecodeConfig.stop,
+    settings: SearchSettings = DEFAULTS,
     use_cache: bool = True,
     trace: list[TraceStep] | None = None,
     prefixes: Sequence[Sequence[int]] | None = None,
-    lenpen_kind: LenpenKind = DecodeConfig.lenpen_kind,
 ) -> SearchResult:
-    """Translate source rows `src` (B, S): per row its `nbest` best hypotheses, best first.
+    """Translate source rows `src` (B, S): per row its settings.nbest best hypotheses, best first.
 
     beam 1 is greedy search (the most probable token at each step). Beam search ranks 2*beam candidates
     per sentence at each step: the best `beam` that do not end in EOS stay alive, and an EOS candidate
-    finishes only when it ranks within the top `beam`. `stop` picks when a sentence is done (module
-    docstring). use_cache=False recomputes every step from scratch (for tests). `trace`, when given, receives
-    a TraceStep per decoder step; a sentence has no live hypotheses at the step it is done. `prefixes`: per row,
-    target ids its hypotheses must start with (module docstring); None or all empty: none. lenpen_kind: the
-    form of the length penalty (module docstring). Settings left out are config.py's DecodeConfig defaults.
+    finishes only when it ranks within the top `beam`. settings.stop picks when a sentence is done (module
+    docstring), settings.lenpen and lenpen_kind the length penalty. use_cache=False recomputes every step from
+    scratch (for tests). `trace`, when given, receives a TraceStep per decoder step; a sentence has no live
+    hypotheses at the step it is done. `prefixes`: per row, target ids its hypotheses must start with (module
+    docstring); None or all empty: none. settings.sample is sampling.py's: it is not read here.
     """
-    if beam < 1 or not 1 <= nbest <= beam:
-        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
-    if stop not in STOP_RULES:
-        raise ValueError(f"stop must be one of {', '.join(STOP_RULES)}, got {stop!r}")
-    if lenpen_kind not in LENPEN_KINDS:
-        raise ValueError(f"lenpen_kind must be one of {', '.join(LENPEN_KINDS)}, got {lenpen_kind!r}")
-    rules = Rules(lenpen, lenpen_kind, stop)
+    if not 1 <= settings.nbest <= settings.beam:
+        raise ValueError(f"need 1 <= nbest <= beam, got beam={settings.beam}, nbest={settings.nbest}")
     forced = ForcedPrefix.of(prefixes, src)
     with evaluating(model):  # dropout off while searching; the trainer decodes mid-training
-        if beam == 1:
-            return greedy_search(model, src, rules, max_len_offset, use_cache, trace, forced)
-        return _beam_search(model, src, beam, rules, max_len_offset, nbest, use_cache, trace, forced)
+        if settings.beam == 1:
+            return greedy_search(model, src, settings, use_cache, trace, forced)
+        return _beam_search(model, src, settings, use_cache, trace, forced)
 
 
 def new_decoder(model, src: torch.Tensor, use_cache: bool) -> Decoder | EnsembleDecoder:
@@ -189,7 +179,7 @@ class Decoder:
     def __init__(self, model, src: torch.Tensor, use_cache: bool):
         src_mask = padding_mask(src, model.specials.pad)
         memory = model.encode(src, src_mask)  # (B, S, C)
-        self.model, self.steps = model, 0
+        self.model, self.steps, self.eos = model, 0, model.specials.eos
         self.never = sorted({model.specials.pad, model.specials.bos})  # never emitted: not training targets
         self.cache = model.new_cache(memory, src_mask) if use_cache else None
         # Uncached only: the memory and its mask, kept in row order here since no cache holds them.
@@ -229,7 +219,7 @@ class EnsembleDecoder:
 
     def __init__(self, ensemble: Ensemble, src: torch.Tensor, use_cache: bool):
         self.members = [Decoder(model, src, use_cache) for model in ensemble.models]
-        self.steps = 0
+        self.steps, self.eos = 0, ensemble.specials.eos
 
     def log_probs(self, prefix: torch.Tensor) -> torch.Tensor:
         self.steps += 1
@@ -337,6 +327,24 @@ def force_eos(lprobs: torch.Tensor, at_limit: torch.Tensor | None, eos: int, fre
     return forced
 
 
+def next_log_probs(
+    decoder: Decoder | EnsembleDecoder,
+    prefix: torch.Tensor,
+    t: int,
+    settings: SearchSettings,
+    at_limit: torch.Tensor | None,
+    forced: ForcedPrefix | None,
+    group: int = 1,
+) -> torch.Tensor:
+    """log p(next token) (R, V) of the rows `prefix` (R, t+1) at step t, with what the settings and the rows allow:
+    only EOS at a row's length limit (force_eos; free under the "hf" rule), only its prefix's token while a row
+    is forced (`group`: rows per sentence)."""
+    lprobs = force_eos(decoder.log_probs(prefix), at_limit, decoder.eos, settings.stop == "hf")
+    if forced is not None:
+        lprobs = forced.apply(lprobs, t, group)
+    return lprobs
+
+
 def new_step(rows: int) -> TraceStep:
     return TraceStep([[] for _ in range(rows)], [[] for _ in range(rows)])
 
@@ -349,8 +357,7 @@ def most_probable(lprobs: torch.Tensor, t: int, rows: list[int]) -> tuple[torch.
 def greedy_search(
     model,
     src: torch.Tensor,
-    rules: Rules,
-    max_len_offset: int,
+    settings: SearchSettings,
     use_cache: bool = True,
     trace: list[TraceStep] | None = None,
     forced: ForcedPrefix | None = None,
@@ -361,7 +368,7 @@ def greedy_search(
     tokens' log-probabilities (R,), the tokens (R,))."""
     bos, eos = model.specials.bos, model.specials.eos
     decoder = new_decoder(model, src, use_cache)
-    max_len = max_lengths(model, src, max_len_offset, forced)  # (B,)
+    max_len = max_lengths(model, src, settings.max_len_offset, forced)  # (B,)
     limits = to_host(max_len)[0]  # the same on the host
     alive = list(range(src.size(0)))  # original index of each row
     prefix = torch.full((src.size(0), 1), bos, dtype=torch.long, device=src.device)  # (R, t+1)
@@ -371,9 +378,7 @@ def greedy_search(
     t = 0
     while alive:
         at_limit = (t >= max_len) if t >= limits.min() else None
-        lprobs = force_eos(decoder.log_probs(prefix), at_limit, eos, rules.stop == "hf")
-        if forced is not None:
-            lprobs = forced.apply(lprobs, t)
+        lprobs = next_log_probs(decoder, prefix, t, settings, at_limit, forced)
         best, token = pick(lprobs, t, alive)  # (R,)
         if at_limit is not None:
             # A row at its limit ends there whatever pick made of it (a sampled distribution gone NaN draws
@@ -385,12 +390,12 @@ def greedy_search(
         tokens, totals, prefixes = to_host(token, scores, prefix)  # the step's one read
         done = tokens == eos
         if trace is not None:
-            trace.append(_greedy_step(src.size(0), alive, prefixes, totals, done, rules.penalty(t + 1)))
+            trace.append(_greedy_step(src.size(0), alive, prefixes, totals, done, penalty(settings, t + 1)))
         if done.any():
             rows = np.flatnonzero(done)
-            penalty = rules.penalty(t + 1)
+            divisor = penalty(settings, t + 1)
             for row, row_tokens, total in zip(rows.tolist(), prefixes[rows, 1:-1].tolist(), totals[rows].tolist()):
-                out[alive[row]] = [Hypothesis(row_tokens, total / penalty)]
+                out[alive[row]] = [Hypothesis(row_tokens, total / divisor)]
                 sentence_steps[alive[row]] = t + 1
             keep_list = np.flatnonzero(~done).tolist()
             if not keep_list:
@@ -425,15 +430,14 @@ def still_searching(
     limit_hit: list[bool],
     best_lp: list[float],
     now_lp: float,
-    k: int,
-    nbest: int,
-    rules: Rules,
+    settings: SearchSettings,
     sentence_steps: list[int],
     steps: int,
 ) -> list[int]:
     """Positions in `alive` of the sentences that search on; a sentence stops at its length limit or when its
-    stop rule says so, and then keeps its `nbest` best finished hypotheses, best first, and records `steps`.
-    now_lp: the penalty at the live hypotheses' length (the "hf" rule's divisor)."""
+    stop rule says so, and then keeps its settings.nbest best finished hypotheses, best first, and records
+    `steps`. now_lp: the penalty at the live hypotheses' length (the "hf" rule's divisor)."""
+    k, nbest, rules = settings.beam, settings.nbest, settings
     keep = []
     for s, index in enumerate(alive):
         hyps = finished[index]
@@ -458,9 +462,7 @@ class Sentences:
     """What a beam search keeps per sentence: which ones it still searches (by original index), their length
     limits, the exact rule's divisor, the hypotheses each has finished and the decoder steps it took."""
 
-    rules: Rules
-    k: int  # the beam
-    nbest: int
+    settings: SearchSettings
     max_len: torch.Tensor  # (B,) output-length limit of each live sentence
     limits: np.ndarray  # the same on the host
     best_lp: list[float]  # by original index: the largest penalty a live hypothesis can reach (module docstring)
@@ -469,24 +471,13 @@ class Sentences:
     sentence_steps: list[int]  # by original index
 
     @classmethod
-    def start(
-        cls,
-        model,
-        src: torch.Tensor,
-        rules: Rules,
-        k: int,
-        nbest: int,
-        max_len_offset: int,
-        forced: ForcedPrefix | None,
-    ) -> Sentences:
+    def start(cls, model, src: torch.Tensor, settings: SearchSettings, forced: ForcedPrefix | None) -> Sentences:
         """Every sentence of `src` live, none finished, each with its output-length limit."""
-        max_len = max_lengths(model, src, max_len_offset, forced)
-        limits, best_lp = to_host(max_len, rules.penalty(max_len.double() + 1))
+        max_len = max_lengths(model, src, settings.max_len_offset, forced)
+        limits, best_lp = to_host(max_len, penalty(settings, max_len.double() + 1))
         rows = src.size(0)
         return cls(
-            rules=rules,
-            k=k,
-            nbest=nbest,
+            settings=settings,
             max_len=max_len,
             limits=limits,
             best_lp=best_lp.tolist(),
@@ -514,11 +505,11 @@ class Sentences:
         (module docstring). nonzero() gives them by sentence, then by rank: the better summed score first."""
         sent, pos = np.nonzero(finishing)
         rows = sent * n + origin[sent, pos]
-        penalty = self.rules.penalty(t + 1)
+        divisor = penalty(self.settings, t + 1)
         for s, row_tokens, total in zip(sent.tolist(), prefix[rows, 1:].tolist(), scores[sent, pos].tolist()):
-            if self.rules.stop == "early" and len(self.finished[self.alive[s]]) >= self.k:
+            if self.settings.stop == "early" and len(self.finished[self.alive[s]]) >= self.settings.beam:
                 continue
-            hyp = Hypothesis(row_tokens, total / penalty)
+            hyp = Hypothesis(row_tokens, total / divisor)
             self.finished[self.alive[s]].append(hyp)
             if step is not None:
                 step.finished[self.alive[s]].append(hyp)
@@ -531,10 +522,8 @@ class Sentences:
             best_live,
             (t >= self.limits).tolist(),
             self.best_lp,
-            self.rules.penalty(t + 1),
-            self.k,
-            self.nbest,
-            self.rules,
+            penalty(self.settings, t + 1),
+            self.settings,
             self.sentence_steps,
             t + 1,
         )
@@ -574,18 +563,15 @@ def _top_candidates(
 def _beam_search(
     model,
     src: torch.Tensor,
-    beam: int,
-    rules: Rules,
-    max_len_offset: int,
-    nbest: int,
+    settings: SearchSettings,
     use_cache: bool,
     trace: list[TraceStep] | None = None,
     forced: ForcedPrefix | None = None,
 ) -> SearchResult:
-    device, k, eos = src.device, beam, model.specials.eos
+    device, k, eos = src.device, settings.beam, model.specials.eos
     # Encoded once per sentence; rows are copied per beam after the first step.
     decoder = new_decoder(model, src, use_cache)
-    sentences = Sentences.start(model, src, rules, k, nbest, max_len_offset, forced)
+    sentences = Sentences.start(model, src, settings, forced)
     n = 1  # rows per live sentence: one (just BOS) before the first step, then `beam`
     prefix = torch.full((src.size(0), 1), model.specials.bos, dtype=torch.long, device=device)  # (B*n, t+1)
     scores = torch.zeros(src.size(0), device=device)  # (B*n,) summed log-probabilities
@@ -595,9 +581,7 @@ def _beam_search(
     while sentences.alive:
         b = len(sentences.alive)
         step = new_step(src.size(0)) if trace is not None else None
-        lprobs = force_eos(decoder.log_probs(prefix), sentences.at_limit(t, n), eos, rules.stop == "hf")  # (B*n, V)
-        if forced is not None:
-            lprobs = forced.apply(lprobs, t, n)
+        lprobs = next_log_probs(decoder, prefix, t, settings, sentences.at_limit(t, n), forced, n)  # (B*n, V)
         top_scores, origin, token = _top_candidates(lprobs, scores, b, n, k, model.specials.pad)
 
         # The k best non-EOS candidates stay alive (there are at least k: each beam adds one EOS at most).

@@ -25,14 +25,14 @@ from transformer.errors import UserError
 from transformer.inference.alignment import default_layer, pharaoh, piece_alignments, word_alignments
 from transformer.inference.constraints import constrained_search
 from transformer.inference.ensemble import Ensemble, check_vocabularies
-from transformer.inference.sampling import Sampler, sample_search
+from transformer.inference.sampling import sample_search
 from transformer.inference.search import (
     Hypothesis,
     SearchResult,
     device_index,
     search,
 )
-from transformer.inference.settings import SearchFlags, SearchSettings, parse_sample, search_settings
+from transformer.inference.settings import SearchFlags, SearchSettings, search_settings
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from transformer.model.transformer import count_parameters, evaluating
 
@@ -123,20 +123,13 @@ def run_search(
     all be met gets the unconstrained search's outputs, and its row in SearchResult.unmet."""
     prefixes = None if options is None or not any(o.prefix for o in options) else [o.prefix for o in options]
     if settings.sample is not None:
-        kind, value = parse_sample(settings.sample)
-        sampler = Sampler(kind, value, settings.temperature, settings.seed or 0)
-        seeds = None if options is None else [o.seed for o in options]
-        d = settings
-        return sample_search(model, src, sampler, d.nbest, d.lenpen, d.max_len_offset, prefixes, seeds, d.lenpen_kind)
+        return sample_search(model, src, settings, prefixes, None if options is None else [o.seed for o in options])
 
     def plain(rows: list[int] | None) -> SearchResult:
         """search() over every row (None), or over `rows`."""
         part = src if rows is None else src.index_select(0, device_index(rows, src.device))
         forced = prefixes if rows is None or prefixes is None else [prefixes[r] for r in rows]
-        d = settings
-        return search(
-            model, part, d.beam, d.lenpen, d.max_len_offset, d.nbest, d.stop, prefixes=forced, lenpen_kind=d.lenpen_kind
-        )
+        return search(model, part, settings, prefixes=forced)
 
     constrained = [] if options is None else [r for r, o in enumerate(options) if o.constraints]
     if not constrained:
@@ -148,13 +141,8 @@ def run_search(
         model,
         src.index_select(0, device_index(constrained, src.device)),
         [options[r].constraints for r in constrained],
-        settings.beam,
-        settings.lenpen,
-        settings.max_len_offset,
-        settings.nbest,
-        settings.stop,
+        settings,
         None if prefixes is None else [prefixes[r] for r in constrained],
-        settings.lenpen_kind,
     )
     unmet = [r for r, hyps in zip(constrained, found.hypotheses) if not hyps]
     parts = [(constrained, found)]

@@ -446,17 +446,9 @@ class Service:
         d = self.translator.settings
         src, _ = prepare_sources([ids], self.cfg.model.max_positions, self.vocab.specials)  # (1, S)
         trace: list[TraceStep] = []
-        found = search(
-            self.model,
-            src.to(self.model_device),
-            beam,
-            d.lenpen,
-            d.max_len_offset,
-            nbest,
-            d.stop,
-            trace=trace,
-            lenpen_kind=d.lenpen_kind,
-        )
+        # A beam search whatever the server samples with: the page shows the beam at work.
+        settings = replace(d, beam=beam, nbest=nbest, sample=None)
+        found = search(self.model, src.to(self.model_device), settings, trace=trace)
 
         def show(hyps):
             return [

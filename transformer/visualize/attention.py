@@ -136,15 +136,7 @@ def inspect_attention(
     src_ids = src[0].tolist()
     translated = target is None
     if translated:
-        found = search(
-            model,
-            src,
-            beam=settings.beam,
-            lenpen=settings.lenpen,
-            max_len_offset=settings.max_len_offset,
-            stop=settings.stop,
-            lenpen_kind=settings.lenpen_kind,
-        )
+        found = search(model, src, settings)
         tgt_ids = found.hypotheses[0][0].tokens
         target = vocab.decode([tgt_ids])[0]
     else:
