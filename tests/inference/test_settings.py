@@ -29,6 +29,7 @@ from transformer.inference.settings import (
     SearchSettings,
     Takes,
     ctranslate2_keywords,
+    ctranslate2_rescores,
     generate_keywords,
     search_settings,
 )
@@ -380,3 +381,14 @@ def test_the_parser_reads_each_flag_and_its_help_from_the_table():
                 assert actions[option.flag].help == words and actions[option.flag].dest == option.dest
     parsed = subparser("translate").parse_args(["CKPT", "--lenpen-kind", "length", "--temperature", "0.5"])
     assert (parsed.lenpen_kind, parsed.temperature) == ("length", 0.5)
+
+
+def test_a_setting_ctranslate2_renormalises_for_has_its_hypotheses_scored_again():
+    assert not ctranslate2_rescores(SearchSettings(beam=2, lenpen=1.0, temperature=0.5))
+    renormalising = dataclasses.replace(
+        OPTIONS["lenpen"], ctranslate2=Takes(keyword="length_penalty", renormalises=True)
+    )
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(OPTIONS, "lenpen", renormalising)
+        assert not ctranslate2_rescores(SearchSettings())  # at its default it changes nothing
+        assert ctranslate2_rescores(SearchSettings(lenpen=1.0))

@@ -21,7 +21,7 @@ from transformer.data.vocab import AnyVocab
 from transformer.errors import UserError
 from transformer.files import JSON_LIMIT, current_umask, file_sha256, read_regular
 from transformer.inference.search import Hypothesis, length_penalty, max_output_lengths
-from transformer.inference.settings import SearchSettings, ctranslate2_keywords, parse_sample
+from transformer.inference.settings import SearchSettings, ctranslate2_keywords, ctranslate2_rescores, parse_sample
 from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.run_dir import RunDir
 
@@ -402,8 +402,10 @@ def ctranslate2_search(
     sentence one of whose returned hypotheses holds BOS or PAD (an untrained model) is searched again under
     its own limit with both suppressed, and its hypotheses scored again. Scored again too, by CTranslate2's
     scorer (ours exactly): hypotheses searched again under their own limit (at the limit CTranslate2 does not
-    force EOS, so one still unfinished there has none, and the scorer adds the EOS ours would force) and those
-    with a forced prefix (its search score leaves the prefix's tokens out).
+    force EOS, so one still unfinished there has none, and the scorer adds the EOS ours would force), those
+    with a forced prefix (its search score leaves the prefix's tokens out), and every one under a setting that
+    its search renormalises for (settings.ctranslate2_rescores: its logits processors, as no_repeat_ngram_size,
+    rule out tokens before its softmax, so its beam ranks by other scores than ours and may keep another).
 
     Ranking: with a length penalty it returns its `beam` best, ranked by its own penalty (length**lenpen
     rather than GNMT's ((5 + length) / 6)**lenpen; length counting EOS in both, hence return_end_token),
@@ -466,7 +468,9 @@ def ctranslate2_search(
         return any(never.intersection(h.tokens) for h in hyps)
 
     found: dict[int, list[Hypothesis]] = {}
-    prefixed: dict[int, list[Hypothesis]] = {}  # their search scores leave the prefix out: scored again
+    # Scored again: search scores that leave a prefix out, or that a setting made its own (ctranslate2_rescores).
+    rescored: dict[int, list[Hypothesis]] = {}
+    renormalised = ctranslate2_rescores(settings)
     again = list(sources) if sampling else []  # sentences to search under their own limit
     suppressed = []  # sentences to search under their own limit with BOS and PAD suppressed
     for indices, pending in calls:
@@ -476,11 +480,11 @@ def ctranslate2_search(
                 again.append(i)
             elif unwanted(hyps):
                 suppressed.append(i)
-            elif forced[i]:
-                prefixed[i] = hyps
+            elif forced[i] or renormalised:
+                rescored[i] = hyps
             else:  # every hypothesis ended with EOS: its score is ours
                 found[i] = hyps
-    found.update(zip(prefixed, _scored(translator, vocab, sources, prefixed, settings, tokens_per_batch)))
+    found.update(zip(rescored, _scored(translator, vocab, sources, rescored, settings, tokens_per_batch)))
     limited = ctranslate2_limited(translator, vocab, sources, forced, again, own, settings, suppress=sampling)
     suppressed += [i for i, hyps in limited.items() if unwanted(hyps)]
     found.update(limited)

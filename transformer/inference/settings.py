@@ -46,6 +46,7 @@ __all__ = [
     "Takes",
     "beam_above_vocabulary",
     "ctranslate2_keywords",
+    "ctranslate2_rescores",
     "generate_keywords",
     "parse_sample",
     "search_settings",
@@ -128,20 +129,23 @@ class Takes:
     keyword of its own, the value as it is or through `values` (ours -> theirs; a value missing there is refused
     in one line); or under none, and `why` says in one line what stands for it (our code around the engine maps
     it, or it means nothing there). `refusal`: a value other than SearchSettings' default is refused, in this
-    one line."""
+    one line. `renormalises`: with a value other than the default the engine's search renormalises each step's
+    probabilities over the tokens it leaves (CTranslate2's logits processors do), so that its scores are not ours:
+    its hypotheses are scored again."""
 
     keyword: str = ""
     values: Mapping | None = None
     why: str = ""
     refusal: str = ""
+    renormalises: bool = False
 
     def __post_init__(self) -> None:
         if sum(map(bool, (self.keyword, self.why, self.refusal))) != 1:
             raise ValueError("Takes: one of keyword, why or refusal")
 
 
-def keyword(name: str, values: Mapping | None = None) -> Takes:
-    return Takes(keyword=name, values=values)
+def keyword(name: str, values: Mapping | None = None, renormalises: bool = False) -> Takes:
+    return Takes(keyword=name, values=values, renormalises=renormalises)
 
 
 def around(why: str) -> Takes:
@@ -483,6 +487,15 @@ def ctranslate2_keywords(settings: SearchSettings) -> dict:
     """translate_batch's keyword arguments for the options it takes as they are (the others are ctranslate2_engine's
     to map, Option.ctranslate2.why); a setting it refuses raises its one line."""
     return _foreign_keywords(settings, "ctranslate2", OPTIONS)
+
+
+def ctranslate2_rescores(settings: SearchSettings) -> bool:
+    """Whether CTranslate2's search scores are not ours under `settings` (Takes.renormalises): its hypotheses are
+    then scored again by its scorer, which is ours."""
+    return any(
+        option.ctranslate2.renormalises and getattr(settings, name) != _DEFAULTS[name]
+        for name, option in OPTIONS.items()
+    )
 
 
 def generate_keywords(settings: SearchSettings, config_only: bool = False) -> dict:
