@@ -46,6 +46,8 @@ BAD = [
     ("lenpen", -0.1, "--lenpen must be a number from 0 to 10"),
     ("lenpen", float("nan"), "--lenpen must be a number from 0 to 10"),
     ("stop", "late", "--stop must be one of exact, early, hf, got 'late'"),
+    ("no_repeat_ngram_size", -1, "--no-repeat-ngram-size must be at least 0 (0 = off), got -1"),
+    ("no_repeat_ngram_size", 1.5, "--no-repeat-ngram-size must be a whole number, got 1.5"),
     ("max_len_offset", 0, "max_len_offset must be at least 1, got 0"),
     ("max_tokens", 0, "--max-tokens must be at least 1, got 0"),
     ("workers", -1, "--workers must be at least 1, got -1"),
@@ -294,6 +296,20 @@ def test_describe_names_what_changes_outputs():
     assert SearchSettings(beam=4, stop="early", dtype="bf16").describe() == "beam4.lp0.6.early.bf16"
     assert SearchSettings(beam=1, stop="early").describe() == "beam1.lp0.6"  # greedy has no stop rule
     assert SearchSettings(beam=4, stop="early", engine="ctranslate2", dtype="int8").describe() == "beam4.lp0.6.int8.ct2"
+    assert (
+        SearchSettings(stop="early", no_repeat_ngram_size=3, dtype="bf16").describe()
+        == "beam4.lp0.6.early.norepeat3.bf16"
+    )
+
+
+def test_no_repeat_ngram_size_is_a_flag_of_every_search_verb(call, tmp_path):
+    for verb in ("translate", "evaluate", "synthesize", "serve"):
+        argv = ["CKPT", "--no-repeat-ngram-size", "3"] + (
+            ["--input", "x", "--out", "y"] if verb == "synthesize" else []
+        )
+        assert subparser(verb).parse_args(argv).no_repeat_ngram_size == 3
+    status, out, err = call("translate", tmp_path / "nowhere", "x", "--no-repeat-ngram-size", "-2")
+    assert (status, out, err) == (2, "", "error: --no-repeat-ngram-size must be at least 0 (0 = off), got -2\n")
 
 
 # ----------------------------------------------------------------------------- the options table

@@ -49,8 +49,14 @@ Length penalties (`lenpen_kind`): "gnmt", lp(len) = ((5 + len) / 6) ** lenpen (W
 for lenpen >= 0, which is all the exact bound needs.
 
 Every search takes its SearchSettings whole (settings.py): the beam, the length penalty and its form, the stop
-rule, the length limit, the n-best; what a step allows (`next_log_probs`: the EOS forced at the limit, a forced
-prefix) is applied in one place for greedy, beam, sampling (sampling.py) and constrained (constraints.py) search.
+rule, the length limit, the n-best; what a step allows (`next_log_probs`: the EOS forced at the limit, no repeated
+n-gram, a forced prefix) is applied in one place for greedy, beam, sampling (sampling.py) and constrained
+(constraints.py) search.
+
+No repeated n-gram (`no_repeat_ngram_size` N > 0; fairseq's, CTranslate2's and transformers' option of that name): a
+token that would end an N-gram the hypothesis holds already gets log-probability -inf, so no N-gram occurs twice in
+an output. EOS is never banned (no N-gram before it holds it), nor a forced prefix's token: the prefix is kept as
+given, and its N-grams count as held for what follows.
 
 Special ids (BOS, EOS, PAD) are the model's vocabulary's (`model.specials`): ours, or an imported Marian
 vocabulary's, whose BOS is its PAD.
@@ -260,6 +266,13 @@ class ForcedPrefix:
         """Keep the rows `index` of the sentences that stay, in order."""
         self.table, self.lengths = self.table[index], self.lengths[index]
 
+    def forcing(self, t: int, group: int = 1) -> torch.Tensor | None:
+        """(rows * group,) whether each row's token at step t is forced; None: no row's is."""
+        if t >= self.length:
+            return None
+        forced = self.table[:, t] >= 0
+        return forced.repeat_interleave(group) if group > 1 else forced
+
     def apply(self, lprobs: torch.Tensor, t: int, group: int = 1) -> torch.Tensor:
         """lprobs (rows * group, V) of step t -> the same with each forced row's other tokens at -inf."""
         if t >= self.length:
@@ -337,12 +350,34 @@ def next_log_probs(
     group: int = 1,
 ) -> torch.Tensor:
     """log p(next token) (R, V) of the rows `prefix` (R, t+1) at step t, with what the settings and the rows allow:
-    only EOS at a row's length limit (force_eos; free under the "hf" rule), only its prefix's token while a row
-    is forced (`group`: rows per sentence)."""
+    only EOS at a row's length limit (force_eos; free under the "hf" rule), no token that repeats an n-gram
+    (ban_repeats), only its prefix's token while a row is forced (`group`: rows per sentence)."""
     lprobs = force_eos(decoder.log_probs(prefix), at_limit, decoder.eos, settings.stop == "hf")
+    if settings.no_repeat_ngram_size:
+        spared = None if forced is None else forced.forcing(t, group)
+        lprobs = ban_repeats(lprobs, prefix, settings.no_repeat_ngram_size, spared)
     if forced is not None:
         lprobs = forced.apply(lprobs, t, group)
     return lprobs
+
+
+def ban_repeats(lprobs: torch.Tensor, prefix: torch.Tensor, size: int, spared: torch.Tensor | None) -> torch.Tensor:
+    """lprobs (R, V) with -inf, in place, for each token that would end an n-gram of `size` tokens its row's prefix
+    (R, t+1) holds already (the module docstring's rule); `spared` (R,): rows left alone (a forced prefix's step).
+    On the device, without a read to the host: every n-gram of each row compared with its last size - 1 tokens."""
+    length = prefix.size(1)
+    if length < size:  # no n-gram held yet
+        return lprobs
+    grams = prefix.unfold(1, size, 1)  # (R, W, size): every n-gram of each row
+    last = prefix[:, length - size + 1 :].unsqueeze(1)  # (R, 1, size - 1)
+    held = (grams[:, :, :-1] == last).all(dim=2)  # (R, W)
+    if spared is not None:
+        held &= ~spared[:, None]
+    # Each window's last token gets -inf where its first size - 1 tokens are the row's last ones; the others +inf,
+    # which the minimum leaves as they were.
+    banned = torch.full(held.shape, float("inf"), dtype=lprobs.dtype, device=lprobs.device)
+    banned.masked_fill_(held, float("-inf"))
+    return lprobs.scatter_reduce_(1, grams[:, :, -1], banned, reduce="amin")
 
 
 def new_step(rows: int) -> TraceStep:

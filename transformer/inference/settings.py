@@ -80,6 +80,7 @@ class SearchSettings:
     lenpen: float = DecodeConfig.lenpen  # the length penalty's alpha, 0 to MAX_LENPEN
     lenpen_kind: LenpenKind = DecodeConfig.lenpen_kind  # its form: GNMT's, or length ** lenpen
     stop: StopRule = DecodeConfig.stop  # beam search's stop rule (search.py); CTranslate2 has its own
+    no_repeat_ngram_size: int = 0  # no n-gram of this many pieces occurs twice in an output; 0: off
     max_len_offset: int = DecodeConfig.max_len_offset  # an output may be source length + this many tokens
     max_tokens: int = DecodeConfig.max_tokens  # source tokens per batch (all workers together)
     workers: int = DecodeConfig.workers  # searches side by side on a CPU
@@ -191,6 +192,12 @@ def _at_least_one(flag: str, value, note: str = "") -> str | None:
     return None if value >= 1 else f"{flag} must be at least 1{note}, got {value}"
 
 
+def _at_least_zero(flag: str, value, note: str = "") -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"{flag} must be a whole number, got {value!r}"
+    return None if value >= 0 else f"{flag} must be at least 0{note}, got {value}"
+
+
 def _one_of(allowed: tuple[str, ...]) -> Callable[[str, object], str | None]:
     return lambda flag, value: (
         None if value in allowed else f"{flag} must be one of {', '.join(allowed)}, got {value!r}"
@@ -286,6 +293,17 @@ _OPTIONS = (
             if s.stop != DecodeConfig.stop and s.beam > 1 and s.engine == "ours" and s.sample is None
             else ""
         ),
+    ),
+    Option(
+        "no_repeat_ngram_size",
+        lambda flag, value: _at_least_zero(flag, value, " (0 = off)"),
+        keyword("no_repeat_ngram_size", renormalises=True),  # its beam ranks by renormalised scores
+        keyword("no_repeat_ngram_size"),  # after the log-softmax, as ours
+        flag="--no-repeat-ngram-size",
+        help="no n-gram of N pieces occurs twice in an output: a token that would repeat one is never chosen "
+        "(fairseq's, CTranslate2's and transformers' no_repeat_ngram_size; default 0: off)",
+        cli={"type": int, "metavar": "N"},
+        tag=lambda s: f".norepeat{s.no_repeat_ngram_size}" if s.no_repeat_ngram_size else "",
     ),
     Option(
         "max_len_offset",
