@@ -58,13 +58,7 @@ from transformer.data.loader import source_batches
 from transformer.device import cpu_description
 from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES, ctranslate2_search
 from transformer.inference.scoring import bleu_chrf
-from transformer.inference.settings import (
-    STOP_RULES,
-    SearchFlags,
-    SearchSettings,
-    generate_keywords,
-    search_settings,
-)
+from transformer.inference.settings import STOP_RULES, SearchFlags, SearchSettings, search_settings
 from transformer.inference.translator import Translator, pick_dtype, search_batches, search_ids, search_workers
 
 
@@ -164,6 +158,8 @@ def batch_limits(src_ids, batches, settings: SearchSettings, max_positions: int)
 def run_generate(marian, tensors, batches, limits, settings: SearchSettings, n: int) -> list[list[int]]:
     """generate() on each batch with our beam, length penalty and the stop rule's early_stopping (the rest from the
     directory's generation_config): outputs by sentence, without start, EOS and padding."""
+    from transformer.inference.settings import generate_keywords
+
     c = marian.config
     outputs: list[list[int]] = [[] for _ in range(n)]
     with torch.inference_mode():

@@ -17,7 +17,10 @@ from typing import NoReturn
 from transformer.cli import commands
 from transformer.config import POSITION_KINDS
 from transformer.errors import UserError
-from transformer.inference.settings import MAX_SAMPLES, OPTIONS  # no torch: --help stays fast
+from transformer.inference.settings import (  # no torch: --help stays fast
+    MAX_SAMPLES,
+    OPTIONS,
+)
 
 
 class _IntermixedParser(argparse.ArgumentParser):
