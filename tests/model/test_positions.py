@@ -197,7 +197,7 @@ def test_a_new_kind_reaches_every_reader_through_the_interface(unordered, tmp_pa
     got = Service.position_view(SimpleNamespace(model=model), 32, 5)
     assert got["table"] is None and got["tables"] == {} and "has none to show" in got["note"]
     pytest.importorskip("ctranslate2")
-    from transformer.inference.ctranslate2_engine import build_spec
+    from transformer.inference.ctranslate2_export import build_spec
 
     with pytest.raises(UserError, match="^export ctranslate2: model.positions 'unordered' has no CTranslate2"):
         build_spec(model, [f"p{i}" for i in range(50)])

@@ -188,7 +188,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
         run_export_hf(args.checkpoint, args.out, args.force)
         return
-    from transformer.inference.ctranslate2_engine import run_export
+    from transformer.inference.ctranslate2_export import run_export
 
     run_export(args.checkpoint, args.out, args.quantization, args.force)
 

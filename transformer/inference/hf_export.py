@@ -20,7 +20,7 @@ from transformer.data.vocab import (
     MarianVocab,
 )
 from transformer.errors import UserError
-from transformer.inference.ctranslate2_engine import write_export
+from transformer.inference.ctranslate2_export import write_export
 from transformer.inference.settings import generate_keywords, search_settings
 from transformer.model.checkpoint import load_model, resolve_checkpoint
 from transformer.model.transformer import Transformer

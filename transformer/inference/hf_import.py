@@ -25,7 +25,7 @@ from transformer.config import Config, from_dict, lenpen_problem, positions_prob
 from transformer.data.vocab import MARIAN_FILES, MarianVocab
 from transformer.errors import UserError, first_line
 from transformer.files import JSON_LIMIT, file_sha256, read_regular
-from transformer.inference.ctranslate2_engine import IMPORT_FORMATS, write_export
+from transformer.inference.ctranslate2_export import IMPORT_FORMATS, write_export
 from transformer.inference.settings import OPTIONS, beam_above_vocabulary
 from transformer.model import positions
 from transformer.model.checkpoint import nonfinite, save_checkpoint, weights_checkpoint

@@ -424,7 +424,7 @@ _OPTIONS = (
     Option(
         "alignment_layer",
         lambda flag, value: None if value is None else _at_least_one(flag, value),
-        around("the conversion asks for the last decoder layer's; another is refused (ctranslate2_engine.load)"),
+        around("the conversion asks for the last decoder layer's; another is refused (Translator)"),
         around("output_attentions gives every layer's"),
         flag="--alignment-layer",
         shared=False,

@@ -53,7 +53,8 @@ def pick_dtype(name: str, device: torch.device, engine: str = "ours", sampling: 
     if sampling and engine == "ours":
         return "fp32", SAMPLING_DTYPE
     if engine == "ctranslate2":
-        from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES, require_ctranslate2
+        from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES
+        from transformer.inference.ctranslate2_export import require_ctranslate2
 
         if CT2_COMPUTE_TYPES["bf16"] in require_ctranslate2().get_supported_compute_types(device.type):
             return "bf16", f"auto: CTranslate2 computes bf16 on this {device.type}"
@@ -290,7 +291,7 @@ class Translator:
     none is given, and said in `note`). dtype: fp32, bf16 (weights cast; log-probabilities still in fp32), int8
     (CPU: dynamic quantization of the linear layers) or auto (pick_dtype; `note` says what it picked; a library
     caller's default is fp32). engine: ours (PyTorch search) or ctranslate2 (the checkpoint converted once,
-    cached beside it: ctranslate2_engine.cached_conversion). workers: searches side by side on a CPU
+    cached beside it: ctranslate2_export.cached_conversion). workers: searches side by side on a CPU
     (search_batches); CTranslate2 gets them as its inter_threads. keep_model: with CTranslate2, keep the PyTorch
     model too (fp32, on the CPU), for what only it can show (serve's attention maps and beam traces); otherwise
     it is dropped once converted.
@@ -351,7 +352,11 @@ class Translator:
         self.note = "\n".join(notes) if notes else None
         self.ct2 = None
         if engine == "ctranslate2":
-            self.ct2 = self._load_ctranslate2(checkpoints[0])
+            from transformer.inference.ctranslate2_engine import load
+
+            workers = search_workers(self.settings.workers, self.device)  # laid out over the CPU's threads as ours
+            threads = threads_per_worker(workers) if self.device.type == "cpu" else 1
+            self.ct2 = load(checkpoints[0], self.device, self.settings, workers, threads)
             models = models if keep_model else []  # converted: the PyTorch copy is not needed any more
         else:
             models = [self._in_format(m, dtype) for m in models]
@@ -376,32 +381,6 @@ class Translator:
 
             return cpu_fp32(model)
         return model
-
-    def _load_ctranslate2(self, checkpoint):
-        from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES, cached_conversion, require_ctranslate2
-
-        ctranslate2 = require_ctranslate2()
-        model_dir = cached_conversion(checkpoint)
-        if self.settings.seed is not None:  # its workers seed their random streams when they start
-            ctranslate2.set_random_seed(self.settings.seed)
-        workers = search_workers(self.settings.workers, self.device)  # laid out over the CPU's threads as ours
-        ours = torch.get_num_threads()
-        threads = threads_per_worker(workers) if self.device.type == "cpu" else 1
-        try:
-            return ctranslate2.Translator(
-                str(model_dir),
-                device=self.device.type,
-                inter_threads=workers,
-                intra_threads=threads,
-                compute_type=CT2_COMPUTE_TYPES[self.settings.dtype],
-            )
-        except (ValueError, RuntimeError) as e:  # e.g. a compute type this machine or build lacks
-            raise UserError(
-                f"CTranslate2 cannot run {model_dir} on {self.device.type} in {self.settings.dtype}: "
-                f"{str(e).splitlines()[0]}"
-            ) from None
-        finally:  # it sets the calling thread's OpenMP count, torch's too, to intra_threads
-            torch.set_num_threads(ours)
 
     def encode(self, lines: Sequence[str], warn: bool = True) -> list[list[int]]:
         """Subword ids per line; a line longer than the model takes is truncated by the search, and one longer than

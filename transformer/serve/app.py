@@ -714,7 +714,7 @@ def run_serve(
     resolve_checkpoint(checkpoint)
     check_beam_setting(flags.beam, settings)
     if flags.engine == "ctranslate2":
-        from transformer.inference.ctranslate2_engine import require_ctranslate2
+        from transformer.inference.ctranslate2_export import require_ctranslate2
 
         require_ctranslate2()
     connections, note = open_file_budget(settings.max_connections)
