@@ -7,7 +7,7 @@ and writes JSON.
     python scripts/bench_memory.py --probe-only
 
 Training: each (precision, caches) pair runs in its own subprocess: the config's model and optimizer, the
-trainer's loss module (training.loop.TrainingLoss), autocast, learning-rate schedule and gradient clipping, for N updates
+trainer's loss module (training.update.TrainingLoss), autocast, learning-rate schedule and gradient clipping, for N updates
 on synthetic batches whose shape changes every update as the trainer's length-bucketed batches do (B sentences
 of S source and T target tokens, B x max(S, T) <= data.max_tokens). RSS is read every --every updates, and the
 peak (VmHWM) at the end. No data, vocabulary or run directory is needed.
@@ -73,8 +73,8 @@ def train_child(args) -> dict:
     from transformer.data.vocab import PAD_ID
     from transformer.device import autocast_context
     from transformer.model.transformer import build_model
-    from transformer.training.loop import TrainingLoss
     from transformer.training.optim import build_optimizer, set_hyperparameters
+    from transformer.training.update import TrainingLoss
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)

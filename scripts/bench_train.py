@@ -10,7 +10,7 @@ per update = 6 x (encoder matmul parameters x source tokens + decoder matmul par
 output projection x target tokens) + the attention matmuls (QK^T and AV, forward and backward).
 MFU = FLOPs / step time / peak rate; the peak is --peak-tflops, else the datasheet's dense peak of a known GPU
 in this precision (TF32 for fp32), else measured with large matmuls (device.mfu_peak, as training does).
-Ours runs as the trainer runs it: train.TrainingLoss (model and loss in one module, compiled together with
+Ours runs as the trainer runs it: update.TrainingLoss (model and loss in one module, compiled together with
 --compile), the decoder's self-attention mask as CAUSAL, fused Adam on CUDA, fp32 products in TF32 on CUDA.
 """
 
@@ -34,7 +34,7 @@ from transformer.data.batch import CAUSAL, padding_mask
 from transformer.data.vocab import PAD_ID
 from transformer.device import cpu_description, mfu_peak, tf32_matmuls
 from transformer.model.transformer import build_model, training_flops
-from transformer.training.loop import TrainingLoss
+from transformer.training.update import TrainingLoss
 
 IMPLS = ("ours", "marian", "torch")
 

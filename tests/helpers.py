@@ -136,16 +136,16 @@ def change_training_loss(monkeypatch, change) -> list:
     """Route every training micro-batch's loss through `change(n, loss)` (n counts calls from 1) in the training
     loop: how tests inject a NaN, an fp16 overflow or a signal at a chosen update. Returns the list of the losses
     the real function computed, one per call."""
-    from transformer.training import loop
+    from transformer.training import update
 
-    real, seen = loop.label_smoothed_loss, []
+    real, seen = update.label_smoothed_loss, []
 
     def changed(logits, target, smoothing, pad_id=PAD_ID):
         loss = real(logits, target, smoothing, pad_id)
         seen.append(loss)
         return change(len(seen), loss)
 
-    monkeypatch.setattr(loop, "label_smoothed_loss", changed)
+    monkeypatch.setattr(update, "label_smoothed_loss", changed)
     return seen
 
 

@@ -33,8 +33,10 @@ from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.model.transformer import Transformer
 from transformer.signals import StopRequested
 from transformer.training import loop as train_module
+from transformer.training import update as update_module
 from transformer.training import validation as validation_module
-from transformer.training.loop import TrainingLoss, train
+from transformer.training.loop import train
+from transformer.training.update import TrainingLoss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MATH = 0  # torch._fused_sdp_choice's number for the math kernel (SDPBackend.MATH)
@@ -99,7 +101,7 @@ def test_tf32_is_on_while_training_in_fp32_and_off_after(tmp_path, monkeypatch):
         seen.add(torch.backends.cuda.matmul.allow_tf32)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "label_smoothed_loss", spy)
+    monkeypatch.setattr(update_module, "label_smoothed_loss", spy)
     monkeypatch.setattr(validation_module, "label_smoothed_loss", spy)
     before = torch.backends.cuda.matmul.allow_tf32
     train(from_dict(cuda_config(tmp_path, max_steps=4, valid_every=2, precision="fp32")), quiet=True)

@@ -59,10 +59,12 @@ from transformer.model.transformer import TokenPacking, Transformer
 from transformer.signals import StopRequested
 from transformer.training import finish as finish_module
 from transformer.training import loop as train_module
+from transformer.training import update as update_module
 from transformer.training import validation as validation_module
-from transformer.training.loop import TrainingLoss, check_compile, make_grad_scaler, train
+from transformer.training.loop import check_compile, train
 from transformer.training.optim import build_optimizer
 from transformer.training.run_state import restore_training, rng_state, set_rng_state
+from transformer.training.update import TrainingLoss, make_grad_scaler
 
 
 class FakeCuda:
@@ -197,7 +199,7 @@ def test_training_validation_and_the_end_of_training_compute_with_tf32_on(tmp_pa
 
         return wrapped
 
-    monkeypatch.setattr(train_module, "label_smoothed_loss", spy("train", train_module.label_smoothed_loss))
+    monkeypatch.setattr(update_module, "label_smoothed_loss", spy("train", update_module.label_smoothed_loss))
     monkeypatch.setattr(validation_module, "label_smoothed_loss", spy("valid", validation_module.label_smoothed_loss))
     monkeypatch.setattr(finish_module, "translate_and_score", spy("finish", finish_module.translate_and_score))
     before = torch.backends.cuda.matmul.allow_tf32
