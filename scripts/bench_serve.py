@@ -66,7 +66,7 @@ from transformer.device import cpu_description
 from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES
 from transformer.inference.settings import DTYPES, ENGINES, STOP_RULES, SearchFlags
 from transformer.inference.translator import Translator
-from transformer.serve.app import spawn
+from transformer.serve.server import spawn
 
 
 def request(conn: http.client.HTTPConnection, method: str, path: str, body=None) -> tuple[int, dict]:

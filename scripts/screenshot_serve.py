@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from transformer.serve.app import spawn
+from transformer.serve.server import spawn
 
 FLAGS = (
     "--headless",

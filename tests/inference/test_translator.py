@@ -347,7 +347,7 @@ def test_every_entry_bounds_onednn_caches_before_its_work(run, call, monkeypatch
     import yaml
 
     import transformer.inference.translator
-    import transformer.serve.app
+    import transformer.serve.server
     import transformer.training.loop
     from tests.helpers import tiny_config
     from transformer.config import from_dict
@@ -364,7 +364,7 @@ def test_every_entry_bounds_onednn_caches_before_its_work(run, call, monkeypatch
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path)))
     # The first step of each after the bound: the work it must precede.
-    monkeypatch.setattr(transformer.serve.app, "run_serve", record)
+    monkeypatch.setattr(transformer.serve.server, "run_serve", record)
     monkeypatch.setattr(transformer.inference.translator, "pick_device", record)  # Translator (translate, evaluate)
     monkeypatch.setattr(transformer.training.loop, "init_distributed", record)  # train()
     argv = {"translate": (run, "ein hund"), "evaluate": (run,), "serve": (run,), "train": (config,)}[verb]

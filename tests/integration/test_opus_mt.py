@@ -81,7 +81,8 @@ def test_attention_and_the_page_take_the_imported_run(imported, tmp_path, call):
     assert status == 0 and out.strip(), err
     from fastapi.testclient import TestClient
 
-    from transformer.serve.app import ServeSettings, Service, create_app
+    from transformer.serve.app import create_app
+    from transformer.serve.service import ServeSettings, Service
 
     with TestClient(create_app(Service(imported, ServeSettings(), "cpu", SearchFlags(dtype="fp32")))) as client:
         answer = client.post("/translate", json={"text": LINES}).json()

@@ -192,7 +192,7 @@ def test_a_new_kind_reaches_every_reader_through_the_interface(unordered, tmp_pa
     figure = positional_encoding(32, 5, kind="unordered")
     assert "has none to show" in figure.texts[0].get_text()
     pytest.importorskip("fastapi")
-    from transformer.serve.app import Service
+    from transformer.serve.service import Service
 
     got = Service.position_view(SimpleNamespace(model=model), 32, 5)
     assert got["table"] is None and got["tables"] == {} and "has none to show" in got["note"]

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,9 @@ pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")
 pytest.importorskip("httpx", reason="FastAPI's test client needs httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from transformer.serve.app import ServeSettings, Service, create_app, listen, make_server  # noqa: E402
+from transformer.serve.app import create_app  # noqa: E402
+from transformer.serve.server import listen, make_server  # noqa: E402
+from transformer.serve.service import ServeSettings, Service  # noqa: E402
 
 WORDS = (
     "ein zwei drei hund katze mann frau kind spielt läuft auf der die das im park mit einem ball "
@@ -206,17 +207,6 @@ def test_a_full_batch_does_not_wait_for_the_window(run):
         assert c.get("/health").json()["batches"] == 3
 
 
-def test_a_beam_wider_than_the_vocabulary_is_refused_whatever_max_beam_allows(run):
-    """A beam in the millions held millions of scores per sentence until the server ran out of memory."""
-    settings = ServeSettings(batch_window_ms=2, max_sentences=8, max_chars=400, max_beam=10**9)
-    with TestClient(create_app(Service(run, settings, "cpu", SearchFlags(dtype="fp32")))) as c:
-        for path in ("/translate", "/beam"):
-            response = c.post(path, json={"text": SENTENCES[0] if path == "/beam" else [SENTENCES[0]], "beam": 10**8})
-            assert response.status_code == 422 and "beam must be between 1 and 80" in response.text, response.text
-        assert c.post("/translate", json={"text": [SENTENCES[0]], "beam": 80}).status_code == 200
-        assert c.get("/info").json()["limits"]["max_beam"] == 80  # what the page's beam input may offer
-
-
 def test_a_lone_surrogate_in_the_json_translates_as_the_replacement_character(client):
     """JSON may spell "\\ud800", which no UTF-8 encodes; it was a 500."""
 
@@ -349,15 +339,6 @@ def test_bad_input_is_a_json_error_with_its_status(client, method, path, kwargs,
     assert client.get("/health").json()["status"] == "ok"  # and the server goes on
 
 
-def test_settings_are_checked():
-    with pytest.raises(Exception, match="--max-chars must be at least 1"):
-        ServeSettings(max_chars=0)
-    with pytest.raises(Exception, match="--batch-window-ms"):
-        ServeSettings(batch_window_ms=-1)
-    with pytest.raises(Exception, match="^--max-samples must be at most 16, got 17$"):  # translate's bound too
-        ServeSettings(max_samples=17)
-
-
 # ----------------------------------------------------------------------------- attention, beam, positions, info
 
 
@@ -478,38 +459,6 @@ def assert_close(a, b, path: str = "") -> None:
         assert a == b, path
 
 
-def test_serve_without_ctranslate2_is_one_line_naming_the_extra(run, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import ctranslate2 now raises ImportError
-    taken = socket.socket()  # were the engine ignored, the server would fail on this port rather than serve on
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    try:
-        status, _ = run_cli(
-            "serve", run, "--device", "cpu", "--engine", "ctranslate2", "--port", taken.getsockname()[1]
-        )
-    finally:
-        taken.close()
-    err = capsys.readouterr().err
-    assert status == 2 and err.count("\n") == 1 and "transformer[ctranslate2]" in err, err
-
-
-def test_checkpoint_is_read_once_and_each_request_encoded_once(run, monkeypatch):
-    """The service reads its checkpoint once (the model and /info's run state come from one load), and a
-    /translate request's sentences go through SentencePiece once (batch sizing and search share the ids)."""
-    import transformer.inference.translator as translate_module
-    from transformer.data.vocab import Vocab
-
-    loads, encoded = [], []
-    real_load, real_encode = translate_module.load_checkpoint, Vocab.encode
-    monkeypatch.setattr(translate_module, "load_checkpoint", lambda path: loads.append(path) or real_load(path))
-    monkeypatch.setattr(Vocab, "encode", lambda self, lines: encoded.append(list(lines)) or real_encode(self, lines))
-    with TestClient(create_app(Service(run, SETTINGS, "cpu", SearchFlags(dtype="fp32")))) as c:
-        assert len(loads) == 1 and c.get("/info").json()["step"] == 120
-        result = post(c, "/translate", {"text": SENTENCES[:3], "beam": 2})
-    assert len(result["translations"]) == 3
-    assert encoded == [SENTENCES[:3]]
-
-
 def test_page_is_self_contained(client):
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -534,36 +483,6 @@ def run_cli(*argv) -> tuple[int, str]:
     except SystemExit as e:
         return e.code, ""
     return 0, ""
-
-
-def test_missing_extra_is_one_line_naming_it(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "fastapi", None)  # importing it now fails as if it were not installed
-    monkeypatch.delitem(sys.modules, "transformer.serve.app")
-    status, _ = run_cli("serve", "no-such-run")
-    err = capsys.readouterr().err
-    assert status == 2 and err.count("\n") == 1
-    assert "pip install 'transformer[serve]'" in err and "fastapi" in err
-
-
-def test_taken_port_and_bad_settings_are_one_line_errors(run, capsys):
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    try:
-        status, _ = run_cli("serve", run, "--device", "cpu", "--port", taken.getsockname()[1])
-    finally:
-        taken.close()
-    err = capsys.readouterr().err
-    assert status == 2 and "cannot listen on 127.0.0.1" in err and "Traceback" not in err
-    status, _ = run_cli("serve", run, "--max-chars", "0")
-    assert status == 2 and "--max-chars must be at least 1" in capsys.readouterr().err
-    status, _ = run_cli("serve", run, "--port", "70000")
-    assert status == 2 and "--port" in capsys.readouterr().err
-    # A beam past the limit names where it came from: the command line, or the checkpoint (decode.beam 3).
-    status, _ = run_cli("serve", run, "--beam", "7", "--max-beam", "5")
-    assert status == 2 and capsys.readouterr().err == "error: --beam (7) is above --max-beam (5)\n"
-    status, _ = run_cli("serve", run, "--device", "cpu", "--max-beam", "2")
-    assert status == 2 and "--max-beam (2) is below the checkpoint's decode.beam (3)" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- the page in a real browser

@@ -30,9 +30,11 @@ pytest.importorskip("fastapi", reason="the 'serve' extra is not installed")
 pytest.importorskip("httpx", reason="FastAPI's test client needs httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from transformer.serve import app as serve  # noqa: E402
 from transformer.serve import http_guard  # noqa: E402
-from transformer.serve.app import ServeSettings, Service, create_app, listen, make_server, spawn  # noqa: E402
+from transformer.serve import service as serve  # noqa: E402
+from transformer.serve.app import create_app  # noqa: E402
+from transformer.serve.server import listen, make_server, spawn  # noqa: E402
+from transformer.serve.service import ServeSettings, Service  # noqa: E402
 
 FAST = dict(
     batch_window_ms=2,

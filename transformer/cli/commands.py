@@ -207,7 +207,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be between 0 and 65535, got {args.port}")
     try:
-        from transformer.serve.app import ServeSettings, run_serve
+        from transformer.serve.server import run_serve
+        from transformer.serve.service import ServeSettings
     except ModuleNotFoundError as e:
         if e.name not in SERVE_MODULES:
             raise
