@@ -56,10 +56,11 @@ from transformer.data.batch import prepare_sources
 from transformer.data.corpus import read_lines
 from transformer.data.loader import source_batches
 from transformer.device import cpu_description
+from transformer.inference.batched import search_batches, search_ids, search_workers
 from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES, ctranslate2_search
 from transformer.inference.scoring import bleu_chrf
 from transformer.inference.settings import STOP_RULES, SearchFlags, SearchSettings, search_settings
-from transformer.inference.translator import Translator, pick_dtype, search_batches, search_ids, search_workers
+from transformer.inference.translator import Translator, pick_dtype
 
 
 def timed_rounds(settings: list, device: torch.device, repeats: int, clock_zero: float) -> None:

@@ -33,9 +33,10 @@ from common import sync, write_json
 
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
+from transformer.inference.batched import SentenceOptions, search_ids
 from transformer.inference.scoring import bleu_chrf
 from transformer.inference.settings import SearchFlags
-from transformer.inference.translator import SentenceOptions, Translator, search_ids
+from transformer.inference.translator import Translator
 
 
 def first_words(texts: list[str]) -> list[str]:

@@ -127,8 +127,12 @@ def main() -> None:
                     workers=args.workers,
                 )
 
-                def run(translate=translate, tr=tr, src=src, chosen=chosen):
-                    return translate.search_ids(tr.model, src, chosen, torch.device("cpu"))
+                # search_ids: in inference/batched.py since the translator held one concept, in translator.py before
+                batches = getattr(translate, "search_ids", None) and translate
+                batches = batches or importlib.import_module(f"t_{i}.inference.batched")
+
+                def run(batches=batches, tr=tr, src=src, chosen=chosen):
+                    return batches.search_ids(tr.model, src, chosen, torch.device("cpu"))
             else:
 
                 def run(translate=translate, tr=tr, src=src, lenpen=lenpen, dec=dec, max_tokens=max_tokens):

@@ -10,10 +10,11 @@ import torch
 from tests.helpers import SENTENCES
 from tests.inference.test_search import as_batch, random_model, random_prefixes, random_sources
 from transformer.inference import search as search_module
+from transformer.inference.batched import SentenceOptions, run_search
 from transformer.inference.constraints import Phrases, constrained_search
 from transformer.inference.search import search
 from transformer.inference.settings import SearchSettings
-from transformer.inference.translator import SentenceOptions, Translator, run_search
+from transformer.inference.translator import Translator
 
 
 def contains(tokens: list[int], phrase: tuple[int, ...]) -> bool:

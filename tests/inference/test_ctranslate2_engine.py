@@ -12,6 +12,7 @@ import torch
 from tests.helpers import LINES, sentences
 from transformer.data.vocab import BOS_ID, PAD_ID
 from transformer.errors import UserError
+from transformer.inference.batched import search_ids
 from transformer.inference.ctranslate2_engine import (
     ctranslate2_limited,
     ctranslate2_search,
@@ -19,7 +20,7 @@ from transformer.inference.ctranslate2_engine import (
 )
 from transformer.inference.search import length_penalty
 from transformer.inference.settings import SearchFlags, SearchSettings
-from transformer.inference.translator import Translator, search_ids
+from transformer.inference.translator import Translator
 from transformer.model.checkpoint import load_model, save_checkpoint
 
 ctranslate2 = pytest.importorskip("ctranslate2")

@@ -15,10 +15,10 @@ from tests.helpers import sampling_settings
 from tests.inference.test_search import CFG, VOCAB, as_batch, make_sources, peaky_model
 from transformer.data.batch import padding_mask
 from transformer.data.vocab import BOS_ID, EOS_ID, PAD_ID
+from transformer.inference.batched import SentenceOptions, search_ids
 from transformer.inference.sampling import Sampler, draw, sample_search, uniforms
 from transformer.inference.search import search
 from transformer.inference.settings import MAX_SAMPLES, SearchSettings
-from transformer.inference.translator import SentenceOptions, search_ids
 from transformer.model.transformer import Transformer
 
 SAMPLES = 4000  # draws for the frequency test

@@ -58,7 +58,7 @@ def ctranslate2_search(
     max_positions: int,
     prefixes: Sequence[Sequence[int]] | None = None,
 ) -> list[list[Hypothesis]]:
-    """translator.search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
+    """batched.search_ids through a ctranslate2.Translator of the same model: the same batches, sources, length
     limits and score definition; like ours, it never emits BOS or PAD. settings.stop, .dtype and .workers do not
     apply here (the translator was made with its compute type and inter_threads).
 

@@ -113,7 +113,7 @@ class SearchResult:
     hypotheses: list[list[Hypothesis]]
     steps: int  # decoder calls for the whole batch (one per output position with the cache)
     sentence_steps: list[int]  # per source row, the decoder steps it took part in
-    # Rows whose constraints could not all be met: their hypotheses are unconstrained (translator.run_search).
+    # Rows whose constraints could not all be met: their hypotheses are unconstrained (batched.run_search).
     unmet: list[int] = field(default_factory=list)
 
     def best(self) -> list[Hypothesis]:

@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformer.inference.batched import SentenceOptions
 from transformer.inference.settings import SearchSettings
-from transformer.inference.translator import SentenceOptions, Translation, Translator
+from transformer.inference.translator import Translation, Translator
 
 
 @dataclass

@@ -19,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from transformer.data.batch import prepare_sources, source_limit
 from transformer.data.vocab import valid_text
 from transformer.errors import UserError, first_line, is_out_of_memory
+from transformer.inference.batched import SentenceOptions
 from transformer.inference.search import TraceStep, search
 from transformer.inference.settings import MAX_SAMPLES, SearchFlags, SearchSettings
-from transformer.inference.translator import SentenceOptions, Translator
+from transformer.inference.translator import Translator
 from transformer.model.checkpoint import resolve_checkpoint
 from transformer.serve.http_guard import (
     Drain,
