@@ -9,7 +9,7 @@ batch is synthetic: fixed-length random sentences, so every token counted is a r
 per update = 6 x (encoder matmul parameters x source tokens + decoder matmul parameters incl. the
 output projection x target tokens) + the attention matmuls (QK^T and AV, forward and backward).
 MFU = FLOPs / step time / peak rate; the peak is --peak-tflops, else the datasheet's dense peak of a known GPU
-in this precision (TF32 for fp32), else measured with large matmuls (device.mfu_peak, as training does).
+in this precision (TF32 for fp32), else measured with large matmuls (peak.mfu_peak, as training does).
 Ours runs as the trainer runs it: update.TrainingLoss (model and loss in one module, compiled together with
 --compile), the decoder's self-attention mask as CAUSAL, fused Adam on CUDA, fp32 products in TF32 on CUDA.
 """
@@ -32,8 +32,9 @@ from common import sync, write_json
 from transformer.config import load_config
 from transformer.data.batch import CAUSAL, padding_mask
 from transformer.data.vocab import PAD_ID
-from transformer.device import cpu_description, mfu_peak, tf32_matmuls
+from transformer.device import cpu_description, tf32_matmuls
 from transformer.model.transformer import build_model, training_flops
+from transformer.peak import mfu_peak
 from transformer.training.update import TrainingLoss
 
 IMPLS = ("ours", "marian", "torch")

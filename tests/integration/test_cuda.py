@@ -22,7 +22,7 @@ from transformer.data.mixture import Mixture
 from transformer.data.prepare import open_prepared
 from transformer.data.store import Corpus
 from transformer.data.vocab import Vocab
-from transformer.device import autocast_context, datasheet_tflops
+from transformer.device import autocast_context
 from transformer.distributed import DistInfo, init_distributed
 from transformer.errors import UserError
 from transformer.inference.search import search
@@ -31,6 +31,7 @@ from transformer.inference.translator import Translator
 from transformer.model import transformer as model_module
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.model.transformer import Transformer
+from transformer.peak import datasheet_tflops
 from transformer.signals import StopRequested
 from transformer.training import loop as train_module
 from transformer.training import update as update_module

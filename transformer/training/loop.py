@@ -30,11 +30,9 @@ from transformer.data.prepare import (
 from transformer.data.store import Store
 from transformer.data.vocab import AnyVocab, run_vocab, vocab_from_stored
 from transformer.device import (
-    Peak,
     bounded_onednn_caches,
     cuda_memory_peaks,
     default_cuda_allocator,
-    mfu_peak,
     pick_precision,
     tf32_matmuls,
 )
@@ -52,6 +50,7 @@ from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.files import remove_stale_temporaries
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.model.transformer import Transformer, build_model, count_parameters
+from transformer.peak import Peak, mfu_peak
 from transformer.run_dir import RunDir
 from transformer.signals import StopRequested, stop_at_once
 from transformer.training import init_from

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from transformer.device import Peak
 from transformer.distributed import DistInfo
 from transformer.errors import UserError
 from transformer.model.transformer import training_flops
+from transformer.peak import Peak
 from transformer.run_dir import RunDir
 
 log = logging.getLogger("transformer")
@@ -116,7 +116,7 @@ class MetricsLog:
 class Progress:
     """Training lines: every train.log_every updates, after the first few, and at least every 30 seconds. Each
     goes to metrics.jsonl and train.log, and to the console when no progress bar shows it. MFU is against `peak`
-    (device.Peak), never above 100 %: a rate above the peak changes the peak first, and the log says so."""
+    (peak.Peak), never above 100 %: a rate above the peak changes the peak first, and the log says so."""
 
     def __init__(
         self,
