@@ -370,12 +370,10 @@ def corpora_problems(d: DataConfig) -> list[str | None]:
     return problems
 
 
-def validate(cfg: Config) -> None:
-    """Reject combinations that would fail later or train nonsense."""
-    m, d, t, dec = cfg.model, cfg.data, cfg.train, cfg.decode
-    splits = [split_name_problem(getattr(d, f"{s}_split"), f"data.{s}_split") for s in ("train", "valid", "test")]
+def _model_checks(m: ModelConfig) -> list[tuple[bool, str | None]]:
+    """(whether it holds, what it says otherwise) for model.*'s shape: validate's first checks."""
     position_problem = positions_problem(m.positions, m.d_model, m.n_heads, ("model.d_model", "model.n_heads"))
-    checks = [
+    return [
         (
             m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads == 0,
             f"model.d_model ({m.d_model}) must be a positive multiple of model.n_heads ({m.n_heads})",
@@ -385,6 +383,15 @@ def validate(cfg: Config) -> None:
         (m.d_ff >= 1, "model.d_ff must be positive"),
         (m.max_positions >= 2, "model.max_positions must be at least 2"),
         (0 < m.layer_norm_eps < 1, f"model.layer_norm_eps must be in (0, 1), got {m.layer_norm_eps}"),
+    ]
+
+
+def validate(cfg: Config) -> None:
+    """Reject combinations that would fail later or train nonsense."""
+    m, d, t, dec = cfg.model, cfg.data, cfg.train, cfg.decode
+    splits = [split_name_problem(getattr(d, f"{s}_split"), f"data.{s}_split") for s in ("train", "valid", "test")]
+    checks = [
+        *_model_checks(m),
         (8 <= d.vocab_size < SPM_INT32, f"data.vocab_size must be in [8, {SPM_INT32 - 1}] (SentencePiece's range)"),
         (d.spm_max_sentences >= 0, "data.spm_max_sentences must not be negative (0 = every sentence)"),
         (d.max_len >= 1, "data.max_len must be positive"),

@@ -408,6 +408,30 @@ class _Appender:
                 os.fsync(self.file.fileno())
 
 
+def _writers(files: contextlib.ExitStack, directory: Path, split: str, dtype: np.dtype) -> dict[str, _Appender]:
+    """The split's token files ({side}.bin) and offsets ({side}.idx, from 0), open until `files` closes."""
+    writers = {
+        f"{side}.{kind}": files.enter_context(_Appender(directory / f"{split}.{side}.{kind}", t))
+        for side in SIDES
+        for kind, t in (("bin", dtype), ("idx", np.dtype(np.int64)))
+    }
+    for side in SIDES:
+        writers[f"{side}.idx"].write(np.zeros(1, dtype=np.int64))
+    return writers
+
+
+def _encode_chunk(vocab: AnyVocab, src_lines: list[str], tgt_lines: list[str], max_len: int, tag_id: int | None):
+    """A chunk of pairs split into ids (each source after the tag where there is one) -> (ids by side, lengths by
+    side, the rows kept, the blank ones, the long ones: keep_mask's, max_len counting the text alone)."""
+    ids = {"src": vocab.encode(src_lines), "tgt": vocab.encode_target(tgt_lines)}
+    if tag_id is not None:  # a blank source stays blank (dropped below), not a tag alone
+        ids["src"] = [[tag_id, *s] if s else s for s in ids["src"]]
+    lengths = {side: np.fromiter(map(len, ids[side]), dtype=np.int64, count=len(ids[side])) for side in SIDES}
+    text_lengths = lengths["src"] - (lengths["src"] > 0) if tag_id is not None else lengths["src"]
+    kept, blank, long = keep_mask(text_lengths, lengths["tgt"], max_len)
+    return ids, lengths, np.flatnonzero(kept), blank, long
+
+
 def _encode_split(
     vocab: AnyVocab,
     raw: RawSplit,
@@ -426,13 +450,7 @@ def _encode_split(
     references: list[str] = []
     start = logged = time.perf_counter()
     with contextlib.ExitStack() as files:
-        writers = {
-            f"{side}.{kind}": files.enter_context(_Appender(directory / f"{split}.{side}.{kind}", t))
-            for side in SIDES
-            for kind, t in (("bin", dtype), ("idx", np.dtype(np.int64)))
-        }
-        for side in SIDES:
-            writers[f"{side}.idx"].write(np.zeros(1, dtype=np.int64))
+        writers = _writers(files, directory, split, dtype)
         bar = files.enter_context(
             tqdm(
                 total=raw.n_pairs,
@@ -444,13 +462,7 @@ def _encode_split(
             )
         )
         for src_lines, tgt_lines in raw.chunks():
-            ids = {"src": vocab.encode(src_lines), "tgt": vocab.encode_target(tgt_lines)}
-            if tag_id is not None:  # a blank source stays blank (dropped below), not a tag alone
-                ids["src"] = [[tag_id, *s] if s else s for s in ids["src"]]
-            lengths = {side: np.fromiter(map(len, ids[side]), dtype=np.int64, count=len(ids[side])) for side in SIDES}
-            text_lengths = lengths["src"] - (lengths["src"] > 0) if tag_id is not None else lengths["src"]
-            kept, blank, long = keep_mask(text_lengths, lengths["tgt"], max_len)  # max_len counts the text alone
-            rows = np.flatnonzero(kept)
+            ids, lengths, rows, blank, long = _encode_chunk(vocab, src_lines, tgt_lines, max_len, tag_id)
             for side in SIDES:
                 kept_lengths = lengths[side][rows]
                 n_tokens = int(kept_lengths.sum())
@@ -465,15 +477,14 @@ def _encode_split(
             counts["dropped_blank"] += int(blank.sum())
             counts["dropped_long"] += int(long.sum())
             bar.update(len(src_lines))
+            # No bar where stderr is a log file (nohup, a batch job): a line now and then.
             if (
                 bar.disable
                 and not quiet
                 and counts["read"] < raw.n_pairs
                 and time.perf_counter() - logged >= PROGRESS_LOG_SECONDS
             ):
-                logged = (
-                    time.perf_counter()
-                )  # no bar where stderr is a log file (nohup, a batch job): a line now and then
+                logged = time.perf_counter()
                 log.info(
                     "store: %s: %d of %d pairs encoded (%.0f%%)",
                     split,

@@ -111,16 +111,40 @@ def ctranslate2_search(
     layer's cross-attention averaged over all heads, alignment.py's default, and the source's EOS is not in
     it). Constraints and ensembles it does not have (the Translator refuses them).
     """
-    nbest, sampling = settings.nbest, settings.sample is not None
-    out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(nbest)] for _ in src_ids]
-    limit = source_limit(max_positions)
-    workers = translator.num_translators
-    rows = settings.rows_per_source
-    tokens_per_batch = max(1, settings.max_tokens // (workers * rows))  # as source_batches sizes them
-    sources: dict[int, list[str]] = {}  # CTranslate2 appends </s> itself
-    forced: dict[int, list[str]] = {}  # forced target prefixes, as pieces
-    own: dict[int, int] = {}  # each sentence's own output-length limit
-    calls = []  # per call: its indices and pending results
+    out: list[list[Hypothesis]] = [[Hypothesis([], 0.0) for _ in range(settings.nbest)] for _ in src_ids]
+    sources, forced, own, calls = _first_calls(translator, vocab, src_ids, settings, max_positions, prefixes)
+    found, rescored, again, suppressed = _outcomes(vocab, calls, forced, own, settings)
+    if settings.sample is not None:
+        again = list(sources)  # samples searched again would be other samples: each under its own limit
+    tokens_per_batch = max(1, settings.max_tokens // (translator.num_translators * settings.rows_per_source))
+    found.update(zip(rescored, _scored(translator, vocab, sources, rescored, settings, tokens_per_batch)))
+    limited = ctranslate2_limited(
+        translator, vocab, sources, forced, again, own, settings, suppress=settings.sample is not None
+    )
+    suppressed += [i for i, hyps in limited.items() if _unwanted(vocab, hyps)]
+    found.update(limited)
+    found.update(ctranslate2_limited(translator, vocab, sources, forced, suppressed, own, settings, suppress=True))
+    for i, hyps in found.items():
+        out[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[: settings.nbest]
+    return out
+
+
+def _first_calls(
+    translator,
+    vocab: AnyVocab,
+    src_ids: Sequence[Sequence[int]],
+    settings: SearchSettings,
+    max_positions: int,
+    prefixes: Sequence[Sequence[int]] | None,
+) -> tuple[dict[int, list[str]], dict[int, list[str]], dict[int, int], list]:
+    """The sources in our batches as CTranslate2 takes them (pieces; it appends </s> itself), their forced prefixes
+    as pieces, each one's own output-length limit, and the first calls (indices, pending results), one per batch
+    with a length penalty, one per limit bucket without (ctranslate2_search); with sampling, none."""
+    limit, workers, rows = source_limit(max_positions), translator.num_translators, settings.rows_per_source
+    sources: dict[int, list[str]] = {}
+    forced: dict[int, list[str]] = {}
+    own: dict[int, int] = {}
+    calls = []
     for batch in source_batches(src_ids, max_positions, settings.max_tokens, workers, rows):
         for i in batch:
             sources[i] = vocab.pieces(src_ids[i][:limit])
@@ -133,45 +157,47 @@ def ctranslate2_search(
         # At least the prefix, as search.max_lengths says.
         max_lens = torch.maximum(max_lens, torch.tensor([len(forced[i]) for i in batch]))
         own.update(zip(batch, max_lens.clamp(max=max_positions - 1).tolist()))
-        if sampling:  # samples searched again would be other samples: each under its own limit
+        if settings.sample is not None:
             continue
         buckets = [limit_bucket(own[i], max_positions) for i in batch]
         if settings.lenpen > 0:  # the outcome does not depend on the call's limit (above): one call
             buckets = [max(buckets)] * len(batch)
-        for bucket, rows in same_limit(buckets):  # asynchronous: every worker takes calls from the queue
-            indices = [batch[r] for r in rows]
+        for bucket, rows_of in same_limit(buckets):  # asynchronous: every worker takes calls from the queue
+            indices = [batch[r] for r in rows_of]
             pending = _translate_async(translator, vocab, sources, forced, indices, settings, bucket, suppress=False)
             calls.append((indices, pending))
+    return sources, forced, own, calls
+
+
+def _unwanted(vocab: AnyVocab, hyps: list[Hypothesis]) -> bool:
+    """Whether a hypothesis holds BOS or PAD, which ours never emits."""
     never = {vocab.specials.bos, vocab.specials.pad}
+    return any(never.intersection(h.tokens) for h in hyps)
 
-    def unwanted(hyps: list[Hypothesis]) -> bool:
-        return any(never.intersection(h.tokens) for h in hyps)
 
+def _outcomes(
+    vocab: AnyVocab, calls: list, forced: dict[int, list[str]], own: dict[int, int], settings: SearchSettings
+) -> tuple[dict[int, list[Hypothesis]], dict[int, list[Hypothesis]], list[int], list[int]]:
+    """The first calls' results, by source index: (those whose search scores are ours, those to score again (a
+    prefix's tokens left out, or a setting CTranslate2 renormalises for: ctranslate2_rescores), those to search
+    again under their own limit, those to search again with BOS and PAD suppressed)."""
     found: dict[int, list[Hypothesis]] = {}
-    # Scored again: search scores that leave a prefix out, or that a setting made its own (ctranslate2_rescores).
     rescored: dict[int, list[Hypothesis]] = {}
     renormalised = ctranslate2_rescores(settings)
-    again = list(sources) if sampling else []  # sentences to search under their own limit
-    suppressed = []  # sentences to search under their own limit with BOS and PAD suppressed
+    again: list[int] = []
+    suppressed: list[int] = []
     for indices, pending in calls:
         for i, result in zip(indices, pending):
             hyps = _hypotheses(vocab, result.result(), settings)
             if any(len(h.tokens) >= own[i] - 1 for h in hyps):
                 again.append(i)
-            elif unwanted(hyps):
+            elif _unwanted(vocab, hyps):
                 suppressed.append(i)
             elif forced[i] or renormalised:
                 rescored[i] = hyps
             else:  # every hypothesis ended with EOS: its score is ours
                 found[i] = hyps
-    found.update(zip(rescored, _scored(translator, vocab, sources, rescored, settings, tokens_per_batch)))
-    limited = ctranslate2_limited(translator, vocab, sources, forced, again, own, settings, suppress=sampling)
-    suppressed += [i for i, hyps in limited.items() if unwanted(hyps)]
-    found.update(limited)
-    found.update(ctranslate2_limited(translator, vocab, sources, forced, suppressed, own, settings, suppress=True))
-    for i, hyps in found.items():
-        out[i] = sorted(hyps, key=lambda h: h.score, reverse=True)[:nbest]
-    return out
+    return found, rescored, again, suppressed
 
 
 def ctranslate2_limited(

@@ -75,6 +75,36 @@ def marian_settings(config: dict, where: Path) -> dict:
     def refuse(key: str, why: str):
         raise UserError(f"import hf: {where}: {key} is {config.get(key)!r}: {why}")
 
+    max_positions = _checked_values(config, refuse)
+    activation = _checked_agreement(config, refuse)
+    get = config.get
+    problem = positions_problem(
+        positions.Marian.name, get("d_model"), get("encoder_attention_heads"), ("d_model", "encoder_attention_heads")
+    )
+    if problem is not None:
+        raise UserError(f"import hf: {where}: {problem}")
+    return {
+        "d_model": get("d_model"),
+        "n_heads": get("encoder_attention_heads"),
+        "n_encoder_layers": get("encoder_layers"),
+        "n_decoder_layers": get("decoder_layers"),
+        "d_ff": get("encoder_ffn_dim"),
+        "dropout": get("dropout", 0.1),
+        "attention_dropout": get("attention_dropout", 0.0),
+        "activation_dropout": get("activation_dropout", 0.0),
+        "max_positions": max_positions,
+        "positions": positions.Marian.name,  # the sinusoids in Marian's layout
+        "norm": "post",
+        "share_embeddings": get("share_encoder_decoder_embeddings", True),
+        "tie_output": get("tie_word_embeddings", True),
+        "activation": ACTIVATIONS[activation],
+        "layer_norm_eps": 1e-5,  # MarianMTModel's LayerNorms: torch's default
+    }
+
+
+def _checked_values(config: dict, refuse) -> int:
+    """Each key's own value checked (its type, its range), refused in one line (`refuse(key, why)`) -> the model's
+    positions."""
     get = config.get
     if get("model_type") != "marian":
         refuse(
@@ -104,6 +134,13 @@ def marian_settings(config: dict, where: Path) -> dict:
     for key in ("dropout", "attention_dropout", "activation_dropout"):
         if key in config and not (_number(get(key)) and 0 <= get(key) < 1):
             refuse(key, "it must be a number from 0 up to (not including) 1")
+    return max_positions
+
+
+def _checked_agreement(config: dict, refuse) -> str:
+    """What we cannot honour (no scaled embeddings, another activation, layer drop), then what keys must agree on,
+    now that each holds a value of its kind, refused in one line -> the activation function's name."""
+    get = config.get
     activation = get("activation_function", "gelu")
     layerdrop = ("encoder_layerdrop", "decoder_layerdrop")
     checks = [
@@ -138,28 +175,7 @@ def marian_settings(config: dict, where: Path) -> dict:
     for key, ok, why in checks:
         if not ok:
             refuse(key, why)
-    problem = positions_problem(
-        positions.Marian.name, get("d_model"), get("encoder_attention_heads"), ("d_model", "encoder_attention_heads")
-    )
-    if problem is not None:
-        raise UserError(f"import hf: {where}: {problem}")
-    return {
-        "d_model": get("d_model"),
-        "n_heads": get("encoder_attention_heads"),
-        "n_encoder_layers": get("encoder_layers"),
-        "n_decoder_layers": get("decoder_layers"),
-        "d_ff": get("encoder_ffn_dim"),
-        "dropout": get("dropout", 0.1),
-        "attention_dropout": get("attention_dropout", 0.0),
-        "activation_dropout": get("activation_dropout", 0.0),
-        "max_positions": max_positions,
-        "positions": positions.Marian.name,  # the sinusoids in Marian's layout
-        "norm": "post",
-        "share_embeddings": get("share_encoder_decoder_embeddings", True),
-        "tie_output": get("tie_word_embeddings", True),
-        "activation": ACTIVATIONS[activation],
-        "layer_norm_eps": 1e-5,  # MarianMTModel's LayerNorms: torch's default
-    }
+    return activation
 
 
 def start_piece(config: dict, vocab: MarianVocab, where: Path) -> str | None:

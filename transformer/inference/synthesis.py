@@ -190,12 +190,7 @@ def synthesize(
     pairs written to `out_dir` (module docstring); resumed where a stopped run of the same command left off."""
     paths = [resolve_checkpoint(c) for c in checkpoints]
     out, source = Path(out_dir), Path(input_path)
-    if not source.is_file():
-        raise UserError(f"synthesize: --input {input_path} is not a file (the monolingual text to translate)")
-    if chunk_lines < 1:
-        raise UserError(f"synthesize: --chunk-lines must be at least 1, got {chunk_lines}")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"synthesize: --out {out} is a file; give a directory")
+    _check_arguments(input_path, out, chunk_lines)
     synthesis = Synthesis(out, chunk_lines)
     earlier = synthesis.record()
     if (
@@ -232,10 +227,59 @@ def synthesize(
     synthesis.write_record(record)
     if done:
         log.info("synthesize: continuing after %d of %d parts", len(done), count)
-    totals, start = Counts(), time.perf_counter()
+    start = time.perf_counter()
+    totals = _translate_parts(synthesis, translator, lines, languages, done, filtered)
+    synthesis.join(count, languages)
+    record.update(status="done", counts=asdict(totals), seconds=round(time.perf_counter() - start, 1))
+    synthesis.write_record(record)
+    synthesis.remove_parts(count, languages)
+    left = ", ".join(f"{n} {reason}" for reason, n in totals.left_out.items() if n) or "none"
+    print(
+        f"synthesize: {totals.kept} pairs in {out} ({totals.outputs} translations of {totals.sources} lines; left "
+        f"out: {left})",
+        file=sys.stderr,
+    )
+    return out
+
+
+def _check_arguments(input_path: str, out: Path, chunk_lines: int) -> None:
+    """What can be refused before a model loads."""
+    if not Path(input_path).is_file():
+        raise UserError(f"synthesize: --input {input_path} is not a file (the monolingual text to translate)")
+    if chunk_lines < 1:
+        raise UserError(f"synthesize: --chunk-lines must be at least 1, got {chunk_lines}")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"synthesize: --out {out} is a file; give a directory")
+
+
+def _kept_pairs(chunk: list[str], results, per_source: int, filtered: bool) -> tuple[list[tuple[str, str]], Counts]:
+    """A part's pairs (each line with each of its per_source translations; an empty line gives none), degenerate
+    ones left out and counted unless not `filtered`."""
+    pairs, counts = [], Counts(sources=len(chunk))
+    for line, hyps in zip(chunk, results):
+        for t in hyps[:per_source]:
+            if not line.strip():
+                continue
+            counts.outputs += 1
+            reason = degenerate(line, t.text) if filtered else None
+            if reason is None:
+                pairs.append((line, t.text))
+            else:
+                counts.left_out[reason] += 1
+    counts.kept = len(pairs)
+    return pairs, counts
+
+
+def _translate_parts(
+    synthesis: Synthesis, translator: Translator, lines: list[str], languages: dict, done: dict, filtered: bool
+) -> Counts:
+    """Every part not `done` translated and written whole, in order, with a progress bar on a terminal (a line per
+    part elsewhere) -> the counts of all parts, those done before included."""
+    chunk_lines, start = synthesis.chunk_lines, time.perf_counter()
+    count = -(-len(lines) // chunk_lines)
+    totals = Counts()
     for counts in done.values():
         totals.add(counts)
-    per_source = translator.settings.nbest
     with tqdm(
         total=len(lines),
         initial=sum(c.sources for c in done.values()),
@@ -248,19 +292,7 @@ def synthesize(
             if i in done:
                 continue
             chunk = lines[i * chunk_lines : (i + 1) * chunk_lines]
-            results = translator.translate_lines(chunk)
-            pairs, counts = [], Counts(sources=len(chunk))
-            for line, hyps in zip(chunk, results):
-                for t in hyps[:per_source]:
-                    if not line.strip():
-                        continue
-                    counts.outputs += 1
-                    reason = degenerate(line, t.text) if filtered else None
-                    if reason is None:
-                        pairs.append((line, t.text))
-                    else:
-                        counts.left_out[reason] += 1
-            counts.kept = len(pairs)
+            pairs, counts = _kept_pairs(chunk, translator.translate_lines(chunk), translator.settings.nbest, filtered)
             synthesis.write_part(i, languages, pairs, counts)
             totals.add(counts)
             bar.update(len(chunk))
@@ -272,14 +304,4 @@ def synthesize(
                     f"synthesize: {bar.n} of {len(lines)} lines, {rate:.0f} lines/s, {left / 60:.0f} min left",
                     file=sys.stderr,
                 )
-    synthesis.join(count, languages)
-    record.update(status="done", counts=asdict(totals), seconds=round(time.perf_counter() - start, 1))
-    synthesis.write_record(record)
-    synthesis.remove_parts(count, languages)
-    left = ", ".join(f"{n} {reason}" for reason, n in totals.left_out.items() if n) or "none"
-    print(
-        f"synthesize: {totals.kept} pairs in {out} ({totals.outputs} translations of {totals.sources} lines; left "
-        f"out: {left})",
-        file=sys.stderr,
-    )
-    return out
+    return totals
