@@ -1,7 +1,7 @@
 """The CUDA code paths on a CPU, with stand-ins for the CUDA calls they make (issue 32): the GPU index every thread
 and process gets, TF32 where training computes, the allocator setting, GPU memory in the logs, the masks the
 attention kernels receive, one host read per update and per decoder step, resume across machines, the fp16 scaler,
-DDP's settings and train.compile's alignment (the peak MFU divides by: tests/core/test_peak.py).
+DDP's settings and train.compile's alignment, the peak MFU divides by on a GPU (on a CPU: tests/core/test_peak.py).
 tests/integration/test_cuda.py runs the same paths on a GPU, where there is one."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from tests.helpers import LINES, ROOT, random_pairs, read_metrics, sampling_settings, subprocess_env, tiny_config
 from transformer import device as device_module
+from transformer import peak as peak_module
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batch import CAUSAL, Batch, prepare_sources, target_mask
 from transformer.data.loader import BatchStream, Prefetcher
@@ -52,6 +53,7 @@ from transformer.model import transformer as model_module
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint
 from transformer.model.kv_cache import KVCache
 from transformer.model.transformer import TokenPacking, Transformer
+from transformer.peak import datasheet_tflops, mfu_peak
 from transformer.signals import StopRequested
 from transformer.training import finish as finish_module
 from transformer.training import loop as train_module
@@ -447,6 +449,48 @@ def test_a_forced_prefix_and_sampling_read_the_device_no_more(copy_model, monkey
     assert counter.reads == [] and counter.copies == 0 and len(transfers) == kept.steps + 1
     assert all(h.tokens[:2] == p for h, p in zip(kept.best(), prefixes))
     assert [[h.tokens for h in r.best()] for r in (found, drawn)] == [[h.tokens for h in r.best()] for r in expected]
+
+
+# --------------------------------------------------------------------------- the peak MFU divides by on a GPU
+
+
+@pytest.mark.parametrize(
+    "name, precision, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 80GB HBM3", "fp32", 494.7),
+        ("NVIDIA H100 PCIe", "bf16", 756.5),
+        ("NVIDIA H100 NVL", "fp16", 835.5),
+        ("NVIDIA H200", "bf16", 989.4),
+        ("NVIDIA H200 NVL", "fp32", 417.5),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100 80GB PCIe", "fp32", 156.0),
+        ("NVIDIA L40S", "bf16", 362.05),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA A10", "fp32", 62.5),
+        ("NVIDIA A10G", "bf16", None),
+        ("NVIDIA GeForce RTX 4090", "bf16", None),
+        ("NVIDIA H100", "bf16", None),
+    ],
+)  # a variant the table cannot tell apart: measured instead
+def test_the_datasheet_peak_of_known_gpus(name, precision, tflops):
+    found = datasheet_tflops(name, precision)
+    assert (found[0] if found else None) == tflops
+    if found:
+        assert ("TF32" if precision == "fp32" else precision) in found[1]
+
+
+def test_mfu_divides_by_the_config_then_the_datasheet_then_a_measurement(monkeypatch):
+    probes = []
+    monkeypatch.setattr(peak_module, "matmul_tflops", lambda device, precision: probes.append(precision) or 7.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    gpu = torch.device("cuda", 0)
+    assert mfu_peak(gpu, "bf16", 100.0).describe() == "100 TFLOP/s (train.peak_tflops)"
+    assert mfu_peak(gpu, "bf16").describe() == "989 TFLOP/s (H100 SXM datasheet, dense bf16)" and not probes
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    peak = mfu_peak(gpu, "bf16")
+    assert peak.tflops == 7.0 and probes == ["bf16"] and "measured" in peak.describe()
+    assert mfu_peak(torch.device("cpu"), "fp32").tflops == 7.0
 
 
 # --------------------------------------------------------------------------- resume across machines
