@@ -46,7 +46,7 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -213,218 +213,252 @@ def score(row: dict, outputs, reference_outputs, vocab, refs) -> None:
         row.update(bleu=scores["bleu"], chrf=scores["chrf"], bleu_signature=scores["bleu_signature"])
 
 
-def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
+@dataclass
+class Bench:
+    """What one device's settings share: the model, the sources, the batches each layout searches, and every engine
+    set up (ours per dtype, CTranslate2's per dtype and workers, Marian or the HF directory's)."""
+
+    args: argparse.Namespace
+    device_name: str
+    device: torch.device
+    vocab: object
+    cfg: object
+    src_ids: list
+    refs: list | None
+    max_tokens: int
+    workers: list
+    batches_for: dict  # workers -> the batches that layout searches (source_batches)
+    batches: list  # the first setting's, which Marian runs
+    models: dict = field(default_factory=dict)
+    ct2: dict = field(default_factory=dict)
+    marian: object = None
+    ct2_hf: dict = field(default_factory=dict)
+    tensors: list = field(default_factory=list)
+    pieces: list = field(default_factory=list)
+
+    def row(self, beam: int, impl: str, stop: str, dtype: str, workers: int) -> dict:
+        return {
+            "device": self.device_name,
+            "beam": beam,
+            "impl": impl,
+            "stop": stop,
+            "dtype": dtype,
+            "workers": workers,
+        }
+
+
+def set_up(args, device_name: str, lines: list[str], refs) -> Bench:
+    """The sources (empty lines are not searched) and every engine on this device."""
     device = torch.device(device_name)
     base = Translator(args.checkpoint, device_name, SearchFlags(dtype="fp32"))
     vocab, cfg = base.vocab, base.cfg
-    dec = cfg.decode
     encoded = vocab.encode(lines)
-    keep = [i for i, ids in enumerate(encoded) if ids]  # empty lines are not searched
+    keep = [i for i, ids in enumerate(encoded) if ids]
     src_ids = [encoded[i] for i in keep]
-    refs = [refs[i] for i in keep] if refs is not None else None
-    max_tokens = args.max_tokens or dec.max_tokens
-    workers = args.workers or [dec.workers]
-    # The batches each layout searches (source_batches); Marian runs the first setting's.
+    max_tokens = args.max_tokens or cfg.decode.max_tokens
+    workers = args.workers or [cfg.decode.workers]
     batches_for = {
         w: source_batches(src_ids, cfg.model.max_positions, max_tokens, search_workers(w, device)) for w in workers
     }
-    batches = batches_for[workers[0]]
+    bench = Bench(
+        args,
+        device_name,
+        device,
+        vocab,
+        cfg,
+        src_ids,
+        [refs[i] for i in keep] if refs is not None else None,
+        max_tokens,
+        workers,
+        batches_for,
+        batches_for[workers[0]],
+    )
     print(
-        f"{device_name}: {len(src_ids)} sentences in {len(batches)} batches; --dtype auto would pick "
+        f"{device_name}: {len(src_ids)} sentences in {len(bench.batches)} batches; --dtype auto would pick "
         "{} ({})".format(*pick_dtype("auto", device)),
         file=sys.stderr,
     )
     dtypes = [d for d in args.dtype if not (d == "int8" and device.type == "cuda")]  # int8 is a CPU path here
-    models = {
+    bench.models = {
         d: (base.model if d == "fp32" else Translator(args.checkpoint, device_name, SearchFlags(dtype=d)).model)
         for d in dtypes
     }
-    ct2 = {}
     if args.ctranslate2:
-        ct2 = {
+        bench.ct2 = {
             (d, w): Translator(args.checkpoint, device_name, SearchFlags(dtype=d, engine="ctranslate2", workers=w)).ct2
             for w in workers
             for d in args.ct2_dtype
         }
-    marian = None
+    set_up_hf(bench, base.model)
+    bench.tensors = [
+        prepare_sources([src_ids[i] for i in b], cfg.model.max_positions, base.model.specials)[0].to(device)
+        for b in bench.batches
+    ]
+    bench.pieces = ctranslate2_pieces(vocab, src_ids, cfg.model.max_positions)
+    return bench
+
+
+def set_up_hf(bench: Bench, model) -> None:
+    """Marian at our dimensions, or the HF directory's own model; CTranslate2's conversion of that directory."""
+    args, device = bench.args, bench.device
     if not args.no_hf:
         try:
             if args.hf_dir:  # the directory an imported model came from: its own weights and generation settings
                 from transformers import MarianMTModel
 
-                marian = MarianMTModel.from_pretrained(args.hf_dir).to(device).eval()
+                bench.marian = MarianMTModel.from_pretrained(args.hf_dir).to(device).eval()
             else:
-                marian = build_marian(base.model, len(vocab), device)
+                bench.marian = build_marian(model, len(bench.vocab), device)
         except ImportError:
             print("transformers is not installed: no Marian comparison (pip install -e '.[bench]')", file=sys.stderr)
-    ct2_hf = {}
     if args.ct2_hf:
         import ctranslate2
 
         converted = convert_hf_ct2(args.hf_dir, args.ct2_hf_out)
-        ct2_hf = {
+        bench.ct2_hf = {
             d: ctranslate2.Translator(converted, device=device.type, compute_type=CT2_COMPUTE_TYPES[d])
             for d in args.ct2_dtype
         }
-    specials = base.model.specials
-    tensors = [
-        prepare_sources([src_ids[i] for i in b], cfg.model.max_positions, specials)[0].to(device) for b in batches
-    ]
-    pieces = ctranslate2_pieces(vocab, src_ids, cfg.model.max_positions)
 
+
+def our_settings(bench: Bench, beam: int, stops: list[str], first: dict) -> list[dict]:
+    """Our search per stop rule, workers and dtype; `first` receives the first one's outputs and batch steps."""
+    settings = []
+    for stop in stops:
+        for w in bench.workers:
+            ours = replace(
+                search_settings(bench.cfg.decode), beam=beam, stop=stop, max_tokens=bench.max_tokens, workers=w
+            )
+            for dtype, model in bench.models.items():
+
+                def warm_up(model=model, ours=ours):
+                    found = count_steps(model, bench.src_ids, ours, bench.device)
+                    first.setdefault("outputs", found[0])
+                    first.setdefault("steps", found[1])
+                    return found
+
+                def ours_pass(model=model, ours=ours):
+                    search_ids(model, bench.src_ids, ours, bench.device)
+
+                row = bench.row(beam, "ours", stop, dtype, w)
+                settings.append({"row": row, "warm_up": warm_up, "timed_pass": ours_pass})
+    return settings
+
+
+def ct2_settings(bench: Bench, beam: int) -> list[dict]:
+    """CTranslate2 itself and our engine through it, per compute type and workers."""
+    settings, max_positions = [], bench.cfg.model.max_positions
+    for (dtype, w), translator in bench.ct2.items():
+        theirs = replace(search_settings(bench.cfg.decode), beam=beam, max_tokens=bench.max_tokens)
+        batch_tokens = max(1, bench.max_tokens // translator.num_translators)  # as source_batches sizes ours
+
+        def itself_pass(translator=translator, theirs=theirs, batch_tokens=batch_tokens):
+            return ctranslate2_itself(
+                translator, bench.vocab, bench.pieces, theirs, max_positions, batch_tokens, "tokens"
+            )
+
+        def engine_pass(translator=translator, theirs=theirs):
+            found = ctranslate2_search(translator, bench.vocab, bench.src_ids, theirs, max_positions)
+            return [hyps[0].tokens for hyps in found]
+
+        passes = [("ctranslate2_itself", "ct2", itself_pass), ("ctranslate2", "ctranslate2", engine_pass)]
+        for impl, stop, run in passes:
+            row = bench.row(beam, impl, stop, dtype, w)
+            if impl == "ctranslate2_itself":  # how it was called
+                row.update(max_batch_tokens=batch_tokens, max_decoding_length=max_positions - 1)
+            settings.append({"row": row, "warm_up": run, "timed_pass": run})
+    return settings
+
+
+def hf_settings(bench: Bench, beam: int, stops: list[str], first: dict) -> list[dict]:
+    """CTranslate2 converted from the HF directory, and generate() on its model under the first stop rule's
+    early_stopping; or Marian at our dimensions, as many steps per batch as our first setting took."""
+    settings, batches = [], bench.batches
+    hf = replace(search_settings(bench.cfg.decode), beam=beam, stop=stops[0], max_tokens=bench.max_tokens)
+    limits = batch_limits(bench.src_ids, batches, hf, bench.cfg.model.max_positions)
+    for dtype, translator in bench.ct2_hf.items():
+
+        def ct2_hf_pass(translator=translator):
+            return run_ct2_hf(translator, bench.vocab, bench.src_ids, batches, limits, hf)
+
+        row = bench.row(beam, "ct2_from_hf", "ctranslate2", dtype, 1)
+        settings.append({"row": row, "warm_up": ct2_hf_pass, "timed_pass": ct2_hf_pass})
+    if bench.marian is not None and bench.args.hf_dir:
+
+        def generate_pass():
+            return run_generate(bench.marian, bench.tensors, batches, limits, hf, len(bench.src_ids))
+
+        row = bench.row(beam, "hf_generate", stops[0], "fp32", 1)
+        settings.append({"row": row, "warm_up": generate_pass, "timed_pass": generate_pass})
+    elif bench.marian is not None:  # warmed up after our first setting, whose steps it takes
+
+        def marian_pass():
+            run_marian(bench.marian, bench.tensors, first["steps"], beam)
+
+        row = bench.row(beam, "hf_marian", "forced", "fp32", 1)
+        settings.append({"row": row, "warm_up": marian_pass, "timed_pass": marian_pass})
+    return settings
+
+
+def finished_rows(bench: Bench, settings: list[dict], first: dict) -> list[dict]:
+    """Each timed setting's row: its times, rates and steps, its outputs scored, and its speed against CTranslate2
+    itself's of the same compute type and workers, round by round."""
+    rows = []
+    for setting in settings:
+        row, times, result = setting["row"], setting["times"], setting["result"]
+        # Marian and the HF directory's engines search the first setting's batches in one process (workers 1).
+        one_process = row["impl"] in ("hf_marian", "hf_generate", "ct2_from_hf")
+        searched = bench.batches if one_process else bench.batches_for[row["workers"]]
+        row.update(
+            sentences=len(bench.src_ids),
+            batches=len(searched),
+            times_s=times,
+            started_s=setting["started"],
+            median_s=statistics.median(times),
+        )
+        row["sentences_per_s"] = len(bench.src_ids) / row["median_s"]
+        if row["impl"] == "ours":
+            outputs, batch_steps, sentence_steps = result
+            row.update(decoder_steps=sum(batch_steps), steps_per_sentence=statistics.mean(sentence_steps))
+        elif row["impl"].startswith("ctranslate2") or row["impl"] in ("hf_generate", "ct2_from_hf"):
+            outputs = result
+        else:  # Marian has random weights: no outputs worth scoring
+            row["decoder_steps"] = sum(first["steps"])
+            outputs = None
+        if outputs is not None:
+            score(row, outputs, first["outputs"], bench.vocab, bench.refs)
+    for setting in settings:
+        row = setting["row"]
+        for dtype in ("fp32", "int8"):
+            base = next(
+                (
+                    b
+                    for b in settings
+                    if b["row"]["impl"] == "ctranslate2_itself"
+                    and b["row"]["dtype"] == dtype
+                    and b["row"]["workers"] == row["workers"]
+                ),
+                None,
+            )
+            if base is not None:  # paired: this setting's pass against CTranslate2 itself's of the same round
+                row[f"vs_ct2_{dtype}"] = statistics.median(b / t for t, b in zip(setting["times"], base["times"]))
+        rows.append(row)
+        print_row(row)
+    return rows
+
+
+def bench_device(args, device_name: str, lines: list[str], refs) -> list[dict]:
+    """Every beam's settings on one device, timed in interleaved rounds (timed_rounds), as rows."""
+    bench = set_up(args, device_name, lines, refs)
     rows, clock_zero = [], time.perf_counter()
     for beam in args.beam:
-        settings, first = [], {}  # first: outputs and batch steps of this beam's first setting (ours)
+        first: dict = {}  # outputs and batch steps of this beam's first setting (ours)
         stops = args.stop if beam > 1 else args.stop[:1]  # greedy ignores the stop rule
-        for stop in stops:
-            for w in workers:
-                ours = replace(search_settings(dec), beam=beam, stop=stop, max_tokens=max_tokens, workers=w)
-                for dtype, model in models.items():
-
-                    def warm_up(model=model, ours=ours):
-                        found = count_steps(model, src_ids, ours, device)
-                        first.setdefault("outputs", found[0])
-                        first.setdefault("steps", found[1])
-                        return found
-
-                    def ours_pass(model=model, ours=ours):
-                        search_ids(model, src_ids, ours, device)
-
-                    settings.append(
-                        {
-                            "row": {
-                                "device": device_name,
-                                "beam": beam,
-                                "impl": "ours",
-                                "stop": stop,
-                                "dtype": dtype,
-                                "workers": w,
-                            },
-                            "warm_up": warm_up,
-                            "timed_pass": ours_pass,
-                        }
-                    )
-        for (dtype, w), translator in ct2.items():
-            theirs = replace(search_settings(dec), beam=beam, max_tokens=max_tokens)
-            batch_tokens = max(1, max_tokens // translator.num_translators)  # as source_batches sizes ours
-
-            def itself_pass(translator=translator, theirs=theirs, batch_tokens=batch_tokens):
-                return ctranslate2_itself(
-                    translator, vocab, pieces, theirs, cfg.model.max_positions, batch_tokens, "tokens"
-                )
-
-            def engine_pass(translator=translator, theirs=theirs):
-                found = ctranslate2_search(translator, vocab, src_ids, theirs, cfg.model.max_positions)
-                return [hyps[0].tokens for hyps in found]
-
-            passes = [("ctranslate2_itself", "ct2", itself_pass), ("ctranslate2", "ctranslate2", engine_pass)]
-            for impl, stop, run in passes:
-                row = {"device": device_name, "beam": beam, "impl": impl, "stop": stop, "dtype": dtype, "workers": w}
-                if impl == "ctranslate2_itself":  # how it was called
-                    row.update(max_batch_tokens=batch_tokens, max_decoding_length=cfg.model.max_positions - 1)
-                settings.append({"row": row, "warm_up": run, "timed_pass": run})
-        hf_settings = replace(search_settings(dec), beam=beam, stop=stops[0], max_tokens=max_tokens)
-        limits = batch_limits(src_ids, batches, hf_settings, cfg.model.max_positions)
-        for dtype, translator in ct2_hf.items():  # CTranslate2's conversion of the HF directory
-
-            def ct2_hf_pass(translator=translator):
-                return run_ct2_hf(translator, vocab, src_ids, batches, limits, hf_settings)
-
-            settings.append(
-                {
-                    "row": {
-                        "device": device_name,
-                        "beam": beam,
-                        "impl": "ct2_from_hf",
-                        "stop": "ctranslate2",
-                        "dtype": dtype,
-                        "workers": 1,
-                    },
-                    "warm_up": ct2_hf_pass,
-                    "timed_pass": ct2_hf_pass,
-                }
-            )
-        if marian is not None and args.hf_dir:  # generate() on the directory's model, under the first stop rule's
-
-            def generate_pass():
-                return run_generate(marian, tensors, batches, limits, hf_settings, len(src_ids))
-
-            settings.append(
-                {
-                    "row": {
-                        "device": device_name,
-                        "beam": beam,
-                        "impl": "hf_generate",
-                        "stop": stops[0],
-                        "dtype": "fp32",
-                        "workers": 1,
-                    },
-                    "warm_up": generate_pass,
-                    "timed_pass": generate_pass,
-                }
-            )
-        elif marian is not None:  # as many steps per batch as our first setting took (warmed up before it)
-
-            def marian_pass():
-                run_marian(marian, tensors, first["steps"], beam)
-
-            settings.append(
-                {
-                    "row": {
-                        "device": device_name,
-                        "beam": beam,
-                        "impl": "hf_marian",
-                        "stop": "forced",
-                        "dtype": "fp32",
-                        "workers": 1,
-                    },
-                    "warm_up": marian_pass,
-                    "timed_pass": marian_pass,
-                }
-            )
-        timed_rounds(settings, device, args.repeats, clock_zero)
-
-        for setting in settings:
-            row, times, result = setting["row"], setting["times"], setting["result"]
-            # Marian and the HF directory's engines search the first setting's batches in one process (workers 1).
-            searched = (
-                batches if row["impl"] in ("hf_marian", "hf_generate", "ct2_from_hf") else batches_for[row["workers"]]
-            )
-            row.update(
-                sentences=len(src_ids),
-                batches=len(searched),
-                times_s=times,
-                started_s=setting["started"],
-                median_s=statistics.median(times),
-            )
-            row["sentences_per_s"] = len(src_ids) / row["median_s"]
-            if row["impl"] == "ours":
-                outputs, batch_steps, sentence_steps = result
-                row.update(decoder_steps=sum(batch_steps), steps_per_sentence=statistics.mean(sentence_steps))
-            elif row["impl"].startswith("ctranslate2") or row["impl"] in ("hf_generate", "ct2_from_hf"):
-                outputs = result
-            else:  # Marian has random weights: no outputs worth scoring
-                row["decoder_steps"] = sum(first["steps"])
-                outputs = None
-            if outputs is not None:
-                score(row, outputs, first["outputs"], vocab, refs)
-        for setting in settings:
-            row = setting["row"]
-            for dtype in ("fp32", "int8"):
-                base = next(
-                    (
-                        b
-                        for b in settings
-                        if b["row"]["impl"] == "ctranslate2_itself"
-                        and b["row"]["dtype"] == dtype
-                        and b["row"]["workers"] == row["workers"]
-                    ),
-                    None,
-                )
-                if base is not None:  # paired: this setting's pass against CTranslate2 itself's of the same round
-                    row[f"vs_ct2_{dtype}"] = statistics.median(b / t for t, b in zip(setting["times"], base["times"]))
-            rows.append(row)
-            print_row(row)
+        settings = (
+            our_settings(bench, beam, stops, first) + ct2_settings(bench, beam) + hf_settings(bench, beam, stops, first)
+        )
+        timed_rounds(settings, bench.device, args.repeats, clock_zero)
+        rows += finished_rows(bench, settings, first)
     return rows
 
 
@@ -451,7 +485,8 @@ def print_row(row: dict) -> None:
     )
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("test_set", nargs="?", default="data/multi30k/test.de", help="source sentences, one per line")
     ap.add_argument("--checkpoint", required=True, help="run directory or .pt file")
@@ -518,6 +553,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="only the first N sentences (0 = all)")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per setting; the median is reported")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
+    return ap
+
+
+def main() -> None:
+    ap = argument_parser()
     args = ap.parse_args()
 
     if args.ct2_hf and not args.hf_dir:

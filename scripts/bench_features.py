@@ -47,7 +47,8 @@ def longest_words(texts: list[str]) -> list[str]:
     return [max(t.split(), key=len).strip(".,;:!?\"'") if t.split() else "" for t in texts]
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("test_set", help="source sentences, one per line")
     ap.add_argument("--checkpoint", required=True, help="run directory or .pt file")
@@ -61,6 +62,24 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=500, help="first N sentences (0 = all)")
     ap.add_argument("--rounds", type=int, default=3, help="timed passes per row, interleaved")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
+    return ap
+
+
+def print_table(results: dict, sentences: int, baseline: list[float]) -> None:
+    """Each feature's rate, its time against beam search's round by round, BLEU, and how its outputs differ."""
+    print(f"{'feature':>22} {'sent/s':>8} {'x beam':>7} {'BLEU':>6}  notes")
+    for name, r in results.items():
+        r["sentences_per_s"] = sentences / statistics.median(r["times_s"])
+        r["vs_beam"] = statistics.median(b / t for b, t in zip(baseline, r["times_s"]))
+        notes = f"{r['outputs_like_beam']:.0%} outputs as beam"
+        if "constraints_met" in r:
+            notes += f", {r['constraints_met']:.0%} met"
+        bleu = f"{r['bleu']:6.2f}" if "bleu" in r else "     -"
+        print(f"{name:>22} {r['sentences_per_s']:8.2f} {r['vs_beam']:6.2f}x {bleu}  {notes}")
+
+
+def main() -> None:
+    ap = argument_parser()
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lines = read_lines(args.test_set)
@@ -114,17 +133,8 @@ def main() -> None:
             timed()
             sync(device)
             results[name]["times_s"].append(time.perf_counter() - start)
-    baseline = results[f"beam {base.beam}"]["times_s"]
     print(f"{len(lines)} sentences, {args.dtype} on {device}, {args.threads} threads, {args.rounds} rounds")
-    print(f"{'feature':>22} {'sent/s':>8} {'x beam':>7} {'BLEU':>6}  notes")
-    for name, r in results.items():
-        r["sentences_per_s"] = len(lines) / statistics.median(r["times_s"])
-        r["vs_beam"] = statistics.median(b / t for b, t in zip(baseline, r["times_s"]))
-        notes = f"{r['outputs_like_beam']:.0%} outputs as beam"
-        if "constraints_met" in r:
-            notes += f", {r['constraints_met']:.0%} met"
-        bleu = f"{r['bleu']:6.2f}" if "bleu" in r else "     -"
-        print(f"{name:>22} {r['sentences_per_s']:8.2f} {r['vs_beam']:6.2f}x {bleu}  {notes}")
+    print_table(results, len(lines), results[f"beam {base.beam}"]["times_s"])
     if args.json:
         record = {
             "test_set": args.test_set,

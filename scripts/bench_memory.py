@@ -166,7 +166,8 @@ def run_child(mode: str, capacity: str, args, extra: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/multi30k.yaml", help="model, optimizer and batch size")
     parser.add_argument(
@@ -195,6 +196,11 @@ def main() -> None:
     parser.add_argument("--child", choices=("train", "probe"), help=argparse.SUPPRESS)
     parser.add_argument("--capacity", choices=CAPACITIES, help=argparse.SUPPRESS)
     parser.add_argument("--precision", choices=PRECISIONS, help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    parser = argument_parser()
     args = parser.parse_args()
     if args.child:
         print(json.dumps(train_child(args) if args.child == "train" else probe_child(args)))

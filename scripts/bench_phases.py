@@ -63,7 +63,8 @@ def operator_profile(run, top: int) -> list[dict]:
     ]
 
 
-def main(argv=None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="source sentences, one per line")
     ap.add_argument("--checkpoint", required=True, help="run directory or checkpoint file")
@@ -87,6 +88,11 @@ def main(argv=None) -> int:
         help="also profile one pass of our search and show its N costliest operators",
     )
     ap.add_argument("--json", type=Path, help="write the results here")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = argument_parser()
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -105,30 +111,7 @@ def main(argv=None) -> int:
 
     passes = {"ours: encoder": ours_encoder, "ours: whole search": lambda: ours.search(ids)}
     if not args.no_ctranslate2:
-        ct2 = Translator(
-            args.checkpoint,
-            "cpu",
-            SearchFlags(
-                dtype="int8" if args.dtype == "int8" else "fp32", beam=args.beam, workers=1, engine="ctranslate2"
-            ),
-        )
-        torch.set_num_threads(args.threads)
-        pieces = [[ct2.vocab.pieces(ids[i]) for i in batch] for batch in batches]
-
-        def ct2_first_step():
-            for batch in pieces:
-                ct2.ct2.translate_batch(
-                    batch,
-                    beam_size=args.beam,
-                    max_decoding_length=1,
-                    min_decoding_length=0,
-                    max_input_length=0,
-                    max_batch_size=0,
-                    return_scores=True,
-                )
-
-        passes["CTranslate2: encoder + 1 step"] = ct2_first_step
-        passes["CTranslate2: whole search"] = lambda: ct2.search(ids)  # as translate runs it
+        passes.update(ctranslate2_passes(args, ids, batches))
     times = interleaved(passes, args.rounds)
     median = {name: statistics.median(t) for name, t in times.items()}
 
@@ -139,21 +122,7 @@ def main(argv=None) -> int:
     print(f"{'pass':32} {'median s':>9}  rounds")
     for name, t in times.items():
         print(f"{name:32} {median[name]:9.3f}  {' '.join(f'{x:.2f}' for x in t)}")
-    engines = [("ours", "ours: encoder", "ours: whole search")]
-    if not args.no_ctranslate2:
-        engines.append(("CTranslate2", "CTranslate2: encoder + 1 step", "CTranslate2: whole search"))
-    split = {}
-    for engine, first, whole in engines:
-        split[engine] = {"first_s": median[first], "rest_s": median[whole] - median[first], "whole_s": median[whole]}
-        print(
-            f"{engine:12} first pass {median[first]:.3f}s, decoder (the rest) {median[whole] - median[first]:.3f}s, "
-            f"whole {median[whole]:.3f}s"
-        )
-    if len(split) == 2:
-        print(
-            f"CTranslate2's time / ours: whole {split['CTranslate2']['whole_s'] / split['ours']['whole_s']:.2f}, "
-            f"decoder {split['CTranslate2']['rest_s'] / split['ours']['rest_s']:.2f}"
-        )
+    split = print_split(median, args.no_ctranslate2)
     profile = operator_profile(lambda: ours.search(ids), args.profile) if args.profile else []
     if profile:
         print(f"ours, one pass under torch.profiler: the {len(profile)} operators with the most self time")
@@ -182,6 +151,55 @@ def main(argv=None) -> int:
         )
         print(f"wrote {args.json}")
     return 0
+
+
+def ctranslate2_passes(args, ids, batches) -> dict:
+    """CTranslate2's encoder and first step (translate_batch with max_decoding_length 1), and its whole search as
+    translate runs it, on the same batches."""
+    ct2 = Translator(
+        args.checkpoint,
+        "cpu",
+        SearchFlags(dtype="int8" if args.dtype == "int8" else "fp32", beam=args.beam, workers=1, engine="ctranslate2"),
+    )
+    torch.set_num_threads(args.threads)
+    pieces = [[ct2.vocab.pieces(ids[i]) for i in batch] for batch in batches]
+
+    def ct2_first_step():
+        for batch in pieces:
+            ct2.ct2.translate_batch(
+                batch,
+                beam_size=args.beam,
+                max_decoding_length=1,
+                min_decoding_length=0,
+                max_input_length=0,
+                max_batch_size=0,
+                return_scores=True,
+            )
+
+    return {
+        "CTranslate2: encoder + 1 step": ct2_first_step,
+        "CTranslate2: whole search": lambda: ct2.search(ids),  # as translate runs it
+    }
+
+
+def print_split(median: dict, no_ctranslate2: bool) -> dict:
+    """Each engine's first pass and the rest (the decoder), from the passes' medians; CTranslate2's over ours."""
+    engines = [("ours", "ours: encoder", "ours: whole search")]
+    if not no_ctranslate2:
+        engines.append(("CTranslate2", "CTranslate2: encoder + 1 step", "CTranslate2: whole search"))
+    split = {}
+    for engine, first, whole in engines:
+        split[engine] = {"first_s": median[first], "rest_s": median[whole] - median[first], "whole_s": median[whole]}
+        print(
+            f"{engine:12} first pass {median[first]:.3f}s, decoder (the rest) {median[whole] - median[first]:.3f}s, "
+            f"whole {median[whole]:.3f}s"
+        )
+    if len(split) == 2:
+        print(
+            f"CTranslate2's time / ours: whole {split['CTranslate2']['whole_s'] / split['ours']['whole_s']:.2f}, "
+            f"decoder {split['CTranslate2']['rest_s'] / split['ours']['rest_s']:.2f}"
+        )
+    return split
 
 
 if __name__ == "__main__":

@@ -354,6 +354,45 @@ def mixed_request(rng: random.Random, sentences: list[str]) -> tuple[str, str, d
     return "GET", f"/positions?d_model={d_model}&length={rng.randint(1, 262_144 // d_model)}", None
 
 
+def soak_client(seed: int, port: int, sentences: list[str], deadline: float, outcomes: Counter, lock) -> None:
+    """One soak client: the mix of requests (a twentieth of them hostile) until `deadline`, each outcome counted."""
+    rng = random.Random(seed)
+    conn, used = http.client.HTTPConnection("127.0.0.1", port, timeout=120), time.monotonic()
+    while time.monotonic() < deadline:
+        if time.monotonic() - used > 4:  # the server has closed it (serve --keep-alive-timeout 5): a new one
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        if rng.random() < 0.05:
+            kind = rng.choice(["hang up", "chunked", "host", "half"])
+            try:
+                what = f"{kind}: {hostile(kind, port, rng.choice(sentences))}"
+            except OSError as e:
+                what = f"{kind}: {type(e).__name__}"
+        else:
+            method, path, body = mixed_request(rng, sentences)
+            try:
+                status, _ = request(conn, method, path, body)
+                what = f"{path.split('?')[0]} {status}"
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                what = f"{path.split('?')[0]} {type(e).__name__}"
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            used = time.monotonic()
+        with lock:
+            outcomes[what] += 1
+    conn.close()
+
+
+def memory_sample(pid: int, seconds: float, requests: int, **more) -> dict:
+    return {
+        "s": round(seconds, 1),
+        "rss_mb": rss_mib(pid),
+        "peak_mb": rss_mib(pid, "VmHWM"),
+        "requests": requests,
+        **more,
+    }
+
+
 def soak(args, sentences: list[str]) -> dict:
     """--clients clients sending the mix for --minutes; the server's RSS every --every seconds."""
     stop = ("--stop", args.stop) if args.stop else ()
@@ -371,40 +410,15 @@ def soak(args, sentences: list[str]) -> dict:
         "--read-timeout",
         "2",
     )
-    port = urlsplit(url).port
     outcomes: Counter = Counter()
     lock = threading.Lock()
     deadline = time.monotonic() + 60 * args.minutes
-
-    def client(seed: int) -> None:
-        rng = random.Random(seed)
-        conn, used = http.client.HTTPConnection("127.0.0.1", port, timeout=120), time.monotonic()
-        while time.monotonic() < deadline:
-            if time.monotonic() - used > 4:  # the server has closed it (serve --keep-alive-timeout 5): a new one
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-            if rng.random() < 0.05:
-                kind = rng.choice(["hang up", "chunked", "host", "half"])
-                try:
-                    what = f"{kind}: {hostile(kind, port, rng.choice(sentences))}"
-                except OSError as e:
-                    what = f"{kind}: {type(e).__name__}"
-            else:
-                method, path, body = mixed_request(rng, sentences)
-                try:
-                    status, _ = request(conn, method, path, body)
-                    what = f"{path.split('?')[0]} {status}"
-                except (OSError, http.client.HTTPException, ValueError) as e:
-                    what = f"{path.split('?')[0]} {type(e).__name__}"
-                    conn.close()
-                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-                used = time.monotonic()
-            with lock:
-                outcomes[what] += 1
-        conn.close()
-
+    port = urlsplit(url).port
     samples = [{"s": 0.0, "rss_mb": rss_mib(server.pid), "peak_mb": rss_mib(server.pid, "VmHWM"), "requests": 0}]
-    threads = [threading.Thread(target=client, args=(seed,)) for seed in range(args.clients)]
+    threads = [
+        threading.Thread(target=soak_client, args=(seed, port, sentences, deadline, outcomes, lock))
+        for seed in range(args.clients)
+    ]
     start = time.monotonic()
     try:
         for t in threads:
@@ -413,26 +427,11 @@ def soak(args, sentences: list[str]) -> dict:
             time.sleep(max(0.0, min(args.every, deadline - time.monotonic())))
             with lock:
                 done = sum(outcomes.values())
-            samples.append(
-                {
-                    "s": round(time.monotonic() - start, 1),
-                    "rss_mb": rss_mib(server.pid),
-                    "peak_mb": rss_mib(server.pid, "VmHWM"),
-                    "requests": done,
-                }
-            )
+            samples.append(memory_sample(server.pid, time.monotonic() - start, done))
         for t in threads:
             t.join()
         time.sleep(2)  # idle: what the server keeps once the load is over
-        samples.append(
-            {
-                "s": round(time.monotonic() - start, 1),
-                "rss_mb": rss_mib(server.pid),
-                "peak_mb": rss_mib(server.pid, "VmHWM"),
-                "requests": sum(outcomes.values()),
-                "idle": True,
-            }
-        )
+        samples.append(memory_sample(server.pid, time.monotonic() - start, sum(outcomes.values()), idle=True))
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -462,7 +461,8 @@ def print_soak(result: dict, args) -> None:
     print(f"errors: {result['errors']}" + (f" {result['error_kinds']}" if result["errors"] else ""))
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="run directory or .pt file")
     default_data = Path(os.environ.get("TRANSFORMER_DATA", "data")) / "multi30k" / "test.de"
@@ -508,6 +508,11 @@ def main() -> None:
     ap.add_argument("--soak", action="store_true", help="memory over time under a mix of requests (see above)")
     ap.add_argument("--minutes", type=float, default=10.0, help="--soak: how long (default 10)")
     ap.add_argument("--every", type=float, default=60.0, help="--soak: seconds between RSS samples (default 60)")
+    return ap
+
+
+def main() -> None:
+    ap = argument_parser()
     args = ap.parse_args()
     if min(args.clients, args.requests, args.sentences, args.beam) < 1 or args.time_limit <= 0:
         sys.exit("error: --clients, --requests, --sentences, --beam and --time-limit must be positive")
@@ -517,26 +522,57 @@ def main() -> None:
     if not sentences:
         sys.exit(f"error: no sentences in {args.test_set}")
     if args.soak:
-        result = soak(args, sentences)
-        print_soak(result, args)
-        if args.json:
-            report = {
-                "checkpoint": str(args.checkpoint),
-                "test_set": str(args.test_set),
-                "device": args.device,
-                "engine": args.engines[0],
-                "window_ms": args.windows[0],
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "platform": platform.platform(),
-                    "python": platform.python_version(),
-                    "cpu": cpu_description(),
-                },
-                "soak": result,
-            }
-            write_json(args.json, report)
-        sys.exit(1 if result["errors"] else 0)
+        run_soak(args, sentences)
+    results = run_servers(args, sentences)
+    print_results(results, args)
+    if args.json:
+        report = {
+            "checkpoint": str(args.checkpoint),
+            "test_set": str(args.test_set),
+            "clients": args.clients,
+            "sentences_per_request": args.sentences,
+            "beam": args.beam,
+            "stop": args.stop,
+            "device": args.device,
+            "requests_limit": args.requests,
+            "time_limit_s": args.time_limit,
+            "machine": machine(),
+            "results": results,
+        }
+        write_json(args.json, report)
+    if any(r.get("errors") for r in results):
+        sys.exit(1)
 
+
+def machine() -> dict:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_description(),
+    }
+
+
+def run_soak(args, sentences: list[str]) -> None:
+    """--soak: one server under load for --minutes, its memory over time; exits 1 on an error."""
+    result = soak(args, sentences)
+    print_soak(result, args)
+    if args.json:
+        report = {
+            "checkpoint": str(args.checkpoint),
+            "test_set": str(args.test_set),
+            "device": args.device,
+            "engine": args.engines[0],
+            "window_ms": args.windows[0],
+            "machine": machine(),
+            "soak": result,
+        }
+        write_json(args.json, report)
+    sys.exit(1 if result["errors"] else 0)
+
+
+def run_servers(args, sentences: list[str]) -> list[dict]:
+    """A server per engine and batching window, each beside CTranslate2 itself on its sentences where installed."""
     try:
         import ctranslate2  # noqa: F401
 
@@ -561,6 +597,10 @@ def main() -> None:
                 if row is not None:
                     server["vs_ct2_itself"] = server["sentences_per_s"] / row["sentences_per_s"]
                     results.append(row)
+    return results
+
+
+def print_results(results: list[dict], args) -> None:
     print(
         f"{args.clients} clients, {args.sentences} sentence(s) per request, beam {args.beam}, "
         f"stop {args.stop or 'decode.stop'}, {args.device}; "
@@ -598,28 +638,6 @@ def main() -> None:
             f"sent/batch, one at a time, inter_threads 1 x intra_threads {shown['intra_threads']}, "
             f"{shown['compute_type']}; /ct2 itself: the server's sent/s over that row's"
         )
-    if args.json:
-        report = {
-            "checkpoint": str(args.checkpoint),
-            "test_set": str(args.test_set),
-            "clients": args.clients,
-            "sentences_per_request": args.sentences,
-            "beam": args.beam,
-            "stop": args.stop,
-            "device": args.device,
-            "requests_limit": args.requests,
-            "time_limit_s": args.time_limit,
-            "machine": {
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "cpu": cpu_description(),
-            },
-            "results": results,
-        }
-        write_json(args.json, report)
-    if any(r.get("errors") for r in results):
-        sys.exit(1)
 
 
 if __name__ == "__main__":

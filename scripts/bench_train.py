@@ -185,7 +185,8 @@ def run_one(args) -> dict:
     }
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/base.yaml", help="model dimensions come from its model section")
     parser.add_argument("--vocab", type=int, default=37000)
@@ -208,6 +209,11 @@ def main() -> None:
     )
     parser.add_argument("--json", default="bench_train.json")
     parser.add_argument("--impl", help=argparse.SUPPRESS)  # internal: run one implementation and print JSON
+    return parser
+
+
+def main() -> None:
+    parser = argument_parser()
     args = parser.parse_args()
     args.precision = args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")
     if args.impl:

@@ -65,7 +65,8 @@ def load_package(name: str, into: Path) -> None:
     spec.loader.exec_module(package)
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("test_set", help="source sentences, one per line")
     ap.add_argument("--checkpoint", required=True, help="run directory or .pt file")
@@ -90,76 +91,70 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="timed passes per revision, interleaved")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    lines = read_lines(args.test_set)  # as bench_decode reads it
-    lines = lines[: args.limit] if args.limit else lines
+    return ap
 
-    with tempfile.TemporaryDirectory() as tmp:
-        runs, outputs = [], []
-        for i, rev in enumerate(args.rev):
-            package_copy(rev, f"t_{i}", Path(tmp))
-            load_package(f"t_{i}", Path(tmp))
-            try:  # the translator's module since the subpackages (issue 34), then before them
-                translate = importlib.import_module(f"t_{i}.inference.translator")
-            except ModuleNotFoundError:
-                translate = importlib.import_module(f"t_{i}.translate")
-            try:  # the search settings as objects since they got one owner (issue 34), separate values before
-                settings = importlib.import_module(f"t_{i}.inference.settings")
-            except ModuleNotFoundError:
-                settings = None
-            if settings is not None:
-                tr = translate.Translator(args.checkpoint, "cpu", settings.SearchFlags(dtype=args.dtype))
-            else:
-                tr = translate.Translator(args.checkpoint, device="cpu", dtype=args.dtype)
-            src = tr.vocab.encode(lines)
-            dec = tr.cfg.decode
-            lenpen = dec.lenpen if args.lenpen is None else args.lenpen
 
-            max_tokens = args.max_tokens or dec.max_tokens
-            if settings is not None:
-                chosen = settings.SearchSettings(
-                    beam=args.beam,
-                    lenpen=lenpen,
-                    stop=args.stop,
-                    max_len_offset=dec.max_len_offset,
-                    max_tokens=max_tokens,
-                    workers=args.workers,
-                )
+def revision_search(i: int, rev: str, tmp: Path, args, lines: list[str]):
+    """Revision `rev` unpacked as the package t_i -> a function that searches the sentences with it (its search
+    settings as objects, or as the separate values of revisions before them)."""
+    package_copy(rev, f"t_{i}", tmp)
+    load_package(f"t_{i}", tmp)
+    try:  # the translator's module since the subpackages (issue 34), then before them
+        translate = importlib.import_module(f"t_{i}.inference.translator")
+    except ModuleNotFoundError:
+        translate = importlib.import_module(f"t_{i}.translate")
+    try:  # the search settings as objects since they got one owner (issue 34), separate values before
+        settings = importlib.import_module(f"t_{i}.inference.settings")
+    except ModuleNotFoundError:
+        settings = None
+    if settings is not None:
+        tr = translate.Translator(args.checkpoint, "cpu", settings.SearchFlags(dtype=args.dtype))
+    else:
+        tr = translate.Translator(args.checkpoint, device="cpu", dtype=args.dtype)
+    src = tr.vocab.encode(lines)
+    dec = tr.cfg.decode
+    lenpen = dec.lenpen if args.lenpen is None else args.lenpen
 
-                # search_ids: in inference/batched.py since the translator held one concept, in translator.py before
-                batches = getattr(translate, "search_ids", None) and translate
-                batches = batches or importlib.import_module(f"t_{i}.inference.batched")
+    max_tokens = args.max_tokens or dec.max_tokens
+    if settings is not None:
+        chosen = settings.SearchSettings(
+            beam=args.beam,
+            lenpen=lenpen,
+            stop=args.stop,
+            max_len_offset=dec.max_len_offset,
+            max_tokens=max_tokens,
+            workers=args.workers,
+        )
 
-                def run(batches=batches, tr=tr, src=src, chosen=chosen):
-                    return batches.search_ids(tr.model, src, chosen, torch.device("cpu"))
-            else:
+        # search_ids: in inference/batched.py since the translator held one concept, in translator.py before
+        batches = getattr(translate, "search_ids", None) and translate
+        batches = batches or importlib.import_module(f"t_{i}.inference.batched")
 
-                def run(translate=translate, tr=tr, src=src, lenpen=lenpen, dec=dec, max_tokens=max_tokens):
-                    # workers only when asked: revisions before decode.workers (a38a639) do not take it
-                    side_by_side = {"workers": args.workers} if args.workers > 1 else {}
-                    return translate.search_ids(
-                        tr.model,
-                        src,
-                        args.beam,
-                        lenpen,
-                        dec.max_len_offset,
-                        max_tokens,
-                        torch.device("cpu"),
-                        1,
-                        args.stop,
-                        **side_by_side,
-                    )
+        def run(batches=batches, tr=tr, src=src, chosen=chosen):
+            return batches.search_ids(tr.model, src, chosen, torch.device("cpu"))
+    else:
 
-            outputs.append([hyps[0].tokens for hyps in run()])  # untimed: warms up, and the outputs to compare
-            runs.append(run)
-        times: list[list[float]] = [[] for _ in runs]
-        for _ in range(args.rounds):
-            for i, run in enumerate(runs):
-                start = time.perf_counter()
-                run()
-                times[i].append(time.perf_counter() - start)
+        def run(translate=translate, tr=tr, src=src, lenpen=lenpen, dec=dec, max_tokens=max_tokens):
+            # workers only when asked: revisions before decode.workers (a38a639) do not take it
+            side_by_side = {"workers": args.workers} if args.workers > 1 else {}
+            return translate.search_ids(
+                tr.model,
+                src,
+                args.beam,
+                lenpen,
+                dec.max_len_offset,
+                max_tokens,
+                torch.device("cpu"),
+                1,
+                args.stop,
+                **side_by_side,
+            )
 
+    return run
+
+
+def report(args, lines: list[str], times: list[list[float]], outputs: list) -> None:
+    """Each revision's times against the first's, round by round, and its outputs; --json too."""
     rows = []
     print(
         f"{len(lines)} sentences, beam {args.beam}, stop {args.stop}, {args.dtype}, {args.rounds} rounds, "
@@ -199,6 +194,29 @@ def main() -> None:
             },
         )
         print(f"wrote {args.json}")
+
+
+def main() -> None:
+    ap = argument_parser()
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lines = read_lines(args.test_set)  # as bench_decode reads it
+    lines = lines[: args.limit] if args.limit else lines
+
+    with tempfile.TemporaryDirectory() as tmp:
+        runs, outputs = [], []
+        for i, rev in enumerate(args.rev):
+            run = revision_search(i, rev, Path(tmp), args, lines)
+            outputs.append([hyps[0].tokens for hyps in run()])  # untimed: warms up, and the outputs to compare
+            runs.append(run)
+        times: list[list[float]] = [[] for _ in runs]
+        for _ in range(args.rounds):
+            for i, run in enumerate(runs):
+                start = time.perf_counter()
+                run()
+                times[i].append(time.perf_counter() - start)
+
+    report(args, lines, times, outputs)
 
 
 if __name__ == "__main__":

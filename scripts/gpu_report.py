@@ -943,7 +943,8 @@ def write_block(path: Path, block: str) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--data",
@@ -1018,6 +1019,11 @@ def main() -> None:
         metavar="JSON",
         help="run nothing: merge these reports (later ones win per step) and write the block",
     )
+    return ap
+
+
+def main() -> None:
+    ap = argument_parser()
     args = ap.parse_args()
     if args.prepare_data:
         prepare_data(Path(args.prepare_data), Path(args.data), Path(args.vocab))
