@@ -14,7 +14,8 @@ import pytest
 from tests.helpers import ROOT, subprocess_env
 
 PACKAGE = ROOT / "transformer"
-# Lowest first: core is the package's top-level modules (errors, config, files, run_dir, device, distributed, signals).
+# Lowest first: core is the package's top-level modules (errors, config, files, run_dir, device, peak, distributed,
+# signals).
 LAYERS = {"core": 0, "data": 1, "model": 2, "inference": 3, "training": 4, "serve": 5, "visualize": 5, "cli": 6}
 
 
@@ -179,6 +180,27 @@ def test_the_entry_point_and_python_m_reach_main():
     assert packages["packages"]["find"]["include"] == ["transformer*"]
     patterns = packages["package-data"]["transformer.serve"]
     assert all(list((PACKAGE / "serve").glob(pattern)) for pattern in patterns)
+
+
+MAX_MODULE_LINES = 700  # a module past it holds more than one concept
+MAX_FUNCTION_LINES = 80  # a function past it, more than one step: name them
+
+
+def test_no_module_is_over_700_lines_and_no_function_over_80():
+    """One concept a module, named steps in a function: every module of the package within MAX_MODULE_LINES, and
+    every function of the package and of scripts/ within MAX_FUNCTION_LINES, counted from its def to its last line."""
+    found = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]):
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(ROOT)
+        if path.is_relative_to(PACKAGE) and len(text.splitlines()) > MAX_MODULE_LINES:
+            found.append(f"{where}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{where}:{node.lineno}: {node.name} has {lines} lines")
+    assert not found, found
 
 
 # Test files of a package's tests/ folder that are about the package as a whole, not one module.
