@@ -8,6 +8,7 @@ import threading
 
 from tests.helpers import SENTENCES
 from transformer.inference import evaluation as evaluate_module
+from transformer.inference.scoring import SCORES
 from transformer.inference.translator import Translator
 
 # Result names carry the dtype unless it is fp32, and --dtype auto is bf16 on CPUs with native bf16: tests of
@@ -24,6 +25,8 @@ def test_evaluate_writes_hypotheses_and_scores(run, call):
     assert 0 <= scores["bleu"] <= 100 and 0 <= scores["chrf"] <= 100 and scores["beam"] == 2
     assert "tok:13a" in scores["bleu_signature"] and "case:mixed" in scores["chrf_signature"]
     assert "BLEU" in out and "chrF" in out and scores["bleu_signature"] in out
+    for score in SCORES:  # every score, printed with its signature and kept in the JSON
+        assert isinstance(scores[score.name], float) and scores[f"{score.name}_signature"] in out
     # Another beam writes beside it instead of over it.
     status, _, _ = call("evaluate", run, "--split", "test", "--beam", "1", "--lenpen", "0", *FP32)
     assert status == 0 and json.loads((run / "eval" / "test.beam1.lp0.json").read_text())["beam"] == 1

@@ -16,6 +16,7 @@ from typing import NoReturn
 from transformer.cli import commands
 from transformer.config import POSITION_KINDS
 from transformer.errors import UserError
+from transformer.inference.scoring import SCORES  # no torch either
 from transformer.inference.settings import (  # no torch: --help stays fast
     DTYPES,
     ENGINES,
@@ -315,11 +316,12 @@ def _add_line_options(p) -> None:
 
 
 def _add_evaluate(sub) -> None:
+    labels = ", ".join(score.label for score in SCORES)
     p = sub.add_parser(
         "evaluate",
-        help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
+        help=f"translate a test set and score it with sacreBLEU ({labels})",
         description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
-        "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
+        f"files, score with sacreBLEU ({labels}; cased, BLEU with 13a tokenisation), print the scores with "
         "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
         "and .json (.early, .bf16, .int8 or .ct2 added for those settings; SPLIT is --src's file name, or "
         "'pipe' for a pipe, with a digest of the sentences added when another source's results hold "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformer.errors import UserError
 from transformer.files import atomic_write
-from transformer.inference.scoring import bleu_chrf
+from transformer.inference.scoring import SCORES, corpus_scores
 from transformer.inference.settings import SearchFlags
 from transformer.run_dir import RunDir
 
@@ -151,9 +151,9 @@ def run_evaluate(
     hypotheses = translator.translate(sources)
     seconds = time.perf_counter() - start
     translator.report_truncation()
-    scores = bleu_chrf(hypotheses, references)
-    print(f"{scores['bleu_detail']}\n  signature: {scores['bleu_signature']}")
-    print(f"{scores['chrf_detail']}\n  signature: {scores['chrf_signature']}", flush=True)
+    scores = corpus_scores(hypotheses, references)
+    for score in SCORES:
+        print(f"{scores[f'{score.name}_detail']}\n  signature: {scores[f'{score.name}_signature']}", flush=True)
     hyp_path, json_path = eval_dir / f"{name}.hyp", eval_dir / f"{name}.json"
     text = "".join(h + "\n" for h in hypotheses)
     atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
