@@ -1,4 +1,4 @@
-"""Scores (inference/scoring.py): SCORES, the one list of sacreBLEU's scores (BLEU, chrF), each perfect
+"""Scores (inference/scoring.py): SCORES, the one list of sacreBLEU's scores (BLEU, chrF, chrF++, TER), each perfect
 on identical text and worse on garbled text in its own direction, with its signature; the length ratio that says
 how short the translations are; and no other module naming a score but BLEU."""
 
@@ -29,7 +29,8 @@ def test_every_score_is_perfect_on_identical_text_and_worse_on_garbled_text():
 def test_the_scores_are_sacrebleus_as_named():
     signatures = {name: value for name, value in corpus_scores(REFERENCES, REFERENCES).items() if "signature" in name}
     assert "tok:13a" in signatures["bleu_signature"] and "case:mixed" in signatures["bleu_signature"]
-    assert "nw:0" in signatures["chrf_signature"]
+    assert "nw:0" in signatures["chrf_signature"] and "nw:2" in signatures["chrfpp_signature"]  # chrF++: word bigrams
+    assert "tok:tercom" in signatures["ter_signature"]
     assert len(set(NAMES)) == len(NAMES) == len(SCORES) and all(name == name.lower() for name in NAMES)
 
 

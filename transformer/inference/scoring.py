@@ -38,6 +38,8 @@ class Score:
 SCORES: tuple[Score, ...] = (
     Score("bleu", "BLEU", "BLEU", keep=("bp", "sys_len", "ref_len")),  # the lengths give the length ratio
     Score("chrf", "chrF", "CHRF"),
+    Score("chrfpp", "chrF++", "CHRF", (("word_order", 2),)),  # chrF with word uni- and bigrams (Popović, 2017)
+    Score("ter", "TER", "TER", higher_is_better=False),  # edits per reference word, in percent
 )
 NAMES: tuple[str, ...] = tuple(s.name for s in SCORES)
 
