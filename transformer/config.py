@@ -153,6 +153,9 @@ class TrainConfig:
     valid_bleu: bool = False  # also translate the validation set and score BLEU at each validation
     valid_bleu_beam: int = 1  # 1 = greedy (fast); the paper's 4 for the real score
     valid_bleu_pairs: int = 0  # translate only the first N validation pairs (0 = all)
+    # What those translations are scored with: names of inference/scoring.py's SCORES (what evaluate reports),
+    # checked when training starts; bleu among them, as best.pt and early stopping follow it.
+    valid_scores: tuple[str, ...] = ("bleu",)
     patience: int = 0  # stop after this many validations without improvement (0 = never)
     finish: bool = True  # at the end: average, choose checkpoint and lenpen on valid, score test
     tensorboard: bool = False  # also log to run_dir/tensorboard (needs the tensorboard extra)
@@ -427,6 +430,10 @@ def validate(cfg: Config) -> None:
         (t.log_every >= 1 and t.valid_every >= 1, "train.log_every and train.valid_every must be at least 1"),
         (t.keep_last >= 0, "train.keep_last must not be negative"),
         (t.valid_bleu_beam >= 1, "train.valid_bleu_beam must be at least 1"),
+        (
+            "bleu" in t.valid_scores and len(set(t.valid_scores)) == len(t.valid_scores),
+            f"train.valid_scores must name bleu (best.pt follows it), each score once, got {list(t.valid_scores)}",
+        ),
         (t.valid_bleu_pairs >= 0 and t.patience >= 0, "train.valid_bleu_pairs and train.patience must not be negative"),
         (t.peak_tflops >= 0, "train.peak_tflops must not be negative (0 = measure it)"),
         (
@@ -477,6 +484,7 @@ def to_dict(cfg: Config) -> dict:
     out = dataclasses.asdict(cfg)
     out["train"]["adam_betas"] = list(cfg.train.adam_betas)  # YAML-friendly
     out["data"]["corpora"] = list(out["data"]["corpora"])
+    out["train"]["valid_scores"] = list(cfg.train.valid_scores)
     return out
 
 

@@ -105,7 +105,7 @@ def tiny_run(run_dir: Path) -> Path:
     )
     rows = [
         {"step": 100, "split": "valid", "loss": 3.5, "ppl": 33.1},
-        {"step": 120, "split": "valid", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5},
+        {"step": 120, "split": "valid", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5, "chrf": 40.5},
         {"step": 120, "split": "train", "loss": 3.0},
     ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -416,7 +416,8 @@ def test_serve_answers_with_the_view():
 def test_info(client, run):
     info = client.get("/info").json()
     assert info["checkpoint"] == "best.pt" and info["step"] == 120  # a name, never a path
-    assert info["validation"] == {"best": 3.25, "metric": "loss", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5}
+    validation = {"best": 3.25, "metric": "loss", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5, "chrf": 40.5}
+    assert info["validation"] == validation  # every score validation logged (train.valid_scores)
     model = info["model"]
     assert (model["d_model"], model["n_heads"], model["n_encoder_layers"], model["n_decoder_layers"]) == (32, 4, 1, 2)
     # Counted as trained, though on a CPU the served copy holds its linear weights input-major, as buffers.

@@ -183,11 +183,21 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from transformer.inference.evaluation import run_evaluate
 
     flags = _search_flags(args)
+    if args.hyp is not None:  # nothing to translate: run_evaluate refuses a run or checkpoint given with it
+        unasked = {"dtype": "auto", "engine": "ours"}  # the options' defaults
+        searched = [name for name, value in flags.given().items() if unasked.get(name) != value]
+        if searched:
+            flag = "--" + searched[0].replace("_", "-")
+            raise UserError(f"evaluate: --hyp scores translations already made; {flag} has nothing to search")
+        run_evaluate(
+            [*args.checkpoints, *args.run], args.split, args.src, args.ref, compared=args.compare, hyp=args.hyp
+        )
+        return
     checkpoints, rest = _checkpoints("evaluate", args, list(args.run))
     if rest:
         raise UserError(f"evaluate: {rest[0]} is not a run directory or checkpoint file")
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
-        run_evaluate(checkpoints, args.split, args.src, args.ref, args.device, flags)
+        run_evaluate(checkpoints, args.split, args.src, args.ref, args.device, flags, args.compare)
 
 
 def cmd_export(args: argparse.Namespace) -> None:

@@ -16,6 +16,7 @@ from typing import NoReturn
 from transformer.cli import commands
 from transformer.config import POSITION_KINDS
 from transformer.errors import UserError
+from transformer.inference.scoring import SCORES  # no torch either
 from transformer.inference.settings import (  # no torch: --help stays fast
     DTYPES,
     ENGINES,
@@ -361,15 +362,18 @@ def _add_line_options(p) -> None:
 
 
 def _add_evaluate(sub) -> None:
+    labels = ", ".join(score.label for score in SCORES)
     p = sub.add_parser(
         "evaluate",
-        help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
+        help=f"translate a test set and score it with sacreBLEU ({labels}); compare systems",
         description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
-        "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
+        f"files, score with sacreBLEU ({labels}; cased, BLEU with 13a tokenisation), print the scores with "
         "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
         "and .json (.early, .bf16, .int8 or .ct2 added for those settings; SPLIT is --src's file name, or "
         "'pipe' for a pipe, with a digest of the sentences added when another source's results hold "
-        "that name; for a checkpoint file: eval/ next to it, named after it).",
+        "that name; for a checkpoint file: eval/ next to it, named after it). --compare: other systems on the "
+        "same sentences, by sacreBLEU's paired bootstrap resampling (1000 resamples, seed 12345): each score "
+        "with its 95% confidence interval, each difference to the first system with its interval and p-value.",
     )
     p.add_argument(
         "run",
@@ -383,7 +387,23 @@ def _add_evaluate(sub) -> None:
         "--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)"
     )
     p.add_argument("--src", metavar="FILE", help="source sentences to translate instead of a split (with --ref)")
-    p.add_argument("--ref", metavar="FILE", help="reference translations of --src, line by line")
+    p.add_argument("--ref", metavar="FILE", help="reference translations of --src (or --hyp), line by line")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="RUN_OR_FILE",
+        help="another system to compare with the first one (the baseline) on the same sentences: a run directory "
+        "or checkpoint (translated with the same search options, its results kept in its own eval/) or a file "
+        "of its translations, line by line; repeat it for more. The table is printed and kept in the "
+        "baseline's JSON",
+    )
+    p.add_argument(
+        "--hyp",
+        metavar="FILE",
+        help="translations already made, scored against --ref instead of a model's (nothing is written: there is "
+        "no run directory); the baseline of --compare FILE",
+    )
     add_search_options(p)
     p.set_defaults(func=commands.cmd_evaluate)
 

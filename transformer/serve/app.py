@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from transformer.data.batch import prepare_sources, source_limit
 from transformer.data.vocab import valid_text
 from transformer.errors import UserError, first_line, is_out_of_memory
+from transformer.inference.scoring import NAMES
 from transformer.inference.search import TraceStep, search
 from transformer.inference.settings import MAX_SAMPLES, SearchFlags, SearchSettings
 from transformer.inference.translator import SentenceOptions, Translation, Translator
@@ -527,7 +528,7 @@ def _validation_at(run_dir: Path, step: int | None) -> dict:
     except (UserError, OSError):
         return {}
     found = [r for r in rows if r.get("split") == "valid" and r.get("step") == step]
-    return {k: v for k, v in found[-1].items() if k in ("loss", "nll", "ppl", "bleu", "chrf")} if found else {}
+    return {k: v for k, v in found[-1].items() if k in ("loss", "nll", "ppl", *NAMES)} if found else {}
 
 
 def check_positions(d_model: int, length: int, max_values: int) -> None:

@@ -19,7 +19,7 @@ from transformer.data.vocab import vocab_from_stored
 from transformer.device import tf32_matmuls
 from transformer.errors import UserError
 from transformer.files import atomic_write
-from transformer.inference.scoring import length_ratio, translate_and_score
+from transformer.inference.scoring import SCORES, describe, length_ratio, translate_and_score
 from transformer.inference.settings import SearchSettings, search_settings
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.run_dir import RunDir
@@ -33,11 +33,6 @@ FINAL = RunDir.FINAL  # what `translate RUN_DIR` uses once a run has finished
 # The length penalties tried on the validation set at the config's beam; the best goes into final.pt's
 # decode.lenpen (and config.yaml), in place of the config's, for every command that reads the run afterwards.
 LENPENS = (0.6, 0.8, 1.0, 1.2)
-
-
-def describe(scores: dict) -> str:
-    """BLEU with the length ratio beside it: the brevity penalty is where short translations lose."""
-    return f"BLEU {scores['bleu']:.2f} (length ratio {length_ratio(scores):.3f}), chrF {scores['chrf']:.2f}"
 
 
 class _Scorer:
@@ -254,11 +249,9 @@ def _score_test(
     atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
     return {
         "split": cfg.data.test_split,
-        "bleu": round(scores["bleu"], 2),
-        "chrf": round(scores["chrf"], 2),
+        **{s.name: round(scores[s.name], 2) for s in SCORES},
         "length_ratio": round(length_ratio(scores), 3),
-        "bleu_signature": scores["bleu_signature"],
-        "chrf_signature": scores["chrf_signature"],
+        **{f"{s.name}_signature": scores[f"{s.name}_signature"] for s in SCORES},
         "hypotheses": str(hyp_path),
     }
 
@@ -279,11 +272,11 @@ def _log_summary(s: dict) -> None:
     if "test" in s:
         t = s["test"]
         lines.append(
-            f"summary: test BLEU {t['bleu']:.2f} (length ratio {t['length_ratio']:.3f}), chrF {t['chrf']:.2f}"
-            f" with {s['made_from']}, beam {s['decode']['beam']}, lenpen {s['decode']['lenpen']:g}"
+            f"summary: test {describe(t)} with {s['made_from']}, beam {s['decode']['beam']}, "
+            f"lenpen {s['decode']['lenpen']:g}"
         )
-        lines.append(f"summary:   {t['bleu_signature']}")
-        lines.append(f"summary:   {t['chrf_signature']}")
+        # A summary.json of an earlier version (a resume with nothing left to train) has fewer scores.
+        lines += [f"summary:   {t[f'{score.name}_signature']}" for score in SCORES if score.name in t]
     lines.append(
         f"summary: use {s['checkpoint']} (`transformer translate {s['run_dir']}` picks it); "
         f"details in {s['run_dir']}/summary.json"

@@ -52,6 +52,7 @@ from transformer.distributed import (
 )
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.files import remove_stale_temporaries
+from transformer.inference.scoring import describe
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.model.transformer import Transformer, build_model, count_parameters
 from transformer.run_dir import RunDir
@@ -76,7 +77,7 @@ from transformer.training.run_state import (
     set_rng_state,
     training_checkpoint,
 )
-from transformer.training.validation import evaluate_loss, validation_bleu
+from transformer.training.validation import check_valid_scores, evaluate_loss, validation_scores
 
 log = logging.getLogger("transformer")
 
@@ -183,6 +184,7 @@ def _train(
     precision, _ = pick_precision(cfg.train.precision, device)  # fp16 on a CPU refused before any data is built
     same_on_every_rank(cfg, resume, info, precision)
     check_compile(cfg, device)
+    check_valid_scores(cfg)
     # Training, validation and the end of training compute fp32 products in TF32 on a GPU (device.tf32_matmuls).
     scope.enter_context(tf32_matmuls(device))
     run_dir, saved, changes, cfg, origin = start(cfg, info, resume, command, scope)
@@ -546,7 +548,7 @@ def validate_and_save(run: Run) -> bool:
         score = torch.zeros(1, dtype=torch.float64, device=run.device)
         if run.info.is_main:
             result.update(
-                validation_bleu(
+                validation_scores(
                     run.model, run.vocab, run.store.corpus("valid"), run.store.references("valid"), run.cfg, run.device
                 )
             )
@@ -572,7 +574,7 @@ def validate_and_save(run: Run) -> bool:
             for old in RunDir(run.run_dir).step_checkpoints()[: -t.keep_last]:
                 old.unlink()
     run.saved_step = state.step
-    bleu = f" bleu {result['bleu']:.2f} (length ratio {result['length_ratio']:.3f})" if "bleu" in result else ""
+    scores = describe(result, lower=True)  # "" without valid_bleu
     best = f" (best, {run.metrics.elapsed() / 60:.1f} min into training)" if improved else ""
     log.info(
         "step %d: valid loss %.4f nll %.4f ppl %.2f%s%s",
@@ -580,7 +582,7 @@ def validate_and_save(run: Run) -> bool:
         result["loss"],
         result["nll"],
         result["ppl"],
-        bleu,
+        f" {scores}" if scores else "",
         best,
     )
     if out_of_patience(run):

@@ -1,4 +1,5 @@
-"""Validation during training: the label-smoothed loss and NLL over every rank's share, and BLEU on a slice."""
+"""Validation during training: the label-smoothed loss and NLL over every rank's share, and BLEU (with the other
+scores of train.valid_scores) on a slice."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from transformer.device import autocast_context
 from transformer.distributed import DistInfo, all_reduce_sum
-from transformer.inference.scoring import length_ratio, translate_and_score
+from transformer.inference.scoring import length_ratio, named, translate_and_score
 from transformer.inference.settings import SearchFlags, search_settings
 from transformer.model.transformer import evaluating
 from transformer.training.optim import label_smoothed_loss
@@ -32,9 +33,17 @@ def evaluate_loss(model, batches, device, precision: str, smoothing: float, info
     return {"loss": loss / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50.0))}
 
 
-def validation_bleu(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
-    """sacreBLEU of the model's translations of (a slice of) the validation set, and their length ratio."""
+def check_valid_scores(cfg) -> None:
+    """train.valid_scores names scores there are (config.py, which knows none of them, checks the rest), before
+    anything of the run is written."""
+    named(cfg.train.valid_scores, "config: train.valid_scores")
+
+
+def validation_scores(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
+    """sacreBLEU's scores (train.valid_scores) of the model's translations of (a slice of) the validation set, and
+    their length ratio."""
     n = min(cfg.train.valid_bleu_pairs or len(corpus), len(corpus))
     settings = search_settings(cfg.decode, SearchFlags(beam=cfg.train.valid_bleu_beam))
-    scores, _ = translate_and_score(model, vocab, [corpus.source(i) for i in range(n)], refs[:n], settings, device)
-    return {"bleu": scores["bleu"], "length_ratio": length_ratio(scores)}
+    sources = [corpus.source(i) for i in range(n)]
+    scores, _ = translate_and_score(model, vocab, sources, refs[:n], settings, device, cfg.train.valid_scores)
+    return {**{s.name: scores[s.name] for s in named(cfg.train.valid_scores)}, "length_ratio": length_ratio(scores)}

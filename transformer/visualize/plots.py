@@ -12,6 +12,7 @@ import numpy as np
 from transformer.config import DEFAULT_POSITIONS
 from transformer.errors import UserError, out_of_memory_names
 from transformer.files import check_output_path, refuse_directory
+from transformer.inference.scoring import SCORES
 
 DPI = 100
 FORMATS = ("png", "svg", "pdf")
@@ -324,8 +325,8 @@ def _series(rows: list[dict], split: str, key: str, x: str = "step") -> tuple[li
 
 
 def training_curves(rows: list[dict], title: str = "Training", x: str = "step"):
-    """Loss (train and valid), valid perplexity, BLEU and learning rate against steps, or against training wall
-    time with x="elapsed" (runs that log it); absent ones skipped."""
+    """Loss (train and valid), valid perplexity, BLEU (and the other scores validation computed) and learning rate
+    against steps, or against training wall time with x="elapsed" (runs that log it); absent ones skipped."""
     panels = []  # (y label, [(label, xs, values, style)], log scale)
     loss = [
         ("train loss", *_series(rows, "train", "loss", x), "-"),
@@ -336,9 +337,10 @@ def training_curves(rows: list[dict], title: str = "Training", x: str = "step"):
     ppl = [("valid perplexity", *_series(rows, "valid", "ppl", x), "o-")]
     if ppl[0][1]:
         panels.append(("valid perplexity", ppl, True))
-    bleu = [("valid BLEU", *_series(rows, "valid", "bleu", x), "o-")]
-    if bleu[0][1]:
-        panels.append(("valid BLEU", bleu, False))
+    for score in SCORES:  # those validation computed (train.valid_scores)
+        series = [(f"valid {score.label}", *_series(rows, "valid", score.name, x), "o-")]
+        if series[0][1]:
+            panels.append((f"valid {score.label}", series, False))
     lr = [("learning rate", *_series(rows, "train", "lr", x), "-")]
     if lr[0][1]:
         panels.append(("learning rate", lr, False))
