@@ -13,7 +13,18 @@ import pytest
 
 from tests.helpers import ROOT, cli, tiny_config, write_config
 
-COMMANDS = ("train", "prepare", "translate", "evaluate", "average", "export", "attention", "plot", "plot-positions", "synthesize")
+COMMANDS = (
+    "train",
+    "prepare",
+    "translate",
+    "evaluate",
+    "average",
+    "export",
+    "attention",
+    "plot",
+    "plot-positions",
+    "synthesize",
+)
 
 
 def test_every_subcommand_has_help(call):
