@@ -75,6 +75,21 @@ def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], names: S
     return {**out, "sentences": len(hypotheses)}
 
 
+def mean_scores(per_pair: dict[str, dict]) -> dict:
+    """The scores of several language pairs (each corpus_scores') as one: each score their mean, which chooses
+    checkpoints and search settings as one pair's score does; the length ratio over all of them; each pair's own
+    scores under "pairs". One pair: its scores as they are."""
+    if len(per_pair) == 1:
+        return next(iter(per_pair.values()))
+    first = next(iter(per_pair.values()))
+    out = {
+        **{s.name: sum(p[s.name] for p in per_pair.values()) / len(per_pair) for s in SCORES if s.name in first},
+        **{f"{s.name}_signature": first[f"{s.name}_signature"] for s in SCORES if s.name in first},
+        **{key: sum(p[key] for p in per_pair.values()) for key in ("sys_len", "ref_len", "sentences") if key in first},
+    }
+    return {**out, "pairs": {name: {s.name: p[s.name] for s in SCORES if s.name in p} for name, p in per_pair.items()}}
+
+
 def describe(scores: dict, lower: bool = False) -> str:
     """The scores `scores` holds, in SCORES' order, as printed: BLEU with the length ratio beside it (the brevity
     penalty is where short translations lose), e.g. `BLEU 41.17 (length ratio 0.969), chrF 60.37`; lower: the
@@ -89,6 +104,10 @@ def describe(scores: dict, lower: bool = False) -> str:
             ratio = scores["length_ratio"] if "length_ratio" in scores else length_ratio(scores)
             text += f" (length ratio {ratio:.3f})"
         parts.append(text)
+    if "pairs" in scores:  # a multilingual run's: each pair's BLEU beside the mean
+        parts.append(
+            "BLEU by pair " + ", ".join(f"{n} {p['bleu']:.2f}" for n, p in scores["pairs"].items() if "bleu" in p)
+        )
     return ", ".join(parts)
 
 

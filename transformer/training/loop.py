@@ -27,6 +27,7 @@ from transformer.data.prepare import (
     prepare,
     prepare_corpora,
     training_mixture,
+    valid_sets,
 )
 from transformer.data.store import Store
 from transformer.data.vocab import AnyVocab, run_vocab, vocab_from_stored
@@ -95,9 +96,10 @@ class Run:
     run_dir: Path
     command: str  # what continues the run after a stop
     vocab: AnyVocab
-    store: Store  # data.dir's: validation, its references
+    store: Store  # data.dir's
     train: Mixture  # the training pairs: data.dir's and data.corpora's
-    valid: list[Batch]
+    valid_sets: list[tuple]  # (name, corpus, references) per language pair scored (prepare.valid_sets)
+    valid: list[Batch]  # every validation set's, for the loss
     model: Transformer
     forward: torch.nn.Module  # TrainingLoss as updates call it: wrapped by DDP and/or torch.compile
     optimizer: torch.optim.Optimizer
@@ -188,8 +190,8 @@ def _train(
     # Training, validation and the end of training compute fp32 products in TF32 on a GPU (device.tf32_matmuls).
     scope.enter_context(tf32_matmuls(device))
     run_dir, saved, changes, cfg, origin = start(cfg, info, resume, command, scope)
-    vocab, store, mixture = load_data(cfg, info, run_dir, saved, quiet, origin)
-    run = build(cfg, info, device, run_dir, command, vocab, store, mixture, saved, metrics_since)
+    vocab, store, mixture, sets = load_data(cfg, info, run_dir, saved, quiet, origin)
+    run = build(cfg, info, device, run_dir, command, vocab, store, mixture, saved, metrics_since, sets)
     restore(run, saved, changes)
     if saved is not None:
         run.metrics.record({"step": run.state.step, "event": "resume"})
@@ -320,11 +322,11 @@ def same_on_every_rank(cfg: Config, resume: bool, info: DistInfo, precision: str
 
 def load_data(
     cfg: Config, info: DistInfo, run_dir: Path, saved: dict | None, quiet: bool, origin: Origin | None = None
-) -> tuple[AnyVocab, Store, Mixture]:
+) -> tuple[AnyVocab, Store, Mixture, list[tuple]]:
     """Rank 0 trains or reuses the SentencePiece model (takes the one of the model the run starts from) and builds or
     reuses the memory-mapped stores; the other ranks wait, then map the same files, checked against their own view of
     the inputs (a node whose data differs stops every rank). -> the vocabulary, data.dir's store (validation) and
-    the mixture of every corpus training draws from."""
+    the mixture of every corpus training draws from, and the validation sets."""
     saved_vocab = (
         vocab_from_stored(saved["vocab"]) if saved is not None else origin.vocab if origin is not None else None
     )
@@ -343,7 +345,7 @@ def load_data(
             corpora = open_prepared_corpora(cfg, run_dir, vocab)
     if info.is_main and len(vocab) != cfg.data.vocab_size:  # so that config.yaml does not misstate it
         save_config(cfg, RunDir(run_dir).config, pieces=len(vocab))
-    return vocab, store, training_mixture(cfg, store, corpora)
+    return vocab, store, training_mixture(cfg, store, corpora), valid_sets(cfg, store, corpora)
 
 
 def check_compile(cfg: Config, device: torch.device) -> None:
@@ -389,6 +391,7 @@ def build(
     mixture: Mixture,
     saved: dict | None,
     started: float,
+    sets: list[tuple] | None = None,
 ) -> Run:
     """The model (seeded per rank, so each rank has its own dropout stream), its loss with the DDP / compiled
     wrapper, the optimizer, the fp16 grad scaler, the validation batches, the metrics log, the precision and the
@@ -410,7 +413,9 @@ def build(
     )
     peak = mfu_peak(device, precision, t.peak_tflops)
     log.info("precision: %s (%s); MFU below is against %s", precision, why, peak.describe())
-    valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple, vocab.specials)
+    sets = sets or valid_sets(cfg, store, [])
+    d = cfg.data
+    valid = [b for _, c, _ in sets for b in eval_batches(c, d.max_tokens, d.pad_to_multiple, vocab.specials)]
     return Run(
         cfg,
         info,
@@ -421,6 +426,7 @@ def build(
         vocab,
         store,
         mixture,
+        sets,
         valid,
         model,
         forward,
@@ -547,11 +553,7 @@ def validate_and_save(run: Run) -> bool:
     if t.valid_bleu:
         score = torch.zeros(1, dtype=torch.float64, device=run.device)
         if run.info.is_main:
-            result.update(
-                validation_scores(
-                    run.model, run.vocab, run.store.corpus("valid"), run.store.references("valid"), run.cfg, run.device
-                )
-            )
+            result.update(validation_scores(run.model, run.vocab, run.valid_sets, run.cfg, run.device))
             score += result["bleu"]
         score, higher_is_better = all_reduce_sum(score, run.info).item(), True
     improved = state.best is None or (score > state.best if higher_is_better else score < state.best)

@@ -9,7 +9,7 @@ import torch
 
 from transformer.device import autocast_context
 from transformer.distributed import DistInfo, all_reduce_sum
-from transformer.inference.scoring import length_ratio, named, translate_and_score
+from transformer.inference.scoring import length_ratio, mean_scores, named, translate_and_score
 from transformer.inference.settings import SearchFlags, search_settings
 from transformer.model.transformer import evaluating
 from transformer.training.optim import label_smoothed_loss
@@ -39,11 +39,22 @@ def check_valid_scores(cfg) -> None:
     named(cfg.train.valid_scores, "config: train.valid_scores")
 
 
-def validation_scores(model, vocab, corpus, refs: list[str], cfg, device) -> dict:
-    """sacreBLEU's scores (train.valid_scores) of the model's translations of (a slice of) the validation set, and
-    their length ratio."""
-    n = min(cfg.train.valid_bleu_pairs or len(corpus), len(corpus))
+def validation_scores(model, vocab, sets: list[tuple[str, object, list[str]]], cfg, device) -> dict:
+    """sacreBLEU's scores (train.valid_scores) of the model's translations of (a slice of) each validation set
+    (name, corpus, references: a multilingual run has one per language pair), their mean where there are several
+    (scoring.mean_scores; each pair's BLEU as bleu_{name}), and the length ratio."""
     settings = search_settings(cfg.decode, SearchFlags(beam=cfg.train.valid_bleu_beam))
-    sources = [corpus.source(i) for i in range(n)]
-    scores, _ = translate_and_score(model, vocab, sources, refs[:n], settings, device, cfg.train.valid_scores)
-    return {**{s.name: scores[s.name] for s in named(cfg.train.valid_scores)}, "length_ratio": length_ratio(scores)}
+    per_pair = {}
+    for name, corpus, refs in sets:
+        n = min(cfg.train.valid_bleu_pairs or len(corpus), len(corpus))
+        sources = [corpus.source(i) for i in range(n)]
+        per_pair[name] = translate_and_score(model, vocab, sources, refs[:n], settings, device, cfg.train.valid_scores)[
+            0
+        ]
+    scores = mean_scores(per_pair)
+    by_pair = {f"bleu_{name}": s["bleu"] for name, s in scores.get("pairs", {}).items()}
+    return {
+        **{s.name: scores[s.name] for s in named(cfg.train.valid_scores)},
+        **by_pair,
+        "length_ratio": length_ratio(scores),
+    }
