@@ -73,8 +73,9 @@ def tag_ids(vocab: AnyVocab, tags: tuple[str, ...], whose: str) -> dict[str, int
     for tag, i in ids.items():
         if i == vocab.specials.unk:
             raise UserError(
-                f"data: the tag {tag!r} is not a piece of {whose}; a vocabulary cannot gain pieces under a trained "
-                "model: start a new run (another train.run_dir) to use it, or drop the tag"
+                f"data: the tag {tag!r} is not a piece of {whose}, and a run's vocabulary cannot change once it has "
+                "trained: start a new run to use it (another train.run_dir; train.init_from takes a trained model "
+                "with the tag added), or drop the tag"
             )
     return ids
 
