@@ -144,6 +144,16 @@ class Canvas:
             ax.set_xticks(range(len(cols)), shown, fontsize=font, rotation=90)
         ax.tick_params(length=0, pad=2)
 
+    def cover(self):
+        """A white rectangle on the figure (see place): hides what is not shown yet."""
+        from matplotlib.patches import Rectangle
+
+        return self.fig.add_artist(Rectangle((0, 0), 0, 0, transform=self.fig.transFigure, color="white", zorder=5))
+
+    def place(self, rectangle, x: float, y: float, w: float, h: float) -> None:
+        """Put a figure's rectangle at (x, y) inches from the bottom left, w x h inches."""
+        rectangle.set_bounds(x / WIDTH, y / HEIGHT, max(w, 0) / WIDTH, max(h, 0) / HEIGHT)
+
     def text(self, x: float, y: float, words: str, **style):
         """Text at (x, y) inches from the bottom left."""
         return self.fig.text(x / WIDTH, y / HEIGHT, words, **style)
@@ -397,17 +407,16 @@ def _step_scene(c: Canvas, frame: Frame) -> Scene:
         ax.add_patch(Rectangle((-0.5, -0.5), width, 1, fill=False, edgecolor=ORANGE, linewidth=2, clip_on=False))
         for ax, width in ((self_ax, t), (cross_ax, s))
     ]
-    # The pieces read so far label the rows and columns, each shown from its step on: texts made once, not ticks
-    # (a tick is four artists, and setting ticks anew each frame cost more than drawing the frame).
+    # The pieces read label the rows and columns, drawn once with the scene; two white covers hide those not read
+    # yet (redrawing the labels each frame cost more than the rest of the frame).
     middle = [(i + 0.5) * cell for i in range(t)]
     style = {"fontsize": font, "color": INK}
-    row_names = [
-        c.text(left - 0.04, TOP - y, _short(p), ha="right", va="center", **style) for y, p in zip(middle, read)
-    ]
-    col_names = [
-        c.text(left + x, bottom - 0.04, _short(p), ha="center", va="top", rotation=90, **style)
-        for x, p in zip(middle, read)
-    ]
+    for y, piece in zip(middle, read):
+        c.text(left - 0.04, TOP - y, _short(piece), ha="right", va="center", **style)
+    for x, piece in zip(middle, read):
+        c.text(left + x, bottom - 0.04, _short(piece), ha="center", va="top", rotation=90, **style)
+    rows_cover, cols_cover = (c.cover() for _ in range(2))
+    labels_end = max(BOTTOM - 0.05, bottom - _label_width(read, font) - 0.05)  # below the column labels
     bars_ax = c.axes(bars_left, TOP - 1.9, bars_width, 1.9, frame.words["top"])
     bars = bars_ax.barh(range(TOP_ROWS), [0] * TOP_ROWS, height=0.7, color=BLUE)
     values = [bars_ax.text(0, i, "", fontsize=7, va="center", color=INK) for i in range(TOP_ROWS)]
@@ -422,9 +431,9 @@ def _step_scene(c: Canvas, frame: Frame) -> Scene:
         shown = np.where(future & filled[:, None], -1.0, f.values["self"])  # below vmin: the grey of masked cells
         self_image.set_data(np.ma.masked_invalid(shown))
         cross_image.set_data(np.ma.masked_invalid(f.values["cross"]))
-        for i, (row, col) in enumerate(zip(row_names, col_names)):
-            row.set_visible(bool(filled[i]))
-            col.set_visible(bool(filled[i]))
+        done = int(filled.sum()) * cell  # inches of rows (down from the top) and of columns (rightwards) read
+        c.place(rows_cover, 0.02, bottom, left - 0.03, t * cell - done)
+        c.place(cols_cover, left + done, labels_end, t * cell - done + 0.01, bottom - 0.01 - labels_end)
         for outline in outlines:
             outline.set_visible(f.current is not None)
             outline.set_y((f.current or 0) - 0.5)
@@ -439,7 +448,7 @@ def _step_scene(c: Canvas, frame: Frame) -> Scene:
             name.set_text(_short(pieces[i]) if here else "")
             name.set_weight("bold" if i == chosen else "normal")
 
-    changing = [self_image, cross_image, *_frames((self_ax, cross_ax)), *outlines, *row_names, *col_names]
+    changing = [self_image, cross_image, *_frames((self_ax, cross_ax)), *outlines, rows_cover, cols_cover]
     return update, [*changing, *bars, *values, *names]
 
 
