@@ -18,7 +18,7 @@ from transformer.visualize.plots import DPI, new_figure, require_matplotlib
 from transformer.visualize.walkthrough import Frame
 
 WIDTH, HEIGHT = 8.0, 5.0  # inches: 800 x 500 pixels at plots.DPI
-COLOURS = 64  # a GIF's one palette: heat maps stay smooth enough, and the file small
+COLOURS = 128  # a GIF's one palette: heat maps stay smooth, and the file small
 FORMATS = {".gif": "gif", ".mp4": "mp4", "": "png"}  # --out's suffix -> what is written; none: a folder of PNGs
 FRAME_NAME = re.compile(r"frame_\d{3,}\.png")
 TOP_ROWS = 6  # bars of a decoder step: walkthrough.TOP candidates and the chosen piece when it is not among them
@@ -479,18 +479,43 @@ def render(frames: Sequence[Frame]) -> list[np.ndarray]:
 
 
 def gif_bytes(images: Sequence[np.ndarray], durations_ms: Sequence[int]) -> bytes:
-    """A looping GIF of the images, each shown its duration, in one palette of COLOURS colours drawn from all of
-    them (one palette: a colour never flickers between frames)."""
+    """A looping GIF of the images, each shown its duration, in one palette drawn from all of them (one palette: a
+    colour never flickers between frames)."""
     import io
 
-    from PIL import Image
-
-    sample = np.concatenate([im[::4, ::4].reshape(-1, 3) for im in images])[None]  # (1, N, 3)
-    palette = Image.fromarray(sample).quantize(COLOURS, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
-    frames = [Image.fromarray(im).quantize(palette=palette, dither=Image.Dither.NONE) for im in images]
+    frames = _indexed(images, _palette(images))
     buffer = io.BytesIO()
     frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=list(durations_ms), loop=0)
     return buffer.getvalue()
+
+
+def _palette(images: Sequence[np.ndarray]) -> np.ndarray:
+    """(COLOURS, 3): a median cut of every 4th pixel of every image, and the page's white exactly."""
+    from PIL import Image
+
+    sample = np.concatenate([im[::4, ::4].reshape(-1, 3) for im in images])[None]  # (1, N, 3)
+    cut = Image.fromarray(sample).quantize(COLOURS - 1, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    colours = np.array(cut.getpalette()[: 3 * (COLOURS - 1)]).reshape(-1, 3)
+    return np.concatenate([colours, [[255, 255, 255]]])
+
+
+def _indexed(images: Sequence[np.ndarray], palette: np.ndarray) -> list:
+    """Each image in `palette`, every pixel its nearest colour. Not Pillow's quantize(palette=): it looks colours up
+    in cells 8 values wide, where a near-white of the cut beats white itself and greys the page."""
+    from PIL import Image
+
+    nearest = np.full(1 << 24, 255, dtype=np.uint8)  # by 0xRRGGBB; 255: not looked up yet (COLOURS < 256)
+    out = []
+    for im in images:
+        packed = (im[..., 0].astype(np.int32) << 16) | (im[..., 1].astype(np.int32) << 8) | im[..., 2]
+        new = np.unique(packed[nearest[packed] == 255])
+        if new.size:
+            rgb = np.stack([new >> 16, (new >> 8) & 255, new & 255], axis=1)
+            nearest[new] = ((rgb[:, None, :] - palette[None]) ** 2).sum(axis=-1).argmin(axis=1)
+        frame = Image.frombytes("P", (im.shape[1], im.shape[0]), nearest[packed].tobytes())
+        frame.putpalette(palette.astype(np.uint8).ravel().tolist())
+        out.append(frame)
+    return out
 
 
 # A GIF's frame lasts whole hundredths of a second (browsers slow anything under 2), at most 655 s.
