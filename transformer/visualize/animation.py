@@ -13,13 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from transformer.errors import UserError
-from transformer.files import atomic_path, atomic_write, check_output_path, current_umask
+from transformer.files import atomic_path, atomic_write, check_output_path, current_umask, refuse_directory
 from transformer.visualize.plots import DPI, new_figure, require_matplotlib
 from transformer.visualize.walkthrough import Frame
 
 WIDTH, HEIGHT = 8.0, 5.0  # inches: 800 x 500 pixels at plots.DPI
 COLOURS = 128  # a GIF's one palette: heat maps stay smooth, and the file small
-FORMATS = {".gif": "gif", ".mp4": "mp4", "": "png"}  # --out's suffix -> what is written; none: a folder of PNGs
 FRAME_NAME = re.compile(r"frame_\d{3,}\.png")
 TOP_ROWS = 6  # bars of a decoder step: walkthrough.TOP candidates and the chosen piece when it is not among them
 LABEL_CHARS = 12  # a piece label longer than this is cut with an ellipsis
@@ -35,16 +34,18 @@ Scene = tuple[Update, list]
 
 
 def output_format(out: str | Path) -> str:
-    """gif, mp4 or png (a folder of frames, named without a suffix or ending in a slash) by --out's name."""
+    """gif or mp4 by --out's suffix; png (a folder of frames) for a name without one, ending in a slash, or naming a
+    folder."""
     text = str(out)
     if not text.strip():
         raise UserError("animate: --out is an empty name; give FILE.gif, FILE.mp4 or a folder for PNG frames")
-    if text.endswith(os.sep) or Path(text).is_dir():
-        return "png"
     suffix = Path(text).suffix.lower()
-    if suffix not in FORMATS:
-        raise UserError(f"animate: cannot write {out}: give FILE.gif, FILE.mp4, or a folder name for PNG frames")
-    return FORMATS[suffix]
+    if suffix in (".gif", ".mp4"):
+        refuse_directory(out, "animate")
+        return suffix[1:]
+    if not suffix or text.endswith(os.sep) or Path(text).is_dir():
+        return "png"
+    raise UserError(f"animate: cannot write {out}: give FILE.gif, FILE.mp4, or a folder name for PNG frames")
 
 
 def check_output(out: str | Path, force: bool = False) -> tuple[Path, str]:
@@ -113,7 +114,7 @@ class Canvas:
 
     def __init__(self):
         self.fig = new_figure(WIDTH, HEIGHT, layout=None)
-        self.scene: str | None = None
+        self.scene: tuple | None = None  # what is drawn once: the scene, its legend and its note
         self.update: Update | None = None
         self.signed, self.weights = _cmaps()
 
@@ -135,13 +136,12 @@ class Canvas:
             np.ma.masked_invalid(values), cmap=cmap, vmin=low, vmax=high, aspect="auto", interpolation="nearest"
         )
 
-    def labels(self, ax, rows: Sequence[str | None] | None, cols: Sequence[str | None] | None, font: float) -> None:
-        """Piece labels on the rows and columns (None: that axis has none; a None piece: not shown yet)."""
+    def labels(self, ax, rows: Sequence[str] | None, cols: Sequence[str] | None, font: float) -> None:
+        """Piece labels on the rows and columns (None: that axis has none)."""
         if rows is not None:
-            ax.set_yticks(range(len(rows)), [_short(p) if p is not None else "" for p in rows], fontsize=font)
+            ax.set_yticks(range(len(rows)), [_short(p) for p in rows], fontsize=font)
         if cols is not None:
-            shown = [_short(p) if p is not None else "" for p in cols]
-            ax.set_xticks(range(len(cols)), shown, fontsize=font, rotation=90)
+            ax.set_xticks(range(len(cols)), [_short(p) for p in cols], fontsize=font, rotation=90)
         ax.tick_params(length=0, pad=2)
 
     def cover(self):
@@ -184,7 +184,7 @@ class Canvas:
         """Draw `frame`: when its scene starts, the scene's panels are built and what stays is drawn once; then, as
         for every frame, what changes is updated and drawn over that."""
         canvas = self.fig.canvas
-        if frame.scene != self.scene:
+        if (frame.scene, frame.legend, frame.note) != self.scene:
             self.fig.clear()
             chrome, chrome_artists = self.chrome()
             body, body_artists = SCENES[frame.scene](self, frame)
@@ -193,7 +193,8 @@ class Canvas:
                 chrome(f)
                 body(f)
 
-            self.scene, self.update, self.changing = frame.scene, update, chrome_artists + body_artists
+            self.scene, self.update = (frame.scene, frame.legend, frame.note), update
+            self.changing = chrome_artists + body_artists
             for artist in self.changing:
                 artist.set_animated(True)
             update(frame)
