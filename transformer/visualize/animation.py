@@ -248,11 +248,17 @@ def _embed_scene(c: Canvas, frame: Frame) -> Scene:
         x = left + (i + 1) * width + i * gap + gap / 2
         c.fig.text(x / WIDTH, (TOP - height / 2) / HEIGHT, sign, fontsize=14, ha="center", va="center", color=INK)
 
+    # A kind that adds no rows (rotary) says so in their panel, once they are due.
+    middle = axes["position_rows"]
+    style = {"ha": "center", "va": "center", "fontsize": 8, "color": MUTED, "transform": middle.transAxes}
+    empty = middle.text(0.5, 0.5, frame.words.get("no_rows", ""), **style)
+
     def update(f: Frame) -> None:
         for name, image in images.items():
             image.set_data(np.ma.masked_invalid(f.values[name]))
+        empty.set_visible(bool(np.isfinite(f.values["position_rows"]).all()))
 
-    return update, [*images.values(), *_frames(axes.values())]
+    return update, [*images.values(), *_frames(axes.values()), empty]
 
 
 def _frames(axes) -> list:

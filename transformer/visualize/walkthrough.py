@@ -334,11 +334,10 @@ def _embed_frames(walk: Walk, e: EncoderWalk, n: int, base: dict) -> list[Frame]
         "position_rows": "+ position row",
         "stream": "= what layer 1 reads",
     }
-    adds = (
-        "rotary positions add no row: each self-attention turns its queries and keys by position"
-        if e.rotated and not e.position_rows.any()
-        else e.positions_title
-    )
+    adds = e.positions_title
+    if e.rotated and not e.position_rows.any():
+        adds = "rotary positions add no row: each self-attention turns its queries and keys by position"
+        words["no_rows"] = "nothing added:\nrotary positions turn\nQ and K by position\ninside self-attention"
     legend = (
         f"One row per piece, one column per dimension (d_model = {walk.d_model}), one colour scale: red positive, "
         f"blue negative. Left: the piece's row of the embedding matrix, scaled. Middle: what its position adds "
