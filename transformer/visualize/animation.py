@@ -310,29 +310,30 @@ def _softmax_scene(c: Canvas, frame: Frame) -> Scene:
     """The scaled scores, their softmax, V, and Z = weights V."""
     rows = frame.labels["source"]
     n = len(rows)
-    font = _font(min(0.2, 2.1 / n))
+    font = _font(min(0.2, 2.0 / n))
     label = _label_width(rows, font)
-    cell, font = _square(c, n, min(TOP - BOTTOM - label, 2.1))
+    cell, font = _square(c, n, min(TOP - BOTTOM - label, 2.0))
     side = cell * n
     left = 0.2 + label
     y = TOP - side
     scaled = c.axes(left, y, side, side, frame.words["scaled"])
-    weights = c.axes(left + side + 0.2, y, side, side, frame.words["weights"])
+    weights = c.axes(left + side + 0.5, y, side, side, frame.words["weights"])
     c.labels(scaled, rows, rows, font)
     c.labels(weights, None, rows, font)
-    rest = left + 2 * side + 0.2 + 0.55
+    rest = left + 2 * side + 0.5 + 0.55
     width = (WIDTH - rest - 0.2 - 0.3) / 2
     v = c.axes(rest, y, width, side, frame.words["v"])
     z = c.axes(rest + width + 0.3, y, width, side, frame.words["z"])
     for ax in (v, z):
         ax.set_xlabel("dimension →", fontsize=7, color=MUTED, labelpad=2)
     images = {
-        "scaled": c.image(scaled, frame.values["scaled"], frame.limits["scores"]),
+        "scaled": c.image(scaled, frame.values["scaled"], frame.limits["scaled"]),
         "weights": c.image(weights, frame.values["weights"], None),
         "v": c.image(v, frame.values["v"], frame.limits["vz"]),
         "z": c.image(z, frame.values["z"], frame.limits["vz"]),
     }
-    c.colorbar(images["weights"], left + 2 * side + 0.26, y, side)
+    c.colorbar(images["scaled"], left + side + 0.06, y, side)
+    c.colorbar(images["weights"], left + 2 * side + 0.56, y, side)
 
     def update(f: Frame) -> None:
         for name, image in images.items():

@@ -390,10 +390,11 @@ def _softmax_frames(e: EncoderWalk, n: int, base: dict) -> list[Frame]:
     scaled, weights, v, z = e.scaled[:n, :n], e.weights[:n, :n], e.v[:n], e.head_output[:n]
     words = {"scaled": "scores / √d_k", "weights": "softmax: weights", "v": "V: values", "z": "Z = weights · V"}
     legend = (
-        "Softmax turns each row of scaled scores into weights that sum to 1 (white 0, dark blue 1). V: the head's "
-        "values, the layer's input times W_V. Z: each piece's new row, the weights' mix of every piece's value row."
+        "Left: the scores divided by √d_k, on a colour scale of their own. Softmax turns each of their rows into "
+        "weights that sum to 1 (white 0, dark blue 1). V: the head's values, the layer's input times W_V. Z: each "
+        "piece's new row, the weights' mix of every piece's value row."
     )
-    frame = {"legend": legend, "words": words, "limits": {"scores": _limit(e.scores[:n, :n]), "vz": _limit(v, z)}}
+    frame = {"legend": legend, "words": words, "limits": {"scaled": _limit(scaled), "vz": _limit(v, z)}}
     out = []
     for filled in fill_steps(n):
         values = {"scaled": scaled, "weights": _rows(weights, filled), "v": v, "z": _blank(z)}
