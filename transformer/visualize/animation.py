@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import tempfile
-import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -117,6 +116,7 @@ class Canvas:
         self.scene: tuple | None = None  # what is drawn once: the scene, its legend and its note
         self.update: Update | None = None
         self.signed, self.weights = _cmaps()
+        self.fits: dict[tuple, str] = {}  # fitted texts
 
     def axes(self, x: float, y: float, w: float, h: float, title: str = ""):
         """Axes at (x, y) inches from the bottom left, w x h inches, without ticks."""
@@ -139,9 +139,9 @@ class Canvas:
     def labels(self, ax, rows: Sequence[str] | None, cols: Sequence[str] | None, font: float) -> None:
         """Piece labels on the rows and columns (None: that axis has none)."""
         if rows is not None:
-            ax.set_yticks(range(len(rows)), [_short(p) for p in rows], fontsize=font)
+            ax.set_yticks(range(len(rows)), [_short(p) for p in rows], fontsize=font, parse_math=False)
         if cols is not None:
-            ax.set_xticks(range(len(cols)), [_short(p) for p in cols], fontsize=font, rotation=90)
+            ax.set_xticks(range(len(cols)), [_short(p) for p in cols], fontsize=font, rotation=90, parse_math=False)
         ax.tick_params(length=0, pad=2)
 
     def cover(self):
@@ -156,7 +156,7 @@ class Canvas:
 
     def text(self, x: float, y: float, words: str, **style):
         """Text at (x, y) inches from the bottom left."""
-        return self.fig.text(x / WIDTH, y / HEIGHT, words, **style)
+        return self.fig.text(x / WIDTH, y / HEIGHT, words, parse_math=False, **style)
 
     def colorbar(self, image, x: float, y: float, h: float) -> None:
         bar = self.fig.colorbar(image, cax=self.axes(x, y, 0.09, h))
@@ -166,17 +166,20 @@ class Canvas:
     def chrome(self) -> Scene:
         """The title, the caption, a note and the legend every frame has."""
         fig = self.fig
-        title = fig.text(0.15 / WIDTH, 1 - 0.1 / HEIGHT, "", fontsize=11, weight="bold", va="top", color=INK)
-        caption = fig.text(0.15 / WIDTH, 1 - 0.42 / HEIGHT, "", fontsize=8.5, va="top", color=MUTED)
-        note = fig.text(0.15 / WIDTH, 1 - 0.64 / HEIGHT, "", fontsize=8, va="top", color="#b3261e", style="italic")
-        legend = fig.text(0.15 / WIDTH, 0.08 / HEIGHT, "", fontsize=7.5, va="bottom", color=INK, linespacing=1.3)
+        title = self.text(0.15, HEIGHT - 0.1, "", fontsize=11, weight="bold", va="top", color=INK)
+        caption = self.text(0.15, HEIGHT - 0.42, "", fontsize=8.5, va="top", color=MUTED)
+        note = self.text(0.15, HEIGHT - 0.64, "", fontsize=8, va="top", color="#b3261e", style="italic")
+        legend = self.text(0.15, 0.08, "", fontsize=7.5, va="bottom", color=INK, linespacing=1.3)
         fig.add_artist(_rule(fig, 0.72))
 
         def update(frame: Frame) -> None:
-            title.set_text(_fitted(frame.title, 11, 1))
-            caption.set_text(_fitted(frame.caption, 8.5, 1))
-            note.set_text(frame.note)
-            legend.set_text(_fitted(frame.legend, 7.5, 4))
+            for text, words, lines in (
+                (title, frame.title, 1),
+                (caption, frame.caption, 1),
+                (note, frame.note, 1),
+                (legend, frame.legend, 4),
+            ):
+                text.set_text(self.fitted(words, text.get_fontproperties(), lines))
 
         return update, [title, caption]  # a scene's legend and note stay: drawn with its panels
 
@@ -205,24 +208,44 @@ class Canvas:
         for artist in self.changing:
             self.fig.draw_artist(artist)
 
+    def fitted(self, text: str, font, lines: int) -> str:
+        """`text` wrapped to the frame's width in `font` (measured as drawn), in at most `lines` lines: the last one
+        ends in an ellipsis where the text goes on. Remembered: a scene's legend comes back every frame."""
+        key = (text, font.get_size_in_points(), font.get_weight(), lines)
+        if key not in self.fits:
+            self.fits[key] = _wrapped(text, lines, self.fig.canvas.get_renderer(), font)
+        return self.fits[key]
+
     def pixels(self) -> np.ndarray:
         """The figure as shown last: (height, width, 3) uint8."""
         return np.asarray(self.fig.canvas.buffer_rgba())[..., :3].copy()
+
+
+def _wrapped(text: str, lines: int, renderer, font) -> str:
+    room = (WIDTH - 0.3) * DPI  # pixels
+
+    def fits(line: str) -> bool:
+        return renderer.get_text_width_height_descent(line, font, ismath=False)[0] <= room
+
+    out: list[str] = []
+    for word in text.split(" "):
+        if out and fits(f"{out[-1]} {word}"):
+            out[-1] = f"{out[-1]} {word}"
+        elif len(out) < lines:
+            out.append(word)
+        else:  # cut: the last line ends in an ellipsis
+            last = out[-1] + " …"
+            while len(last) > 2 and not fits(last):
+                last = last[:-3].rstrip() + " …"
+            out[-1] = last
+            break
+    return "\n".join(out)
 
 
 def _rule(fig, y: float):
     from matplotlib.lines import Line2D
 
     return Line2D([0.15 / WIDTH, 1 - 0.15 / WIDTH], [y / HEIGHT] * 2, color="0.85", linewidth=0.8)
-
-
-def _fitted(text: str, font: float, lines: int) -> str:
-    """`text` wrapped to the frame's width at `font` points, in at most `lines` lines (the last one shortened)."""
-    chars = int((WIDTH - 0.3) * 72 / (0.5 * font))
-    wrapped = textwrap.wrap(text, chars) or [""]
-    if len(wrapped) > lines:
-        wrapped = wrapped[: lines - 1] + [textwrap.shorten(" ".join(wrapped[lines - 1 :]), chars, placeholder=" …")]
-    return "\n".join(wrapped)
 
 
 TOP, BOTTOM = 4.05, 0.8  # inches: the panels' area, between the caption and the legend
@@ -383,10 +406,14 @@ def _join_scene(c: Canvas, frame: Frame) -> Scene:
     c.labels(joined, rows, None, font)
     c.image(joined, frame.values["joined_heads"], frame.limits["joined_heads"])
     c.image(output, frame.values["output"], frame.limits["output"])
-    for start in frame.values["head_starts"]:
-        joined.axvline(start - 0.5, color=INK, linewidth=0.8)
-    for ax in (joined, output):
-        ax.set_xlabel("dimension →", fontsize=7, color=MUTED, labelpad=2)
+    columns = frame.values["joined_heads"].shape[1]
+    edges = [0, *frame.values["head_starts"].tolist(), columns]
+    for start in edges[1:-1]:
+        joined.axvline(start - 0.5, color="white", linewidth=3)
+    middles = [(a + b - 1) / 2 for a, b in zip(edges, edges[1:])]
+    joined.set_xticks(middles, [f"head {h}" for h in range(1, len(middles) + 1)], fontsize=7, color=MUTED)
+    joined.tick_params(length=0, pad=2)
+    output.set_xlabel("dimension →", fontsize=7, color=MUTED, labelpad=2)
     c.fig.text(
         (left + width + gap / 2) / WIDTH, (TOP - height / 2) / HEIGHT, "→", fontsize=14, ha="center", va="center"
     )
@@ -428,7 +455,8 @@ def _step_scene(c: Canvas, frame: Frame) -> Scene:
     bars_ax = c.axes(bars_left, TOP - 1.9, bars_width, 1.9, frame.words["top"])
     bars = bars_ax.barh(range(TOP_ROWS), [0] * TOP_ROWS, height=0.7, color=BLUE)
     values = [bars_ax.text(0, i, "", fontsize=7, va="center", color=INK) for i in range(TOP_ROWS)]
-    names = [bars_ax.text(-0.04, i, "", fontsize=font, va="center", ha="right", color=INK) for i in range(TOP_ROWS)]
+    style = {"fontsize": font, "va": "center", "ha": "right", "color": INK, "parse_math": False}
+    names = [bars_ax.text(-0.04, i, "", **style) for i in range(TOP_ROWS)]
     bars_ax.set_xlim(0, 1.25)
     bars_ax.set_ylim(TOP_ROWS - 0.4, -0.6)
     bars_ax.set_xlabel("probability", fontsize=7, color=MUTED, labelpad=2)

@@ -380,7 +380,7 @@ def _score_frames(walk: Walk, e: EncoderWalk, n: int, base: dict) -> list[Frame]
         out.append(
             Frame("scores", title, values={"q": q, "k": k, "scores": _rows(scores, filled)}, words=words, **frame)
         )
-    scaled_words = {**words, "scores": f"scores / √d_k = / {math.sqrt(e.d_k):.3g}"}
+    scaled_words = {**words, "scores": f"scores / √d_k (÷ {math.sqrt(e.d_k):.3g})"}
     values = {"q": q, "k": k, "scores": e.scaled[:n, :n]}
     out.append(Frame("scores", _stage(6, f"divided by √d_k = √{e.d_k}"), values=values, words=scaled_words, **frame))
     return out
@@ -469,7 +469,7 @@ def decoder_frames(walk: Walk, d: DecoderWalk, max_pieces: int = MAX_PIECES) -> 
         ids, probs, pieces = list(d.top_ids[t]), list(d.top_probs[t]), list(d.top_pieces[t])
         if d.chosen[t] not in ids:  # beam search, or EOS forced at the length limit: shown below the rest
             ids, probs, pieces = ids + [d.chosen[t]], probs + [d.probs[t]], pieces + [d.chosen_pieces[t]]
-        written = _spaced(d.chosen_pieces[: t + 1])
+        written = _spaced(d.chosen_pieces[: min(t + 1, len(d.chosen) - 1)])  # the words, not the EOS
         out.append(
             Frame(
                 "step",
