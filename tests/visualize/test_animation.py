@@ -159,7 +159,7 @@ def test_every_scene_draws_at_the_frame_size_also_with_many_heads_and_a_long_sen
     shape = {"d_model": 32, "n_heads": 16, "n_encoder_layers": 1, "n_decoder_layers": 1, "d_ff": 32, "dropout": 0.0}
     cfg = from_dict({"model": {**shape, "max_positions": 64, "norm": "pre"}, "data": {"max_len": 40}})
     model = Transformer(cfg.model, len(vocab)).eval()
-    long = " ".join(sentences(4, 1, lo=14, hi=14)) + " auf dem haus"
+    long = " ".join(sentences(4, 1, lo=14, hi=14)) + r" auf dem $\haus$"  # not mathtext, which would fail
     shown = frames(walk(model, vocab, long, SearchSettings(beam=1, max_len_offset=3)))
     assert {f.scene for f in shown} == set(animation.SCENES) and shown[0].note
     pictures = animation.render(shown)
