@@ -135,6 +135,28 @@ def cmd_attention(args: argparse.Namespace) -> None:
         print(path)
 
 
+def cmd_animate(args: argparse.Namespace) -> None:
+    from transformer.inference.settings import SearchFlags
+    from transformer.inference.translator import Translator
+    from transformer.visualize.animation import check_fps, check_output, write_animation
+    from transformer.visualize.walkthrough import frames, walk
+
+    check_fps(args.fps)
+    check_output(args.out, args.force)  # before the model loads
+    if not args.source.strip():
+        raise UserError("animate: the source sentence is empty; give a sentence to animate")
+    translator = Translator(args.checkpoint, args.device, SearchFlags(beam=args.beam, dtype=args.dtype))
+    if translator.note:
+        print(translator.note, file=sys.stderr)
+    with out_of_memory_names(f"the animation with beam {translator.settings.beam} (lower --beam)"):
+        shown = walk(
+            translator.model, translator.vocab, args.source, translator.settings, args.layer, args.head, args.only
+        )
+    if shown.decoder is not None:
+        print(f"translation: {shown.decoder.translation}", file=sys.stderr)
+    print(write_animation(frames(shown), args.out, args.fps, args.force))
+
+
 def cmd_plot_positions(args: argparse.Namespace) -> None:
     from transformer.visualize.plots import positional_encoding, save
 

@@ -178,6 +178,68 @@ def _add_attention(sub) -> None:
     p.set_defaults(func=commands.cmd_attention)
 
 
+def _add_animate(sub) -> None:
+    p = sub.add_parser(
+        "animate",
+        help="an animated walk through one sentence: what the model computes, with its own values",
+        description="Animate what the model computes on one sentence, in the order the illustrated explainers "
+        "draw it, with the model's real values: the encoder (pieces, embedding rows times sqrt(d_model), "
+        "position rows, then for one layer and head Q and K, the scores filling in, divided by sqrt(d_k), "
+        "softmax row by row, the weighted sum of V, all heads side by side and their join), then the decoder "
+        "step by step as the search wrote the translation (its masked self-attention, its attention over the "
+        "source, the most probable next pieces and the one chosen). Writes a GIF, an MP4 (needs ffmpeg) or a "
+        "folder of PNG frames, and prints its path; the translation goes to stderr.",
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory (its final.pt, else best.pt, else last.pt) or a checkpoint file",
+    )
+    p.add_argument("source", type=_sentence, help='the source sentence, e.g. "Ein Hund rennt durch den Schnee."')
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="PATH",
+        help="FILE.gif, FILE.mp4 (needs ffmpeg on PATH), or a folder name without a suffix for PNG frames",
+    )
+    p.add_argument(
+        "--layer",
+        type=int,
+        metavar="L",
+        help="the layer followed, numbered from 1, in the encoder and the decoder (default: each one's last)",
+    )
+    p.add_argument(
+        "--head",
+        type=int,
+        metavar="H",
+        help="the head followed, numbered from 1 (default: the layer's head whose rows point at the most "
+        "different pieces, most sharply; the decoder's chosen on its attention over the source)",
+    )
+    p.add_argument("--only", choices=("encoder", "decoder"), help="animate one part (default: both)")
+    p.add_argument("--fps", type=float, default=1.0, metavar="F", help="frames per second (default 1)")
+    p.add_argument(
+        "--beam",
+        type=int,
+        metavar="N",
+        help="beam size of the search whose best translation the decoder part follows (default: the "
+        "checkpoint's decode.beam; 1 = greedy)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where to run the model (default auto: CUDA when available)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the model's number format (default fp32); the values drawn are those it computes in it",
+    )
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=commands.cmd_animate)
+
+
 def _add_plot_positions(sub) -> None:
     p = sub.add_parser(
         "plot-positions",
@@ -721,6 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare(sub)
     _add_finish(sub)
     _add_attention(sub)
+    _add_animate(sub)
     _add_plot_positions(sub)
     _add_plot(sub)
     _add_translate(sub)

@@ -1,5 +1,5 @@
 """`transformer serve`: a JSON API over one checkpoint (translate, attention, beam-search trace, positional
-encoding, info), concurrent requests batched onto one model worker, what each request may make it compute, and
+encoding, info, and the animated walk through a sentence as a GIF), concurrent requests batched onto one model worker, what each request may make it compute, and
 the look-inside page in static/. What a connection may cost below the API is http_guard.py's."""
 
 import asyncio
@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import uvicorn
@@ -48,6 +49,7 @@ from transformer.serve.http_guard import (
 )
 from transformer.serve.request_batching import Batcher
 from transformer.visualize.attention import KINDS, inspect_attention
+from transformer.visualize.walkthrough import PARTS, frames, walk
 
 STATIC = Path(__file__).parent / "static"
 
@@ -174,6 +176,15 @@ class BeamBody(_TextBody):
     text: str
     beam: int | None = None
     nbest: int = 1
+
+
+class AnimateBody(_TextBody):
+    text: str
+    beam: int | None = None  # the search whose best translation the decoder part follows
+    layer: int | None = None  # as `transformer animate` takes them: numbered from 1, None its defaults
+    head: int | None = None
+    only: Literal["encoder", "decoder"] | None = None
+    fps: float = 1.0
 
 
 # ----------------------------------------------------------------------------- the service
@@ -388,19 +399,50 @@ class Service:
         steps = self.output_limit(ids) + 1
         self.check_answer(beam * steps * (steps + 1), "pieces", "use a smaller beam or a shorter sentence")
 
-    async def inspect(self, request: Request, compute, *args) -> Response:
-        """compute(*args) -> JSON-ready answer, on the model worker in its turn (request_batching.py), encoded there too:
-        the loop stays free for other clients; dropped unrun if the client goes away first."""
+    async def inspect(
+        self, request: Request, compute, *args, media_type: str = "application/json", headers: dict | None = None
+    ) -> Response:
+        """compute(*args) -> JSON-ready answer (or, with another media_type, the answer's bytes), on the model worker
+        in its turn (request_batching.py), encoded there too: the loop stays free for other clients; dropped unrun if
+        the client goes away first."""
         self.check_room(1)
 
         def answer() -> bytes:
-            return _json(compute(*args))
+            value = compute(*args)
+            return _json(value) if media_type == "application/json" else value
 
         try:
             body = await until_gone(request, self.batcher.inspect(answer))
         except Exception as e:
             raise api_error(e, compute.__name__) from None
-        return Response(body, media_type="application/json")
+        return Response(body, media_type=media_type, headers=headers)
+
+    def check_animation(self, body: AnimateBody) -> None:
+        """The layer, head and frame rate an /animate request asks for, and the plotting library it needs."""
+        from transformer.visualize.animation import MAX_FPS, MIN_FPS
+        from transformer.visualize.plots import require_matplotlib
+
+        m = self.cfg.model
+        stacks = {"encoder": m.n_encoder_layers, "decoder": m.n_decoder_layers}
+        for part in PARTS if body.only is None else (body.only,):
+            if body.layer is not None and not 1 <= body.layer <= stacks[part]:
+                raise ApiError(422, f"layer must be between 1 and {stacks[part]} (the {part}'s), got {body.layer}")
+        if body.head is not None and not 1 <= body.head <= m.n_heads:
+            raise ApiError(422, f"head must be between 1 and {m.n_heads}, got {body.head}")
+        if not MIN_FPS <= body.fps <= MAX_FPS:
+            raise ApiError(422, f"fps must be between {MIN_FPS:g} and {MAX_FPS:g}, got {body.fps:g}")
+        try:
+            require_matplotlib()
+        except UserError as e:
+            raise ApiError(501, f"this server cannot draw: {e}") from None
+
+    def animation(self, body: AnimateBody, beam: int) -> bytes:
+        """The GIF `transformer animate` writes for the sentence, searched with this server's settings and `beam`."""
+        from transformer.visualize.animation import animation_gif
+
+        settings = replace(self.translator.settings, beam=beam, nbest=1)
+        shown = walk(self.model, self.vocab, body.text, settings, body.layer, body.head, body.only)
+        return animation_gif(frames(shown), body.fps)
 
     def position_view(self, d_model: int, length: int) -> dict:
         """What the model's kind of position shows (Positions.view): its tables, or a note that it has none."""
@@ -606,6 +648,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     """The JSON API and the page. Whatever runs the model goes through the batcher, counted against
     --max-pending and bounded before it starts; /health and /info answer from the loop at once."""
     settings = service.settings
+    _add_inspections(app, service)
 
     @app.post("/translate")
     async def translate(body: TranslateBody, request: Request) -> dict:
@@ -639,22 +682,6 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             ],
         }
 
-    @app.post("/attention")
-    async def attention(body: AttentionBody, request: Request) -> Response:
-        ids = service.one_sentence(body.text)
-        if body.target is not None:
-            service.check_size([body.text + body.target])
-        beam = service.check_beam(body.beam)
-        service.check_attention(ids, body.target)
-        return await service.inspect(request, service.attention, body.text, body.target, beam)
-
-    @app.post("/beam")
-    async def beam_steps(body: BeamBody, request: Request) -> Response:
-        ids = service.one_sentence(body.text)
-        beam = service.check_beam(body.beam, body.nbest)
-        service.check_trace(ids, beam)
-        return await service.inspect(request, service.beam_trace, ids, beam, body.nbest)
-
     @app.get("/positions")
     async def positions(request: Request, d_model: int | None = None, length: int | None = None) -> Response:
         model = service.cfg.model
@@ -674,6 +701,36 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     @app.get("/", include_in_schema=False)
     async def page():
         return FileResponse(STATIC / "index.html")
+
+
+def _add_inspections(app: FastAPI, service: Service) -> None:
+    """What the page shows of one sentence: its attention, its beam search, its animated walk (a GIF)."""
+
+    @app.post("/attention")
+    async def attention(body: AttentionBody, request: Request) -> Response:
+        ids = service.one_sentence(body.text)
+        if body.target is not None:
+            service.check_size([body.text + body.target])
+        beam = service.check_beam(body.beam)
+        service.check_attention(ids, body.target)
+        return await service.inspect(request, service.attention, body.text, body.target, beam)
+
+    @app.post("/beam")
+    async def beam_steps(body: BeamBody, request: Request) -> Response:
+        ids = service.one_sentence(body.text)
+        beam = service.check_beam(body.beam, body.nbest)
+        service.check_trace(ids, beam)
+        return await service.inspect(request, service.beam_trace, ids, beam, body.nbest)
+
+    @app.post("/animate")
+    async def animate(body: AnimateBody, request: Request) -> Response:
+        service.one_sentence(body.text)
+        beam = service.check_beam(body.beam)
+        service.check_animation(body)
+        disposition = {"Content-Disposition": 'attachment; filename="walk.gif"'}
+        return await service.inspect(
+            request, service.animation, body, beam, media_type="image/gif", headers=disposition
+        )
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -19,7 +19,7 @@ FORMATS = ("png", "svg", "pdf")
 MAX_TABLE_VALUES = 50_000_000  # plot-positions: 200 MB of float32, far past what a figure can show
 
 
-def _matplotlib():
+def require_matplotlib():
     """Import matplotlib on first use: it is an optional dependency (the `plot` extra)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -33,7 +33,7 @@ def _matplotlib():
 
 def new_figure(width: float, height: float, layout: str | None = "constrained"):
     """A Figure on its own Agg canvas: no pyplot, so no global backend switch and no figure leak."""
-    Figure, FigureCanvasAgg = _matplotlib()
+    Figure, FigureCanvasAgg = require_matplotlib()
     # Whole pixels, so the saved image is exactly figsize * DPI (Agg would truncate a fraction).
     width, height = round(width * DPI) / DPI, round(height * DPI) / DPI
     fig = Figure(figsize=(width, height), dpi=DPI, layout=layout)
@@ -256,7 +256,7 @@ def positional_encoding(
         )
     if length is not None and length < 1:
         raise UserError(f"--length must be at least 1, got {length}")
-    _matplotlib()  # before a checkpoint is read
+    require_matplotlib()  # before a checkpoint is read
     from transformer.model import positions  # torch: only for this figure
     from transformer.model.checkpoint import load_model
 
