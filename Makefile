@@ -19,7 +19,7 @@ TEST_JOBS   ?= auto
 
 install: $(VENV)/.installed
 
-EXTRAS      := dev,plot,hub,tensorboard,serve,hf
+EXTRAS      := dev,plot,hub,tensorboard,serve,hf,langid
 PIP         := $(PY) -m pip install -q --disable-pip-version-check --no-compile
 UV          := $(VENV)/bin/uv pip install -q --python $(PY)
 

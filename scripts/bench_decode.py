@@ -58,7 +58,7 @@ from transformer.data.loader import source_batches
 from transformer.device import cpu_description
 from transformer.inference.batched import search_batches, search_ids, search_workers
 from transformer.inference.ctranslate2_engine import CT2_COMPUTE_TYPES, ctranslate2_search
-from transformer.inference.scoring import bleu_chrf
+from transformer.inference.scoring import corpus_scores
 from transformer.inference.settings import STOP_RULES, SearchFlags, SearchSettings, search_settings
 from transformer.inference.translator import Translator, pick_dtype
 
@@ -209,7 +209,7 @@ def score(row: dict, outputs, reference_outputs, vocab, refs) -> None:
     row["target_tokens"] = sum(len(o) + 1 for o in outputs)
     row["tokens_per_s"] = row["target_tokens"] / row["median_s"]
     if refs is not None:
-        scores = bleu_chrf(vocab.decode(outputs), refs)
+        scores = corpus_scores(vocab.decode(outputs), refs, ("bleu", "chrf"))
         row.update(bleu=scores["bleu"], chrf=scores["chrf"], bleu_signature=scores["bleu_signature"])
 
 

@@ -34,7 +34,7 @@ from common import sync, write_json
 from transformer.data.corpus import read_lines
 from transformer.device import cpu_description
 from transformer.inference.batched import SentenceOptions, search_ids
-from transformer.inference.scoring import bleu_chrf
+from transformer.inference.scoring import corpus_scores
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
 
@@ -121,7 +121,7 @@ def main() -> None:
         texts = [t[0].text for t in found]
         results[name] = {"outputs_like_beam": sum(a == b for a, b in zip(texts, plain_texts)) / max(1, len(lines))}
         if refs is not None:
-            results[name]["bleu"] = bleu_chrf(texts, refs)["bleu"]
+            results[name]["bleu"] = corpus_scores(texts, refs, ("bleu",))["bleu"]
         if name.startswith("constraints"):
             asked = sum(bool(o.constraints) for o in constraints)
             results[name]["constraints_met"] = (asked - len(unmet)) / max(1, asked)

@@ -52,6 +52,7 @@ HEAVIEST_FIRST = [
     "inference/test_search.py",
     "cli/test_parser.py",
     "data/test_store.py",
+    "visualize/test_animation.py",
 ]
 
 

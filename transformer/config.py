@@ -89,6 +89,10 @@ class CorpusConfig:
     # (Caswell et al. 2019): one piece of the vocabulary, added to it where the vocabulary lacks it.
     tag: str = ""
     max_pairs: int = 0  # use only its first N pairs (0 = all)
+    # Its own validation and test splits ("" = none): validation and the end of training score each pair of a
+    # multilingual run on its own, and report their mean.
+    valid_split: str = ""
+    test_split: str = ""
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,10 @@ class DataConfig:
     weight: float = 1.0
     tag: str = ""
     corpora: tuple[CorpusConfig, ...] = ()
+    # How an epoch's pairs, and the vocabulary's training text, are shared among corpora of different sizes: each
+    # corpus's share goes as its size^(1/temperature) (1 = in proportion to size; larger = flatter, so that a small
+    # language pair is not crowded out), on top of its weight.
+    temperature: float = 1.0
     # A run directory or spm.model whose vocabulary a new run takes (tags it lacks added), instead of training one.
     vocab_from: str = ""
     # Where the corpora's encoded stores are kept, each reused by every run that names it with the same vocabulary:
@@ -124,9 +132,27 @@ class DataConfig:
     corpora_store: str = ""
 
     @property
+    def target_languages(self) -> tuple[str, ...]:
+        """The languages the run translates into: data.tgt_lang's, then each corpus's, once each."""
+        return tuple(dict.fromkeys([self.tgt_lang, *(c.tgt_lang or self.tgt_lang for c in self.corpora)]))
+
+    @property
+    def target_tokens(self) -> dict[str, str]:
+        """Language -> the token before every source that asks for it (OPUS-MT's >>fr<<), where the run translates
+        into more than one language; {} where it translates into one (no token: as every run before them)."""
+        languages = self.target_languages
+        return {lang: language_token(lang) for lang in languages} if len(languages) > 1 else {}
+
+    @property
     def tags(self) -> tuple[str, ...]:
-        """Every tag a corpus of the run puts before its sources, once each, in the order the config names them."""
-        return tuple(dict.fromkeys(t for t in (self.tag, *(c.tag for c in self.corpora)) if t))
+        """Every piece the run puts before sources (the target languages' tokens, the corpora's tags), once each."""
+        tags = (*self.target_tokens.values(), self.tag, *(c.tag for c in self.corpora))
+        return tuple(dict.fromkeys(t for t in tags if t))
+
+
+def language_token(language: str) -> str:
+    """The piece that asks a multilingual model for `language`: >>fr<<, as OPUS-MT's models and their users write it."""
+    return f">>{language}<<"
 
 
 @dataclass(frozen=True)
@@ -153,6 +179,9 @@ class TrainConfig:
     valid_bleu: bool = False  # also translate the validation set and score BLEU at each validation
     valid_bleu_beam: int = 1  # 1 = greedy (fast); the paper's 4 for the real score
     valid_bleu_pairs: int = 0  # translate only the first N validation pairs (0 = all)
+    # What those translations are scored with: names of inference/scoring.py's SCORES (what evaluate reports),
+    # checked when training starts; bleu among them, as best.pt and early stopping follow it.
+    valid_scores: tuple[str, ...] = ("bleu",)
     patience: int = 0  # stop after this many validations without improvement (0 = never)
     finish: bool = True  # at the end: average, choose checkpoint and lenpen on valid, score test
     tensorboard: bool = False  # also log to run_dir/tensorboard (needs the tensorboard extra)
@@ -349,6 +378,14 @@ def corpora_problems(d: DataConfig) -> list[str | None]:
         if d.weight > 0 or d.corpora
         else "data.weight 0 leaves no training pairs: name other corpora (data.corpora) or give it a weight",
         tag_problem(d.tag, "data.tag"),
+        None if d.temperature > 0 else f"data.temperature must be positive, got {d.temperature}",
+        *(
+            None
+            if re.fullmatch(r"[A-Za-z0-9_-]{1,32}", lang)
+            else f"data: a language must be a code such as fr, got {lang!r}"
+            for lang in d.target_languages
+            if len(d.target_languages) > 1
+        ),
     ]
     names = [MAIN_CORPUS]
     for i, c in enumerate(d.corpora):
@@ -364,6 +401,11 @@ def corpora_problems(d: DataConfig) -> list[str | None]:
             None if src != tgt else f"{where}: its source and target languages must differ, got {src!r} for both",
             None if c.weight > 0 else f"{where}.weight must be positive, got {c.weight}",
             None if c.max_pairs >= 0 else f"{where}.max_pairs must not be negative",
+            *(
+                split_name_problem(v, f"{where}.{k}")
+                for k, v in (("valid_split", c.valid_split), ("test_split", c.test_split))
+                if v
+            ),
             tag_problem(c.tag, f"{where}.tag"),
         ]
         names.append(c.name)
@@ -434,6 +476,10 @@ def validate(cfg: Config) -> None:
         (t.log_every >= 1 and t.valid_every >= 1, "train.log_every and train.valid_every must be at least 1"),
         (t.keep_last >= 0, "train.keep_last must not be negative"),
         (t.valid_bleu_beam >= 1, "train.valid_bleu_beam must be at least 1"),
+        (
+            "bleu" in t.valid_scores and len(set(t.valid_scores)) == len(t.valid_scores),
+            f"train.valid_scores must name bleu (best.pt follows it), each score once, got {list(t.valid_scores)}",
+        ),
         (t.valid_bleu_pairs >= 0 and t.patience >= 0, "train.valid_bleu_pairs and train.patience must not be negative"),
         (t.peak_tflops >= 0, "train.peak_tflops must not be negative (0 = measure it)"),
         (
@@ -484,6 +530,7 @@ def to_dict(cfg: Config) -> dict:
     out = dataclasses.asdict(cfg)
     out["train"]["adam_betas"] = list(cfg.train.adam_betas)  # YAML-friendly
     out["data"]["corpora"] = list(out["data"]["corpora"])
+    out["train"]["valid_scores"] = list(cfg.train.valid_scores)
     return out
 
 

@@ -9,7 +9,8 @@ import re
 import stat
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -91,6 +92,23 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
             os.close(dir_fd)
     except OSError:
         pass
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """atomic_write for a writer that takes a file name (an encoder in a child process): yields a temporary path in
+    path's directory, renamed over `path` when the block ends, removed when it raises."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    os.close(fd)
+    try:
+        os.chmod(tmp, 0o666 & ~current_umask())
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def remove_stale_temporaries(directory: str | Path) -> None:

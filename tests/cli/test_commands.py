@@ -43,6 +43,7 @@ def env(tmp_path_factory) -> dict:
     (root / "user" / "notes.txt").write_text("mine\n")
     (root / "user" / "config.yaml").write_text("# my own config, with comments\ntrain: {}\n")
     (root / "afile").write_text("a file\n")
+    (root / "walk.gif").write_bytes(b"GIF89a someone's")
     weights_run = root / "weights_run"  # a run whose last.pt was replaced by an average
     weights_run.mkdir()
     shutil.copy(run / "config.yaml", weights_run / "config.yaml")
@@ -94,6 +95,11 @@ def _untouched(root: Path, run: Path) -> None:
 
 def _no_image_beside(root: Path) -> None:
     assert not list(root.glob("*.png")) and not (root / "newdir").exists()
+
+
+def _their_gif_kept(root: Path, run: Path) -> None:
+    assert (root / "walk.gif").read_bytes() == b"GIF89a someone's"
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
 
 
 def _final_hyp_kept(run: Path) -> None:
@@ -184,6 +190,43 @@ CASES = [
         lambda r, run: ["plot-positions", "--out", r / "user"],
         "plot-positions: the output {root}/user is a directory",
         after=lambda r, run: _no_image_beside(r),
+    ),
+    Case(
+        "animate over an existing file",
+        lambda r, run: ["animate", run, "ein hund", "--out", r / "walk.gif"],
+        "animate: {root}/walk.gif exists; add --force to replace it",
+        after=_their_gif_kept,
+    ),
+    Case(
+        "animate over a checkpoint",
+        lambda r, run: ["animate", run, "ein hund", "--out", r / "copy.pt", "--force"],
+        "animate: cannot write {root}/copy.pt: give FILE.gif, FILE.mp4, or a folder name for PNG frames",
+    ),
+    Case(
+        "animate into someone's folder",
+        lambda r, run: ["animate", run, "ein hund", "--out", r / "user", "--force"],
+        "animate: {root}/user holds files that are not an animation's frames (",
+    ),
+    Case(
+        "animate a layer the model lacks",
+        lambda r, run: ["animate", run, "ein hund", "--out", r / "w.gif", "--layer", "2"],
+        "--layer 2 is out of range: the encoder has 1 layer, numbered 1..1",
+        after=_their_gif_kept,
+    ),
+    Case(
+        "animate a head the model lacks",
+        lambda r, run: ["animate", run, "ein hund", "--out", r / "w.gif", "--head", "0"],
+        "--head 0 is out of range: the encoder has 2 heads, numbered 1..2",
+    ),
+    Case(
+        "animate nothing",
+        lambda r, run: ["animate", run, " ", "--out", r / "w.gif"],
+        "animate: the source sentence is empty; give a sentence to animate",
+    ),
+    Case(
+        "animate too fast",
+        lambda r, run: ["animate", run, "ein hund", "--out", r / "w.gif", "--fps", "100"],
+        "animate: --fps must be between 0.1 and 50, got 100",
     ),
     Case(
         "attention into a directory",

@@ -115,6 +115,8 @@ def test_top_level_and_section_must_be_mappings(tmp_path):
         ("data:\n  dir: 3\n", "data.dir"),
         ("train:\n  adam_betas: [0.9]\n", "train.adam_betas"),
         ("train:\n  adam_betas: [0.9, fast]\n", "train.adam_betas"),
+        ("train:\n  valid_scores: bleu\n", "train.valid_scores must be a list"),
+        ("train:\n  valid_scores: [bleu, 3]\n", "train.valid_scores"),
         ("train:\n  lr_schedule: cosine\n", "train.lr_schedule"),
     ],
 )
@@ -129,9 +131,10 @@ def test_types_are_converted(tmp_path):
         write(
             tmp_path,
             "model:\n  dropout: 0\ntrain:\n  adam_betas: [0.9, 0.99]\n"
-            "  adam_eps: 1e-8\n  lr: 5e-4\ndata:\n  hub_config: null\n",
+            "  adam_eps: 1e-8\n  lr: 5e-4\n  valid_scores: [bleu, chrf]\ndata:\n  hub_config: null\n",
         )
     )
+    assert cfg.train.valid_scores == ("bleu", "chrf") and to_dict(cfg)["train"]["valid_scores"] == ["bleu", "chrf"]
     assert isinstance(cfg.model.dropout, float) and cfg.model.dropout == 0.0
     assert cfg.train.adam_betas == (0.9, 0.99) and isinstance(cfg.train.adam_betas, tuple)
     assert cfg.train.adam_eps == 1e-8 and cfg.train.lr == 5e-4
@@ -155,6 +158,8 @@ def test_types_are_converted(tmp_path):
         ({"train": {"label_smoothing": 1.0}}, "label_smoothing"),
         ({"train": {"adam_betas": [0.9, 1.0]}}, "adam_betas"),
         ({"train": {"update_freq": 0}}, "update_freq"),
+        ({"train": {"valid_scores": ["chrf"]}}, "train.valid_scores must name bleu (best.pt follows it)"),
+        ({"train": {"valid_scores": ["bleu", "bleu"]}}, "each score once"),
         ({"data": {"src_lang": "en", "tgt_lang": "en"}}, "src_lang"),
         ({"data": {"max_len": 300}, "model": {"max_positions": 256}}, "max_positions"),
         ({"data": {"max_tokens": 10}}, "max_tokens"),

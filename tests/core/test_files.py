@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from transformer.files import TEMP_SUFFIX, atomic_write, remove_stale_temporaries
+from transformer.files import TEMP_SUFFIX, atomic_path, atomic_write, remove_stale_temporaries
 
 
 def test_a_full_disk_names_the_file_and_leaves_no_temporary(run, monkeypatch, tmp_path, call):
@@ -48,3 +48,18 @@ def test_a_write_that_fails_midway_leaves_the_file_as_it_was(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
     atomic_write(target, lambda f: f.write(b"today\n"))
     assert target.read_bytes() == b"today\n" and [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+def test_atomic_path_renames_a_whole_file_into_place_or_leaves_the_old_one(tmp_path):
+    """For writers that take a file name (ffmpeg): the temporary name is one a restart cleans up."""
+    target = tmp_path / "walk.mp4"
+    target.write_bytes(b"old")
+    with pytest.raises(OSError):
+        with atomic_path(target) as tmp:
+            assert tmp.parent == tmp_path and tmp.name.startswith(".walk.mp4.") and tmp.name.endswith(TEMP_SUFFIX)
+            tmp.write_bytes(b"half")
+            raise OSError(28, "No space left on device")
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["walk.mp4"]
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(b"new")
+    assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["walk.mp4"]

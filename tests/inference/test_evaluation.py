@@ -6,8 +6,11 @@ import os
 import shutil
 import threading
 
+import pytest
+
 from tests.helpers import SENTENCES
 from transformer.inference import evaluation as evaluate_module
+from transformer.inference.scoring import NAMES, SCORES
 from transformer.inference.translator import Translator
 
 # Result names carry the dtype unless it is fp32, and --dtype auto is bf16 on CPUs with native bf16: tests of
@@ -24,6 +27,9 @@ def test_evaluate_writes_hypotheses_and_scores(run, call):
     assert 0 <= scores["bleu"] <= 100 and 0 <= scores["chrf"] <= 100 and scores["beam"] == 2
     assert "tok:13a" in scores["bleu_signature"] and "case:mixed" in scores["chrf_signature"]
     assert "BLEU" in out and "chrF" in out and scores["bleu_signature"] in out
+    for score in SCORES:  # every score, printed with its signature and kept in the JSON
+        assert isinstance(scores[score.name], float) and scores[f"{score.name}_signature"] in out
+    assert "comparison" not in scores
     # Another beam writes beside it instead of over it.
     status, _, _ = call("evaluate", run, "--split", "test", "--beam", "1", "--lenpen", "0", *FP32)
     assert status == 0 and json.loads((run / "eval" / "test.beam1.lp0.json").read_text())["beam"] == 1
@@ -182,3 +188,85 @@ def test_the_same_split_replaces_its_results_though_its_sentences_changed(run, c
     assert status == 0 and "other sentences" not in err
     assert json.loads(record.read_text())["inputs_sha256"] != "0" * 64
     assert not list((run / "eval").glob("test.*.beam3.lp0.6.json"))
+
+
+# --------------------------------------------------------------------------- comparing systems
+
+
+def test_compare_translates_another_checkpoint_and_keeps_the_table_in_the_baselines_json(run, call):
+    other = run / "step_00000100.pt"
+    status, out, err = call("evaluate", run, "--split", "test", "--beam", "1", *FP32, "--compare", other)
+    assert status == 0, err
+    record = json.loads((run / "eval" / "test.beam1.lp0.6.json").read_text())
+    comparison = record["comparison"]
+    assert [row["system"] for row in comparison["systems"]] == [str(run), str(other)]
+    assert comparison["resamples"] == 1000 and comparison["seed"] == 12345
+    for name in NAMES:
+        assert {"score", "mean", "ci", "delta", "delta_ci", "p"} <= set(comparison["systems"][1][name])
+        assert comparison["systems"][0][name]["score"] == record[name]  # the baseline's own scores
+    # The other checkpoint's results are its own, as `evaluate` of it alone would write them.
+    alone = json.loads((run / "eval" / "step_00000100.test.beam1.lp0.6.json").read_text())
+    assert comparison["systems"][1]["bleu"]["score"] == alone["bleu"] and "comparison" not in alone
+    assert "paired bootstrap resampling" in out and f"wrote the comparison to {run / 'eval'}" in out
+
+
+def test_compare_takes_a_file_of_translations(run, tmp_path, call):
+    references = (run.parent / "data" / "test.en").read_text(encoding="utf-8")
+    (tmp_path / "perfect.txt").write_text(references, encoding="utf-8")
+    status, out, err = call(
+        "evaluate", run, "--split", "test", "--beam", "1", *FP32, "--compare", tmp_path / "perfect.txt"
+    )
+    assert status == 0, err
+    row = json.loads((run / "eval" / "test.beam1.lp0.6.json").read_text())["comparison"]["systems"][1]
+    assert row["system"] == str(tmp_path / "perfect.txt")
+    for score in SCORES:  # the references themselves: each score at its best, and better than the baseline
+        assert row[score.name]["score"] == pytest.approx(100 if score.higher_is_better else 0)
+        assert (row[score.name]["delta"] > 0) == score.higher_is_better
+
+
+def test_bad_comparisons_are_one_line_errors_before_translating(run, tmp_path, call, monkeypatch):
+    translated = []
+    monkeypatch.setattr(Translator, "translate", lambda self, lines: translated.append(lines) or list(lines))
+    (tmp_path / "short.txt").write_text("a dog\n", encoding="utf-8")
+    cases = {
+        tmp_path / "short.txt": f"error: evaluate: --compare {tmp_path / 'short.txt'} has 1 lines but the references "
+        "have 12; line N must translate the source of reference N",
+        tmp_path / "missing.txt": f"error: evaluate: --compare {tmp_path / 'missing.txt'}: no such run directory, "
+        "checkpoint or file of translations",
+        tmp_path / "missing.pt": f"error: evaluate: --compare {tmp_path / 'missing.pt'}: checkpoint: no such file or "
+        f"run directory: {tmp_path / 'missing.pt'}",
+    }
+    for path, message in cases.items():
+        status, out, err = call("evaluate", run, "--split", "test", "--compare", path)
+        assert status == 2 and err == message + "\n" and translated == [] and out == ""
+
+
+def test_hyp_scores_and_compares_files_without_a_model(tmp_path, call):
+    (tmp_path / "ref.txt").write_text("a dog runs in the park .\ntwo cats sit on a red sofa .\n", encoding="utf-8")
+    (tmp_path / "base.txt").write_text("the park dog\ncats sofa\n", encoding="utf-8")
+    status, out, err = call(
+        "evaluate", "--hyp", tmp_path / "base.txt", "--ref", tmp_path / "ref.txt", "--compare", tmp_path / "ref.txt"
+    )
+    assert status == 0, err
+    assert "paired bootstrap resampling" in out and all(score.label in out for score in SCORES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.txt", "ref.txt"]  # nothing written
+    status, out, err = call("evaluate", "--hyp", tmp_path / "base.txt", "--ref", tmp_path / "ref.txt")
+    assert status == 0 and "BLEU" in out and "paired" not in out
+
+
+def test_hyp_refuses_what_it_cannot_use_in_one_line(run, tmp_path, call):
+    (tmp_path / "ref.txt").write_text("a dog\ntwo cats\n", encoding="utf-8")
+    (tmp_path / "one.txt").write_text("a dog\n", encoding="utf-8")
+    hyp = ("--hyp", tmp_path / "one.txt")
+    cases = [
+        ((*hyp, "--ref", tmp_path / "ref.txt"), "has 1 lines but the references have 2"),
+        ((*hyp,), "--hyp needs --ref"),
+        ((run, *hyp, "--ref", tmp_path / "ref.txt"), "give no run, checkpoint, --split or --src with it"),
+        ((*hyp, "--ref", tmp_path / "ref.txt", "--beam", "4"), "--beam has nothing to search"),
+        (("--hyp", tmp_path / "none.txt", "--ref", tmp_path / "ref.txt"), "--hyp {}: no such file"),
+        ((*hyp, "--ref", tmp_path / "ref.txt", "--compare", run), "with --hyp, --compare takes files of translations"),
+    ]
+    for argv, message in cases:
+        status, out, err = call("evaluate", *argv)
+        message = message.format(tmp_path / "none.txt")
+        assert status == 2 and err.startswith("error: evaluate: ") and message in err and err.count("\n") == 1, err

@@ -447,3 +447,26 @@ def test_bench_features_times_every_decoding_feature_beside_plain_beam(untrained
     assert rows["ensemble of 2"]["outputs_like_beam"] == rows["alignments"]["outputs_like_beam"] == 1.0
     assert 0 <= rows["constraints (1 word)"]["constraints_met"] <= 1
     assert result.stdout.splitlines()[-1] == f"wrote {out}"
+
+
+def test_bench_models_times_models_side_by_side(run, copy_model, tmp_path):
+    """A model against itself and another: the first's ratio is 1, every model's rate is its sentences over its
+    median time, BLEU where references are given."""
+    lines = sentences(3, 6)
+    (tmp_path / "src.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "ref.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "models.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_models.py", str(tmp_path / "src.txt"), "--ref", str(tmp_path / "ref.txt")]
+        + ["--models", str(copy_model), str(run / "best.pt"), "--dtype", "fp32", "--rounds", "2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["model"] for r in rows] == [str(copy_model), str(run / "best.pt")]
+    assert rows[0]["speed_vs_first"] == 1.0 and all(r["sentences"] == 6 and r["sentences_per_s"] > 0 for r in rows)
+    assert rows[0]["bleu"] == 100.0  # the copy model copies: its outputs are the references

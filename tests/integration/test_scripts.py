@@ -1,9 +1,13 @@
-"""scripts/fetch_multi30k.py: the real `datasets` loading path, run offline on a local dataset directory."""
+"""scripts/fetch_multi30k.py: the real `datasets` loading path, run offline on a local dataset directory;
+scripts/check_languages.py on a file of known languages."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+
+import pytest
 
 from tests.helpers import ROOT, subprocess_env, write_hub_folder
 from transformer.data.corpus import read_parallel
@@ -33,3 +37,25 @@ def test_fetch_multi30k_writes_plain_text_splits(tmp_path):
     assert src == ["Ein Hund.", "Zwei Katzen."] and tgt == ["A dog.", "Two cats."]
     assert read_parallel(out / "valid.de", out / "valid.en") == (["Ein Mann."], ["A man."])
     assert read_parallel(out / "test.de", out / "test.en") == (["Eine Frau."], ["A woman."])
+
+
+def test_check_languages_counts_the_lines_in_the_language_asked(tmp_path):
+    """scripts/check_languages.py: a file of French sentences with one German line among them."""
+    pytest.importorskip("py3langid")
+    french = [
+        "Un chien court dans la neige.",
+        "Deux hommes jouent au football dans le parc.",
+        "Une femme lit un livre.",
+    ]
+    (tmp_path / "fr.txt").write_text("\n".join(french + ["Ein Mann fährt mit dem Fahrrad durch die Stadt.", ""]) + "\n")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_languages.py"), f"{tmp_path / 'fr.txt'}:fr"]
+        + ["--among", "en", "de", "fr", "cs", "--json", str(tmp_path / "out.json")],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    [row] = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert (row["lines"], row["as_asked"], row["others"]) == (4, 3, {"de": 1})  # the blank line is not counted

@@ -87,11 +87,13 @@ STEPS = 12  # validations (and checkpoints) at 4, 8 and 12
 
 
 def run_config(tmp_path, run_dir: Path, data_dir: str | Path) -> Path:
-    """A tiny run of STEPS updates with dropout (a resumed run matches only if every rank's RNG was restored)."""
+    """A tiny run of STEPS updates with dropout (a resumed run matches only if every rank's RNG was restored), on
+    its corpus and a second one, half of whose pairs an epoch draws, tagged (the ranks share the mixture's draw)."""
+    more = [{"name": "more", "dir": str(data_dir), "split": "valid", "weight": 0.5, "tag": "<more>"}]
     raw = tiny_config(
         tmp_path,
         train={"run_dir": str(run_dir), "max_steps": STEPS, "valid_every": 4},
-        data={"max_tokens": 120, "dir": str(data_dir)},
+        data={"max_tokens": 120, "dir": str(data_dir), "corpora": more},
     )
     return write_config(tmp_path / f"{run_dir.name}.yaml", raw)
 

@@ -2,6 +2,7 @@
 batching, every refusal, and the page driven by headless Chromium against a real uvicorn."""
 
 import importlib.util
+import io
 import json
 import os
 import random
@@ -106,7 +107,7 @@ def tiny_run(run_dir: Path) -> Path:
     )
     rows = [
         {"step": 100, "split": "valid", "loss": 3.5, "ppl": 33.1},
-        {"step": 120, "split": "valid", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5},
+        {"step": 120, "split": "valid", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5, "chrf": 40.5},
         {"step": 120, "split": "train", "loss": 3.0},
     ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -277,6 +278,18 @@ BAD = [
     ("post", "/attention", {"json": {"text": "ein hund", "target": "der " * 40}}, 422, "target sentence"),
     ("post", "/attention", {"json": {"text": "ein hund", "beam": 99}}, 422, "beam"),
     ("post", "/beam", {"json": {"text": "ein hund", "beam": 0}}, 422, "beam"),
+    ("post", "/animate", {"json": {"text": "  "}}, 422, "empty"),
+    (
+        "post",
+        "/animate",
+        {"json": {"text": "ein hund", "layer": 2}},
+        422,
+        "layer must be between 1 and 1 (the encoder's)",
+    ),
+    ("post", "/animate", {"json": {"text": "ein hund", "head": 0}}, 422, "head must be between 1 and 4, got 0"),
+    ("post", "/animate", {"json": {"text": "ein hund", "fps": 0}}, 422, "fps must be between 0.1 and 50"),
+    ("post", "/animate", {"json": {"text": "ein hund", "only": "both"}}, 422, "only"),
+    ("post", "/animate", {"json": {"text": "ein hund", "beam": 6}}, 422, "beam must be between 1 and 5"),
     ("post", "/beam", {"json": {"text": "ein hund", "beam": 2, "nbest": 0}}, 422, "nbest"),
     ("get", "/positions?d_model=7&length=5", {}, 422, "even"),
     ("get", "/positions?d_model=8&length=0", {}, 422, "length"),
@@ -374,6 +387,25 @@ def test_beam_trace_ends_in_the_translation(client):
     assert [h["text"] for h in finished[:3]] == [h["text"] for h in trace["nbest"]]
 
 
+def test_the_animation_is_the_gif_animate_draws(client, translator):
+    """The page's download: the GIF of the walk `transformer animate` draws for the sentence, one picture a frame."""
+    from PIL import Image
+
+    from transformer.visualize.walkthrough import frames, walk
+
+    response = client.post("/animate", json={"text": SENTENCES[0], "beam": 2, "only": "decoder", "layer": 2, "fps": 4})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "image/gif"
+    assert response.headers["content-disposition"] == 'attachment; filename="walk.gif"'
+    settings = replace(translator.settings, beam=2)
+    shown = walk(translator.model, translator.vocab, SENTENCES[0], settings, layer=2, only="decoder")
+    with Image.open(io.BytesIO(response.content)) as gif:
+        assert gif.format == "GIF" and gif.size == (800, 500) and gif.n_frames == len(frames(shown))
+        assert gif.info["duration"] == 250
+    best = post(client, "/translate", {"text": [SENTENCES[0]], "beam": 2})["translations"][0]["text"]
+    assert shown.decoder.translation == best
+
+
 def test_positions_table(client):
     got = client.get("/positions", params={"d_model": 16, "length": 30}).json()
     table = torch.tensor(got["table"])
@@ -397,7 +429,8 @@ def test_serve_answers_with_the_view():
 def test_info(client, run):
     info = client.get("/info").json()
     assert info["checkpoint"] == "best.pt" and info["step"] == 120  # a name, never a path
-    assert info["validation"] == {"best": 3.25, "metric": "loss", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5}
+    validation = {"best": 3.25, "metric": "loss", "loss": 3.25, "nll": 3.0, "ppl": 25.8, "bleu": 1.5, "chrf": 40.5}
+    assert info["validation"] == validation  # every score validation logged (train.valid_scores)
     model = info["model"]
     assert (model["d_model"], model["n_heads"], model["n_encoder_layers"], model["n_decoder_layers"]) == (32, 4, 1, 2)
     # Counted as trained, though on a CPU the served copy holds its linear weights input-major, as buffers.
@@ -571,6 +604,11 @@ def test_page_in_headless_chromium(server, tmp_path):
             driver.find_element(By.CSS_SELECTOR, "#lines text[data-query='0']")
         ).perform()
         assert driver.find_elements(By.CSS_SELECTOR, "#lines text.hot")
+        # The animation of the sentence on screen: fetched as a GIF and offered as walk.gif.
+        driver.find_element(By.ID, "animate").click()
+        link = driver.find_element(By.ID, "animation-link")
+        WebDriverWait(driver, 120).until(lambda d: (link.get_attribute("href") or "").startswith("blob:"))
+        assert link.text.startswith("walk.gif (") and link.get_attribute("download") == "walk.gif"
         assert driver.save_screenshot(str(tmp_path / "page.png"))
         assert (tmp_path / "page.png").stat().st_size > 10_000
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]

@@ -257,7 +257,9 @@ def test_a_client_that_takes_none_of_its_answer_is_dropped(run):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", port))
         sock.sendall(request_bytes("GET", "/positions?d_model=512&length=3900"))
-        time.sleep(3)
+        sock.settimeout(60)
+        assert sock.recv(16, socket.MSG_PEEK).startswith(b"HTTP/1.1 200")  # on its way (computing it takes seconds)
+        time.sleep(3)  # then none of it taken for five --read-timeout periods
         data, closed = read_until_closed(sock, 20)
         sock.close()
     head, _, body = data.partition(b"\r\n\r\n")
@@ -308,6 +310,28 @@ def test_a_client_that_takes_its_answer_a_trickle_at_a_time_is_dropped(run):
         trickle.close()
         assert closed and taken < 1_000_000, taken  # dropped within seconds, most of the answer never sent
         steady = slow_reader(port, "/positions?d_model=512&length=150")  # about 1.2 MB, at about 320 KB/s
+        taken, closed = read_slowly(steady, every_s=0.1, size=32 * 1024, limit_s=60)
+        steady.close()
+    assert closed and taken > 1_000_000  # all of it, then closed as idle (--keep-alive-timeout)
+
+
+def test_a_slow_client_with_the_kernels_default_buffers_is_dropped_too(run):
+    """With default socket buffers the kernel takes megabytes of an answer (Linux autotunes them), and the server's
+    own buffer never filled: a client that read 1 KB a second was never dropped (0 of 48 after 150 s). What the
+    kernel still has to send counts now: it is dropped within a few --read-timeout periods, most of its answer
+    never sent; a client that reads at a steady pace gets all of it."""
+    with real_server(run, read_timeout_s=1.0, max_position_values=2_000_000) as (port, _):
+        sock = socket.socket()  # the kernel's default buffers
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(request_bytes("GET", "/positions?d_model=512&length=150"))  # about 1.2 MB
+        time.sleep(0.5)
+        taken, _ = read_slowly(sock, every_s=1.0, size=1024, limit_s=5)
+        data, closed = read_until_closed(sock, 10)  # what it had buffered, then the reset
+        sock.close()
+        assert closed and taken + len(data) < 1_000_000, (taken, len(data))
+        steady = socket.socket()
+        steady.connect(("127.0.0.1", port))
+        steady.sendall(request_bytes("GET", "/positions?d_model=512&length=150"))
         taken, closed = read_slowly(steady, every_s=0.1, size=32 * 1024, limit_s=60)
         steady.close()
     assert closed and taken > 1_000_000  # all of it, then closed as idle (--keep-alive-timeout)

@@ -16,6 +16,7 @@ from tests.helpers import read_metrics, tiny_config, write_config, write_corpus
 from transformer.config import from_dict, load_config
 from transformer.data.store import Store
 from transformer.errors import UserError
+from transformer.inference.scoring import SCORES
 from transformer.inference.settings import search_settings
 from transformer.model.checkpoint import load_checkpoint, resolve_checkpoint
 from transformer.training.finish import LENPENS, _tune
@@ -58,6 +59,8 @@ def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path,
     test = summary["test"]
     assert test["split"] == "test" and 0 <= test["bleu"] <= 100 and test["length_ratio"] > 0
     assert test["bleu_signature"].startswith("nrefs:1|case:mixed") and "chrf_signature" in test
+    for score in SCORES:  # every score, with its signature, in the summary line too
+        assert isinstance(test[score.name], float) and test[f"{score.name}_signature"].startswith("nrefs:1|")
     assert summary["made_from"] in ("best.pt", "averaged.pt") and (run_dir / "averaged.pt").is_file()
     assert summary["updates"] == 60 and summary["training_seconds"] > 0 and summary["tokens_per_s"] > 0
     assert summary["best_valid_loss"] == min(m["loss"] for m in read_metrics(run_dir) if m.get("split") == "valid")
@@ -80,6 +83,9 @@ def test_training_ends_with_a_summary_the_final_model_and_tuned_search(tmp_path,
     assert load_config(run_dir / "config.yaml").decode.lenpen == summary["decode"]["lenpen"]
     err = capsys.readouterr().err
     assert "summary: test BLEU" in err and "summary: use" in err and "final.pt" in err
+    (line,) = [x for x in err.splitlines() if "summary: test BLEU" in x]
+    assert all(f" {score.label} {test[score.name]:.2f}" in line for score in SCORES)
+    assert all(f"summary:   {test[f'{score.name}_signature']}" in err for score in SCORES)
     kept = len(Store(run_dir / "store").corpus("valid"))  # 10 of the 12: not the raw split evaluate reads
     assert kept < 12 and f"finish: choosing on the {kept} validation pairs training kept" in err
     # The test translations are where the summary says.
@@ -209,10 +215,10 @@ def test_the_summary_reads_a_resumed_runs_later_validation_and_nothing_past_last
 
 def test_a_tie_keeps_the_configured_search_settings(tmp_path):
     """Equal BLEU everywhere: the configured beam and length penalty stay (a wider beam is only slower)."""
-    from transformer.inference.scoring import bleu_chrf
+    from transformer.inference.scoring import corpus_scores
 
     cfg = from_dict(tiny_config(tmp_path, decode={"beam": 4, "lenpen": 0.6}))
-    same = {**bleu_chrf(["a dog runs"], ["a dog runs"]), "bleu": 30.0}
+    same = {**corpus_scores(["a dog runs"], ["a dog runs"]), "bleu": 30.0}
     tried = []
 
     def score(model, settings):

@@ -266,3 +266,21 @@ def test_a_learned_table_keeps_its_size(base, new_data, tmp_path):
     ):
         train(from_dict(raw), quiet=True)
     assert not (tmp_path / "ft" / "last.pt").exists()
+
+
+def test_a_run_from_a_model_whose_vocabulary_lacks_its_tag_grows_the_vocabulary_by_it(base, new_data, tmp_path):
+    """Back-translation warm-started from the model it improves: <bt> is appended to the vocabulary with an
+    embedding row of its own; every other piece and weight starts as it was."""
+    corpora = [{"name": "bt", "dir": str(new_data), "tag": "<bt>", "weight": 0.5}]
+    raw = fine_tune_config(tmp_path, base, base.parent / "corpus", lr=1e-30)
+    raw["data"]["corpora"] = corpora
+    ft = train(from_dict(raw), quiet=True)
+    old = load_checkpoint(base / "best.pt")
+    new = load_checkpoint(ft / "last.pt")
+    before, after = vocab_from_stored(old["vocab"]), vocab_from_stored(new["vocab"])
+    assert len(after) == len(before) + 1 and after.piece_ids(["<bt>"]) == [len(before)]
+    assert after.encode(["der hund läuft"]) == before.encode(["der hund läuft"])
+    rows = new["model"]["src_embed.weight"]
+    torch.testing.assert_close(rows[: len(before)], old["model"]["src_embed.weight"], atol=1e-6, rtol=0)
+    assert rows[len(before)].abs().sum() > 0  # a row of its own, not zeros
+    assert (ft / "spm.model").read_bytes() == after.stored

@@ -177,14 +177,14 @@ def test_short_run_on_real_multi30k_lowers_validation_loss(tmp_path):
 def test_validation_bleu_picks_best_and_early_stopping_follows_patience(tmp_path, monkeypatch):
     # The real BLEU of each validation is computed, then replaced by a scripted score: best at the second
     # validation, then a worse one and a tie (no improvement either), so patience 2 stops the run at step 8.
-    real, scripted = scoring.bleu_chrf, itertools.chain([10.0, 12.0, 11.0, 12.0], itertools.count(13.0))
+    real, scripted = scoring.corpus_scores, itertools.chain([10.0, 12.0, 11.0, 12.0], itertools.count(13.0))
 
-    def scripted_bleu(hypotheses, references):
-        scores = real(hypotheses, references)
+    def scripted_bleu(hypotheses, references, names=scoring.NAMES):
+        scores = real(hypotheses, references, names)
         assert 0 <= scores["bleu"] <= 100 and len(hypotheses) == len(references) > 0
         return {**scores, "bleu": next(scripted)}
 
-    monkeypatch.setattr(scoring, "bleu_chrf", scripted_bleu)
+    monkeypatch.setattr(scoring, "corpus_scores", scripted_bleu)
     raw = tiny_config(
         tmp_path, train={"max_steps": 40, "valid_every": 2, "valid_bleu": True, "patience": 2, "log_every": 2}
     )

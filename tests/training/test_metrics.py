@@ -10,6 +10,7 @@ import pytest
 from tests.helpers import read_metrics, tiny_config
 from transformer.config import from_dict
 from transformer.errors import UserError
+from transformer.inference.scoring import NAMES
 from transformer.training import metrics
 from transformer.training.loop import train
 
@@ -70,3 +71,14 @@ def test_metrics_rows_without_a_numeric_step_are_skipped(tmp_path):
     path.write_text('{"split": "valid", "loss": 1}\n', encoding="utf-8")
     with pytest.raises(UserError, match="holds no metrics yet"):
         metrics.read_metrics(path)
+
+
+def test_tensorboard_gets_every_score_a_validation_logged(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = metrics.MetricsLog(tmp_path, True, 0.0, 0.0, tensorboard=True)
+    log.record({"step": 2, "split": "valid", "loss": 1.0, **{name: 10.0 for name in NAMES}})
+    log.close()
+    scalars = EventAccumulator(str(tmp_path / "tensorboard")).Reload().Tags()["scalars"]
+    assert {f"valid/{name}" for name in NAMES} <= set(scalars)

@@ -116,3 +116,13 @@ def test_missing_matplotlib_is_a_user_error(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plot-positions", "--out", str(tmp_path / "p.png")])
     assert "pip install" in capsys.readouterr().err
+
+
+def test_each_score_validation_logged_gets_a_panel():
+    pytest.importorskip("matplotlib")
+    from transformer.inference.scoring import SCORES
+    from transformer.visualize.plots import training_curves
+
+    rows = [{"step": s, "split": "valid", "loss": 3.0 / s, "bleu": float(s), "chrf": 20.0 + s} for s in (1, 2)]
+    labels = [ax.get_ylabel() for ax in training_curves(rows).axes]
+    assert [label for label in labels if label in {f"valid {s.label}" for s in SCORES}] == ["valid BLEU", "valid chrF"]

@@ -122,6 +122,28 @@ def cmd_attention(args: argparse.Namespace) -> None:
         print(path)
 
 
+def cmd_animate(args: argparse.Namespace) -> None:
+    from transformer.inference.settings import SearchFlags
+    from transformer.inference.translator import Translator
+    from transformer.visualize.animation import check_fps, check_output, write_animation
+    from transformer.visualize.walkthrough import frames, walk
+
+    check_fps(args.fps)
+    check_output(args.out, args.force)  # before the model loads
+    if not args.source.strip():
+        raise UserError("animate: the source sentence is empty; give a sentence to animate")
+    translator = Translator(args.checkpoint, args.device, SearchFlags(beam=args.beam, dtype=args.dtype))
+    if translator.note:
+        print(translator.note, file=sys.stderr)
+    with out_of_memory_names(f"the animation with beam {translator.settings.beam} (lower --beam)"):
+        shown = walk(
+            translator.model, translator.vocab, args.source, translator.settings, args.layer, args.head, args.only
+        )
+    if shown.decoder is not None:
+        print(f"translation: {shown.decoder.translation}", file=sys.stderr)
+    print(write_animation(frames(shown), args.out, args.fps, args.force))
+
+
 def cmd_plot_positions(args: argparse.Namespace) -> None:
     from transformer.visualize.plots import positional_encoding, save
 
@@ -170,11 +192,21 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from transformer.inference.evaluation import run_evaluate
 
     flags = _search_flags(args)
+    if args.hyp is not None:  # nothing to translate: run_evaluate refuses a run or checkpoint given with it
+        unasked = {"dtype": "auto", "engine": "ours"}  # the options' defaults
+        searched = [name for name, value in flags.given().items() if unasked.get(name) != value]
+        if searched:
+            flag = "--" + searched[0].replace("_", "-")
+            raise UserError(f"evaluate: --hyp scores translations already made; {flag} has nothing to search")
+        run_evaluate(
+            [*args.checkpoints, *args.run], args.split, args.src, args.ref, compared=args.compare, hyp=args.hyp
+        )
+        return
     checkpoints, rest = _checkpoints("evaluate", args, list(args.run))
     if rest:
         raise UserError(f"evaluate: {rest[0]} is not a run directory or checkpoint file")
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
-        run_evaluate(checkpoints, args.split, args.src, args.ref, args.device, flags)
+        run_evaluate(checkpoints, args.split, args.src, args.ref, args.device, flags, args.compare)
 
 
 def cmd_export(args: argparse.Namespace) -> None:

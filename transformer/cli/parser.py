@@ -10,6 +10,7 @@ import argparse
 
 from transformer.cli import commands
 from transformer.config import POSITION_KINDS
+from transformer.inference.scoring import SCORES  # no torch either
 from transformer.inference.settings import (  # no torch: --help stays fast
     MAX_SAMPLES,
     OPTIONS,
@@ -166,6 +167,68 @@ def _add_attention(sub) -> None:
         "+ _encoder, _decoder, _cross; the written paths are printed",
     )
     p.set_defaults(func=commands.cmd_attention)
+
+
+def _add_animate(sub) -> None:
+    p = sub.add_parser(
+        "animate",
+        help="an animated walk through one sentence: what the model computes, with its own values",
+        description="Animate what the model computes on one sentence, in the order the illustrated explainers "
+        "draw it, with the model's real values: the encoder (pieces, embedding rows times sqrt(d_model), "
+        "position rows, then for one layer and head Q and K, the scores filling in, divided by sqrt(d_k), "
+        "softmax row by row, the weighted sum of V, all heads side by side and their join), then the decoder "
+        "step by step as the search wrote the translation (its masked self-attention, its attention over the "
+        "source, the most probable next pieces and the one chosen). Writes a GIF, an MP4 (needs ffmpeg) or a "
+        "folder of PNG frames, and prints its path; the translation goes to stderr.",
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory (its final.pt, else best.pt, else last.pt) or a checkpoint file",
+    )
+    p.add_argument("source", type=_sentence, help='the source sentence, e.g. "Ein Hund rennt durch den Schnee."')
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="PATH",
+        help="FILE.gif, FILE.mp4 (needs ffmpeg on PATH), or a folder name without a suffix for PNG frames",
+    )
+    p.add_argument(
+        "--layer",
+        type=int,
+        metavar="L",
+        help="the layer followed, numbered from 1, in the encoder and the decoder (default: each one's last)",
+    )
+    p.add_argument(
+        "--head",
+        type=int,
+        metavar="H",
+        help="the head followed, numbered from 1 (default: the layer's head whose rows point at the most "
+        "different pieces, most sharply; the decoder's chosen on its attention over the source)",
+    )
+    p.add_argument("--only", choices=("encoder", "decoder"), help="animate one part (default: both)")
+    p.add_argument("--fps", type=float, default=1.0, metavar="F", help="frames per second (default 1)")
+    p.add_argument(
+        "--beam",
+        type=int,
+        metavar="N",
+        help="beam size of the search whose best translation the decoder part follows (default: the "
+        "checkpoint's decode.beam; 1 = greedy)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where to run the model (default auto: CUDA when available)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the model's number format (default fp32); the values drawn are those it computes in it",
+    )
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=commands.cmd_animate)
 
 
 def _add_plot_positions(sub) -> None:
@@ -352,15 +415,18 @@ def _add_line_options(p) -> None:
 
 
 def _add_evaluate(sub) -> None:
+    labels = ", ".join(score.label for score in SCORES)
     p = sub.add_parser(
         "evaluate",
-        help="translate a test set and score it with sacreBLEU (BLEU, chrF)",
+        help=f"translate a test set and score it with sacreBLEU ({labels}); compare systems",
         description="Translate a split of the run's data (read through the config's data section) or --src/--ref "
-        "files, score with sacreBLEU BLEU and chrF (13a tokenisation, cased), print the scores with "
+        f"files, score with sacreBLEU ({labels}; cased, BLEU with 13a tokenisation), print the scores with "
         "their signatures, and write the hypotheses and a JSON of scores to RUN_DIR/eval/SPLIT.beamB.lpA.hyp "
         "and .json (.early, .bf16, .int8 or .ct2 added for those settings; SPLIT is --src's file name, or "
         "'pipe' for a pipe, with a digest of the sentences added when another source's results hold "
-        "that name; for a checkpoint file: eval/ next to it, named after it).",
+        "that name; for a checkpoint file: eval/ next to it, named after it). --compare: other systems on the "
+        "same sentences, by sacreBLEU's paired bootstrap resampling (1000 resamples, seed 12345): each score "
+        "with its 95% confidence interval, each difference to the first system with its interval and p-value.",
     )
     p.add_argument(
         "run",
@@ -374,7 +440,23 @@ def _add_evaluate(sub) -> None:
         "--split", help="train, valid, test (mapped through data.*_split) or another split name (default: test)"
     )
     p.add_argument("--src", metavar="FILE", help="source sentences to translate instead of a split (with --ref)")
-    p.add_argument("--ref", metavar="FILE", help="reference translations of --src, line by line")
+    p.add_argument("--ref", metavar="FILE", help="reference translations of --src (or --hyp), line by line")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="RUN_OR_FILE",
+        help="another system to compare with the first one (the baseline) on the same sentences: a run directory "
+        "or checkpoint (translated with the same search options, its results kept in its own eval/) or a file "
+        "of its translations, line by line; repeat it for more. The table is printed and kept in the "
+        "baseline's JSON",
+    )
+    p.add_argument(
+        "--hyp",
+        metavar="FILE",
+        help="translations already made, scored against --ref instead of a model's (nothing is written: there is "
+        "no run directory); the baseline of --compare FILE",
+    )
     add_search_options(p)
     p.set_defaults(func=commands.cmd_evaluate)
 
@@ -641,6 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare(sub)
     _add_finish(sub)
     _add_attention(sub)
+    _add_animate(sub)
     _add_plot_positions(sub)
     _add_plot(sub)
     _add_translate(sub)

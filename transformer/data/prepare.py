@@ -30,7 +30,7 @@ from transformer.data.store import (
     problem,
     refuse_foreign,
 )
-from transformer.data.vocab import AnyVocab, Vocab, train_vocab, vocab_in
+from transformer.data.vocab import AnyVocab, Vocab, sample_sentences, train_vocab, vocab_in
 from transformer.errors import UserError
 from transformer.run_dir import RunDir
 
@@ -73,8 +73,9 @@ def tag_ids(vocab: AnyVocab, tags: tuple[str, ...], whose: str) -> dict[str, int
     for tag, i in ids.items():
         if i == vocab.specials.unk:
             raise UserError(
-                f"data: the tag {tag!r} is not a piece of {whose}; a vocabulary cannot gain pieces under a trained "
-                "model: start a new run (another train.run_dir) to use it, or drop the tag"
+                f"data: the tag {tag!r} is not a piece of {whose}, and a run's vocabulary cannot change once it has "
+                "trained: start a new run to use it (another train.run_dir; train.init_from takes a trained model "
+                "with the tag added), or drop the tag"
             )
     return ids
 
@@ -119,8 +120,9 @@ def _train_vocab(cfg: Config, raw: dict[str, RawSplit]) -> Vocab:
             f"data.spm_max_sentences must be 0 (every sentence) or above 100 (SentencePiece's smallest "
             f"sample) to train a vocabulary, got {d.spm_max_sentences}"
         )
-    corpora = [raw["train"], *(open_corpus(d, c) for c in d.corpora)]
-    sentences = 2 * sum(split.n_pairs for split in corpora)
+    corpora = [(d, raw["train"]), *((corpus_data(d, c), open_corpus(d, c)) for c in d.corpora)]
+    languages = {lang for data, _ in corpora for lang in (data.src_lang, data.tgt_lang)}
+    sentences = 2 * sum(split.n_pairs for _, split in corpora)
     sampled = 0 < d.spm_max_sentences < sentences  # 0: all of them
     sample = f"a sample of {d.spm_max_sentences} of the" if sampled else "the"
     log.info(
@@ -132,12 +134,39 @@ def _train_vocab(cfg: Config, raw: dict[str, RawSplit]) -> Vocab:
         f" of {len(corpora)} corpora" if len(corpora) > 1 else "",
     )
     start = time.perf_counter()
-    lines = (line for split in corpora for line in chain_lines(split.chunks()))
-    vocab = train_vocab(
-        lines, d.vocab_size, d.spm_model_type, d.spm_character_coverage, d.spm_max_sentences, cfg.train.seed, d.tags
-    )
+    if len(languages) > 2 or d.temperature != 1.0:
+        lines, limit = language_sample(corpora, d.spm_max_sentences, d.temperature, cfg.train.seed), 0
+    else:  # one language pair: every sentence (or a uniform sample), as runs always had
+        lines, limit = (line for _, split in corpora for line in chain_lines(split.chunks())), d.spm_max_sentences
+    vocab = train_vocab(lines, d.vocab_size, d.spm_model_type, d.spm_character_coverage, limit, cfg.train.seed, d.tags)
     log.info("vocab: trained in %.1f s", time.perf_counter() - start)
     return vocab
+
+
+def language_sample(
+    corpora: list[tuple[DataConfig, RawSplit]], max_sentences: int, temperature: float, seed: int
+) -> list[str]:
+    """The vocabulary's training text across several languages: each language's sentences (a file named by several
+    corpora counted once) drawn so that its share goes as its size^(1/temperature), `max_sentences` in all (0: as
+    many as there are). A language drawn more than it has repeats its sentences; less, a uniform sample of them."""
+    by_language: dict[str, dict[str, tuple[RawSplit, int]]] = {}
+    for data, split in corpora:
+        files = [f.get("path", str(i)) for i, f in enumerate(split.fingerprint.get("files", []))] or [split.name]
+        for side, lang in enumerate((data.src_lang, data.tgt_lang)):
+            key = files[side] if len(files) > side else f"{id(split)}.{side}"
+            by_language.setdefault(lang, {})[key] = (split, side)
+    sizes = {lang: sum(split.n_pairs for split, _ in sources.values()) for lang, sources in by_language.items()}
+    total = sum(sizes.values())
+    budget = min(total, max_sentences) if max_sentences else total
+    weights = {lang: n ** (1.0 / temperature) for lang, n in sizes.items()}
+    drawn: list[str] = []
+    for i, (lang, sources) in enumerate(sorted(by_language.items())):
+        want = round(budget * weights[lang] / sum(weights.values()))
+        text = (s for split, side in sources.values() for chunk in split.chunks() for s in chunk[side] if s.strip())
+        pool = sample_sentences(text, want, seed + i)
+        drawn += (pool * -(-want // max(len(pool), 1)))[:want]
+        log.info("vocab: %s: %d of its %d sentences", lang, want, sizes[lang])
+    return drawn
 
 
 # --------------------------------------------------------------------------- data.dir's store
@@ -178,7 +207,7 @@ def prepare(cfg: Config, run_dir: Path, vocab: AnyVocab | None = None, quiet: bo
         if vocab_in(run_dir) is None:
             count_pairs(raw)  # a bad validation split found before the vocabulary is trained, not after
         vocab = prepare_vocab(cfg, run_dir, raw)
-    ids = tag_ids(vocab, cfg.data.tags, "the vocabulary of the model the run continues or starts from")
+    tag_ids(vocab, cfg.data.tags, "the vocabulary of the model the run continues or starts from")
     directory = RunDir(run_dir).store
     expected = fingerprint(raw, main_encoding(cfg, vocab))
     reason = problem(directory, expected)
@@ -192,7 +221,7 @@ def prepare(cfg: Config, run_dir: Path, vocab: AnyVocab | None = None, quiet: bo
             directory,
             f": {reason}" if directory.exists() else "",
         )
-        build(directory, vocab, raw, expected, cfg.data.max_len, quiet, ids.get(cfg.data.tag))
+        build(directory, vocab, raw, expected, cfg.data.max_len, quiet)
     store = Store(directory, checked=True)
     log_counts(store, cfg.data.max_len)
     return store
@@ -267,13 +296,23 @@ def corpora_root(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.data.corpora_store) if cfg.data.corpora_store else Path(run_dir).resolve().parent / STORES
 
 
-def _corpus_store(cfg: Config, run_dir: Path, c: CorpusConfig, vocab: AnyVocab) -> tuple[Path, RawSplit, dict]:
-    """(its store's directory, its raw pairs, the fingerprint the store must have): the directory is named by the
+def corpus_splits(c: CorpusConfig) -> tuple[str, ...]:
+    """What a corpus's store holds: its training pairs, and its validation pairs where it names a split of them."""
+    return ("train", "valid") if c.valid_split else CORPUS_SPLITS
+
+
+def _corpus_store(
+    cfg: Config, run_dir: Path, c: CorpusConfig, vocab: AnyVocab
+) -> tuple[Path, dict[str, RawSplit], dict]:
+    """(its store's directory, its raw splits, the fingerprint the store must have): the directory is named by the
     corpus and a hash of that fingerprint, so that runs naming the same files with the same vocabulary share it."""
     d = cfg.data
-    raw = open_corpus(d, c)
     data = corpus_data(d, c)
-    expected = fingerprint({"train": raw}, encoding(vocab, data.src_lang, data.tgt_lang, d.max_len, c.tag))
+    raw = {"train": open_corpus(d, c)}
+    if c.valid_split:
+        raw["valid"] = open_split(data, c.valid_split, 0, log.info)
+    token = d.target_tokens.get(data.tgt_lang, "")
+    expected = fingerprint(raw, encoding(vocab, data.src_lang, data.tgt_lang, d.max_len, c.tag, token))
     key = hashlib.sha256(json.dumps(expected, sort_keys=True).encode("utf-8")).hexdigest()[:16]
     return corpora_root(cfg, run_dir) / f"{c.name}-{key}", raw, expected
 
@@ -284,16 +323,17 @@ def prepare_corpora(
     """Each corpus of data.corpora with its store: reused where a run has built it (for these files and this
     vocabulary), else built in a staging folder and moved into place whole, so that a kill leaves no half store
     and two runs building the same one both end with it. One process only: under torchrun rank 0."""
-    ids = tag_ids(vocab, cfg.data.tags, "the run's vocabulary")
+    tag_ids(vocab, cfg.data.tags, "the run's vocabulary")
     prepared = []
     for c in cfg.data.corpora:
         directory, raw, expected = _corpus_store(cfg, run_dir, c, vocab)
-        if problem(directory, expected, splits=CORPUS_SPLITS) is None:
+        splits = corpus_splits(c)
+        if problem(directory, expected, splits=splits) is None:
             log.info("store: %s: reusing %s", c.name, directory)
         else:
-            _build_corpus_store(directory, vocab, raw, expected, cfg.data.max_len, quiet, ids.get(c.tag), c.name)
-        store = Store(directory, checked=True, splits=CORPUS_SPLITS)
-        log_counts(store, cfg.data.max_len, CORPUS_SPLITS, c.name)
+            _build_corpus_store(directory, vocab, raw, expected, cfg.data.max_len, quiet, c.name)
+        store = Store(directory, checked=True, splits=splits)
+        log_counts(store, cfg.data.max_len, splits, c.name)
         prepared.append((c, store))
     return prepared
 
@@ -303,22 +343,15 @@ def open_prepared_corpora(cfg: Config, run_dir: Path, vocab: AnyVocab) -> list[t
     opened = []
     for c in cfg.data.corpora:
         directory, _, expected = _corpus_store(cfg, run_dir, c, vocab)
-        reason = problem(directory, expected, splits=CORPUS_SPLITS)
+        reason = problem(directory, expected, splits=corpus_splits(c))
         if reason is not None:
             raise UserError(f"store: {c.name}: {directory} does not match this rank's data: {reason}")
-        opened.append((c, Store(directory, checked=True, splits=CORPUS_SPLITS)))
+        opened.append((c, Store(directory, checked=True, splits=corpus_splits(c))))
     return opened
 
 
 def _build_corpus_store(
-    directory: Path,
-    vocab: AnyVocab,
-    raw: RawSplit,
-    expected: dict,
-    max_len: int,
-    quiet: bool,
-    tag_id: int | None,
-    name: str,
+    directory: Path, vocab: AnyVocab, raw: dict[str, RawSplit], expected: dict, max_len: int, quiet: bool, name: str
 ) -> None:
     refuse_foreign(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -326,12 +359,12 @@ def _build_corpus_store(
     staging = directory.parent / f".{directory.name}.building-{os.getpid()}"
     log.info("store: %s: preparing %s", name, directory)
     try:
-        build(staging, vocab, {"train": raw}, expected, max_len, quiet, tag_id)
+        build(staging, vocab, raw, expected, max_len, quiet)
         if directory.exists():  # ours (refuse_foreign) and unusable: replaced whole
             shutil.rmtree(directory)
         os.rename(staging, directory)
     except OSError:
-        if problem(directory, expected, splits=CORPUS_SPLITS) is not None:  # another run's move came first: fine
+        if problem(directory, expected, splits=tuple(raw)) is not None:  # another run's move came first: fine
             raise
     finally:
         if staging.exists() and is_ours(staging):
@@ -356,13 +389,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def tempered(parts: list[Part], temperature: float) -> list[Part]:
+    """The parts with their weights times what data.temperature asks: each corpus's share of an epoch going as its
+    size^(1/temperature), the epoch as large as the corpora together (1: as they are)."""
+    drawn = [p for p in parts if p.weight > 0]
+    if temperature == 1.0 or len(drawn) < 2:
+        return parts
+    sizes = {p.name: len(p.corpus) for p in drawn}
+    scale = sum(sizes.values()) / sum(n ** (1.0 / temperature) for n in sizes.values())
+    return [
+        dataclasses.replace(p, weight=p.weight * scale * sizes[p.name] ** (1.0 / temperature) / sizes[p.name])
+        if p.weight > 0
+        else p
+        for p in parts
+    ]
+
+
 def training_mixture(cfg: Config, store: Store, corpora: list[tuple[CorpusConfig, Store]]) -> Mixture:
     """The pairs training draws from: data.dir's with data.weight, then each of data.corpora with its own; logged
     per corpus where there are several (or a weight)."""
     d = cfg.data
     parts = [Part(MAIN_CORPUS, store.corpus("train"), d.weight, store.train_order)]
     parts += [Part(c.name, s.corpus("train"), c.weight, s.train_order) for c, s in corpora]
-    mixture = Mixture(parts)
+    mixture = Mixture(tempered(parts, d.temperature))
     if len(parts) > 1 or not mixture.every_pair_once:
         for row in mixture.shares():
             log.info(
@@ -377,3 +426,21 @@ def training_mixture(cfg: Config, store: Store, corpora: list[tuple[CorpusConfig
                 100 * row["tgt_share"],
             )
     return mixture
+
+
+def pair_name(src_lang: str, tgt_lang: str) -> str:
+    return f"{src_lang}-{tgt_lang}"
+
+
+def valid_sets(cfg: Config, store: Store, corpora: list[tuple[CorpusConfig, Store]]) -> list[tuple]:
+    """The validation sets a run is scored on, (name, corpus, references): data.dir's, then each corpus's with a
+    validation split (a multilingual run's other language pairs), named by its languages (or the corpus's name
+    where two share them)."""
+    d = cfg.data
+    sets = [(pair_name(d.src_lang, d.tgt_lang), store.corpus("valid"), store.references("valid"))]
+    for c, s in corpora:
+        if c.valid_split:
+            data = corpus_data(d, c)
+            name = pair_name(data.src_lang, data.tgt_lang)
+            sets.append((c.name if name in [n for n, _, _ in sets] else name, s.corpus("valid"), s.references("valid")))
+    return sets

@@ -107,17 +107,30 @@ def fingerprint(raw: dict[str, RawSplit], encoding: dict) -> dict:
     return {"inputs": {split: r.fingerprint for split, r in raw.items()}, **encoding}
 
 
-def encoding(vocab: AnyVocab, src_lang: str, tgt_lang: str, max_len: int, tag: str = "") -> dict:
+PREFIX_KEYS = ("target_token", "tag")  # the pieces before each source, in this order, where there are any
+
+
+def encoding(
+    vocab: AnyVocab, src_lang: str, tgt_lang: str, max_len: int, tag: str = "", target_token: str = ""
+) -> dict:
     """The fingerprint's keys besides the input files: the vocabulary, the languages, the length filter, and the
-    tag before each source (a key only where there is one: the stores built before tags existed stay current)."""
+    pieces before each source: the target language's token (a multilingual run's), the corpus's tag (a key only
+    where there is one: the stores built before them stay current)."""
     keys = {"vocab_sha256": vocab.sha256, "src_lang": src_lang, "tgt_lang": tgt_lang, "max_len": max_len}
-    return {**keys, "tag": tag} if tag else keys
+    prefix = {"target_token": target_token, "tag": tag}
+    return {**keys, **{k: v for k, v in prefix.items() if v}}
+
+
+def prefix_ids(vocab: AnyVocab, fingerprint: dict) -> tuple[int, ...]:
+    """The ids of the pieces a store's fingerprint puts before each source."""
+    pieces = [fingerprint[k] for k in PREFIX_KEYS if k in fingerprint]
+    return tuple(vocab.piece_ids(pieces)) if pieces else ()
 
 
 def main_encoding(cfg: Config, vocab: AnyVocab) -> dict:
     """encoding() of the run's own corpus (data.dir's)."""
     d = cfg.data
-    return encoding(vocab, d.src_lang, d.tgt_lang, d.max_len, d.tag)
+    return encoding(vocab, d.src_lang, d.tgt_lang, d.max_len, d.tag, d.target_tokens.get(d.tgt_lang, ""))
 
 
 def _differences(old: dict, new: dict) -> list[str]:
@@ -142,7 +155,7 @@ def _differences(old: dict, new: dict) -> list[str]:
                 reasons.append(f"the {split} corpus changed")
     if old["vocab_sha256"] != new["vocab_sha256"]:
         reasons.append("the vocabulary changed")
-    for key in ("src_lang", "tgt_lang", "max_len", "tag"):
+    for key in ("src_lang", "tgt_lang", "max_len", *PREFIX_KEYS):
         if old.get(key) != new.get(key):
             reasons.append(f"data.{key} changed ({old.get(key)} -> {new.get(key)})")
     return reasons
@@ -281,7 +294,7 @@ def _contents_problem(directory: Path, manifest: dict) -> str | None:
     """Why files of the sizes the manifest gives cannot be used: offsets out of order or past the tokens, ids
     outside the vocabulary, unreadable references. What training would otherwise meet as an IndexError hours in."""
     dtype, max_len = np.dtype(manifest["dtype"]), manifest["fingerprint"]["max_len"]
-    max_len += "tag" in manifest["fingerprint"]  # the tag before each source is one more piece
+    max_len += sum(k in manifest["fingerprint"] for k in PREFIX_KEYS)  # the pieces before each source
     for split in manifest["splits"]:
         for side in SIDES:
             bin_path, idx_path = directory / f"{split}.{side}.bin", directory / f"{split}.{side}.idx"
@@ -420,14 +433,14 @@ def _writers(files: contextlib.ExitStack, directory: Path, split: str, dtype: np
     return writers
 
 
-def _encode_chunk(vocab: AnyVocab, src_lines: list[str], tgt_lines: list[str], max_len: int, tag_id: int | None):
-    """A chunk of pairs split into ids (each source after the tag where there is one) -> (ids by side, lengths by
-    side, the rows kept, the blank ones, the long ones: keep_mask's, max_len counting the text alone)."""
+def _encode_chunk(vocab: AnyVocab, src_lines: list[str], tgt_lines: list[str], max_len: int, prefix: tuple[int, ...]):
+    """A chunk of pairs split into ids (each source after the `prefix` pieces) -> (ids by side, lengths by side, the
+    rows kept, the blank ones, the long ones: keep_mask's, max_len counting the text alone)."""
     ids = {"src": vocab.encode(src_lines), "tgt": vocab.encode_target(tgt_lines)}
-    if tag_id is not None:  # a blank source stays blank (dropped below), not a tag alone
-        ids["src"] = [[tag_id, *s] if s else s for s in ids["src"]]
+    if prefix:  # a blank source stays blank (dropped below), not a prefix alone
+        ids["src"] = [[*prefix, *s] if s else s for s in ids["src"]]
     lengths = {side: np.fromiter(map(len, ids[side]), dtype=np.int64, count=len(ids[side])) for side in SIDES}
-    text_lengths = lengths["src"] - (lengths["src"] > 0) if tag_id is not None else lengths["src"]
+    text_lengths = lengths["src"] - len(prefix) * (lengths["src"] > 0)
     kept, blank, long = keep_mask(text_lengths, lengths["tgt"], max_len)
     return ids, lengths, np.flatnonzero(kept), blank, long
 
@@ -441,10 +454,10 @@ def _encode_split(
     dtype: np.dtype,
     keep_references: bool,
     quiet: bool,
-    tag_id: int | None = None,
+    prefix: tuple[int, ...] = (),
 ) -> dict:
     """Stream one split through SentencePiece into directory/{split}.{side}.bin/.idx, each source after the
-    `tag_id` piece where there is one; return its counts."""
+    `prefix` pieces (prefix_ids); return its counts."""
     totals = {"src": 0, "tgt": 0}
     counts = {"read": 0, "pairs": 0, "dropped_long": 0, "dropped_blank": 0}
     references: list[str] = []
@@ -462,7 +475,7 @@ def _encode_split(
             )
         )
         for src_lines, tgt_lines in raw.chunks():
-            ids, lengths, rows, blank, long = _encode_chunk(vocab, src_lines, tgt_lines, max_len, tag_id)
+            ids, lengths, rows, blank, long = _encode_chunk(vocab, src_lines, tgt_lines, max_len, prefix)
             for side in SIDES:
                 kept_lengths = lengths[side][rows]
                 n_tokens = int(kept_lengths.sum())
@@ -532,16 +545,16 @@ def build(
     expected: dict,
     max_len: int,
     quiet: bool = False,
-    tag_id: int | None = None,
 ) -> None:
     """Write a new store of the splits in `raw` into `directory`, replacing the store that is there (never a
     directory that is not a store of ours: refuse_foreign); the manifest goes last."""
     count_pairs(raw)
     _clear(directory)
     dtype = token_dtype(len(vocab))
+    prefix = prefix_ids(vocab, expected)
     splits = {
         split: _encode_split(
-            vocab, r, split, max_len, directory, dtype, keep_references=split == "valid", quiet=quiet, tag_id=tag_id
+            vocab, r, split, max_len, directory, dtype, keep_references=split == "valid", quiet=quiet, prefix=prefix
         )
         for split, r in raw.items()
     }

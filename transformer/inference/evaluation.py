@@ -1,4 +1,5 @@
-"""The `evaluate` command: translate a split or files, score them (scoring.py), and keep the results by settings."""
+"""The `evaluate` command: translate a split or files, score them (scoring.py), keep the results by settings, and
+compare systems on the same sentences (comparison.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformer.errors import UserError
 from transformer.files import atomic_write
-from transformer.inference.scoring import bleu_chrf
+from transformer.inference import comparison
+from transformer.inference.scoring import SCORES, corpus_scores
 from transformer.inference.settings import SearchFlags
 from transformer.run_dir import RunDir
 
@@ -67,10 +71,19 @@ def _results_name(eval_dir: Path, name: str, settings: str, source: list | None,
     return f"{name}.{digest[:8]}.{settings}"
 
 
-def _check_inputs(split: str | None, src: str | None, ref: str | None) -> None:
-    """A split or --src/--ref files, not both, and a split's name never a path out of the run."""
+def _check_inputs(split: str | None, src: str | None, ref: str | None, hyp: str | None, runs: list[str]) -> None:
+    """A split or --src/--ref files, not both, and a split's name never a path out of the run; --hyp with --ref
+    and nothing to translate."""
     from transformer.config import split_name_problem
 
+    if hyp is not None:
+        if ref is None:
+            raise UserError("evaluate: --hyp needs --ref, the reference translations of its lines")
+        if src is not None or split is not None or runs:
+            raise UserError(
+                "evaluate: --hyp scores translations already made: give no run, checkpoint, --split or --src with it"
+            )
+        return
     if (src is None) != (ref is None):
         raise UserError("evaluate: --src and --ref go together")
     if src is not None and split is not None:
@@ -108,64 +121,113 @@ def _source(data, split: str | None, src: str | None, ref: str | None) -> list |
     return None
 
 
-def run_evaluate(
-    run_dir: str | list[str],
-    split: str | None,
-    src: str | None,
-    ref: str | None,
-    device: str = "auto",
-    flags: SearchFlags = SearchFlags(),
-) -> dict:
-    """The `evaluate` command: translate a split (or --src/--ref files) with the search `flags` over the
-    checkpoint's decode section, score, write .hyp and .json. Several run directories or checkpoints: an ensemble,
-    evaluated into the first one's eval/ (its data section and decode settings), named .ensembleN."""
-    from transformer.data.corpus import read_parallel
-    from transformer.inference.translator import Translator
+@dataclass(frozen=True)
+class _TestSet:
+    """The sentences each system of one evaluate translates and is scored on, and what results are named after."""
 
-    _check_inputs(split, src, ref)
-    members = [run_dir] if isinstance(run_dir, str) else list(run_dir)
-    run_dir = members[0]
-    translator = Translator(members, device, flags)
-    settings = translator.settings
-    described = settings.describe() + (f".ensemble{len(members)}" if len(members) > 1 else "")
+    name: str  # the split, --src's file name, or "pipe"
+    split: str | None
+    src: str | None
+    ref: str | None
+    sources: list[str]
+    references: list[str]
+    source: list | None  # _source
+    digest: str  # of the sentences: _results_name
+
+
+def _test_set(data, split: str | None, src: str | None, ref: str | None) -> _TestSet:
+    from transformer.data.corpus import read_parallel
+
     if src is not None:
         sources, references = read_parallel(src, ref)
         # A pipe (`--src <(zcat test.de.gz)` is /dev/fd/63) would name the results "63"
         name = Path(src).name if Path(src).is_file() else "pipe"
     else:
         split = split or "test"
-        sources, references = _read_split(translator.cfg.data, split)
+        sources, references = _read_split(data, split)
         name = split
-    if translator.note:
-        print(translator.note, file=sys.stderr)
-    checkpoint = Path(run_dir)
-    eval_dir = RunDir(checkpoint if checkpoint.is_dir() else checkpoint.parent).eval
-    if not checkpoint.is_dir():
-        name = f"{checkpoint.stem}.{name}"
     text = "\n".join(sources) + "\0" + "\n".join(references)
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-    source = _source(translator.cfg.data, split, src, ref)
-    name = _results_name(eval_dir, name, described, source, digest)
+    return _TestSet(name, split, src, ref, sources, references, _source(data, split, src, ref), digest)
+
+
+def _eval_dir(checkpoint: str) -> Path:
+    """Where a run directory's or checkpoint's results go: the run's eval/, or eval/ next to the file."""
+    path = Path(checkpoint)
+    return RunDir(path if path.is_dir() else path.parent).eval
+
+
+def _print_scores(scores: dict) -> None:
+    for score in SCORES:
+        print(f"{scores[f'{score.name}_detail']}\n  signature: {scores[f'{score.name}_signature']}", flush=True)
+
+
+def _write_record(path: Path, record: dict) -> None:
+    summary = json.dumps(record, indent=2) + "\n"
+    atomic_write(path, lambda f: f.write(summary.encode("utf-8")))
+
+
+def _translations(path: str, sentences: int, option: str) -> list[str]:
+    """The lines of a file of translations (--hyp, --compare), as many as the test set's sentences."""
+    from transformer.data.corpus import read_lines
+
+    if not Path(path).exists():
+        raise UserError(f"evaluate: {option} {path}: no such file")
+    lines = read_lines(path)
+    if len(lines) != sentences:
+        raise UserError(
+            f"evaluate: {option} {path} has {len(lines)} lines but the references have {sentences}; "
+            "line N must translate the source of reference N"
+        )
+    return lines
+
+
+def _comparand(path: str, sentences: int) -> list[str] | None:
+    """--compare PATH, checked before any translating: a run directory or .pt checkpoint -> None (translated as
+    the baseline is, its results kept in its own eval/); else a file of translations -> its lines."""
+    from transformer.model.checkpoint import resolve_checkpoint
+
+    if Path(path).is_dir() or Path(path).suffix == ".pt":
+        try:
+            resolve_checkpoint(path)
+        except UserError as e:
+            raise UserError(f"evaluate: --compare {path}: {e}") from None
+        _check_writable(_eval_dir(path))
+        return None
+    if not Path(path).exists():
+        raise UserError(f"evaluate: --compare {path}: no such run directory, checkpoint or file of translations")
+    return _translations(path, sentences, "--compare")
+
+
+def _evaluate_system(translator, members: list[str], test: _TestSet) -> tuple[dict, list[str], Path]:
+    """Translate the test set with `translator` (made of `members`), score, print the scores, write .hyp and .json
+    into the first member's eval/. -> the record, the translations, the .json."""
+    settings = translator.settings
+    described = settings.describe() + (f".ensemble{len(members)}" if len(members) > 1 else "")
+    if translator.note:
+        print(translator.note, file=sys.stderr)
+    checkpoint, eval_dir = Path(members[0]), _eval_dir(members[0])
+    name = test.name if checkpoint.is_dir() else f"{checkpoint.stem}.{test.name}"
+    name = _results_name(eval_dir, name, described, test.source, test.digest)
     _check_writable(eval_dir)  # before the translating, not after it
     start = time.perf_counter()
-    hypotheses = translator.translate(sources)
+    hypotheses = translator.translate(test.sources)
     seconds = time.perf_counter() - start
     translator.report_truncation()
-    scores = bleu_chrf(hypotheses, references)
-    print(f"{scores['bleu_detail']}\n  signature: {scores['bleu_signature']}")
-    print(f"{scores['chrf_detail']}\n  signature: {scores['chrf_signature']}", flush=True)
+    scores = corpus_scores(hypotheses, test.references)
+    _print_scores(scores)
     hyp_path, json_path = eval_dir / f"{name}.hyp", eval_dir / f"{name}.json"
     text = "".join(h + "\n" for h in hypotheses)
     atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
     record = {
-        "checkpoint": str(run_dir),
+        "checkpoint": members[0],
         "ensemble": members if len(members) > 1 else None,
         "sample": settings.sample,
         "temperature": settings.temperature if settings.sample else None,
         "seed": settings.seed if settings.sample else None,
-        "split": split,
-        "src": src,
-        "ref": ref,
+        "split": test.split,
+        "src": test.src,
+        "ref": test.ref,
         "beam": settings.beam,
         "lenpen": settings.lenpen,
         "lenpen_kind": settings.lenpen_kind,
@@ -174,11 +236,80 @@ def run_evaluate(
         "engine": settings.engine,
         "seconds": round(seconds, 3),
         "hypotheses": str(hyp_path),
-        "source": source,
-        "inputs_sha256": digest,
+        "source": test.source,
+        "inputs_sha256": test.digest,
         **scores,
     }
-    summary = json.dumps(record, indent=2) + "\n"
-    atomic_write(json_path, lambda f: f.write(summary.encode("utf-8")))
+    _write_record(json_path, record)
     print(f"{len(hypotheses)} sentences in {seconds:.1f}s ({described}); wrote {hyp_path} and {json_path}")
+    return record, hypotheses, json_path
+
+
+def _evaluate_files(hyp: str, ref: str, compared: Sequence[str]) -> dict:
+    """--hyp: translations already made, scored against --ref (and compared with --compare's files) without a
+    model; printed only, as there is no run directory to keep them in."""
+    from transformer.data.corpus import read_lines
+
+    if not Path(ref).exists():
+        raise UserError(f"evaluate: --ref {ref}: no such file")
+    references = read_lines(ref)
+    if not references:
+        raise UserError(f"evaluate: --ref {ref} is empty")
+    for path in compared:
+        if Path(path).is_dir() or Path(path).suffix == ".pt":
+            raise UserError(
+                f"evaluate: --compare {path}: with --hyp, --compare takes files of translations (a model needs "
+                "sources: evaluate RUN --src FILE --ref FILE --compare ...)"
+            )
+    systems = [(hyp, _translations(hyp, len(references), "--hyp"))]
+    systems += [(path, _translations(path, len(references), "--compare")) for path in compared]
+    scored = [corpus_scores(hypotheses, references) for _, hypotheses in systems]
+    for (name, _), scores in zip(systems, scored):
+        print(f"{name}:")
+        _print_scores(scores)
+    record = {"hyp": hyp, "ref": ref, **scored[0]}
+    if compared:
+        record["comparison"] = comparison.compare(systems, references)
+        print(comparison.table(record["comparison"]), flush=True)
+    return record
+
+
+def run_evaluate(
+    run_dir: str | list[str] | None,
+    split: str | None,
+    src: str | None,
+    ref: str | None,
+    device: str = "auto",
+    flags: SearchFlags = SearchFlags(),
+    compared: Sequence[str] = (),
+    hyp: str | None = None,
+) -> dict:
+    """The `evaluate` command: translate a split (or --src/--ref files) with the search `flags` over the
+    checkpoint's decode section, score, write .hyp and .json. Several run directories or checkpoints: an ensemble,
+    evaluated into the first one's eval/ (its data section and decode settings), named .ensembleN. `compared`: the
+    other systems (run directories, checkpoints, files of translations), compared with this one, the baseline, by
+    paired bootstrap resampling (comparison.py): printed, and kept in the baseline's .json. `hyp`: a file of
+    translations, scored (and compared) in place of a model's."""
+    from transformer.inference.translator import Translator
+
+    members = [] if run_dir is None else [run_dir] if isinstance(run_dir, str) else list(run_dir)
+    _check_inputs(split, src, ref, hyp, members)
+    if hyp is not None:
+        return _evaluate_files(hyp, ref, compared)
+    translator = Translator(members, device, flags)
+    test = _test_set(translator.cfg.data, split, src, ref)
+    others = [_comparand(path, len(test.references)) for path in compared]  # a typo fails before the searching
+    record, hypotheses, json_path = _evaluate_system(translator, members, test)
+    if not compared:
+        return record
+    del translator  # one model in memory at a time
+    systems = [("+".join(members), hypotheses)]
+    for path, translations in zip(compared, others):
+        if translations is None:
+            translations = _evaluate_system(Translator([path], device, flags), [path], test)[1]
+        systems.append((path, translations))
+    record["comparison"] = comparison.compare(systems, test.references)
+    print(comparison.table(record["comparison"]), flush=True)
+    _write_record(json_path, record)
+    print(f"wrote the comparison to {json_path}")
     return record

@@ -1,6 +1,6 @@
-"""`transformer serve`'s JSON API over one Service (service.py): translate, attention, beam-search trace, positional
-encoding, info and health, every error as {"error": message}, and the look-inside page in static/. What a connection
-may cost below the API is http_guard.py's."""
+"""`transformer serve`'s JSON API over one Service (service.py): translate, attention, beam-search trace, the animated
+walk through a sentence (a GIF), positional encoding, info and health, every error as {"error": message}, and the
+look-inside page in static/. What a connection may cost below the API is http_guard.py's."""
 
 import asyncio
 import math
@@ -18,6 +18,7 @@ from transformer.inference.translator import Translation
 from transformer.serve.http_guard import RequestGuard, allowed_hosts
 from transformer.serve.request_batching import Batcher
 from transformer.serve.service import (
+    AnimateBody,
     ApiError,
     AttentionBody,
     BeamBody,
@@ -106,6 +107,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     """The JSON API and the page. Whatever runs the model goes through the batcher, counted against
     --max-pending and bounded before it starts; /health and /info answer from the loop at once."""
     settings = service.settings
+    _add_inspections(app, service)
 
     @app.post("/translate")
     async def translate(body: TranslateBody, request: Request) -> dict:
@@ -139,22 +141,6 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             ],
         }
 
-    @app.post("/attention")
-    async def attention(body: AttentionBody, request: Request) -> Response:
-        ids = service.one_sentence(body.text)
-        if body.target is not None:
-            service.check_size([body.text + body.target])
-        beam = service.check_beam(body.beam)
-        service.check_attention(ids, body.target)
-        return await service.inspect(request, service.attention, body.text, body.target, beam)
-
-    @app.post("/beam")
-    async def beam_steps(body: BeamBody, request: Request) -> Response:
-        ids = service.one_sentence(body.text)
-        beam = service.check_beam(body.beam, body.nbest)
-        service.check_trace(ids, beam)
-        return await service.inspect(request, service.beam_trace, ids, beam, body.nbest)
-
     @app.get("/positions")
     async def positions(request: Request, d_model: int | None = None, length: int | None = None) -> Response:
         model = service.cfg.model
@@ -174,3 +160,33 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     @app.get("/", include_in_schema=False)
     async def page():
         return FileResponse(STATIC / "index.html")
+
+
+def _add_inspections(app: FastAPI, service: Service) -> None:
+    """What the page shows of one sentence: its attention, its beam search, its animated walk (a GIF)."""
+
+    @app.post("/attention")
+    async def attention(body: AttentionBody, request: Request) -> Response:
+        ids = service.one_sentence(body.text)
+        if body.target is not None:
+            service.check_size([body.text + body.target])
+        beam = service.check_beam(body.beam)
+        service.check_attention(ids, body.target)
+        return await service.inspect(request, service.attention, body.text, body.target, beam)
+
+    @app.post("/beam")
+    async def beam_steps(body: BeamBody, request: Request) -> Response:
+        ids = service.one_sentence(body.text)
+        beam = service.check_beam(body.beam, body.nbest)
+        service.check_trace(ids, beam)
+        return await service.inspect(request, service.beam_trace, ids, beam, body.nbest)
+
+    @app.post("/animate")
+    async def animate(body: AnimateBody, request: Request) -> Response:
+        service.one_sentence(body.text)
+        beam = service.check_beam(body.beam)
+        service.check_animation(body)
+        disposition = {"Content-Disposition": 'attachment; filename="walk.gif"'}
+        return await service.inspect(
+            request, service.animation, body, beam, media_type="image/gif", headers=disposition
+        )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import functools
 import ipaddress
 import json
@@ -21,6 +22,7 @@ import signal
 import socket
 import struct
 import sys
+import termios
 import time
 from collections.abc import Callable, Iterable
 
@@ -35,8 +37,9 @@ from transformer.serve.request_batching import release_freed_memory
 BACKLOG = 256
 MAX_HEAD = 16 * 1024  # bytes of a request's line and headers; h11 buffers at most this much of an unfinished one
 # What clients slower than their answers may hold: each must take at least MIN_SEND_RATE bytes a second of it
-# (averaged over --read-timeout), and all of them together may leave at most UNSENT_BUDGET bytes unsent (past it,
-# those that have been slow the longest are dropped). 32 KiB/s takes the largest answer (about 15 MB) in 8 minutes.
+# (averaged over --read-timeout), counting what the server holds and what its kernel still has to send, and all of
+# them together may leave at most UNSENT_BUDGET bytes unsent in the server's memory (past it, those that have been
+# slow the longest are dropped). 32 KiB/s takes the largest answer (about 15 MB) in 8 minutes.
 MIN_SEND_RATE = 32 * 1024
 UNSENT_BUDGET = 128 * 2**20
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
@@ -64,6 +67,17 @@ def raw_error(status: int, message: str) -> bytes:
     return head.encode() + body
 
 
+def kernel_unsent(sock) -> int:
+    """Bytes in a socket's kernel send queue, not yet taken by the peer (Linux's SIOCOUTQ); 0 where it cannot be
+    asked (another system, a closed socket): there, only the server's own buffer is timed."""
+    if sock is None or not hasattr(termios, "TIOCOUTQ"):
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
+
+
 # ----------------------------------------------------------------------------- connections
 
 
@@ -87,6 +101,7 @@ class GuardedH11Protocol(H11Protocol):
         self.send_timer: asyncio.TimerHandle | None = None
         self.slow_since = 0.0  # when the client last fell behind its answer (while send_timer runs)
         self.held = 0  # the most of an answer this connection has left unsent
+        self.close_when_sent = False  # idle past the keep-alive timeout while its answer was still on its way
 
     def connection_made(self, transport) -> None:
         if len(self.connections) >= self.max_connections:
@@ -104,10 +119,6 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        self._time_head()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()  # arms uvicorn's keep-alive timer, or starts a pipelined request
         self._time_head()
 
     def send_400_response(self, msg: str) -> None:
@@ -135,20 +146,41 @@ class GuardedH11Protocol(H11Protocol):
         """The client takes the answer slower than it comes: from now on it must take MIN_SEND_RATE bytes a second
         of it (checked every read_timeout seconds), and the slow clients' unsent answers must fit UNSENT_BUDGET."""
         super().pause_writing()
-        unsent = self.transport.get_write_buffer_size()
-        self.held = max(self.held, unsent)
-        if self.send_timer is None:
-            self.unsent, self.slow_since = unsent, self.loop.time()
-            self.send_timer = self.loop.call_later(self.read_timeout, self._check_sending)
+        self.held = max(self.held, self.transport.get_write_buffer_size())
+        self._time_sending()
         self._within_budget()
 
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        self._stop_send_timer()
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # arms uvicorn's keep-alive timer, or starts a pipelined request
+        if not self.transport.is_closing():
+            self._time_sending()  # an answer the kernel still holds is timed as one the server holds
+        self._time_head()
+
+    def timeout_keep_alive_handler(self) -> None:
+        """An idle connection is closed, but not while its answer is still on its way: closed, the kernel would go
+        on sending it at the client's pace, past the rule below; _check_sending closes it once it is sent."""
+        if self.send_timer is not None and self._unsent():
+            self.close_when_sent = True
+            return
+        super().timeout_keep_alive_handler()
+
+    def _unsent(self) -> int:
+        """Bytes of its answers the client has not taken: in the transport's buffer and in the kernel's send queue
+        (what the kernel's socket buffers hold, megabytes with Linux's autotuning, is as slow a client's to take)."""
+        return self.transport.get_write_buffer_size() + kernel_unsent(self.transport.get_extra_info("socket"))
+
+    def _time_sending(self) -> None:
+        if self.send_timer is None and (unsent := self._unsent()):
+            self.unsent, self.slow_since = unsent, self.loop.time()
+            self.send_timer = self.loop.call_later(self.read_timeout, self._check_sending)
 
     def _check_sending(self) -> None:
-        left = self.transport.get_write_buffer_size()
-        if self.unsent - left >= min(self.unsent, MIN_SEND_RATE * self.read_timeout):
+        left = self._unsent()
+        if not left:  # all of it taken
+            self.send_timer = None
+            if self.close_when_sent:
+                super().timeout_keep_alive_handler()
+        elif self.unsent - left >= min(self.unsent, MIN_SEND_RATE * self.read_timeout):
             self.unsent = left
             self.send_timer = self.loop.call_later(self.read_timeout, self._check_sending)
         else:

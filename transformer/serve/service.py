@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from fastapi import Request
@@ -20,6 +21,7 @@ from transformer.data.batch import prepare_sources, source_limit
 from transformer.data.vocab import valid_text
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.inference.batched import SentenceOptions
+from transformer.inference.scoring import NAMES
 from transformer.inference.search import TraceStep, search
 from transformer.inference.settings import MAX_SAMPLES, SearchFlags, SearchSettings
 from transformer.inference.translator import Translator
@@ -29,6 +31,7 @@ from transformer.serve.http_guard import (
 )
 from transformer.serve.request_batching import Batcher
 from transformer.visualize.attention import KINDS, inspect_attention
+from transformer.visualize.walkthrough import PARTS, frames, walk
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,15 @@ class BeamBody(_TextBody):
     text: str
     beam: int | None = None
     nbest: int = 1
+
+
+class AnimateBody(_TextBody):
+    text: str
+    beam: int | None = None  # the search whose best translation the decoder part follows
+    layer: int | None = None  # as `transformer animate` takes them: numbered from 1, None its defaults
+    head: int | None = None
+    only: Literal["encoder", "decoder"] | None = None
+    fps: float = 1.0
 
 
 # ----------------------------------------------------------------------------- the service
@@ -367,19 +379,50 @@ class Service:
         steps = self.output_limit(ids) + 1
         self.check_answer(beam * steps * (steps + 1), "pieces", "use a smaller beam or a shorter sentence")
 
-    async def inspect(self, request: Request, compute, *args) -> Response:
-        """compute(*args) -> JSON-ready answer, on the model worker in its turn (request_batching.py), encoded there too:
-        the loop stays free for other clients; dropped unrun if the client goes away first."""
+    async def inspect(
+        self, request: Request, compute, *args, media_type: str = "application/json", headers: dict | None = None
+    ) -> Response:
+        """compute(*args) -> JSON-ready answer (or, with another media_type, the answer's bytes), on the model worker
+        in its turn (request_batching.py), encoded there too: the loop stays free for other clients; dropped unrun if
+        the client goes away first."""
         self.check_room(1)
 
         def answer() -> bytes:
-            return _json(compute(*args))
+            value = compute(*args)
+            return _json(value) if media_type == "application/json" else value
 
         try:
             body = await until_gone(request, self.batcher.inspect(answer))
         except Exception as e:
             raise api_error(e, compute.__name__) from None
-        return Response(body, media_type="application/json")
+        return Response(body, media_type=media_type, headers=headers)
+
+    def check_animation(self, body: AnimateBody) -> None:
+        """The layer, head and frame rate an /animate request asks for, and the plotting library it needs."""
+        from transformer.visualize.animation import MAX_FPS, MIN_FPS
+        from transformer.visualize.plots import require_matplotlib
+
+        m = self.cfg.model
+        stacks = {"encoder": m.n_encoder_layers, "decoder": m.n_decoder_layers}
+        for part in PARTS if body.only is None else (body.only,):
+            if body.layer is not None and not 1 <= body.layer <= stacks[part]:
+                raise ApiError(422, f"layer must be between 1 and {stacks[part]} (the {part}'s), got {body.layer}")
+        if body.head is not None and not 1 <= body.head <= m.n_heads:
+            raise ApiError(422, f"head must be between 1 and {m.n_heads}, got {body.head}")
+        if not MIN_FPS <= body.fps <= MAX_FPS:
+            raise ApiError(422, f"fps must be between {MIN_FPS:g} and {MAX_FPS:g}, got {body.fps:g}")
+        try:
+            require_matplotlib()
+        except UserError as e:
+            raise ApiError(501, f"this server cannot draw: {e}") from None
+
+    def animation(self, body: AnimateBody, beam: int) -> bytes:
+        """The GIF `transformer animate` writes for the sentence, searched with this server's settings and `beam`."""
+        from transformer.visualize.animation import animation_gif
+
+        settings = replace(self.translator.settings, beam=beam, nbest=1)
+        shown = walk(self.model, self.vocab, body.text, settings, body.layer, body.head, body.only)
+        return animation_gif(frames(shown), body.fps)
 
     def position_view(self, d_model: int, length: int) -> dict:
         """What the model's kind of position shows (Positions.view): its tables, or a note that it has none."""
@@ -490,7 +533,7 @@ def _validation_at(run_dir: Path, step: int | None) -> dict:
     except (UserError, OSError):
         return {}
     found = [r for r in rows if r.get("split") == "valid" and r.get("step") == step]
-    return {k: v for k, v in found[-1].items() if k in ("loss", "nll", "ppl", "bleu", "chrf")} if found else {}
+    return {k: v for k, v in found[-1].items() if k in ("loss", "nll", "ppl", *NAMES)} if found else {}
 
 
 def check_positions(d_model: int, length: int, max_values: int) -> None:

@@ -14,12 +14,13 @@ import torch
 
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.corpus import has_split, load_split
+from transformer.data.prepare import corpus_data, open_prepared_corpora, pair_name, valid_sets
 from transformer.data.store import Store
 from transformer.data.vocab import vocab_from_stored
 from transformer.device import tf32_matmuls
 from transformer.errors import UserError
 from transformer.files import atomic_write
-from transformer.inference.scoring import length_ratio, translate_and_score
+from transformer.inference.scoring import SCORES, describe, length_ratio, mean_scores, translate_and_score
 from transformer.inference.settings import SearchSettings, search_settings
 from transformer.model.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint, weights_checkpoint
 from transformer.run_dir import RunDir
@@ -35,19 +36,20 @@ FINAL = RunDir.FINAL  # what `translate RUN_DIR` uses once a run has finished
 LENPENS = (0.6, 0.8, 1.0, 1.2)
 
 
-def describe(scores: dict) -> str:
-    """BLEU with the length ratio beside it: the brevity penalty is where short translations lose."""
-    return f"BLEU {scores['bleu']:.2f} (length ratio {length_ratio(scores):.3f}), chrF {scores['chrf']:.2f}"
-
-
 class _Scorer:
-    """Translates a fixed set of sources with a model in memory and scores against references."""
+    """Translates fixed sets of sources with a model in memory and scores them against their references: one set,
+    or one per language pair of a multilingual run (their mean chooses, scoring.mean_scores)."""
 
-    def __init__(self, sources: list[list[int]], references: list[str], vocab, device):
-        self.sources, self.references, self.vocab, self.device = sources, references, vocab, device
+    def __init__(self, sets: list[tuple[str, list[list[int]], list[str]]], vocab, device):
+        self.sets, self.vocab, self.device = sets, vocab, device
 
-    def __call__(self, model, settings: SearchSettings) -> tuple[dict, list[str]]:
-        return translate_and_score(model, self.vocab, self.sources, self.references, settings, self.device)
+    def __call__(self, model, settings: SearchSettings) -> tuple[dict, dict[str, list[str]]]:
+        per_pair, hypotheses = {}, {}
+        for name, sources, references in self.sets:
+            per_pair[name], hypotheses[name] = translate_and_score(
+                model, self.vocab, sources, references, settings, self.device
+            )
+        return mean_scores(per_pair), hypotheses
 
 
 def _candidates(run_dir: Path, cfg: Config) -> dict[str, dict]:
@@ -182,19 +184,20 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
         )
         raise UserError(f"finish: data.dir {cfg.data.dir!r} is not a directory; {fix}")
     # Read before the minutes of searching: half a test split, or sides of different lengths, is an error here.
-    test = load_split(cfg.data, cfg.data.test_split) if has_split(cfg.data, cfg.data.test_split) else None
-    if test is None:
+    tests = test_sets(cfg)
+    if not tests:
         log.info("finish: the corpus has no test split %r: the summary will have no test score", cfg.data.test_split)
     candidates = _candidates(run_dir, cfg)
-    store = Store(RunDir(run_dir).store)
-    valid = store.corpus("valid")
     models = {name: model_from_checkpoint(state, device) for name, state in candidates.items()}
     vocab = next(iter(models.values()))[1]
-    score = _Scorer([valid.source(i) for i in range(len(valid))], store.references("valid"), vocab, device)
+    store = Store(RunDir(run_dir).store)
+    corpora = open_prepared_corpora(cfg, run_dir, vocab) if any(c.valid_split for c in cfg.data.corpora) else []
+    sets = [(name, [c.source(i) for i in range(len(c))], refs) for name, c, refs in valid_sets(cfg, store, corpora)]
+    score = _Scorer(sets, vocab, device)
     log.info(
         "finish: choosing on the %d validation pairs training kept (data.max_valid_pairs, data.max_len); "
         "`transformer evaluate --split valid` translates the whole split",
-        len(valid),
+        sum(len(refs) for _, _, refs in sets),
     )
 
     # The checkpoint first, at the config's search settings (in fp32, with our search); then the settings for it.
@@ -234,8 +237,8 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
         },
         **_training_record(run_dir, cfg, last["run"], candidates[RunDir.BEST].get("run", {}).get("step", 0)),
     }
-    if test is not None:
-        summary["test"] = _score_test(cfg, test, vocab, model, settings, device, run_dir)
+    if tests:
+        summary["test"] = _score_test(cfg, tests, vocab, model, settings, device, run_dir)
     summary["finish_seconds"] = round(time.perf_counter() - started, 1)
     text = json.dumps(summary, indent=2) + "\n"
     atomic_write(RunDir(run_dir).summary, lambda f: f.write(text.encode("utf-8")))
@@ -243,23 +246,44 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
     return summary
 
 
-def _score_test(
-    cfg: Config, test: tuple[list[str], list[str]], vocab, model, settings: SearchSettings, device, run_dir: Path
-) -> dict:
-    sources, references = test
-    scores, hypotheses = _Scorer(vocab.encode(sources), references, vocab, device)(model, settings)
+def test_sets(cfg: Config) -> list[tuple[str, list[str], list[str], str]]:
+    """The test sets the end of training scores, (pair, sources, references, the target token or ""): data.dir's test
+    split, and each corpus's test_split (a multilingual run's other pairs). Read now: half a split is an error."""
+    d, sets = cfg.data, []
+    for data, split, name in [
+        (d, d.test_split, pair_name(d.src_lang, d.tgt_lang)),
+        *(
+            (corpus_data(d, c), c.test_split, pair_name(*(corpus_data(d, c).src_lang, corpus_data(d, c).tgt_lang)))
+            for c in d.corpora
+            if c.test_split
+        ),
+    ]:
+        if has_split(data, split):
+            sources, references = load_split(data, split)
+            sets.append((name, sources, references, d.target_tokens.get(data.tgt_lang, "")))
+    return sets
+
+
+def _score_test(cfg: Config, tests: list[tuple], vocab, model, settings: SearchSettings, device, run_dir: Path) -> dict:
+    sets = []
+    for name, sources, references, token in tests:
+        prefix = vocab.piece_ids([token]) if token else []  # a multilingual model is asked for the language
+        sets.append((name, [prefix + ids for ids in vocab.encode(sources)], references))
+    scores, hypotheses = _Scorer(sets, vocab, device)(model, settings)
     RunDir(run_dir).eval.mkdir(exist_ok=True)
-    hyp_path = RunDir(run_dir).final_hyp(cfg.data.test_split)
-    text = "".join(h + "\n" for h in hypotheses)
-    atomic_write(hyp_path, lambda f: f.write(text.encode("utf-8")))
+    paths = {}
+    for name, hyps in hypotheses.items():
+        split = cfg.data.test_split if len(hypotheses) == 1 else f"{cfg.data.test_split}.{name}"
+        paths[name] = RunDir(run_dir).final_hyp(split)
+        text = "".join(h + "\n" for h in hyps)
+        atomic_write(paths[name], lambda f, text=text: f.write(text.encode("utf-8")))
     return {
         "split": cfg.data.test_split,
-        "bleu": round(scores["bleu"], 2),
-        "chrf": round(scores["chrf"], 2),
+        **{s.name: round(scores[s.name], 2) for s in SCORES},
         "length_ratio": round(length_ratio(scores), 3),
-        "bleu_signature": scores["bleu_signature"],
-        "chrf_signature": scores["chrf_signature"],
-        "hypotheses": str(hyp_path),
+        **{f"{s.name}_signature": scores[f"{s.name}_signature"] for s in SCORES},
+        **({"pairs": scores["pairs"]} if "pairs" in scores else {}),
+        "hypotheses": str(next(iter(paths.values()))) if len(paths) == 1 else {n: str(p) for n, p in paths.items()},
     }
 
 
@@ -279,11 +303,11 @@ def _log_summary(s: dict) -> None:
     if "test" in s:
         t = s["test"]
         lines.append(
-            f"summary: test BLEU {t['bleu']:.2f} (length ratio {t['length_ratio']:.3f}), chrF {t['chrf']:.2f}"
-            f" with {s['made_from']}, beam {s['decode']['beam']}, lenpen {s['decode']['lenpen']:g}"
+            f"summary: test {describe(t)} with {s['made_from']}, beam {s['decode']['beam']}, "
+            f"lenpen {s['decode']['lenpen']:g}"
         )
-        lines.append(f"summary:   {t['bleu_signature']}")
-        lines.append(f"summary:   {t['chrf_signature']}")
+        # A summary.json of an earlier version (a resume with nothing left to train) has fewer scores.
+        lines += [f"summary:   {t[f'{score.name}_signature']}" for score in SCORES if score.name in t]
     lines.append(
         f"summary: use {s['checkpoint']} (`transformer translate {s['run_dir']}` picks it); "
         f"details in {s['run_dir']}/summary.json"

@@ -104,10 +104,46 @@ def check_settings(origin: Origin, cfg: Config) -> list[str]:
     return changed
 
 
+def with_tags(origin: Origin, cfg: Config) -> Origin:
+    """The origin with the pieces data.tags asks for and its vocabulary lacks (a back-translation run's <bt>, a
+    multilingual run's >>fr<<) appended to its vocabulary, and a row for each to its embeddings and output layer:
+    drawn as a new model's are (seeded by train.seed), so the pieces start untrained and everything else as it was."""
+    vocab = origin.vocab
+    if not hasattr(vocab, "with_pieces") or not cfg.data.tags:
+        return origin
+    grown = vocab.with_pieces(cfg.data.tags)
+    added = len(grown) - len(vocab)
+    if not added:
+        return origin
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    weights, new_rows = dict(origin.weights), {}
+    for name in ("src_embed.weight", "tgt_embed.weight", "output.weight", "output.bias"):
+        if name not in weights or weights[name].shape[0] != len(vocab):
+            continue
+        old = weights[name]
+        key = old.data_ptr()  # a matrix shared by several names (tied, shared embeddings) grows once, the same
+        if key not in new_rows:
+            if old.dim() == 2:
+                new_rows[key] = (
+                    torch.randn(added, old.shape[1], generator=generator).to(old.dtype) * old.shape[1] ** -0.5
+                )
+            else:
+                new_rows[key] = torch.zeros(added, dtype=old.dtype)
+        weights[name] = torch.cat([old, new_rows[key]])
+    log.info(
+        "init_from: the vocabulary gains %s (ids %d to %d), with new embedding rows: a model keeps every piece it had",
+        ", ".join(cfg.data.tags),
+        len(vocab),
+        len(grown) - 1,
+    )
+    return dataclasses.replace(origin, vocab=grown, weights=weights)
+
+
 def start(cfg: Config) -> tuple[Config, Origin]:
-    """A new run's start from train.init_from: the checkpoint, loaded and checked, and cfg with the exact file and its
-    sha256 in place of what the user named (config.yaml, the checkpoints and the summary carry them)."""
-    origin = load_origin(cfg)
+    """A new run's start from train.init_from: the checkpoint, loaded and checked (with the pieces data.tags needs
+    added: with_tags), and cfg with the exact file and its sha256 in place of what the user named (config.yaml, the
+    checkpoints and the summary carry them)."""
+    origin = with_tags(load_origin(cfg), cfg)
     changed = check_settings(origin, cfg)
     log.info(
         "init_from: starting from %s (sha256 %s): its weights and vocabulary; step, optimizer, learning-rate "

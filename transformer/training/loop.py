@@ -26,6 +26,7 @@ from transformer.data.prepare import (
     prepare,
     prepare_corpora,
     training_mixture,
+    valid_sets,
 )
 from transformer.data.store import Store
 from transformer.data.vocab import AnyVocab, run_vocab, vocab_from_stored
@@ -48,6 +49,7 @@ from transformer.distributed import (
 )
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.files import remove_stale_temporaries
+from transformer.inference.scoring import describe
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.model.transformer import Transformer, build_model, count_parameters
 from transformer.peak import Peak, mfu_peak
@@ -74,7 +76,7 @@ from transformer.training.run_state import (
     training_checkpoint,
 )
 from transformer.training.update import TrainingLoss, make_grad_scaler, skipped_update, train_update
-from transformer.training.validation import evaluate_loss, validation_bleu
+from transformer.training.validation import check_valid_scores, evaluate_loss, validation_scores
 
 log = logging.getLogger("transformer")
 
@@ -90,9 +92,10 @@ class Run:
     run_dir: Path
     command: str  # what continues the run after a stop
     vocab: AnyVocab
-    store: Store  # data.dir's: validation, its references
+    store: Store  # data.dir's
     train: Mixture  # the training pairs: data.dir's and data.corpora's
-    valid: list[Batch]
+    valid_sets: list[tuple]  # (name, corpus, references) per language pair scored (prepare.valid_sets)
+    valid: list[Batch]  # every validation set's, for the loss
     model: Transformer
     forward: torch.nn.Module  # TrainingLoss as updates call it: wrapped by DDP and/or torch.compile
     optimizer: torch.optim.Optimizer
@@ -179,11 +182,12 @@ def _train(
     precision, _ = pick_precision(cfg.train.precision, device)  # fp16 on a CPU refused before any data is built
     same_on_every_rank(cfg, resume, info, precision)
     check_compile(cfg, device)
+    check_valid_scores(cfg)
     # Training, validation and the end of training compute fp32 products in TF32 on a GPU (device.tf32_matmuls).
     scope.enter_context(tf32_matmuls(device))
     run_dir, saved, changes, cfg, origin = start(cfg, info, resume, command, scope)
-    vocab, store, mixture = load_data(cfg, info, run_dir, saved, quiet, origin)
-    run = build(cfg, info, device, run_dir, command, vocab, store, mixture, saved, metrics_since)
+    vocab, store, mixture, sets = load_data(cfg, info, run_dir, saved, quiet, origin)
+    run = build(cfg, info, device, run_dir, command, vocab, store, mixture, saved, metrics_since, sets)
     restore(run, saved, changes)
     if saved is not None:
         run.metrics.record({"step": run.state.step, "event": "resume"})
@@ -314,11 +318,11 @@ def same_on_every_rank(cfg: Config, resume: bool, info: DistInfo, precision: str
 
 def load_data(
     cfg: Config, info: DistInfo, run_dir: Path, saved: dict | None, quiet: bool, origin: Origin | None = None
-) -> tuple[AnyVocab, Store, Mixture]:
+) -> tuple[AnyVocab, Store, Mixture, list[tuple]]:
     """Rank 0 trains or reuses the SentencePiece model (takes the one of the model the run starts from) and builds or
     reuses the memory-mapped stores; the other ranks wait, then map the same files, checked against their own view of
     the inputs (a node whose data differs stops every rank). -> the vocabulary, data.dir's store (validation) and
-    the mixture of every corpus training draws from."""
+    the mixture of every corpus training draws from, and the validation sets."""
     saved_vocab = (
         vocab_from_stored(saved["vocab"]) if saved is not None else origin.vocab if origin is not None else None
     )
@@ -337,7 +341,7 @@ def load_data(
             corpora = open_prepared_corpora(cfg, run_dir, vocab)
     if info.is_main and len(vocab) != cfg.data.vocab_size:  # so that config.yaml does not misstate it
         save_config(cfg, RunDir(run_dir).config, pieces=len(vocab))
-    return vocab, store, training_mixture(cfg, store, corpora)
+    return vocab, store, training_mixture(cfg, store, corpora), valid_sets(cfg, store, corpora)
 
 
 def check_compile(cfg: Config, device: torch.device) -> None:
@@ -362,6 +366,7 @@ def build(
     mixture: Mixture,
     saved: dict | None,
     started: float,
+    sets: list[tuple] | None = None,
 ) -> Run:
     """The model (seeded per rank, so each rank has its own dropout stream), its loss with the DDP / compiled
     wrapper, the optimizer, the fp16 grad scaler, the validation batches, the metrics log, the precision and the
@@ -383,7 +388,9 @@ def build(
     )
     peak = mfu_peak(device, precision, t.peak_tflops)
     log.info("precision: %s (%s); MFU below is against %s", precision, why, peak.describe())
-    valid = eval_batches(store.corpus("valid"), cfg.data.max_tokens, cfg.data.pad_to_multiple, vocab.specials)
+    sets = sets or valid_sets(cfg, store, [])
+    d = cfg.data
+    valid = [b for _, c, _ in sets for b in eval_batches(c, d.max_tokens, d.pad_to_multiple, vocab.specials)]
     return Run(
         cfg,
         info,
@@ -394,6 +401,7 @@ def build(
         vocab,
         store,
         mixture,
+        sets,
         valid,
         model,
         forward,
@@ -471,11 +479,7 @@ def validate_and_save(run: Run) -> bool:
     if t.valid_bleu:
         score = torch.zeros(1, dtype=torch.float64, device=run.device)
         if run.info.is_main:
-            result.update(
-                validation_bleu(
-                    run.model, run.vocab, run.store.corpus("valid"), run.store.references("valid"), run.cfg, run.device
-                )
-            )
+            result.update(validation_scores(run.model, run.vocab, run.valid_sets, run.cfg, run.device))
             score += result["bleu"]
         score, higher_is_better = all_reduce_sum(score, run.info).item(), True
     improved = state.best is None or (score > state.best if higher_is_better else score < state.best)
@@ -498,7 +502,7 @@ def validate_and_save(run: Run) -> bool:
             for old in RunDir(run.run_dir).step_checkpoints()[: -t.keep_last]:
                 old.unlink()
     run.saved_step = state.step
-    bleu = f" bleu {result['bleu']:.2f} (length ratio {result['length_ratio']:.3f})" if "bleu" in result else ""
+    scores = describe(result, lower=True)  # "" without valid_bleu
     best = f" (best, {run.metrics.elapsed() / 60:.1f} min into training)" if improved else ""
     log.info(
         "step %d: valid loss %.4f nll %.4f ppl %.2f%s%s",
@@ -506,7 +510,7 @@ def validate_and_save(run: Run) -> bool:
         result["loss"],
         result["nll"],
         result["ppl"],
-        bleu,
+        f" {scores}" if scores else "",
         best,
     )
     if out_of_patience(run):

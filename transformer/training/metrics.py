@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from transformer.distributed import DistInfo
 from transformer.errors import UserError
+from transformer.inference.scoring import NAMES
 from transformer.model.transformer import training_flops
 from transformer.peak import Peak
 from transformer.run_dir import RunDir
@@ -77,7 +78,7 @@ class MetricsLog:
     """Appends one JSON object per line to run_dir/metrics.jsonl (rank 0 only), each stamped with the training
     wall time so far (`elapsed`, seconds, across resumes); train and valid numbers also go to TensorBoard."""
 
-    SCALARS = ("loss", "nll", "ppl", "bleu", "lr", "tokens_per_s", "grad_norm", "mfu", "data_wait")
+    SCALARS = ("loss", "nll", "ppl", *NAMES, "lr", "tokens_per_s", "grad_norm", "mfu", "data_wait")
 
     def __init__(self, run_dir: Path, enabled: bool, elapsed_before: float, started: float, tensorboard: bool = False):
         """elapsed_before: training time of earlier runs of this training; started: this run's start

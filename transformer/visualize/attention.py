@@ -113,6 +113,26 @@ class AttentionMaps:
         return self.weights[kind].shape[:2]
 
 
+def source_ids(model: Transformer, vocab: AnyVocab, source: str) -> torch.Tensor:
+    """`source` as the model reads it: (1, S) ids, its pieces and EOS, on the model's device; an empty sentence or
+    one longer than the model accepts is a one-line error."""
+    if not source.strip():
+        raise UserError("the source sentence is empty")
+    pieces = vocab.encode([source])[0]
+    src, (truncated,) = prepare_sources([pieces], model.cfg.max_positions, model.specials)  # (1, S): pieces + EOS
+    if truncated:
+        raise UserError(
+            f"the source sentence is {len(pieces)} pieces long; this model accepts at most "
+            f"{source_limit(model.cfg.max_positions)}"
+        )
+    return src.to(next(model.parameters()).device)
+
+
+def own_translation(model: Transformer, src: torch.Tensor, settings: SearchSettings) -> list[int]:
+    """The model's best translation of one source (1, S), searched with `settings`: its ids without BOS and EOS."""
+    return search(model, src, settings).hypotheses[0][0].tokens
+
+
 def inspect_attention(
     model: Transformer,
     vocab: AnyVocab,
@@ -122,22 +142,11 @@ def inspect_attention(
 ) -> AttentionMaps:
     """Attention weights for `source` while the decoder reads `target`, or the model's own
     translation (its best, searched with `settings`: greedy by default) when no target is given."""
-    if not source.strip():
-        raise UserError("the source sentence is empty")
-    device = next(model.parameters()).device
-    pieces = vocab.encode([source])[0]
-    src, (truncated,) = prepare_sources([pieces], model.cfg.max_positions, model.specials)  # (1, S): pieces + EOS
-    if truncated:
-        raise UserError(
-            f"the source sentence is {len(pieces)} pieces long; this model accepts at most "
-            f"{source_limit(model.cfg.max_positions)}"
-        )
-    src = src.to(device)
+    src = source_ids(model, vocab, source)
     src_ids = src[0].tolist()
     translated = target is None
     if translated:
-        found = search(model, src, settings)
-        tgt_ids = found.hypotheses[0][0].tokens
+        tgt_ids = own_translation(model, src, settings)
         target = vocab.decode([tgt_ids])[0]
     else:
         tgt_ids = vocab.encode_target([target])[0]
@@ -145,7 +154,7 @@ def inspect_attention(
     if len(tgt_ids) > limit:
         raise UserError(f"the target sentence is {len(tgt_ids)} pieces long; this model accepts at most {limit}")
     tgt_ids = [model.specials.bos] + tgt_ids
-    tgt_in = torch.tensor([tgt_ids], dtype=torch.long, device=device)
+    tgt_in = torch.tensor([tgt_ids], dtype=torch.long, device=src.device)
     _, weights = collect_attention(model, src, tgt_in)
     return AttentionMaps(
         source=source,

@@ -12,13 +12,14 @@ import numpy as np
 from transformer.config import DEFAULT_POSITIONS
 from transformer.errors import UserError, out_of_memory_names
 from transformer.files import check_output_path, refuse_directory
+from transformer.inference.scoring import SCORES
 
 DPI = 100
 FORMATS = ("png", "svg", "pdf")
 MAX_TABLE_VALUES = 50_000_000  # plot-positions: 200 MB of float32, far past what a figure can show
 
 
-def _matplotlib():
+def require_matplotlib():
     """Import matplotlib on first use: it is an optional dependency (the `plot` extra)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -32,7 +33,7 @@ def _matplotlib():
 
 def new_figure(width: float, height: float, layout: str | None = "constrained"):
     """A Figure on its own Agg canvas: no pyplot, so no global backend switch and no figure leak."""
-    Figure, FigureCanvasAgg = _matplotlib()
+    Figure, FigureCanvasAgg = require_matplotlib()
     # Whole pixels, so the saved image is exactly figsize * DPI (Agg would truncate a fraction).
     width, height = round(width * DPI) / DPI, round(height * DPI) / DPI
     fig = Figure(figsize=(width, height), dpi=DPI, layout=layout)
@@ -255,7 +256,7 @@ def positional_encoding(
         )
     if length is not None and length < 1:
         raise UserError(f"--length must be at least 1, got {length}")
-    _matplotlib()  # before a checkpoint is read
+    require_matplotlib()  # before a checkpoint is read
     from transformer.model import positions  # torch: only for this figure
     from transformer.model.checkpoint import load_model
 
@@ -324,8 +325,8 @@ def _series(rows: list[dict], split: str, key: str, x: str = "step") -> tuple[li
 
 
 def training_curves(rows: list[dict], title: str = "Training", x: str = "step"):
-    """Loss (train and valid), valid perplexity, BLEU and learning rate against steps, or against training wall
-    time with x="elapsed" (runs that log it); absent ones skipped."""
+    """Loss (train and valid), valid perplexity, BLEU (and the other scores validation computed) and learning rate
+    against steps, or against training wall time with x="elapsed" (runs that log it); absent ones skipped."""
     panels = []  # (y label, [(label, xs, values, style)], log scale)
     loss = [
         ("train loss", *_series(rows, "train", "loss", x), "-"),
@@ -336,9 +337,10 @@ def training_curves(rows: list[dict], title: str = "Training", x: str = "step"):
     ppl = [("valid perplexity", *_series(rows, "valid", "ppl", x), "o-")]
     if ppl[0][1]:
         panels.append(("valid perplexity", ppl, True))
-    bleu = [("valid BLEU", *_series(rows, "valid", "bleu", x), "o-")]
-    if bleu[0][1]:
-        panels.append(("valid BLEU", bleu, False))
+    for score in SCORES:  # those validation computed (train.valid_scores)
+        series = [(f"valid {score.label}", *_series(rows, "valid", score.name, x), "o-")]
+        if series[0][1]:
+            panels.append((f"valid {score.label}", series, False))
     lr = [("learning rate", *_series(rows, "train", "lr", x), "-")]
     if lr[0][1]:
         panels.append(("learning rate", lr, False))

@@ -10,7 +10,8 @@ const KIND_HELP = {
   decoder: "Each piece the decoder reads (row) may attend to itself and the pieces before it; grey cells are masked.",
   cross: "Each piece the decoder reads (row) attends to the source pieces (columns): what it looks at to choose the next word.",
 };
-const state = {info: null, att: null, kind: "cross", layer: 0, head: 0, focus: null, beam: null, step: 1, lines: []};
+const state = {info: null, att: null, kind: "cross", layer: 0, head: 0, focus: null, beam: null, step: 1, lines: [],
+               text: null, beamSize: null}; // text, beamSize: what the animation button animates
 
 async function api(path, body) {
   const options = body === undefined ? {} : {
@@ -446,6 +447,37 @@ async function showPositions() {
   [[scale, 0], [0, mapH / 2], [-scale, mapH]].forEach(([v, y]) => ctx.fillText(label(v), barX + 20, top + y));
 }
 
+// ------------------------------------------------------------------------------------------- the animation
+
+async function downloadAnimation() {
+  // The GIF `transformer animate` writes, for the sentence on screen and its beam; saved as walk.gif.
+  const button = $("animate"), link = $("animation-link");
+  button.disabled = true;
+  button.textContent = "Drawing the animation…";
+  showError("");
+  try {
+    const response = await fetch("/animate", {
+      method: "POST", headers: {"Content-Type": "application/json"},
+      body: JSON.stringify({text: state.text, beam: state.beamSize}),
+    });
+    if (!response.ok) {
+      const data = await response.json().catch(() => ({error: `${response.status} ${response.statusText}`}));
+      throw new Error(data.error || response.statusText);
+    }
+    const blob = await response.blob();
+    if (link.href) URL.revokeObjectURL(link.href);
+    link.href = URL.createObjectURL(blob);
+    link.textContent = `walk.gif (${Math.round(blob.size / 1024)} kB)`;
+    link.hidden = false;
+    link.click();
+  } catch (error) {
+    showError(`animation: ${error.message}`);
+  } finally {
+    button.disabled = false;
+    button.textContent = "Download the animation (GIF)";
+  }
+}
+
 // ------------------------------------------------------------------------------------------- wiring
 
 function showError(message) {
@@ -463,7 +495,13 @@ async function translate(text) {
   const [tr, att, beams] = await Promise.allSettled([api("/translate", {text: [text], beam, nbest, alignments: true}),
     api("/attention", {text, beam}), api("/beam", {text, beam, nbest})]);
   const errors = [tr, att, beams].filter((r) => r.status === "rejected").map((r) => r.reason.message);
-  if (tr.status === "fulfilled") showTranslation(tr.value, text);
+  if (tr.status === "fulfilled") {
+    showTranslation(tr.value, text);
+    state.text = text;
+    state.beamSize = beam;
+    $("animate").disabled = false;
+    $("animation-link").hidden = true;
+  }
   if (beams.status === "fulfilled") showBeam(beams.value);
   if (att.status === "fulfilled") showAttention(att.value);
   showError([...new Set(errors)].join("; "));
@@ -474,6 +512,7 @@ async function translate(text) {
 async function start() {
   $("ask").addEventListener("submit", (event) => { event.preventDefault(); translate($("text").value); });
   $("step").addEventListener("input", () => setStep(Number($("step").value)));
+  $("animate").addEventListener("click", () => state.text && downloadAnimation());
   $("step-prev").addEventListener("click", () => state.beam && setStep(state.step - 1));
   $("step-next").addEventListener("click", () => state.beam && setStep(state.step + 1));
   try {
