@@ -11,7 +11,9 @@ from transformer.cli import help_text
 from transformer.inference.scoring import SCORES
 
 DESCRIPTIONS = {
-    name: value for name, value in vars(help_text).items() if re.fullmatch(r"[A-Z_]+", name) and name != "SCORE_LABELS"
+    name: value
+    for name, value in vars(help_text).items()
+    if re.fullmatch(r"[A-Z_]+", name) and isinstance(value, str) and name != "SCORE_LABELS"
 }
 
 
