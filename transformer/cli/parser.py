@@ -12,6 +12,7 @@ from transformer.cli import commands, help_text
 from transformer.config import POSITION_KINDS
 from transformer.inference.scoring import SCORES  # no torch either
 from transformer.inference.settings import (  # no torch: --help stays fast
+    FLOAT_DTYPES,
     MAX_SAMPLES,
     OPTIONS,
 )
@@ -194,7 +195,7 @@ def _add_animate(sub) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=("fp32", "bf16"),
+        choices=FLOAT_DTYPES,
         default="fp32",
         help="the model's number format (default fp32); the values drawn are those it computes in it",
     )

@@ -30,6 +30,7 @@ from transformer.errors import UserError
 
 __all__ = [
     "DTYPES",
+    "FLOAT_DTYPES",
     "ENGINES",
     "SAMPLING_KINDS",
     "FLAGS",
@@ -57,6 +58,9 @@ __all__ = [
 # auto: bf16 where it is native, else fp32; fp32 when sampling (translator.pick_dtype)
 Dtype = Literal["auto", "fp32", "bf16", "int8"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+# The formats a model itself computes in (no quantized layers, nothing resolved): what `animate` draws the values of.
+FloatDtype = Literal["fp32", "bf16"]
+FLOAT_DTYPES: tuple[str, ...] = typing.get_args(FloatDtype)
 Engine = Literal["ours", "ctranslate2"]
 ENGINES: tuple[str, ...] = typing.get_args(Engine)
 # --sample KIND:VALUE: topk:K draws from the K most probable tokens, topp:P from the fewest whose probabilities
