@@ -16,6 +16,9 @@ from transformer.data.mixture import Part
 from transformer.data.prepare import prepare, prepare_corpora, tempered
 from transformer.data.store import Corpus
 from transformer.data.vocab import Vocab
+from transformer.errors import UserError
+from transformer.inference.settings import SearchFlags
+from transformer.inference.translator import Translator
 from transformer.training.loop import train
 
 
@@ -45,11 +48,17 @@ def multilingual(tmp_path: Path, **train) -> dict:
     )
 
 
-def test_every_source_asks_for_its_target_language_and_each_pair_is_scored(tmp_path):
-    raw = multilingual(tmp_path, finish=True, keep_last=2)
-    cfg = from_dict(raw)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, object]:
+    """A finished tiny run of German -> English and French (the run directory, its config)."""
+    root = tmp_path_factory.mktemp("multilingual")
+    cfg = from_dict(multilingual(root, finish=True, keep_last=2))
+    return train(cfg, quiet=True), cfg
+
+
+def test_every_source_asks_for_its_target_language_and_each_pair_is_scored(trained):
+    run_dir, cfg = trained
     assert cfg.data.target_tokens == {"en": ">>en<<", "fr": ">>fr<<"}
-    run_dir = train(cfg, quiet=True)
     vocab = Vocab.load(run_dir / "spm.model")
     en, fr = vocab.piece_ids([">>en<<", ">>fr<<"])
     assert vocab.specials.unk not in (en, fr)  # each one piece of the vocabulary
@@ -81,3 +90,59 @@ def test_a_temperature_shares_an_epoch_among_corpora_of_different_sizes(temperat
     assert sum(drawn) == pytest.approx(500)  # an epoch as large as the corpora together
     assert [d / 500 for d in drawn] == pytest.approx(list(shares), rel=1e-6)
     assert tempered([Part("big", big), Part("small", small)], 1.0)[1].weight == 1.0  # 1: exactly as they are
+
+
+def test_translate_asks_for_a_language_by_flag_or_by_the_lines_token_and_refuses_none(trained, call):
+    run_dir, _ = trained
+    translator = Translator(run_dir, "cpu", SearchFlags(dtype="fp32"), target_lang="fr")
+    en, fr = translator.vocab.piece_ids([">>en<<", ">>fr<<"])
+    plain = translator.vocab.encode(["der hund"])[0]
+    assert translator.encode(["der hund", ">>en<< der hund", ""]) == [[fr, *plain], [en, *plain], []]
+    assert translator.encode(["der hund"], target_lang="en") == [[en, *plain]]
+    status, out, err = call("translate", run_dir, "--target-lang", "fr", "--dtype", "fp32", "der hund")
+    assert status == 0 and len(out.splitlines()) == 1, err
+    for argv, message in [
+        (["der hund"], "this model translates into en, fr: give --target-lang"),
+        (["--target-lang", "cs", "der hund"], "--target-lang cs: this model translates into en, fr"),
+        ([">>cs<< der hund"], "asks for >>cs<<: this model translates into en, fr"),
+    ]:
+        status, _, err = call("translate", run_dir, "--dtype", "fp32", *argv)
+        assert status == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_evaluate_takes_the_pair_of_the_language_asked(trained, call):
+    run_dir, _ = trained
+    status, out, err = call("evaluate", run_dir, "--split", "test", "--target-lang", "fr", "--dtype", "fp32")
+    assert status == 0, err
+    assert list((run_dir / "eval").glob("test.fr.*.json")), sorted(p.name for p in (run_dir / "eval").iterdir())
+    status, _, err = call("evaluate", run_dir, "--split", "test", "--dtype", "fp32")  # data.dir's pair by default
+    assert status == 0 and list((run_dir / "eval").glob("test.en.*.json")), err
+
+
+def test_a_model_of_one_target_language_takes_its_own_and_no_other(run):
+    assert Translator(run, "cpu", SearchFlags(dtype="fp32"), target_lang="en").target_lang == "en"
+    with pytest.raises(UserError, match="--target-lang fr: this model translates into en only"):
+        Translator(run, "cpu", SearchFlags(dtype="fp32"), target_lang="fr")
+
+
+def test_serve_offers_the_languages_and_a_request_asks_for_one(trained):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from transformer.serve.app import create_app
+    from transformer.serve.service import ServeSettings, Service
+
+    run_dir, _ = trained
+    with TestClient(create_app(Service(run_dir, ServeSettings(), "cpu", SearchFlags(dtype="fp32")))) as client:
+        info = client.get("/info").json()
+        assert info["target_languages"] == ["en", "fr"] and info["target_lang"] is None
+        asked = client.post("/translate", json={"text": ["der hund"], "target_lang": "fr"})
+        assert asked.status_code == 200 and len(asked.json()["translations"]) == 1
+        by_token = client.post("/translate", json={"text": [">>fr<< der hund"]}).json()
+        assert by_token["translations"][0]["text"] == asked.json()["translations"][0]["text"]
+        for body, message in [
+            ({"text": ["der hund"]}, "give --target-lang"),
+            ({"text": ["der hund"], "target_lang": "cs"}, "this model translates into en, fr"),
+        ]:
+            refused = client.post("/translate", json=body)
+            assert refused.status_code == 422 and message in refused.json()["error"]

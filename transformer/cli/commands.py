@@ -165,7 +165,14 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
     flags = _search_flags(args)
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
         synthesize(
-            args.checkpoints, args.input, args.out, args.device, flags, args.chunk_lines, filtered=not args.no_filter
+            args.checkpoints,
+            args.input,
+            args.out,
+            args.device,
+            flags,
+            args.chunk_lines,
+            filtered=not args.no_filter,
+            target_lang=args.target_lang,
         )
 
 
@@ -185,6 +192,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
             flags,
             prefix_file=args.prefix_file,
             constraints_file=args.constraints_file,
+            target_lang=args.target_lang,
         )
 
 
@@ -206,7 +214,9 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     if rest:
         raise UserError(f"evaluate: {rest[0]} is not a run directory or checkpoint file")
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
-        run_evaluate(checkpoints, args.split, args.src, args.ref, args.device, flags, args.compare)
+        run_evaluate(
+            checkpoints, args.split, args.src, args.ref, args.device, flags, args.compare, target_lang=args.target_lang
+        )
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -263,7 +273,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         drain_s=args.drain_timeout,
         allow_hosts=tuple(args.allow_host),
     )
-    run_serve(args.checkpoint, args.host, args.port, settings, args.device, flags)
+    run_serve(args.checkpoint, args.host, args.port, settings, args.device, flags, args.target_lang)
 
 
 def cmd_average(args: argparse.Namespace) -> None:

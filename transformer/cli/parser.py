@@ -18,6 +18,15 @@ from transformer.inference.settings import (  # no torch: --help stays fast
 )
 
 
+def _add_target_lang(p, what: str = "each line") -> None:
+    p.add_argument(
+        "--target-lang",
+        metavar="LANG",
+        help=f"the language to translate {what} into, for a model of several (its token, e.g. >>fr<<, before each "
+        "source); a line that starts with a language's token asks for that one (default: that, or the model's one)",
+    )
+
+
 class _IntermixedParser(argparse.ArgumentParser):
     """Lets sentences follow options (`translate RUN --beam 5 "ein Satz"`), which plain argparse rejects."""
 
@@ -278,6 +287,7 @@ def _add_synthesize(sub) -> None:
     )
     p.add_argument("--no-filter", action="store_true", help="keep every output, degenerate ones too")
     add_search_options(p)
+    _add_target_lang(p, "the input")
     p.set_defaults(func=commands.cmd_synthesize)
 
 
@@ -325,6 +335,7 @@ def _add_translate(sub) -> None:
     _add_checkpoints(p)
     _add_line_options(p)
     add_search_options(p)
+    _add_target_lang(p, "each line")
     p.set_defaults(func=commands.cmd_translate)
     p.__class__ = _IntermixedParser  # same parser, intermixed positionals
 
@@ -396,6 +407,7 @@ def _add_evaluate(sub) -> None:
         "no run directory); the baseline of --compare FILE",
     )
     add_search_options(p)
+    _add_target_lang(p, "the test set")
     p.set_defaults(func=commands.cmd_evaluate)
 
 
@@ -429,6 +441,7 @@ def _add_serve(sub) -> None:
     )
     _add_request_limits(p)
     _add_connection_limits(p)
+    _add_target_lang(p, 'a request\'s sentences (its "target_lang" field wins)')
     p.set_defaults(func=commands.cmd_serve)
 
 

@@ -257,6 +257,7 @@ def run_translate(
     flags: SearchFlags = SearchFlags(),
     prefix_file: str | None = None,
     constraints_file: str | None = None,
+    target_lang: str | None = None,
 ) -> None:
     """The `translate` command: sentences from arguments, a file, or stdin (streamed), one result per line (or
     flags.nbest), searched with `flags` over the checkpoint's decode section; `checkpoint` several: an ensemble.
@@ -291,7 +292,7 @@ def run_translate(
             files[name] = LineFile(flag, path)
             if lines is not None:
                 files[name].check_count(len(lines))
-    translator = Translator(checkpoints, device, flags)  # --nbest above the beam is refused here
+    translator = Translator(checkpoints, device, flags, target_lang=target_lang)  # --nbest above the beam is refused
     nbest, alignments = translator.settings.nbest, translator.settings.alignments
     if translator.note:
         print(translator.note, file=sys.stderr)

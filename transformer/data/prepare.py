@@ -444,3 +444,19 @@ def valid_sets(cfg: Config, store: Store, corpora: list[tuple[CorpusConfig, Stor
             name = pair_name(data.src_lang, data.tgt_lang)
             sets.append((c.name if name in [n for n, _, _ in sets] else name, s.corpus("valid"), s.references("valid")))
     return sets
+
+
+def pair_data(d: DataConfig, target_lang: str | None) -> DataConfig:
+    """The data settings of one language pair of a run, the one into `target_lang`: data.dir's, or the corpus of
+    data.corpora that translates into it, with its own validation and test splits (evaluate on one pair of a
+    multilingual run). A language no corpus with a validation or test split translates into: a one-line error."""
+    if target_lang is None or target_lang == d.tgt_lang:
+        return d
+    for c in d.corpora:
+        if (c.tgt_lang or d.tgt_lang) == target_lang and (c.valid_split or c.test_split):
+            splits = {"valid_split": c.valid_split or d.valid_split, "test_split": c.test_split or d.test_split}
+            return dataclasses.replace(corpus_data(d, c), **splits)
+    raise UserError(
+        f"evaluate: no corpus of this run translates into {target_lang} with a validation or test split; give the "
+        "files with --src and --ref"
+    )

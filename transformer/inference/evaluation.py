@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from transformer.errors import UserError
@@ -283,30 +283,39 @@ def run_evaluate(
     flags: SearchFlags = SearchFlags(),
     compared: Sequence[str] = (),
     hyp: str | None = None,
+    target_lang: str | None = None,
 ) -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files) with the search `flags` over the
     checkpoint's decode section, score, write .hyp and .json. Several run directories or checkpoints: an ensemble,
     evaluated into the first one's eval/ (its data section and decode settings), named .ensembleN. `compared`: the
     other systems (run directories, checkpoints, files of translations), compared with this one, the baseline, by
     paired bootstrap resampling (comparison.py): printed, and kept in the baseline's .json. `hyp`: a file of
-    translations, scored (and compared) in place of a model's."""
+    translations, scored (and compared) in place of a model's. `target_lang`: the language pair of a multilingual
+    run to evaluate (its corpus's split, its token before each source; data.dir's pair by default)."""
+    from transformer.data.prepare import pair_data
     from transformer.inference.translator import Translator
 
     members = [] if run_dir is None else [run_dir] if isinstance(run_dir, str) else list(run_dir)
     _check_inputs(split, src, ref, hyp, members)
     if hyp is not None:
         return _evaluate_files(hyp, ref, compared)
-    translator = Translator(members, device, flags)
-    test = _test_set(translator.cfg.data, split, src, ref)
+    translator = Translator(members, device, flags, target_lang=target_lang)
+    if translator.token_required:  # a multilingual run: one pair at a time, named after its target language
+        translator.target_lang = translator.target_lang or translator.cfg.data.tgt_lang
+    test = _test_set(pair_data(translator.cfg.data, translator.target_lang if src is None else None), split, src, ref)
+    if translator.token_required:
+        test = replace(test, name=f"{test.name}.{translator.target_lang}")
     others = [_comparand(path, len(test.references)) for path in compared]  # a typo fails before the searching
     record, hypotheses, json_path = _evaluate_system(translator, members, test)
     if not compared:
         return record
+    target_lang = translator.target_lang
     del translator  # one model in memory at a time
     systems = [("+".join(members), hypotheses)]
     for path, translations in zip(compared, others):
         if translations is None:
-            translations = _evaluate_system(Translator([path], device, flags), [path], test)[1]
+            other = Translator([path], device, flags, target_lang=target_lang)
+            translations = _evaluate_system(other, [path], test)[1]
         systems.append((path, translations))
     record["comparison"] = comparison.compare(systems, test.references)
     print(comparison.table(record["comparison"]), flush=True)

@@ -99,7 +99,10 @@ def _what(checkpoints: Sequence[str], input_path: Path, lines: int, translator: 
             "mtime_ns": stat.st_mtime_ns,
             "lines": lines,
         },
-        "languages": {"input": translator.cfg.data.src_lang, "output": translator.cfg.data.tgt_lang},
+        "languages": {
+            "input": translator.cfg.data.src_lang,
+            "output": translator.target_lang or translator.cfg.data.tgt_lang,
+        },
         "settings": {k: v for k, v in settings.items() if k not in ("workers", "max_tokens")},  # speed only
         "filter": flags,
     }
@@ -185,9 +188,11 @@ def synthesize(
     flags: SearchFlags = SearchFlags(),
     chunk_lines: int = CHUNK_LINES,
     filtered: bool = True,
+    target_lang: str | None = None,
 ) -> Path:
-    """The `synthesize` command: every line of `input_path` translated by the model (several: an ensemble), the
-    pairs written to `out_dir` (module docstring); resumed where a stopped run of the same command left off."""
+    """The `synthesize` command: every line of `input_path` translated by the model (several: an ensemble; into
+    `target_lang`, for a model of several), the pairs written to `out_dir` (module docstring); resumed where a
+    stopped run of the same command left off."""
     paths = [resolve_checkpoint(c) for c in checkpoints]
     out, source = Path(out_dir), Path(input_path)
     _check_arguments(input_path, out, chunk_lines)
@@ -201,7 +206,7 @@ def synthesize(
     ):
         flags = SearchFlags(**{**asdict(flags), "seed": earlier["settings"]["seed"]})  # the same draws again
     lines = read_lines(source)
-    translator = Translator([str(p) for p in paths], device, flags)
+    translator = Translator([str(p) for p in paths], device, flags, target_lang=target_lang)
     if translator.note:
         print(translator.note, file=sys.stderr)
     what = _what(paths, source, len(lines), translator, {"filtered": filtered, "chunk_lines": chunk_lines})

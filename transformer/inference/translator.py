@@ -7,6 +7,7 @@ batched.py; the command's own input and output: translate_io.py); translate_ids,
 from __future__ import annotations
 
 import random
+import re
 import sys
 import unicodedata
 from collections.abc import Callable, Sequence
@@ -121,6 +122,20 @@ class Translation:
         return pharaoh(self.alignment or [])
 
 
+# A language token at the start of a line, as OPUS-MT's users write it: >>fr<< text.
+LANGUAGE_TOKEN = re.compile(r"\s*(>>[^<>\s]+<<)\s*")
+
+
+def target_tokens(cfg, vocab) -> tuple[dict[str, str], bool]:
+    """(language -> the token that asks a multilingual model for it, whether every line must ask for one): a
+    multilingual run of ours (data.target_tokens: required), or an imported Marian vocabulary's >>xx<< pieces (as
+    OPUS-MT takes them: optional); ({}, False) for a model of one target language."""
+    if cfg.data.target_tokens:
+        return dict(cfg.data.target_tokens), True
+    codes = [p for p in vocab.pieces(range(len(vocab))) if LANGUAGE_TOKEN.fullmatch(p)]
+    return ({code[2:-2]: code for code in codes} if len(codes) > 1 else {}), False
+
+
 class Translator:
     """A model (or an ensemble), its vocabulary and search settings, loaded once; translate() maps lines to lines.
 
@@ -143,6 +158,7 @@ class Translator:
         device: str = "auto",
         flags: SearchFlags = SearchFlags(),
         keep_model: bool = False,
+        target_lang: str | None = None,
     ):
         bounded_onednn_caches()  # a library caller's first CPU work may be ours
         checkpoints = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
@@ -203,6 +219,8 @@ class Translator:
         self.model = (models[0] if len(models) == 1 else Ensemble(models)) if models else None
         self.lines_seen = 0  # numbers the lines in warnings across streamed chunks
         self.lines_truncated = 0
+        self.targets, self.token_required = target_tokens(self.cfg, self.vocab)
+        self.target_lang = self.check_target(target_lang)
 
     def _in_format(self, model, dtype: str):
         """The model with its weights as `dtype` and the device want them (weight_formats.py)."""
@@ -222,13 +240,60 @@ class Translator:
             return cpu_fp32(model)
         return model
 
-    def encode(self, lines: Sequence[str], warn: bool = True) -> list[list[int]]:
-        """Subword ids per line; a line longer than the model takes is truncated by the search, and one longer than
-        MAX_LINE_CHARS is cut before it is split; both are said on stderr (warn=False: the caller tells its own
-        way, as serve does in its answer)."""
+    def check_target(self, target_lang: str | None) -> str | None:
+        """`target_lang`, if the model translates into it (a one-line error naming the languages it has otherwise)."""
+        if target_lang is None:
+            return None
+        languages = list(self.targets) or [self.cfg.data.tgt_lang]
+        if target_lang not in languages:
+            raise UserError(
+                f"--target-lang {target_lang}: this model translates into {', '.join(languages)}"
+                + ("" if self.targets else " only")
+            )
+        return target_lang
+
+    def asking(self, lines: Sequence[str], target_lang: str | None = None) -> tuple[list[str], list[list[int]]]:
+        """A multilingual run's lines without the language token a line starts with (>>fr<<, as OPUS-MT's users
+        write it), and each line's token id: the line's own, else `target_lang` (else the translator's). A line that
+        asks for no language, or for one the model lacks, is a one-line error. An imported multi-target Marian model:
+        its code written before a line that has none (its vocabulary splits it off); one target language: the lines as
+        they are. No ids for those."""
+        target_lang = self.check_target(target_lang) or self.target_lang
+        if not self.token_required:  # a Marian vocabulary splits off a leading >>xx<< itself
+            code = self.targets.get(target_lang)
+            asked = [
+                f"{code} {line}" if code and line.strip() and not LANGUAGE_TOKEN.match(line) else line for line in lines
+            ]
+            return asked, [[] for _ in lines]
+        texts, prefixes = [], []
+        for i, line in enumerate(lines):
+            match = LANGUAGE_TOKEN.match(line)
+            token = match.group(1) if match else self.targets.get(target_lang, "")
+            if match and token not in self.targets.values():
+                raise UserError(
+                    f"input line {self.lines_seen + i + 1} asks for {token}: this model translates into "
+                    f"{', '.join(self.targets)} ({', '.join(self.targets.values())})"
+                )
+            if not token and line.strip():
+                raise UserError(
+                    f"this model translates into {', '.join(self.targets)}: give --target-lang (serve: "
+                    f'"target_lang"), or start each line with its language\'s token, e.g. {next(iter(self.targets.values()))}'
+                )
+            texts.append(line[match.end() :] if match else line)
+            prefixes.append(self.vocab.piece_ids([token]) if token and line.strip() else [])
+        return texts, prefixes
+
+    def encode(self, lines: Sequence[str], warn: bool = True, target_lang: str | None = None) -> list[list[int]]:
+        """Subword ids per line (a multilingual model's after the token of the language asked for: asking); a line
+        longer than the model takes is truncated by the search, and one longer than MAX_LINE_CHARS is cut before it
+        is split; both are said on stderr (warn=False: the caller tells its own way, as serve does in its answer)."""
+        lines, prefixes = self.asking(list(lines), target_lang)
         lengths = [len(line) for line in lines]
         cut = [line[:MAX_LINE_CHARS] for line in lines]
-        ids = self.vocab.encode([line if line.strip() else "" for line in cut])
+        ids = [
+            prefix + seq
+            for prefix, seq in zip(prefixes, self.vocab.encode([line if line.strip() else "" for line in cut]))
+        ]
         limit = source_limit(self.cfg.model.max_positions)
         for i, seq in enumerate(ids):
             if warn and (len(seq) > limit or lengths[i] > MAX_LINE_CHARS):

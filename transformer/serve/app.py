@@ -14,6 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from transformer.data.batch import source_limit
+from transformer.errors import UserError
 from transformer.inference.translator import Translation
 from transformer.serve.http_guard import RequestGuard, allowed_hosts
 from transformer.serve.request_batching import Batcher
@@ -116,7 +117,10 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         settings, seed = service.request_settings(body)
         options = service.sentence_options(body, lines, seed)
         service.check_room(len(lines))
-        ids = service.translator.encode(lines, warn=False)  # once: the batcher sizes batches by it and searches it
+        try:  # once: the batcher sizes batches by it and searches it
+            ids = service.translator.encode(lines, warn=False, target_lang=body.target_lang)
+        except UserError as e:  # a language the model lacks, or none asked of a multilingual one
+            raise ApiError(422, str(e)) from None
         try:
             found = await until_gone(request, service.batcher.translate(ids, settings, options)) if lines else []
         except Exception as e:

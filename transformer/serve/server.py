@@ -70,6 +70,7 @@ def run_serve(
     settings: ServeSettings,
     device: str = "auto",
     flags: SearchFlags = SearchFlags(),
+    target_lang: str | None = None,
 ) -> None:
     """The `serve` command: check what is quick to check, bind (a taken port is an error before the model
     loads), load the checkpoint, and serve until SIGTERM or Ctrl-C, which drain (http_guard.DrainingServer)."""
@@ -82,7 +83,7 @@ def run_serve(
     connections, note = open_file_budget(settings.max_connections)
     sock = listen(host, port)
     try:
-        service = Service(checkpoint, settings, device, flags)
+        service = Service(checkpoint, settings, device, flags, target_lang)
     except BaseException:
         sock.close()
         raise

@@ -139,6 +139,7 @@ class TranslateBody(_TextBody):
     prefix: list[str] | None = None  # per sentence, a target prefix its translations start with ("": none)
     constraints: list[list[str]] | None = None  # per sentence, target phrases its translations contain
     alignments: bool = False  # word alignments with each translation
+    target_lang: str | None = None  # a multilingual model's language to translate into (default: serve --target-lang)
 
     @field_validator("text", "prefix", mode="before")
     @classmethod
@@ -192,7 +193,12 @@ class Service:
     what a request may make it compute."""
 
     def __init__(
-        self, checkpoint: str | Path, settings: ServeSettings, device: str = "auto", flags: SearchFlags = SearchFlags()
+        self,
+        checkpoint: str | Path,
+        settings: ServeSettings,
+        device: str = "auto",
+        flags: SearchFlags = SearchFlags(),
+        target_lang: str | None = None,
     ):
         path = resolve_checkpoint(checkpoint)
         self.settings = settings
@@ -200,7 +206,7 @@ class Service:
         self.seed = flags.seed  # a request's seed when it sends none (None: a new one per request)
         # With CTranslate2, /translate runs on it; the page's attention maps and beam traces need our model's
         # internals, so the translator keeps that too.
-        self.translator = Translator(path, device, serve_dtype(flags), keep_model=True)
+        self.translator = Translator(path, device, serve_dtype(flags), keep_model=True, target_lang=target_lang)
         if settings.max_beam < self.translator.settings.beam:
             raise UserError(
                 f"--max-beam ({settings.max_beam}) is below the checkpoint's decode.beam "
@@ -234,6 +240,9 @@ class Service:
             "model": {**asdict(m), "parameters": self.translator.parameters},
             "vocab_size": len(self.vocab),
             "languages": [self.cfg.data.src_lang, self.cfg.data.tgt_lang],
+            # a model of several target languages: what a request's "target_lang" may ask for (the page offers them)
+            "target_languages": list(self.translator.targets),
+            "target_lang": self.translator.target_lang,
             # CTranslate2 has one stop rule, ours "early" (the page, /beam, still searches with ours)
             "decode": {
                 "engine": d.engine,

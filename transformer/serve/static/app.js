@@ -492,7 +492,8 @@ async function translate(text) {
   if (!text.trim()) { showError("Type a sentence first."); return; }
   $("go").disabled = true;
   document.body.dataset.state = "busy";
-  const [tr, att, beams] = await Promise.allSettled([api("/translate", {text: [text], beam, nbest, alignments: true}),
+  const asked = state.info.target_languages.length > 1 ? {target_lang: $("target-lang").value} : {};
+  const [tr, att, beams] = await Promise.allSettled([api("/translate", {text: [text], beam, nbest, alignments: true, ...asked}),
     api("/attention", {text, beam}), api("/beam", {text, beam, nbest})]);
   const errors = [tr, att, beams].filter((r) => r.status === "rejected").map((r) => r.reason.message);
   if (tr.status === "fulfilled") {
@@ -525,6 +526,13 @@ async function start() {
   $("beam").value = state.info.decode.beam;
   $("beam").max = state.info.limits.max_beam;
   $("nbest").value = Math.min(3, state.info.decode.beam);
+  for (const lang of state.info.target_languages) {  // a model of several target languages: which one
+    const option = document.createElement("option");
+    option.value = option.textContent = lang;
+    option.selected = lang === state.info.target_lang;
+    $("target-lang").append(option);
+  }
+  $("target-lang-label").hidden = state.info.target_languages.length < 2;
   document.body.dataset.state = "idle";
   showPositions().catch((error) => showError(error.message));
   const asked = new URLSearchParams(window.location.search).get("text");
