@@ -146,3 +146,24 @@ def test_serve_offers_the_languages_and_a_request_asks_for_one(trained):
         ]:
             refused = client.post("/translate", json=body)
             assert refused.status_code == 422 and message in refused.json()["error"]
+
+
+def test_a_multilingual_model_exports_to_marian_and_imports_back_with_its_language_tokens(trained, tmp_path, call):
+    """The tokens are ordinary pieces: MarianTokenizer takes >>fr<< at a line's start as OPUS-MT's users write it
+    and encodes the rest as we do; the imported run translates what ours translates."""
+    transformers = pytest.importorskip("transformers")
+    run_dir, _ = trained
+    status, _, err = call("export", "hf", run_dir, tmp_path / "hf")
+    assert status == 0, err
+    tokenizer = transformers.MarianTokenizer.from_pretrained(tmp_path / "hf")
+    ours = Translator(run_dir, "cpu", SearchFlags(dtype="fp32", beam=1), target_lang="fr")
+    lines = ["der hund", "die katze spielt im haus"]
+    assert [tokenizer(f">>fr<< {line}")["input_ids"] for line in lines] == [
+        ids + [ours.vocab.specials.eos] for ids in ours.encode(lines)
+    ]
+    status, _, err = call("import", "hf", tmp_path / "hf", tmp_path / "imported")
+    assert status == 0, err
+    imported = Translator(tmp_path / "imported", "cpu", SearchFlags(dtype="fp32", beam=1), target_lang="fr")
+    assert imported.targets == {"en": ">>en<<", "fr": ">>fr<<"}  # its codes, optional as OPUS-MT's are
+    assert imported.translate(lines) == ours.translate(lines)
+    assert imported.translate([f">>fr<< {line}" for line in lines]) == ours.translate(lines)
