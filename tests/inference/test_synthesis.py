@@ -55,19 +55,9 @@ def synthesize(*args, env_extra=None, **kwargs) -> subprocess.Popen:
 def test_the_pairs_are_the_input_lines_and_their_translations_with_a_record(run, tmp_path, call):
     source = tmp_path / "mono.de"
     source.write_text("\n".join(LINES[:10] + [""] + LINES[10:]) + "\n", encoding="utf-8")
-    status, _, err = call(
-        "synthesize",
-        run,
-        "--input",
-        source,
-        "--out",
-        tmp_path / "syn",
-        "--dtype",
-        "fp32",
-        "--no-filter",
-        "--chunk-lines",
-        "4",
-    )
+    options = ["--dtype", "fp32", "--no-filter", "--chunk-lines", "4"]
+    command = ["synthesize", run, "--input", source, "--out", tmp_path / "syn", *options]
+    status, _, err = call(*command)
     assert status == 0, err
     ins = (tmp_path / "syn" / "train.de").read_text(encoding="utf-8").splitlines()
     outs = (tmp_path / "syn" / "train.en").read_text(encoding="utf-8").splitlines()
@@ -80,35 +70,9 @@ def test_the_pairs_are_the_input_lines_and_their_translations_with_a_record(run,
     assert record["models"] == [{"path": str(checkpoint.resolve()), "sha256": file_sha256(checkpoint)}]
     assert record["languages"] == {"input": "de", "output": "en"} and record["settings"]["beam"] == 3
     assert not (tmp_path / "syn" / "parts").exists()
-    status, _, err = call(
-        "synthesize",
-        run,
-        "--input",
-        source,
-        "--out",
-        tmp_path / "syn",
-        "--dtype",
-        "fp32",
-        "--no-filter",
-        "--chunk-lines",
-        "4",
-    )
+    status, _, err = call(*command)
     assert status == 0 and "is complete" in err  # the same command again: nothing to do
-    status, _, err = call(
-        "synthesize",
-        run,
-        "--input",
-        source,
-        "--out",
-        tmp_path / "syn",
-        "--beam",
-        "1",
-        "--dtype",
-        "fp32",
-        "--no-filter",
-        "--chunk-lines",
-        "4",
-    )
+    status, _, err = call(*command, "--beam", "1")
     assert status == 2 and "holds a synthesis of other settings" in err, err
 
 

@@ -112,18 +112,23 @@ def _add_finish(sub) -> None:
     p.set_defaults(func=commands.cmd_finish)
 
 
-def _add_attention(sub) -> None:
-    p = sub.add_parser(
-        "attention",
-        help="plot the attention weights of every layer and head for one sentence",
-        description=help_text.ATTENTION,
-    )
+def _add_model_and_sentence(p) -> None:
+    """attention's and animate's first two arguments: a model, and one source sentence."""
     p.add_argument(
         "checkpoint",
         metavar="RUN_DIR_OR_CHECKPOINT",
         help="a run directory (its final.pt, else best.pt, else last.pt) or a checkpoint file",
     )
     p.add_argument("source", type=_sentence, help='the source sentence, e.g. "Ein Hund rennt durch den Schnee."')
+
+
+def _add_attention(sub) -> None:
+    p = sub.add_parser(
+        "attention",
+        help="plot the attention weights of every layer and head for one sentence",
+        description=help_text.ATTENTION,
+    )
+    _add_model_and_sentence(p)
     p.add_argument(
         "--target", type=_sentence, metavar="SENTENCE", help="force-decode this translation instead of the model's own"
     )
@@ -162,12 +167,7 @@ def _add_animate(sub) -> None:
         help="an animated walk through one sentence: what the model computes, with its own values",
         description=help_text.ANIMATE,
     )
-    p.add_argument(
-        "checkpoint",
-        metavar="RUN_DIR_OR_CHECKPOINT",
-        help="a run directory (its final.pt, else best.pt, else last.pt) or a checkpoint file",
-    )
-    p.add_argument("source", type=_sentence, help='the source sentence, e.g. "Ein Hund rennt durch den Schnee."')
+    _add_model_and_sentence(p)
     p.add_argument(
         "--out",
         required=True,
