@@ -49,6 +49,10 @@ from transformer.distributed import (
 )
 from transformer.errors import UserError, first_line, is_out_of_memory
 from transformer.files import remove_stale_temporaries
+
+# The translator the end of training scores with (finish.end_of_training, imported below too) loaded now rather than
+# hours from now: a package upgraded under a running training would otherwise meet its new modules half loaded.
+from transformer.inference import translator as _translator  # noqa: F401
 from transformer.inference.scoring import describe
 from transformer.model.checkpoint import load_checkpoint, save_checkpoint
 from transformer.model.transformer import Transformer, build_model, count_parameters
@@ -56,6 +60,7 @@ from transformer.peak import Peak, mfu_peak
 from transformer.run_dir import RunDir
 from transformer.signals import StopRequested, stop_at_once
 from transformer.training import init_from
+from transformer.training.finish import end_of_training
 from transformer.training.init_from import Origin
 from transformer.training.lock import RunLock
 from transformer.training.metrics import MetricsLog, Progress, setup_logging
@@ -662,6 +667,4 @@ def end(run: Run) -> None:
     )
     log.info("done: %d steps; checkpoints in %s; peak memory %s%s", run.state.step, run.run_dir, mib(peak), gpu_line)
     if run.cfg.train.finish and run.info.is_main:
-        from transformer.training.finish import end_of_training
-
         end_of_training(run.run_dir, run.cfg, run.state.step, run.device)
