@@ -389,7 +389,7 @@ CASES = [
     Case(
         "attention beam above the vocabulary",
         lambda r, run: ["attention", run, "ein hund", "--beam", 2_000_000, "--out", r / "a.png"],
-        "attention: beam must be at most the vocabulary size (",
+        "beam must be at most the vocabulary size (",
     ),
     Case(
         "lenpen nan",

@@ -167,3 +167,45 @@ def test_a_multilingual_model_exports_to_marian_and_imports_back_with_its_langua
     assert imported.targets == {"en": ">>en<<", "fr": ">>fr<<"}  # its codes, optional as OPUS-MT's are
     assert imported.translate(lines) == ours.translate(lines)
     assert imported.translate([f">>fr<< {line}" for line in lines]) == ours.translate(lines)
+
+
+def test_what_the_inspections_show_is_the_translation_into_the_language_asked(trained, call, tmp_path):
+    from transformer.visualize.attention import inspect_attention
+    from transformer.visualize.walkthrough import walk
+
+    run_dir, _ = trained
+    translator = Translator(run_dir, "cpu", SearchFlags(beam=1, dtype="fp32"))
+    for line, lang in ((">>fr<< der hund", None), ("der hund", "fr"), ("der hund", "en")):
+        (text,), (prefix,) = translator.asking([line], lang)
+        maps = inspect_attention(translator.model, translator.vocab, text, None, translator.settings, prefix)
+        shown = walk(translator.model, translator.vocab, text, translator.settings, only="encoder", prefix=prefix)
+        token = f">>{lang or 'fr'}<<"
+        assert maps.source_pieces[0] == shown.encoder.pieces[0] == token
+        asked = Translator(run_dir, "cpu", SearchFlags(beam=1, dtype="fp32"), target_lang=lang or "fr")
+        assert maps.target == asked.translate([text])[0]
+    status, out, err = call("attention", run_dir, "der hund", "--target-lang", "fr", "--out", tmp_path / "a.png")
+    assert status == 0 and len(out.splitlines()) == 3, err
+    status, _, err = call("attention", run_dir, "der hund", "--out", tmp_path / "b.png")
+    assert status == 2 and "give --target-lang" in err and len(err.splitlines()) == 1, err
+
+
+def test_the_page_inspections_ask_for_the_language_as_translate_does(trained):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from transformer.serve.app import create_app
+    from transformer.serve.service import ServeSettings, Service
+
+    run_dir, _ = trained
+    with TestClient(create_app(Service(run_dir, ServeSettings(), "cpu", SearchFlags(dtype="fp32")))) as client:
+        for body in ({"text": "der hund", "target_lang": "fr"}, {"text": ">>fr<< der hund"}):
+            attention = client.post("/attention", json={**body, "beam": 1}).json()
+            translated = client.post("/translate", json={**body, "text": [body["text"]], "beam": 1}).json()
+            assert attention["source_pieces"][0] == ">>fr<<" and attention["source"] == "der hund"
+            assert attention["target"] == translated["translations"][0]["text"]
+            assert client.post("/beam", json=body).json()["source_pieces"][0] == ">>fr<<"
+        for path in ("/attention", "/beam", "/animate"):
+            refused = client.post(path, json={"text": "der hund"})
+            assert refused.status_code == 422 and "give --target-lang" in refused.json()["error"], path
+            refused = client.post(path, json={"text": "der hund", "target_lang": "cs"})
+            assert refused.status_code == 422 and "this model translates into en, fr" in refused.json()["error"]

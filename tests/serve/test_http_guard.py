@@ -509,10 +509,11 @@ def test_the_answer_bounds_hold_for_what_the_model_really_answers(run, beam):
     monkey = service.check_answer
     service.check_answer = lambda values, what, fix: limits.append(values) or monkey(values, what, fix)
     for text in synthetic(random.Random(beam), 12):
-        ids = service.one_sentence(text)
+        sentence = service.one_sentence(text)
+        ids = sentence.ids
         limits.clear()
         service.check_attention(ids, None)
-        maps = service.attention(text, None, beam)
+        maps = service.attention(sentence, None, beam)
         got = sum(
             len(maps["attention"][k]["weights"])
             * len(maps["attention"][k]["weights"][0])
@@ -532,11 +533,11 @@ def blocking_attention(monkeypatch) -> threading.Event:
     gate, real = threading.Event(), Service.attention
     started = threading.Event()
 
-    def attention(self, text, *args):
-        if text == "blocker":
+    def attention(self, sentence, *args):
+        if sentence.text == "blocker":
             started.set()
             assert gate.wait(30)
-        return real(self, text, *args)
+        return real(self, sentence, *args)
 
     monkeypatch.setattr(Service, "attention", attention)
     gate.started = started

@@ -102,19 +102,17 @@ def cmd_finish(args: argparse.Namespace) -> None:
 
 
 def cmd_attention(args: argparse.Namespace) -> None:
-    from transformer.inference.settings import SearchFlags, beam_above_vocabulary, search_settings
-    from transformer.model.checkpoint import load_model
+    from transformer.inference.settings import SearchFlags
+    from transformer.inference.translator import Translator
     from transformer.visualize.attention import KINDS, inspect_attention
     from transformer.visualize.plots import output_path, write_attention_figures
 
     output_path(args.out, "attention")  # a bad suffix or a directory fails before the model is loaded
-    flags = SearchFlags(beam=args.beam)
-    model, vocab, cfg = load_model(args.checkpoint)
-    settings = search_settings(cfg.decode, flags)
-    if settings.beam > len(vocab):
-        raise UserError(f"attention: {beam_above_vocabulary(settings.beam, len(vocab))}")
+    translator = Translator(args.checkpoint, "cpu", SearchFlags(beam=args.beam, dtype="fp32"))
+    (source,), (prefix,) = translator.asking([args.source], args.target_lang)
+    settings = translator.settings
     with out_of_memory_names(f"the attention maps with beam {settings.beam} (lower --beam)"):
-        maps = inspect_attention(model, vocab, args.source, args.target, settings)
+        maps = inspect_attention(translator.model, translator.vocab, source, args.target, settings, prefix)
     if args.target is None:
         print(f"translation: {maps.target}", file=sys.stderr)
     kinds = KINDS if args.kind == "all" else (args.kind,)
@@ -135,10 +133,10 @@ def cmd_animate(args: argparse.Namespace) -> None:
     translator = Translator(args.checkpoint, args.device, SearchFlags(beam=args.beam, dtype=args.dtype))
     if translator.note:
         print(translator.note, file=sys.stderr)
-    with out_of_memory_names(f"the animation with beam {translator.settings.beam} (lower --beam)"):
-        shown = walk(
-            translator.model, translator.vocab, args.source, translator.settings, args.layer, args.head, args.only
-        )
+    (source,), (prefix,) = translator.asking([args.source], args.target_lang)
+    model, vocab, settings = translator.model, translator.vocab, translator.settings
+    with out_of_memory_names(f"the animation with beam {settings.beam} (lower --beam)"):
+        shown = walk(model, vocab, source, settings, args.layer, args.head, args.only, prefix)
     if shown.decoder is not None:
         print(f"translation: {shown.decoder.translation}", file=sys.stderr)
     print(write_animation(frames(shown), args.out, args.fps, args.force))

@@ -120,6 +120,7 @@ def _add_model_and_sentence(p) -> None:
         help="a run directory (its final.pt, else best.pt, else last.pt) or a checkpoint file",
     )
     p.add_argument("source", type=_sentence, help='the source sentence, e.g. "Ein Hund rennt durch den Schnee."')
+    _add_target_lang(p, "the sentence")
 
 
 def _add_attention(sub) -> None:

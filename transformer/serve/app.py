@@ -171,26 +171,26 @@ def _add_inspections(app: FastAPI, service: Service) -> None:
 
     @app.post("/attention")
     async def attention(body: AttentionBody, request: Request) -> Response:
-        ids = service.one_sentence(body.text)
+        sentence = service.one_sentence(body.text, body.target_lang)
         if body.target is not None:
             service.check_size([body.text + body.target])
         beam = service.check_beam(body.beam)
-        service.check_attention(ids, body.target)
-        return await service.inspect(request, service.attention, body.text, body.target, beam)
+        service.check_attention(sentence.ids, body.target)
+        return await service.inspect(request, service.attention, sentence, body.target, beam)
 
     @app.post("/beam")
     async def beam_steps(body: BeamBody, request: Request) -> Response:
-        ids = service.one_sentence(body.text)
+        ids = service.one_sentence(body.text, body.target_lang).ids
         beam = service.check_beam(body.beam, body.nbest)
         service.check_trace(ids, beam)
         return await service.inspect(request, service.beam_trace, ids, beam, body.nbest)
 
     @app.post("/animate")
     async def animate(body: AnimateBody, request: Request) -> Response:
-        service.one_sentence(body.text)
+        sentence = service.one_sentence(body.text, body.target_lang)
         beam = service.check_beam(body.beam)
         service.check_animation(body)
         disposition = {"Content-Disposition": 'attachment; filename="walk.gif"'}
         return await service.inspect(
-            request, service.animation, body, beam, media_type="image/gif", headers=disposition
+            request, service.animation, sentence, body, beam, media_type="image/gif", headers=disposition
         )

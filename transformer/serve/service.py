@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 from fastapi import Request
@@ -147,20 +147,31 @@ class TranslateBody(_TextBody):
         return [value] if isinstance(value, str) else value
 
 
+class Sentence(NamedTuple):
+    """One sentence an inspection shows, as the model reads it."""
+
+    text: str  # without a language token it was written with
+    prefix: list[int]  # a multilingual model's language token (Translator.asking), else empty
+    ids: list[int]  # prefix, then the text's pieces
+
+
 class AttentionBody(_TextBody):
     text: str
     target: str | None = None  # read this target instead of the model's own translation
     beam: int | None = None
+    target_lang: str | None = None  # as /translate's
 
 
 class BeamBody(_TextBody):
     text: str
     beam: int | None = None
     nbest: int = 1
+    target_lang: str | None = None
 
 
 class AnimateBody(_TextBody):
     text: str
+    target_lang: str | None = None
     beam: int | None = None  # the search whose best translation the decoder part follows
     layer: int | None = None  # as `transformer animate` takes them: numbered from 1, None its defaults
     head: int | None = None
@@ -352,15 +363,24 @@ class Service:
         if self.batcher.pending_sentences() + sentences > self.settings.max_pending:
             raise ApiError(503, "too many requests are waiting for the model; try again shortly")
 
-    def one_sentence(self, text: str) -> list[int]:
+    def one_sentence(self, text: str, target_lang: str | None = None) -> Sentence:
+        """An inspection's sentence as the model reads it (a multilingual model's after the token of the language
+        asked for, or written at its start: Translator.asking)."""
         self.check_size([text])
-        ids = self.vocab.encode([text])[0] if text.strip() else []
-        if not ids:
+        if not text.strip():
             raise ApiError(422, "text is empty")
+        try:
+            (text,), (prefix,) = self.translator.asking([text], target_lang)
+        except UserError as e:  # a language the model lacks, or none asked of a multilingual one
+            raise ApiError(422, str(e)) from None
+        pieces = self.vocab.encode([text])[0] if text.strip() else []
+        if not pieces:
+            raise ApiError(422, "text is empty")
+        ids = prefix + pieces
         limit = source_limit(self.cfg.model.max_positions)
         if len(ids) > limit:
             raise ApiError(422, f"the sentence is {len(ids)} pieces long; this model accepts at most {limit}")
-        return ids
+        return Sentence(text, prefix, ids)
 
     def output_limit(self, ids: list[int]) -> int:
         """The most tokens a search may write for this source (search.max_output_lengths)."""
@@ -425,12 +445,13 @@ class Service:
         except UserError as e:
             raise ApiError(501, f"this server cannot draw: {e}") from None
 
-    def animation(self, body: AnimateBody, beam: int) -> bytes:
+    def animation(self, sentence: Sentence, body: AnimateBody, beam: int) -> bytes:
         """The GIF `transformer animate` writes for the sentence, searched with this server's settings and `beam`."""
         from transformer.visualize.animation import animation_gif
 
         settings = replace(self.translator.settings, beam=beam, nbest=1)
-        shown = walk(self.model, self.vocab, body.text, settings, body.layer, body.head, body.only)
+        text, prefix = sentence.text, sentence.prefix
+        shown = walk(self.model, self.vocab, text, settings, body.layer, body.head, body.only, prefix)
         return animation_gif(frames(shown), body.fps)
 
     def position_view(self, d_model: int, length: int) -> dict:
@@ -450,9 +471,9 @@ class Service:
             "tables": rounded,
         }
 
-    def attention(self, text: str, target: str | None, beam: int) -> dict:
+    def attention(self, sentence: Sentence, target: str | None, beam: int) -> dict:
         settings = replace(self.translator.settings, beam=beam, nbest=1)
-        maps = inspect_attention(self.model, self.vocab, text, target, settings)
+        maps = inspect_attention(self.model, self.vocab, sentence.text, target, settings, sentence.prefix)
         pieces = {"source": maps.source_pieces, "target": maps.target_pieces}
         sides = {"encoder": ("source", "source"), "decoder": ("target", "target"), "cross": ("target", "source")}
         return {

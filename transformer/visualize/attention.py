@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -113,12 +113,13 @@ class AttentionMaps:
         return self.weights[kind].shape[:2]
 
 
-def source_ids(model: Transformer, vocab: AnyVocab, source: str) -> torch.Tensor:
-    """`source` as the model reads it: (1, S) ids, its pieces and EOS, on the model's device; an empty sentence or
-    one longer than the model accepts is a one-line error."""
+def source_ids(model: Transformer, vocab: AnyVocab, source: str, prefix: Sequence[int] = ()) -> torch.Tensor:
+    """`source` as the model reads it: (1, S) ids, `prefix` (a multilingual model's language token: Translator.asking),
+    its pieces and EOS, on the model's device; an empty sentence or one longer than the model accepts is a one-line
+    error."""
     if not source.strip():
         raise UserError("the source sentence is empty")
-    pieces = vocab.encode([source])[0]
+    pieces = [*prefix, *vocab.encode([source])[0]]
     src, (truncated,) = prepare_sources([pieces], model.cfg.max_positions, model.specials)  # (1, S): pieces + EOS
     if truncated:
         raise UserError(
@@ -139,10 +140,11 @@ def inspect_attention(
     source: str,
     target: str | None = None,
     settings: SearchSettings = SearchSettings(beam=1),
+    prefix: Sequence[int] = (),
 ) -> AttentionMaps:
-    """Attention weights for `source` while the decoder reads `target`, or the model's own
-    translation (its best, searched with `settings`: greedy by default) when no target is given."""
-    src = source_ids(model, vocab, source)
+    """Attention weights for `source` (after `prefix`: source_ids) while the decoder reads `target`, or the model's
+    own translation (its best, searched with `settings`: greedy by default) when no target is given."""
+    src = source_ids(model, vocab, source, prefix)
     src_ids = src[0].tolist()
     translated = target is None
     if translated:

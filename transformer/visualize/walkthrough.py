@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -138,18 +138,19 @@ def walk(
     layer: int | None = None,
     head: int | None = None,
     only: str | None = None,
+    prefix: Sequence[int] = (),
 ) -> Walk:
     """The values an animation of `source` shows, from one teacher-forced pass over the model's own translation
     (searched with `settings`: greedy, or the best beam hypothesis). layer, head: numbered from 1; None: the last
     layer of each stack and its telling_head (the decoder's chosen on its attention over the source). only: one of
-    PARTS, or None for both."""
+    PARTS, or None for both. prefix: a multilingual model's language token before the source (source_ids)."""
     parts = PARTS if only is None else (only,)
     cfg = model.cfg
     for part, layers in (("encoder", cfg.n_encoder_layers), ("decoder", cfg.n_decoder_layers)):
         if part in parts:
             check_index("layer", layer, layers, part)
             check_index("head", head, cfg.n_heads, part)
-    src = source_ids(model, vocab, source)
+    src = source_ids(model, vocab, source, prefix)
     tokens = own_translation(model, src, settings) if "decoder" in parts else []
     tgt_in = torch.tensor([[model.specials.bos, *tokens]], dtype=torch.long, device=src.device)
     encoder_layer = (layer if "encoder" in parts else None) or cfg.n_encoder_layers  # watched only when drawn

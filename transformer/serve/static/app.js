@@ -11,7 +11,7 @@ const KIND_HELP = {
   cross: "Each piece the decoder reads (row) attends to the source pieces (columns): what it looks at to choose the next word.",
 };
 const state = {info: null, att: null, kind: "cross", layer: 0, head: 0, focus: null, beam: null, step: 1, lines: [],
-               text: null, beamSize: null}; // text, beamSize: what the animation button animates
+               text: null, beamSize: null, asked: {}}; // text, beamSize, asked (its language): what the animation animates
 
 async function api(path, body) {
   const options = body === undefined ? {} : {
@@ -458,7 +458,7 @@ async function downloadAnimation() {
   try {
     const response = await fetch("/animate", {
       method: "POST", headers: {"Content-Type": "application/json"},
-      body: JSON.stringify({text: state.text, beam: state.beamSize}),
+      body: JSON.stringify({text: state.text, beam: state.beamSize, ...state.asked}),
     });
     if (!response.ok) {
       const data = await response.json().catch(() => ({error: `${response.status} ${response.statusText}`}));
@@ -493,8 +493,9 @@ async function translate(text) {
   $("go").disabled = true;
   document.body.dataset.state = "busy";
   const asked = state.info.target_languages.length > 1 ? {target_lang: $("target-lang").value} : {};
+  state.asked = asked;  // the animation of this sentence asks for the same language
   const [tr, att, beams] = await Promise.allSettled([api("/translate", {text: [text], beam, nbest, alignments: true, ...asked}),
-    api("/attention", {text, beam}), api("/beam", {text, beam, nbest})]);
+    api("/attention", {text, beam, ...asked}), api("/beam", {text, beam, nbest, ...asked})]);
   const errors = [tr, att, beams].filter((r) => r.status === "rejected").map((r) => r.reason.message);
   if (tr.status === "fulfilled") {
     showTranslation(tr.value, text);
