@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +64,9 @@ def test_the_pairs_are_the_input_lines_and_their_translations_with_a_record(run,
     outs = (tmp_path / "syn" / "train.en").read_text(encoding="utf-8").splitlines()
     expected = Translator(run, "cpu", SearchFlags(dtype="fp32")).translate(LINES)
     assert ins == LINES and outs == expected  # the blank line is no pair
+    total = len(LINES) + 1
+    shown = re.findall(r"synthesize: (\d+) of (\d+) lines, \d+ lines/s, \d+ min left", err)  # a log line per part
+    assert [(int(n), int(of)) for n, of in shown] == [(min(n, total), total) for n in range(4, total + 4, 4)]
     record = json.loads((tmp_path / "syn" / RECORD).read_text(encoding="utf-8"))
     assert record["status"] == "done" and record["counts"]["sources"] == len(LINES) + 1
     assert record["counts"]["kept"] == len(LINES) == record["counts"]["outputs"]

@@ -285,9 +285,10 @@ def _translate_parts(
     totals = Counts()
     for counts in done.values():
         totals.add(counts)
+    written = before = totals.sources
     with tqdm(
         total=len(lines),
-        initial=sum(c.sources for c in done.values()),
+        initial=before,
         desc="synthesize",
         unit=" lines",
         dynamic_ncols=True,
@@ -300,13 +301,14 @@ def _translate_parts(
             pairs, counts = _kept_pairs(chunk, translator.translate_lines(chunk), translator.settings.nbest, filtered)
             synthesis.write_part(i, languages, pairs, counts)
             totals.add(counts)
+            written += len(chunk)
             bar.update(len(chunk))
-            if bar.disable:
-                done_now = bar.n - sum(c.sources for c in done.values())
-                rate = done_now / max(time.perf_counter() - start, 1e-9)
-                left = (len(lines) - bar.n) / max(rate, 1e-9)
-                print(
-                    f"synthesize: {bar.n} of {len(lines)} lines, {rate:.0f} lines/s, {left / 60:.0f} min left",
-                    file=sys.stderr,
-                )
+            if bar.disable:  # a disabled bar counts nothing, so the line counts for itself
+                print(_progress_line(written, len(lines), written - before, time.perf_counter() - start), file=sys.stderr)
     return totals
+
+
+def _progress_line(written: int, total: int, written_now: int, seconds: float) -> str:
+    """What a log shows after each part: the lines written of all, this command's rate, the time left at that rate."""
+    rate = written_now / max(seconds, 1e-9)
+    return f"synthesize: {written:,} of {total:,} lines, {rate:.0f} lines/s, {(total - written) / rate / 60:.0f} min left"
