@@ -278,6 +278,25 @@ def tiny_config(tmp_path: Path, run: str = "run", data_dir: Path | None = None, 
     return cfg
 
 
+def built_run(cfg, device: torch.device | None = None):
+    """A training run of `cfg` built as `train` builds it (prepared, its store and vocabulary loaded, model and
+    optimizer on `device`, the CPU by default), without training: for tests of one update -> (run, store)."""
+    import time
+
+    from transformer.data.mixture import Mixture
+    from transformer.data.prepare import open_prepared
+    from transformer.data.vocab import Vocab
+    from transformer.distributed import DistInfo
+    from transformer.training import loop as train_module
+
+    train_module.prepare_only(cfg)
+    run_dir = Path(cfg.train.run_dir)
+    vocab = Vocab.load(run_dir / "spm.model")
+    store = open_prepared(cfg, run_dir, vocab)
+    args = (cfg, DistInfo(), device or torch.device("cpu"), run_dir, "resume", vocab, store)
+    return train_module.build(*args, Mixture.of(store.corpus("train")), None, time.perf_counter()), store
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path

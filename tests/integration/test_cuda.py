@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
 import torch
 
-from tests.helpers import LINES, change_training_loss, random_pairs, read_metrics, subprocess_env, tiny_config
+from tests.helpers import (
+    LINES,
+    built_run,
+    change_training_loss,
+    random_pairs,
+    read_metrics,
+    subprocess_env,
+    tiny_config,
+)
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batch import Batch, prepare_sources
 from transformer.data.loader import BatchStream, Prefetcher
-from transformer.data.mixture import Mixture
-from transformer.data.prepare import open_prepared
 from transformer.data.store import Corpus
-from transformer.data.vocab import Vocab
 from transformer.device import autocast_context
-from transformer.distributed import DistInfo, init_distributed
+from transformer.distributed import init_distributed
 from transformer.errors import UserError
 from transformer.inference.search import search
 from transformer.inference.settings import SearchFlags, SearchSettings
@@ -236,23 +240,7 @@ def _syncs(fn) -> list[str]:
 
 def test_an_update_synchronizes_once(tmp_path):
     cfg = from_dict(cuda_config(tmp_path, update_freq=2, clip_norm=1.0, precision="bf16"))
-    train_module.prepare_only(cfg)
-    run_dir = tmp_path / "run"
-    vocab = Vocab.load(run_dir / "spm.model")
-    store = open_prepared(cfg, run_dir, vocab)
-    device = torch.device("cuda", torch.cuda.current_device())
-    run = train_module.build(
-        cfg,
-        DistInfo(),
-        device,
-        run_dir,
-        "resume",
-        vocab,
-        store,
-        Mixture.of(store.corpus("train")),
-        None,
-        time.perf_counter(),
-    )
+    run, store = built_run(cfg, torch.device("cuda", torch.cuda.current_device()))
     stream = BatchStream(store.corpus("train"), cfg.data, seed=1, update_freq=2)
 
     def update():

@@ -15,23 +15,29 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.helpers import LINES, ROOT, random_pairs, read_metrics, sampling_settings, subprocess_env, tiny_config
+from tests.helpers import (
+    LINES,
+    ROOT,
+    built_run,
+    random_pairs,
+    read_metrics,
+    sampling_settings,
+    subprocess_env,
+    tiny_config,
+)
 from transformer import device as device_module
 from transformer import peak as peak_module
 from transformer.config import DataConfig, ModelConfig, from_dict
 from transformer.data.batch import CAUSAL, Batch, prepare_sources, target_mask
 from transformer.data.loader import BatchStream, Prefetcher
-from transformer.data.mixture import Mixture
-from transformer.data.prepare import open_prepared
 from transformer.data.store import Corpus
-from transformer.data.vocab import PAD_ID, Vocab
+from transformer.data.vocab import PAD_ID
 from transformer.device import (
     ALLOC_CONF_VARIABLES,
     DEFAULT_ALLOC_CONF,
@@ -359,22 +365,7 @@ def test_an_update_reads_the_device_once_and_copies_nothing_from_pageable_memory
     cfg = from_dict(
         tiny_config(tmp_path, train={"update_freq": 2, "clip_norm": 1.0, "peak_tflops": 1.0, "precision": "fp32"})
     )
-    train_module.prepare_only(cfg)
-    run_dir = tmp_path / "run"
-    vocab = Vocab.load(run_dir / "spm.model")
-    store = open_prepared(cfg, run_dir, vocab)
-    run = train_module.build(
-        cfg,
-        DistInfo(),
-        torch.device("cpu"),
-        run_dir,
-        "resume",
-        vocab,
-        store,
-        Mixture.of(store.corpus("train")),
-        None,
-        time.perf_counter(),
-    )
+    run, store = built_run(cfg)
     # The optimizer as on CUDA: fused (the CPU's default per-tensor Adam reads its step counts on the host).
     run.optimizer = torch.optim.Adam(run.model.parameters(), lr=1e-4, fused=True)
     stream = BatchStream(store.corpus("train"), cfg.data, seed=1, update_freq=2)

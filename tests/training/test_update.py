@@ -6,12 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import change_training_loss, tiny_config
+from tests.helpers import built_run, change_training_loss, tiny_config
 from transformer.config import from_dict
-from transformer.data.vocab import Vocab
 from transformer.errors import UserError
 from transformer.model.checkpoint import load_checkpoint
-from transformer.training import loop as train_module
 from transformer.training.loop import train
 from transformer.training.update import MAX_SKIPPED_IN_A_ROW, train_update
 
@@ -43,13 +41,9 @@ def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipp
     # What the optimizer gets from train_update over update_freq 2 batches of unequal size: the gradient of
     # the label-smoothed loss summed over both, divided by their target tokens, clipped to train.clip_norm.
     import copy
-    import time
 
     from transformer.data.loader import BatchStream
-    from transformer.data.mixture import Mixture
-    from transformer.data.prepare import open_prepared
     from transformer.data.vocab import PAD_ID
-    from transformer.distributed import DistInfo
     from transformer.signals import StopRequested
     from transformer.training.optim import label_smoothed_loss
 
@@ -61,22 +55,7 @@ def test_an_update_steps_on_the_per_token_mean_gradient_of_all_its_batches_clipp
             train={"update_freq": 2, "clip_norm": clip_norm, "peak_tflops": 1.0, "precision": "fp32"},
         )
     )
-    train_module.prepare_only(cfg)
-    run_dir = tmp_path / "run"
-    vocab = Vocab.load(run_dir / "spm.model")
-    store = open_prepared(cfg, run_dir, vocab)
-    run = train_module.build(
-        cfg,
-        DistInfo(),
-        torch.device("cpu"),
-        run_dir,
-        "resume",
-        vocab,
-        store,
-        Mixture.of(store.corpus("train")),
-        None,
-        time.perf_counter(),
-    )
+    run, store = built_run(cfg)
     update = BatchStream(store.corpus("train"), cfg.data, seed=1, update_freq=2).next_update()
     assert update.batches[0].n_tgt_tokens != update.batches[1].n_tgt_tokens
 
