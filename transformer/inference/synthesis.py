@@ -304,11 +304,15 @@ def _translate_parts(
             written += len(chunk)
             bar.update(len(chunk))
             if bar.disable:  # a disabled bar counts nothing, so the line counts for itself
-                print(_progress_line(written, len(lines), written - before, time.perf_counter() - start), file=sys.stderr)
+                print(
+                    _progress_line(written, len(lines), written - before, time.perf_counter() - start), file=sys.stderr
+                )
     return totals
 
 
 def _progress_line(written: int, total: int, written_now: int, seconds: float) -> str:
     """What a log shows after each part: the lines written of all, this command's rate, the time left at that rate."""
     rate = written_now / max(seconds, 1e-9)
-    return f"synthesize: {written:,} of {total:,} lines, {rate:.0f} lines/s, {(total - written) / rate / 60:.0f} min left"
+    return (
+        f"synthesize: {written:,} of {total:,} lines, {rate:.0f} lines/s, {(total - written) / rate / 60:.0f} min left"
+    )
