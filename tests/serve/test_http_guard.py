@@ -883,3 +883,41 @@ def test_a_taken_port_is_reported_before_the_model_loads(run, monkeypatch, capsy
         taken.close()
     err = capsys.readouterr().err
     assert status == 2 and "cannot listen on 127.0.0.1" in err and not loads, err
+
+
+def test_a_client_that_took_its_answer_is_not_dropped_when_the_next_one_is_larger():
+    """The rate is measured within an answer: a client that took an answer whose last bytes were still timed, and
+    asked for a larger one, has more unsent than the timer's start, and is timed afresh, not dropped (bench_serve's
+    soak saw a reset of /positions this way); one that takes too little of the same answer is still dropped."""
+    from transformer.serve.http_guard import GuardedH11Protocol
+
+    class Transport:
+        buffered, aborted = 0, False
+
+        def get_write_buffer_size(self):
+            return self.buffered
+
+        def get_extra_info(self, name):
+            return None  # no socket: only the server's own buffer counts
+
+        def abort(self):
+            self.aborted = True
+
+    class Loop:
+        def time(self):
+            return 0.0
+
+        def call_later(self, delay, callback):
+            return type("Timer", (), {"cancel": lambda self: None})()
+
+    guard = object.__new__(GuardedH11Protocol)
+    guard.transport, guard.loop, guard.read_timeout = Transport(), Loop(), 2.0
+    guard.send_timer, guard.close_when_sent = None, False
+    guard.transport.buffered = 1_000  # the end of an answer, still on its way
+    guard._time_sending()
+    guard.transport.buffered = 3_000_000  # taken; the next, larger answer queued
+    guard._check_sending()
+    assert not guard.transport.aborted and guard.unsent == 3_000_000 and guard.send_timer is not None
+    guard.transport.buffered = 3_000_000 - 1_000  # a trickle of it in the next read_timeout
+    guard._check_sending()
+    assert guard.transport.aborted

@@ -180,7 +180,9 @@ class GuardedH11Protocol(H11Protocol):
             self.send_timer = None
             if self.close_when_sent:
                 super().timeout_keep_alive_handler()
-        elif self.unsent - left >= min(self.unsent, MIN_SEND_RATE * self.read_timeout):
+        elif self.unsent - left >= min(self.unsent, MIN_SEND_RATE * self.read_timeout) or left > self.unsent:
+            # More unsent than before: the next answer was queued, which the server does only once the client has
+            # taken the last one (uvicorn waits for the buffer to drain); measured from here on, not from the last.
             self.unsent = left
             self.send_timer = self.loop.call_later(self.read_timeout, self._check_sending)
         else:
