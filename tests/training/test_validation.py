@@ -18,7 +18,7 @@ from transformer.inference.scoring import NAMES
 from transformer.model.checkpoint import load_checkpoint
 from transformer.model.transformer import Transformer
 from transformer.training.loop import train
-from transformer.training.validation import evaluate_loss
+from transformer.training.validation import COLLAPSED_SIMILARITY, collapse_warning, evaluate_loss
 
 
 def test_validation_loss_nll_and_perplexity_per_target_token():
@@ -59,3 +59,54 @@ def test_an_unknown_score_is_refused_before_the_run_directory_is_made(tmp_path):
     with pytest.raises(UserError, match=r"^config: train.valid_scores: unknown score 'meteor' \(the scores are bleu"):
         train(from_dict(raw), quiet=True)
     assert not (tmp_path / "run").exists()
+
+
+def _model(norm: str = "post") -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        d_model=16, n_heads=2, n_encoder_layers=2, n_decoder_layers=1, d_ff=32, max_positions=64, norm=norm
+    )
+    return Transformer(cfg, 100)
+
+
+def test_encoder_similarity_is_the_mean_cosine_between_two_positions_of_a_sentence():
+    """Against the (S, S) cosine matrix of each sentence, pairs of one position with itself and padding left out."""
+    model = _model()
+    pairs = random_pairs(8, seed=5, max_len=10, vocab=100)
+    batches = [Batch.from_pairs(pairs[:4]), Batch.from_pairs(pairs[4:])]
+    result = evaluate_loss(model, batches, torch.device("cpu"), "fp32", 0.1)
+    model.eval()
+    expected = []
+    with torch.no_grad():
+        for b in batches:
+            memory = model.encode(b.src, b.src_mask)
+            for row, real in zip(memory, b.src_mask[:, 0, 0, :]):
+                x = F.normalize(row[real].double(), dim=-1)
+                if len(x) > 1:
+                    cos = x @ x.T
+                    expected.append((cos.sum() - cos.diagonal().sum()).item() / (len(x) * (len(x) - 1)))
+    assert len(expected) == 8  # each source has its EOS beside its words: two positions at least
+    assert result["encoder_similarity"] == pytest.approx(sum(expected) / len(expected), rel=1e-6)
+
+
+def test_an_encoder_that_gives_one_vector_for_every_position_is_named_with_its_fix():
+    """Built to collapse: a pre-norm encoder's final LayerNorm with no gain and a fixed bias outputs the bias at
+    every position, whatever the source; the same model before the change is not flagged."""
+    model = _model(norm="pre")
+    batches = [Batch.from_pairs(random_pairs(6, seed=2, max_len=10, vocab=100))]
+    healthy = evaluate_loss(model, batches, torch.device("cpu"), "fp32", 0.1)["encoder_similarity"]
+    with torch.no_grad():
+        model.encoder_norm.weight.zero_()
+        model.encoder_norm.bias.copy_(torch.linspace(-1.0, 1.0, 16))
+    collapsed = evaluate_loss(model, batches, torch.device("cpu"), "fp32", 0.1)["encoder_similarity"]
+    assert collapsed == pytest.approx(1.0, abs=1e-9) and healthy < COLLAPSED_SIMILARITY
+    assert collapse_warning(healthy, 600) is None
+    warning = collapse_warning(collapsed, 600)
+    assert warning.startswith("step 600: the encoder's outputs are nearly the same at every position")
+    assert "lower train.lr" in warning and "model.norm: pre" in warning
+
+
+def test_validation_lines_record_the_encoder_similarity(tmp_path):
+    run_dir = train(from_dict(tiny_config(tmp_path, train={"max_steps": 2, "valid_every": 2})), quiet=True)
+    (valid,) = [m for m in read_metrics(run_dir) if m.get("split") == "valid"]
+    assert -1.0 <= valid["encoder_similarity"] <= 1.0

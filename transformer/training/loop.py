@@ -81,7 +81,7 @@ from transformer.training.run_state import (
     training_checkpoint,
 )
 from transformer.training.update import TrainingLoss, make_grad_scaler, skipped_update, train_update
-from transformer.training.validation import check_valid_scores, evaluate_loss, validation_scores
+from transformer.training.validation import check_valid_scores, collapse_warning, evaluate_loss, validation_scores
 
 log = logging.getLogger("transformer")
 
@@ -493,6 +493,9 @@ def validate_and_save(run: Run) -> bool:
     else:
         state.bad_validations += 1
     run.metrics.record({"step": state.step, "split": "valid", **result})
+    warning = collapse_warning(result["encoder_similarity"], state.step)
+    if warning and run.info.is_main:
+        log.warning("%s", warning)
     state.last_validation = state.step
     rngs = gather_objects(rng_state(run.device), run.info)
     if run.info.is_main:
