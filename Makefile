@@ -15,7 +15,7 @@ ARGS        ?=
 # tests/conftest.py gives them (heaviest first, so the processes end together). TEST_JOBS=0 runs them in this process.
 TEST_JOBS   ?= auto
 
-.PHONY: install data train test lint format browser clean reverse bt-data bt distill-data student student-small
+.PHONY: install data train test lint format browser clean reverse bt-data bt bt-tune distill-data student student-small
 
 install: $(VENV)/.installed
 
@@ -70,6 +70,10 @@ bt-data: reverse $(CAPTIONS)
 
 bt: bt-data
 	$(PY) -m transformer train configs/multi30k_bt.yaml --resume $(ARGS)
+
+# The back-translation model continued on the real pairs alone (docs/more-data.md says whether it helped).
+bt-tune: bt
+	$(PY) -m transformer train configs/multi30k_bt_tune.yaml --resume $(ARGS)
 
 distill-data: bt
 	$(PY) -m transformer synthesize runs/multi30k_bt --input data/multi30k/train.de --out runs/synthetic/distilled \
