@@ -31,7 +31,7 @@ def evaluate_loss(model, batches, device, precision: str, smoothing: float, info
         for batch in batches[info.rank :: info.world_size]:
             batch = batch.to(device)
             with autocast_context(device, precision):  # model.forward's steps, with the memory kept
-                src_bias = attention_bias(batch.src_mask, model.attention_dtype(device))
+                src_bias = attention_bias(batch.src_mask, model.attention_dtype(batch.src.device))
                 memory = model.encode(batch.src, src_bias)
                 logits = model.decode(batch.tgt_in, memory, src_bias, batch.tgt_mask)
             logits = logits.float()
