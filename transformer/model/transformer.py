@@ -331,8 +331,13 @@ class Transformer(nn.Module):
     def forward(self, src, tgt_in, src_mask, tgt_mask) -> torch.Tensor:
         """Teacher-forced training pass: logits (B, T, V) for every target position. tgt_mask: Batch.tgt_mask
         (CAUSAL) for right-padded targets, or a mask tensor."""
+        return self.forward_with_memory(src, tgt_in, src_mask, tgt_mask)[0]
+
+    def forward_with_memory(self, src, tgt_in, src_mask, tgt_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's logits (B, T, V) and the encoder output (B, S, C) they were read from (validation measures it)."""
         src_mask = attention_bias(src_mask, self.attention_dtype(src.device))  # once, for encoder and decoder
-        return self.decode(tgt_in, self.encode(src, src_mask), src_mask, tgt_mask)
+        memory = self.encode(src, src_mask)
+        return self.decode(tgt_in, memory, src_mask, tgt_mask), memory
 
     def attention_modules(self) -> dict[str, list[MultiHeadAttention]]:
         """The attention blocks by kind, layer order: for inspecting attention weights."""

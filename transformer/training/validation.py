@@ -8,7 +8,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from transformer.data.batch import attention_bias
 from transformer.device import autocast_context
 from transformer.distributed import DistInfo, all_reduce_sum
 from transformer.inference.scoring import length_ratio, mean_scores, named, translate_and_score
@@ -30,10 +29,8 @@ def evaluate_loss(model, batches, device, precision: str, smoothing: float, info
     with evaluating(model, inference=False):  # no_grad above; total is updated in place
         for batch in batches[info.rank :: info.world_size]:
             batch = batch.to(device)
-            with autocast_context(device, precision):  # model.forward's steps, with the memory kept
-                src_bias = attention_bias(batch.src_mask, model.attention_dtype(batch.src.device))
-                memory = model.encode(batch.src, src_bias)
-                logits = model.decode(batch.tgt_in, memory, src_bias, batch.tgt_mask)
+            with autocast_context(device, precision):
+                logits, memory = model.forward_with_memory(batch.src, batch.tgt_in, batch.src_mask, batch.tgt_mask)
             logits = logits.float()
             total[0] += label_smoothed_loss(logits, batch.tgt_out, smoothing, batch.pad_id)
             total[1] += label_smoothed_loss(logits, batch.tgt_out, 0.0, batch.pad_id)
