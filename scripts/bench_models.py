@@ -5,10 +5,11 @@ is the median over rounds of the ratio within a round, so that the machine's dri
 
     python scripts/bench_models.py data/multi30k/test.de --ref data/multi30k/test.en \\
         --models runs/multi30k_bt runs/multi30k_student --beam 4 --dtype bf16 --engine ours ctranslate2 \\
-        [--limit 500] [--rounds 3] [--json out.json]
+        [--shortlist off|on|both] [--limit 500] [--rounds 3] [--json out.json]
 
-Prints a table (model, engine, sentences/s, ratio to the first model of the same engine, BLEU) and writes it as
-JSON. Tokenisation and detokenisation are included, as a user of `translate` pays them.
+--shortlist both times each model without and with its lexical shortlist (`transformer shortlist` writes it).
+Prints a table (model, engine, shortlist, sentences/s, ratio to the first row of the same engine, BLEU) and writes
+it as JSON. Tokenisation and detokenisation are included, as a user of `translate` pays them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "int8"))
     parser.add_argument("--engine", nargs="+", default=["ours"], choices=("ours", "ctranslate2"))
+    parser.add_argument("--shortlist", default="off", choices=("off", "on", "both"), help="with --shortlist")
     parser.add_argument("--limit", type=int, default=0, help="the first N sentences (0: all)")
     parser.add_argument("--rounds", type=int, default=3, help="timed passes per model, after an untimed one")
     parser.add_argument("--json", metavar="FILE")
@@ -46,20 +48,25 @@ def main(argv: list[str] | None = None) -> dict:
     lines = read_lines(args.test_set)[: args.limit or None]
     refs = read_lines(args.ref)[: len(lines)] if args.ref else None
     rows = []
+    shortlists = {"off": [False], "on": [True], "both": [False, True]}[args.shortlist]
+    runs = [(m, short) for m in args.models for short in shortlists]
     for engine in args.engine:
-        flags = SearchFlags(beam=args.beam, dtype=args.dtype, engine=engine)
-        translators = [Translator(m, "cpu", flags) for m in args.models]
+        translators = [
+            Translator(m, "cpu", SearchFlags(beam=args.beam, dtype=args.dtype, engine=engine, shortlist=short))
+            for m, short in runs
+        ]
         outputs = [timed(t, lines)[1] for t in translators]  # untimed: caches, conversions, packing
         seconds = [[] for _ in translators]
         for _ in range(args.rounds):
             for i, t in enumerate(translators):
                 seconds[i].append(timed(t, lines)[0])
-        for i, model in enumerate(args.models):
+        for i, (model, short) in enumerate(runs):
             ratios = [first / mine for first, mine in zip(seconds[0], seconds[i])]
             rows.append(
                 {
                     "model": model,
                     "engine": engine,
+                    "shortlist": short,
                     "dtype": translators[i].settings.dtype,
                     "beam": args.beam,
                     "sentences": len(lines),
@@ -68,11 +75,12 @@ def main(argv: list[str] | None = None) -> dict:
                     "bleu": round(corpus_scores(outputs[i], refs, ["bleu"])["bleu"], 2) if refs else None,
                 }
             )
-    print(f"{'model':40} {'engine':12} {'dtype':6} {'sent/s':>8} {'x first':>8} {'BLEU':>6}")
+    print(f"{'model':40} {'engine':12} {'list':5} {'dtype':6} {'sent/s':>8} {'x first':>8} {'BLEU':>6}")
     for r in rows:
         bleu = f"{r['bleu']:.2f}" if r["bleu"] is not None else "-"
         print(
-            f"{r['model'][-40:]:40} {r['engine']:12} {r['dtype']:6} {r['sentences_per_s']:>8} "
+            f"{r['model'][-40:]:40} {r['engine']:12} {'yes' if r['shortlist'] else 'no':5} {r['dtype']:6} "
+            f"{r['sentences_per_s']:>8} "
             f"{r['speed_vs_first']:>8} {bleu:>6}"
         )
     record = {"test_set": args.test_set, "rounds": args.rounds, "rows": rows}

@@ -27,6 +27,7 @@ class RunDir:
     EVAL = "eval"  # test translations and `evaluate`'s results
     TENSORBOARD = "tensorboard"
     CT2 = "ct2"  # CTranslate2 conversions, one folder per checkpoint
+    SHORTLIST = "shortlist.txt"  # `transformer shortlist`'s lists, which --shortlist reads (inference/shortlist.py)
     STEP = re.compile(r"step_(\d+)\.pt")  # step_XXXXXXXX.pt, kept when train.keep_last > 0
     FINAL_HYP = re.compile(r".+\.final\.hyp")  # eval/SPLIT.final.hyp, the end of training's test translations
 

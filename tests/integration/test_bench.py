@@ -470,3 +470,28 @@ def test_bench_models_times_models_side_by_side(run, copy_model, tmp_path):
     assert [r["model"] for r in rows] == [str(copy_model), str(run / "best.pt")]
     assert rows[0]["speed_vs_first"] == 1.0 and all(r["sentences"] == 6 and r["sentences_per_s"] > 0 for r in rows)
     assert rows[0]["bleu"] == 100.0  # the copy model copies: its outputs are the references
+
+
+def test_bench_models_times_each_model_without_and_with_its_shortlist(tmp_path):
+    """--shortlist both: a row per model and setting, in that order; a copying model copies either way."""
+    from tests.inference.test_shortlist import copy_run
+    from transformer.inference.shortlist import write_shortlist
+
+    checkpoint = copy_run(tmp_path)
+    write_shortlist(str(tmp_path), None, None, frequent=5)
+    lines = sentences(5, 6)
+    (tmp_path / "src.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "models.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_models.py", str(tmp_path / "src.txt"), "--ref", str(tmp_path / "src.txt")]
+        + ["--models", str(checkpoint), "--shortlist", "both", "--dtype", "fp32", "--rounds", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["shortlist"]) for r in rows] == [(str(checkpoint), False), (str(checkpoint), True)]
+    assert [r["bleu"] for r in rows] == [100.0, 100.0]

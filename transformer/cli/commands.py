@@ -281,3 +281,12 @@ def cmd_average(args: argparse.Namespace) -> None:
     names = ", ".join(p.name for p in paths)
     what = f"1 checkpoint ({names}: its weights alone)" if len(paths) == 1 else f"{len(paths)} checkpoints ({names})"
     print(f"averaged {what} into {target}")
+
+
+def cmd_shortlist(args: argparse.Namespace) -> None:
+    from transformer.inference.shortlist import write_shortlist
+
+    for name in ("frequent", "per_piece"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    write_shortlist(args.run, args.src, args.tgt, args.frequent, args.per_piece)

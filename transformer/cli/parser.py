@@ -557,6 +557,22 @@ def _add_average(sub) -> None:
     p.set_defaults(func=commands.cmd_average)
 
 
+def _add_shortlist(sub) -> None:
+    p = sub.add_parser(
+        "shortlist",
+        help="write a run's lexical shortlist (shortlist.txt), which --shortlist searches with",
+        description=help_text.SHORTLIST,
+    )
+    p.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT", help="the run (its vocabulary; the list goes beside it)")
+    p.add_argument("--src", metavar="FILE", help="source sentences to count instead of the run's training split")
+    p.add_argument("--tgt", metavar="FILE", help="their translations, line by line (with --src)")
+    p.add_argument(
+        "--frequent", type=int, default=100, metavar="N", help="target pieces every batch scores (default: 100)"
+    )
+    p.add_argument("--per-piece", type=int, default=50, metavar="K", help="candidates per source piece (default: 50)")
+    p.set_defaults(func=commands.cmd_shortlist)
+
+
 def _add_export(sub) -> None:
     p = sub.add_parser(
         "export",
@@ -655,6 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(sub)
     _add_serve(sub)
     _add_average(sub)
+    _add_shortlist(sub)
     _add_export(sub)
     _add_import(sub)
     return parser

@@ -145,7 +145,12 @@ class _ConstrainedBeam:
 
     def run(self, forced: ForcedPrefix | None) -> SearchResult:
         model, src, k, device = self.model, self.src, self.k, self.src.device
-        decoder = new_decoder(model, src, True)
+        # A shortlist keeps every constraint's and forced prefix's pieces among the candidates.
+        needed = sorted(set().union(*(p.tokens for p in self.phrases)))
+        also = torch.tensor(needed, dtype=torch.long, device=device)
+        if forced is not None:
+            also = torch.cat([also, forced.ids()])
+        decoder = new_decoder(model, src, True, also)
         sentences = Sentences.start(model, src, self.settings, forced)
         alive, finished = sentences.alive, sentences.finished
         progress = [[self.phrases[s].start()] for s in alive]  # per live sentence, per row

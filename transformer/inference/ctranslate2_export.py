@@ -23,6 +23,7 @@ from transformer.run_dir import RunDir
 SOURCE_RECORD = "source.json"  # in a cached conversion: which checkpoint file it was made from, and its files
 EXPORT_RECORD = "transformer-export.json"  # in an export: that `export` wrote it, and its files
 EXPORT_FORMAT = "transformer-ctranslate2-export-v1"
+VMAP = "vmap.txt"  # CTranslate2's vocabulary map, which its use_vmap reads: the run's shortlist.txt, copied
 # What build_spec writes, in a cached conversion's record: one without it (or another) is converted again. 2: the
 # attention return_attention gives is the last layer's averaged over all heads (alignment.py's), not the first head's.
 SPEC_VERSION = 2
@@ -128,6 +129,9 @@ def _write_model(checkpoint: Path, out_dir: Path, quantization: str | None) -> N
     spec.save(str(out_dir))
     for name, data in vocab.files.items():  # CTranslate2 takes pieces: these make them (spm.model, or Marian's)
         (out_dir / name).write_bytes(data)
+    shortlist = checkpoint.parent / RunDir.SHORTLIST
+    if shortlist.is_file():  # the run's lexical shortlist is CTranslate2's vocabulary map: its use_vmap reads it
+        shutil.copyfile(shortlist, out_dir / VMAP)
 
 
 def _read_record(path: Path) -> dict:
@@ -288,9 +292,19 @@ def _staging_dir(target: Path) -> Path:
     return staging
 
 
+def _shortlist_stamp(checkpoint: Path) -> list[int] | None:
+    """[size, mtime_ns] of the run's shortlist.txt, which a conversion copies (None: it has none)."""
+    try:
+        stat = (checkpoint.parent / RunDir.SHORTLIST).stat()
+    except OSError:
+        return None
+    return [stat.st_size, stat.st_mtime_ns]
+
+
 def _fingerprint(path: Path, with_hash: bool) -> dict:
     stat = path.stat()
     record = {"checkpoint": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    record["shortlist"] = _shortlist_stamp(path)  # a list written, changed or removed since: converted again
     if with_hash:
         record["sha256"] = file_sha256(path)
     return record
@@ -312,6 +326,8 @@ def _cache_is_current(model_dir: Path, checkpoint: Path) -> bool:
         if [stat.st_size, stat.st_mtime_ns] != stamp:
             return False
     now = _fingerprint(checkpoint, with_hash=False)
+    if record.get("shortlist") != now["shortlist"]:
+        return False
     if record.get("size") == now["size"] and record.get("mtime_ns") == now["mtime_ns"]:
         return True
     return record.get("size") == now["size"] and record.get("sha256") == _fingerprint(checkpoint, True)["sha256"]

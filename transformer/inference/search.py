@@ -171,18 +171,22 @@ def search(
         return _beam_search(model, src, settings, use_cache, trace, forced)
 
 
-def new_decoder(model, src: torch.Tensor, use_cache: bool) -> Decoder | EnsembleDecoder:
-    """The decoder side of a search over `model`: one model's, or an ensemble's."""
+def new_decoder(
+    model, src: torch.Tensor, use_cache: bool, also: torch.Tensor | None = None
+) -> Decoder | EnsembleDecoder:
+    """The decoder side of a search over `model`: one model's, or an ensemble's. `also`: target ids a shortlist
+    must keep (a forced prefix's, constraints'), where the model has one."""
     if isinstance(model, Ensemble):
-        return EnsembleDecoder(model, src, use_cache)
-    return Decoder(model, src, use_cache)
+        return EnsembleDecoder(model, src, use_cache, also)
+    return Decoder(model, src, use_cache, also)
 
 
 class Decoder:
     """The decoder side of a search: the source encoded once, then one step for the newest token of every
-    live row; with the cache (which owns the encoder K/V and the memory mask), or from scratch for tests."""
+    live row; with the cache (which owns the encoder K/V and the memory mask), or from scratch for tests. With a
+    shortlist (model.shortlist), each step scores the batch's candidates only: the others get -inf."""
 
-    def __init__(self, model, src: torch.Tensor, use_cache: bool):
+    def __init__(self, model, src: torch.Tensor, use_cache: bool, also: torch.Tensor | None = None):
         src_mask = padding_mask(src, model.specials.pad)
         memory = model.encode(src, src_mask)  # (B, S, C)
         self.model, self.steps, self.eos = model, 0, model.specials.eos
@@ -190,22 +194,30 @@ class Decoder:
         self.cache = model.new_cache(memory, src_mask) if use_cache else None
         # Uncached only: the memory and its mask, kept in row order here since no cache holds them.
         self.memory, self.memory_mask = (None, None) if use_cache else (memory, src_mask)
+        self.candidates = self.project = None
+        if model.shortlist is not None:
+            self.candidates, self.project = model.shortlist.restrict(src, model.output, memory.dtype, also)
 
     def log_probs(self, prefix: torch.Tensor) -> torch.Tensor:
         """prefix (R, t+1) = BOS + tokens so far -> log p(next token) (R, V) in float32."""
         self.steps += 1
+        step = self.model.decode if self.project is None else self.model.decode_states
         if self.cache is not None:
-            logits = self.model.decode(prefix[:, -1:], cache=self.cache)
+            out = step(prefix[:, -1:], cache=self.cache)
         else:
             mask = causal_mask(prefix.size(1), prefix.device)
-            logits = self.model.decode(prefix, self.memory, self.memory_mask, mask)
-        rows = logits[:, -1].float()  # (R, V): the logits themselves in fp32, a copy in other dtypes
+            out = step(prefix, self.memory, self.memory_mask, mask)
+        # (R, V) logits, or (R, K) over a shortlist's candidates: in fp32, a copy in other dtypes
+        rows = (out[:, -1] if self.project is None else self.project(out[:, -1])).float()
         if rows.device.type == "cpu" and not rows.requires_grad:
             # Over the logits, which nothing else reads: no new (R, V) tensor a step (26 MB at 800 rows and
             # 8,000 tokens), and the same values (docs/benchmarks/log.md, "log_softmax in place").
             lprobs = torch.log_softmax(rows, dim=-1, out=rows)
         else:
             lprobs = F.log_softmax(rows, dim=-1)
+        if self.candidates is not None:  # normalised over the candidates, as Marian's and CTranslate2's lists are
+            full = lprobs.new_full((lprobs.size(0), self.model.vocab_size), float("-inf"))
+            lprobs = full.index_copy_(1, self.candidates, lprobs)
         lprobs[:, self.never] = float("-inf")
         return lprobs
 
@@ -223,8 +235,8 @@ class EnsembleDecoder:
     mean of their log-probabilities (module docstring). Summed in member order and divided once: one member gives
     its own values exactly, and two copies of one model give them too (a + a and the halving are exact)."""
 
-    def __init__(self, ensemble: Ensemble, src: torch.Tensor, use_cache: bool):
-        self.members = [Decoder(model, src, use_cache) for model in ensemble.models]
+    def __init__(self, ensemble: Ensemble, src: torch.Tensor, use_cache: bool, also: torch.Tensor | None = None):
+        self.members = [Decoder(model, src, use_cache, also) for model in ensemble.models]
         self.steps, self.eos = 0, ensemble.specials.eos
 
     def log_probs(self, prefix: torch.Tensor) -> torch.Tensor:
@@ -261,6 +273,10 @@ class ForcedPrefix:
         if len(prefixes) != src.size(0):
             raise ValueError(f"{len(prefixes)} prefixes for {src.size(0)} source rows")
         return ForcedPrefix(prefixes, src.device)
+
+    def ids(self) -> torch.Tensor:
+        """Every id a prefix forces (a shortlist keeps them)."""
+        return self.table[self.table >= 0]
 
     def keep(self, index: torch.Tensor) -> None:
         """Keep the rows `index` of the sentences that stay, in order."""
@@ -402,7 +418,7 @@ def greedy_search(
     one); finished rows leave the batch. pick(lprobs (R, V), step, rows' indices in src) -> (the chosen
     tokens' log-probabilities (R,), the tokens (R,))."""
     bos, eos = model.specials.bos, model.specials.eos
-    decoder = new_decoder(model, src, use_cache)
+    decoder = new_decoder(model, src, use_cache, None if forced is None else forced.ids())
     max_len = max_lengths(model, src, settings.max_len_offset, forced)  # (B,)
     limits = to_host(max_len)[0]  # the same on the host
     alive = list(range(src.size(0)))  # original index of each row
@@ -605,7 +621,7 @@ def _beam_search(
 ) -> SearchResult:
     device, k, eos = src.device, settings.beam, model.specials.eos
     # Encoded once per sentence; rows are copied per beam after the first step.
-    decoder = new_decoder(model, src, use_cache)
+    decoder = new_decoder(model, src, use_cache, None if forced is None else forced.ids())
     sentences = Sentences.start(model, src, settings, forced)
     n = 1  # rows per live sentence: one (just BOS) before the first step, then `beam`
     prefix = torch.full((src.size(0), 1), model.specials.bos, dtype=torch.long, device=device)  # (B*n, t+1)

@@ -252,6 +252,9 @@ class Transformer(nn.Module):
         self._init_weights()
         if cfg.tie_output:
             self.output.weight = self.tgt_embed.weight
+        # A search's lexical shortlist (inference/shortlist.py's ShortlistOutput), set by the Translator: the
+        # decoder side of a search then projects onto a batch's candidates only. Not a module: never saved.
+        self.shortlist = None
 
     def _init_weights(self) -> None:
         for module in self.modules():
@@ -304,6 +307,17 @@ class Transformer(nn.Module):
         """-> logits (B, T, V). Without a cache, attends to `memory` under `memory_mask`. With one (from
         new_cache), earlier positions' keys/values are reused and extended, and cross-attention reads the
         encoder K/V and memory mask the cache holds: its rows are the only truth, so no memory is passed."""
+        return self.output(self.decode_states(tgt, memory, memory_mask, tgt_mask, cache))
+
+    def decode_states(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        tgt_mask: torch.Tensor | Causal | None = None,
+        cache: DecoderCache | None = None,
+    ) -> torch.Tensor:
+        """decode's states (B, T, C) before the output projection (a shortlist projects them onto fewer rows)."""
         offset = 0
         if cache is not None:
             if memory is not None or memory_mask is not None:
@@ -320,7 +334,7 @@ class Transformer(nn.Module):
             x = layer(x, memory, tgt_mask, memory_mask, self_cache, cross_cache, rotation)
         if cache is not None:
             cache.length += tgt.size(1)
-        return self.output(self.decoder_norm(x))
+        return self.decoder_norm(x)
 
     def new_cache(self, memory: torch.Tensor, memory_mask: torch.Tensor) -> DecoderCache:
         """A decoding cache for encoder output `memory` (B, S, C) under `memory_mask` (B, 1, 1, S): each

@@ -1,0 +1,169 @@
+"""The lexical shortlist (shortlist.py): lists ranked by co-occurrence, the vmap file both ways, a search that
+scores only a batch's candidates (a list of the whole vocabulary changes nothing, a piece left out is never emitted,
+a forced prefix's and a constraint's pieces are kept), `transformer shortlist` and --shortlist on both engines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import sentences, write_copying_checkpoint
+from tests.inference.test_search import as_batch, random_model, random_sources
+from transformer.data.vocab import EOS_ID, UNK_ID
+from transformer.errors import UserError
+from transformer.inference.constraints import constrained_search
+from transformer.inference.search import search
+from transformer.inference.settings import SearchFlags, SearchSettings, generate_keywords
+from transformer.inference.shortlist import Shortlist, ShortlistOutput, build, load, save
+from transformer.inference.translator import Translator
+from transformer.run_dir import RunDir
+
+
+def whole(vocab: int) -> Shortlist:
+    """A list that leaves nothing out."""
+    return Shortlist(np.arange(vocab), np.zeros(vocab + 1, np.int64), np.zeros(0, np.int64))
+
+
+def only(vocab: int, allowed: list[int]) -> Shortlist:
+    """A list whose candidates are `allowed` (and EOS, UNK) whatever the source."""
+    return Shortlist(np.unique([EOS_ID, UNK_ID, *allowed]), np.zeros(vocab + 1, np.int64), np.zeros(0, np.int64))
+
+
+def restricted(model, shortlist: Shortlist):
+    model.shortlist = ShortlistOutput(shortlist, model.output.weight, model.output.bias)
+    return model
+
+
+def lists(found) -> list[list[tuple[list[int], float]]]:
+    return [[(h.tokens, h.score) for h in hyps] for hyps in found.hypotheses]
+
+
+def test_build_ranks_the_pieces_seen_together_and_drops_a_pair_seen_once():
+    # Piece 10 is always translated with 20, half the time with 21 too; 11 with 22; 23 appears once beside 10.
+    pairs = [([10, 5], [20, 21, 6]), ([10], [20]), ([10, 11], [20, 22, 21]), ([11], [22]), ([10], [20, 23])]
+    table = build(pairs, vocab_size=30, always=[EOS_ID], frequent=1, per_piece=2, min_pairs=2)
+    of = {s: table.targets[table.starts[s] : table.starts[s + 1]].tolist() for s in range(30)}
+    assert of[10] == [20, 21]  # best first, cut at per_piece; 23 (once) and 22 (rank 3) are not kept
+    assert of[11] == [22]
+    assert of[5] == []  # seen once with each target piece
+    assert table.always.tolist() == [EOS_ID, 20]  # the one most frequent target piece, and the specials
+
+
+def test_the_vmap_file_reads_back_as_written_in_ctranslate2s_format(tmp_path):
+    pieces = [f"p{i}" for i in range(12)]
+    table = build([([4, 5], [6, 7]), ([4], [6]), ([5], [7, 8]), ([5, 4], [7, 6])], 12, [EOS_ID], frequent=1)
+    path = tmp_path / "shortlist.txt"
+    save(table, pieces, path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert lines[0].startswith("\t")  # the empty key: the pieces every batch scores
+    assert all(line.count("\t") == 1 and " " not in line.split("\t")[0] for line in lines)
+    again = load(path, {p: i for i, p in enumerate(pieces)}, [EOS_ID])
+    for name in ("always", "starts", "targets"):
+        assert np.array_equal(getattr(again, name), getattr(table, name)), name
+
+
+def test_a_list_for_another_vocabulary_or_a_torn_line_is_one_line_error(tmp_path):
+    piece_ids = {"a": 0, "b": 1}
+    path = tmp_path / "shortlist.txt"
+    path.write_text("a\tb zz\n", encoding="utf-8")
+    with pytest.raises(UserError, match="'zz' is not a piece"):
+        load(path, piece_ids, [])
+    path.write_text("a b\n", encoding="utf-8")
+    with pytest.raises(UserError, match="line 1: expected"):
+        load(path, piece_ids, [])
+    with pytest.raises(UserError, match="transformer shortlist"):
+        load(tmp_path / "none.txt", piece_ids, [])
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_list_of_the_whole_vocabulary_changes_nothing(beam, random_seed):
+    model = random_model(random_seed)
+    vocab = model.output.out_features
+    src = as_batch(random_sources(random_seed, vocab, n=6))
+    settings = SearchSettings(beam=beam, lenpen=0.6, max_len_offset=6, nbest=beam)
+    plain = lists(search(model, src, settings))
+    assert lists(search(restricted(model, whole(vocab)), src, settings)) == plain
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_piece_left_out_is_never_emitted_and_the_candidates_share_all_probability(beam, random_seed):
+    model = random_model(random_seed)
+    vocab = model.output.out_features
+    src = as_batch(random_sources(random_seed + 1, vocab, n=6))
+    settings = SearchSettings(beam=beam, lenpen=0.6, max_len_offset=6, nbest=beam)
+    emitted = {t for hyps in search(model, src, settings).hypotheses for h in hyps for t in h.tokens}
+    allowed = sorted(emitted)[: max(1, len(emitted) // 2)]  # half of what it says unrestricted
+    restricted(model, only(vocab, allowed))
+    found = search(model, src, settings)
+    assert {t for hyps in found.hypotheses for h in hyps for t in h.tokens} <= {*allowed, UNK_ID}
+    from transformer.inference.search import Decoder
+
+    decoder = Decoder(model, src, use_cache=True)
+    lprobs = decoder.log_probs(torch.full((src.size(0), 1), model.specials.bos))
+    assert torch.allclose(lprobs.exp().sum(dim=1), torch.ones(src.size(0)), atol=1e-5)
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[decoder.candidates] = False
+    assert torch.isinf(lprobs[:, outside]).all()
+
+
+def test_a_forced_prefix_and_a_constraint_outside_the_list_are_still_met(random_seed):
+    model = random_model(random_seed)
+    vocab = model.output.out_features
+    src = as_batch(random_sources(random_seed + 2, vocab, n=4))
+    restricted(model, only(vocab, [4, 5, 6]))
+    prefix, phrase = [vocab - 1, vocab - 2], [vocab - 3, vocab - 4]  # none of them on the list
+    settings = SearchSettings(beam=3, lenpen=0.6, max_len_offset=8)
+    forced = search(model, src, settings, prefixes=[prefix] * 4)
+    assert all(h.tokens[:2] == prefix and h.score > float("-inf") for h in forced.best())
+    constrained = constrained_search(model, src, [[phrase]] * 4, settings)
+    for hyps in constrained.hypotheses:
+        assert hyps, "every sentence has room for the phrase"
+        tokens = hyps[0].tokens
+        assert any(tokens[i : i + 2] == phrase for i in range(len(tokens) - 1))
+
+
+def copy_run(tmp_path):
+    """A copying model's run directory with train and valid splits whose targets are their sources: each piece's
+    list holds the piece itself."""
+    checkpoint = write_copying_checkpoint(tmp_path / "final.pt")
+    for split, seed, n in (("train", 1, 200), ("valid", 2, 20)):
+        text = "\n".join(sentences(seed, n)) + "\n"
+        for lang in ("de", "en"):
+            (tmp_path / f"{split}.{lang}").write_text(text, encoding="utf-8")
+    return checkpoint
+
+
+def test_the_command_writes_the_list_and_a_copying_model_translates_the_same_with_it(tmp_path, call):
+    checkpoint = copy_run(tmp_path)
+    status, out, err = call("translate", checkpoint, "--shortlist", "--dtype", "fp32", stdin="der hund\n")
+    assert status == 2 and "transformer shortlist" in err
+    status, out, _ = call("shortlist", tmp_path, "--frequent", "5")
+    assert status == 0 and "100.0% of its reference's pieces" in out
+    assert (tmp_path / RunDir.SHORTLIST).is_file()
+    lines = sentences(3, 8)
+    plain = Translator(checkpoint, "cpu", SearchFlags(dtype="fp32")).translate(lines)
+    for dtype in ("fp32", "bf16", "int8"):
+        short = Translator(checkpoint, "cpu", SearchFlags(dtype=dtype, shortlist=True))
+        assert short.translate(lines) == plain, dtype
+
+
+def test_ctranslate2_reads_the_list_as_its_vocabulary_map(tmp_path, ctranslate2):
+    checkpoint = copy_run(tmp_path)
+    flags = SearchFlags(dtype="fp32", engine="ctranslate2", shortlist=True)
+    with pytest.raises(UserError, match="transformer shortlist"):
+        Translator(checkpoint, "cpu", flags)
+    from transformer.inference.shortlist import write_shortlist
+
+    write_shortlist(str(tmp_path), None, None, frequent=5)
+    lines = sentences(4, 8)
+    ct2 = Translator(checkpoint, "cpu", flags)  # converted again: the list is new since the last conversion
+    assert (tmp_path / RunDir.CT2 / "final" / "vmap.txt").is_file()
+    assert ct2.translate(lines) == Translator(checkpoint, "cpu", SearchFlags(dtype="fp32")).translate(lines)
+
+
+def test_the_setting_names_its_results_and_generate_refuses_it():
+    assert SearchSettings(shortlist=True).describe().endswith(".shortlist")
+    assert SearchSettings().describe() == "beam4.lp0.6"
+    with pytest.raises(UserError, match="no lexical shortlist"):
+        generate_keywords(SearchSettings(shortlist=True))
