@@ -167,3 +167,21 @@ def test_the_setting_names_its_results_and_generate_refuses_it():
     assert SearchSettings().describe() == "beam4.lp0.6"
     with pytest.raises(UserError, match="no lexical shortlist"):
         generate_keywords(SearchSettings(shortlist=True))
+
+
+@pytest.mark.parametrize("engine", ["ours", "ctranslate2"])
+def test_a_list_that_leaves_pieces_out_keeps_them_out_of_the_output_on_both_engines(tmp_path, engine):
+    if engine == "ctranslate2":
+        pytest.importorskip("ctranslate2")
+    checkpoint = copy_run(tmp_path)
+    plain = Translator(checkpoint, "cpu", SearchFlags(dtype="fp32"))
+    pieces = plain.vocab.pieces(range(len(plain.vocab)))
+    lines = sentences(6, 8)
+    copied = sorted({p for ids in plain.encode(lines) for p in plain.vocab.pieces(ids)})
+    allowed = copied[::2]  # half of the pieces a copy needs
+    (tmp_path / RunDir.SHORTLIST).write_text("\t" + " ".join(allowed) + "\n", encoding="utf-8")
+    short = Translator(checkpoint, "cpu", SearchFlags(dtype="fp32", engine=engine, shortlist=True))
+    sources = plain.encode(lines)
+    found = [hyps[0].tokens for hyps in short.search(sources)]
+    assert {p for tokens in found for p in plain.vocab.pieces(tokens)} <= {*allowed, pieces[UNK_ID]}
+    assert found != [hyps[0].tokens for hyps in plain.search(sources)]

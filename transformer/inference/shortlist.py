@@ -7,7 +7,7 @@ that one file serves both engines.
 The lists come from co-occurrence in a parallel corpus, ranked by the Dice coefficient 2 c(s, t) / (c(s) + c(t))
 (c: the sentence pairs holding a piece, or both), which needs no word aligner; a pair seen once is noise. What
 it costs in BLEU and gains in speed is measured by evaluate and scripts/bench_models.py, with and without
---shortlist (docs/translation.md, "A shortlist")."""
+--shortlist (docs/more-data.md, "A shortlist")."""
 
 from __future__ import annotations
 
