@@ -13,10 +13,13 @@ from tests.inference.test_search import as_batch, random_model, random_sources
 from transformer.data.vocab import EOS_ID, UNK_ID
 from transformer.errors import UserError
 from transformer.inference.constraints import constrained_search
+from transformer.inference.ensemble import Ensemble
+from transformer.inference.sampling import sample_search
 from transformer.inference.search import search
 from transformer.inference.settings import SearchFlags, SearchSettings, generate_keywords
 from transformer.inference.shortlist import Shortlist, ShortlistOutput, build, load, save
 from transformer.inference.translator import Translator
+from transformer.model.transformer import Transformer
 from transformer.run_dir import RunDir
 
 
@@ -33,6 +36,15 @@ def only(vocab: int, allowed: list[int]) -> Shortlist:
 def restricted(model, shortlist: Shortlist):
     model.shortlist = ShortlistOutput(shortlist, model.output.weight, model.output.bias)
     return model
+
+
+def another(model: Transformer, seed: int) -> Transformer:
+    """A model of `model`'s shape and vocabulary with other weights: an ensemble's second member."""
+    torch.manual_seed(seed)
+    other = Transformer(model.cfg, model.output.out_features)
+    with torch.no_grad():
+        other.output.weight.mul_(3.0)
+    return other.eval()
 
 
 def lists(found) -> list[list[tuple[list[int], float]]]:
@@ -77,13 +89,30 @@ def test_a_list_for_another_vocabulary_or_a_torn_line_is_one_line_error(tmp_path
 
 
 @pytest.mark.parametrize("beam", [1, 4])
-def test_a_list_of_the_whole_vocabulary_changes_nothing(beam, random_seed):
+@pytest.mark.parametrize("variant", ["plain", "no repeats", "prefix", "ensemble"])
+def test_a_list_of_the_whole_vocabulary_changes_nothing(beam, variant, random_seed):
+    """Its columns are the ids in order: every rule that maps ids to columns (n-gram bans, a forced prefix, an
+    ensemble's members) must give the same hypotheses and scores as no list."""
     model = random_model(random_seed)
     vocab = model.output.out_features
     src = as_batch(random_sources(random_seed, vocab, n=6))
-    settings = SearchSettings(beam=beam, lenpen=0.6, max_len_offset=6, nbest=beam)
-    plain = lists(search(model, src, settings))
-    assert lists(search(restricted(model, whole(vocab)), src, settings)) == plain
+    repeats = 2 if variant == "no repeats" else 0
+    settings = SearchSettings(beam=beam, lenpen=0.6, max_len_offset=6, nbest=beam, no_repeat_ngram_size=repeats)
+    prefixes = [[5, 4][: i % 3] for i in range(src.size(0))] if variant == "prefix" else None
+    searched = Ensemble([model, another(model, random_seed + 1)]) if variant == "ensemble" else model
+    plain = lists(search(searched, src, settings, prefixes=prefixes))
+    for member in searched.models if variant == "ensemble" else [model]:
+        restricted(member, whole(vocab))
+    assert lists(search(searched, src, settings, prefixes=prefixes)) == plain
+
+
+def test_sampling_from_a_list_of_the_whole_vocabulary_draws_the_same(random_seed):
+    model = random_model(random_seed)
+    vocab = model.output.out_features
+    src = as_batch(random_sources(random_seed, vocab, n=6))
+    settings = SearchSettings(beam=1, lenpen=0.6, max_len_offset=6, nbest=3, sample="topk:5", seed=7)
+    plain = lists(sample_search(model, src, settings))
+    assert lists(sample_search(restricted(model, whole(vocab)), src, settings)) == plain
 
 
 @pytest.mark.parametrize("beam", [1, 4])
@@ -101,10 +130,12 @@ def test_a_piece_left_out_is_never_emitted_and_the_candidates_share_all_probabil
 
     decoder = Decoder(model, src, use_cache=True)
     lprobs = decoder.log_probs(torch.full((src.size(0), 1), model.specials.bos))
+    assert lprobs.shape == (src.size(0), len(decoder.candidates))  # a column per candidate
     assert torch.allclose(lprobs.exp().sum(dim=1), torch.ones(src.size(0)), atol=1e-5)
+    assert torch.equal(decoder.token(torch.arange(len(decoder.candidates))), decoder.candidates)
     outside = torch.ones(vocab, dtype=torch.bool)
     outside[decoder.candidates] = False
-    assert torch.isinf(lprobs[:, outside]).all()
+    assert torch.isinf(decoder.widen(lprobs)[:, outside]).all()
 
 
 def test_a_forced_prefix_and_a_constraint_outside_the_list_are_still_met(random_seed):

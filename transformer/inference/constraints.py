@@ -160,6 +160,7 @@ class _ConstrainedBeam:
         t = 0
         while alive:
             lprobs = next_log_probs(decoder, prefix, t, self.settings, sentences.at_limit(t, n), forced, n)
+            lprobs = decoder.widen(lprobs)  # phrases are ranked by their ids
             # EOS only for a hypothesis that holds every phrase.
             unfinishable = [
                 s * n + j

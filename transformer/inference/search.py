@@ -194,12 +194,19 @@ class Decoder:
         self.cache = model.new_cache(memory, src_mask) if use_cache else None
         # Uncached only: the memory and its mask, kept in row order here since no cache holds them.
         self.memory, self.memory_mask = (None, None) if use_cache else (memory, src_mask)
-        self.candidates = self.project = None
+        self.candidates = self.project = self.columns = None
+        self.eos_column = self.eos
         if model.shortlist is not None:
             self.candidates, self.project = model.shortlist.restrict(src, model.output, memory.dtype, also)
+            # Each id's column among the candidates; -1 for the others (BOS: a prefix's first token).
+            self.columns = torch.full((model.vocab_size,), -1, dtype=torch.long, device=src.device)
+            self.columns[self.candidates] = torch.arange(len(self.candidates), device=src.device)
+            self.eos_column = int(self.columns[self.eos])
+            self.never = [int(c) for c in self.columns[self.never].tolist() if c >= 0]
 
     def log_probs(self, prefix: torch.Tensor) -> torch.Tensor:
-        """prefix (R, t+1) = BOS + tokens so far -> log p(next token) (R, V) in float32."""
+        """prefix (R, t+1) = BOS + tokens so far -> log p(next token) (R, V) in float32; with a shortlist (R, K),
+        a column per candidate (`token` maps columns to ids, `column` ids to columns)."""
         self.steps += 1
         step = self.model.decode if self.project is None else self.model.decode_states
         if self.cache is not None:
@@ -214,12 +221,24 @@ class Decoder:
             # 8,000 tokens), and the same values (docs/benchmarks/log.md, "log_softmax in place").
             lprobs = torch.log_softmax(rows, dim=-1, out=rows)
         else:
-            lprobs = F.log_softmax(rows, dim=-1)
-        if self.candidates is not None:  # normalised over the candidates, as Marian's and CTranslate2's lists are
-            full = lprobs.new_full((lprobs.size(0), self.model.vocab_size), float("-inf"))
-            lprobs = full.index_copy_(1, self.candidates, lprobs)
+            lprobs = F.log_softmax(rows, dim=-1)  # over the candidates, as Marian's and CTranslate2's lists are
         lprobs[:, self.never] = float("-inf")
         return lprobs
+
+    def token(self, columns: torch.Tensor) -> torch.Tensor:
+        """The ids of log_probs' columns (themselves without a shortlist)."""
+        return columns if self.candidates is None else self.candidates[columns]
+
+    def column(self, ids: torch.Tensor) -> torch.Tensor:
+        """The columns of ids in log_probs (-1: not a candidate)."""
+        return ids if self.columns is None else self.columns[ids]
+
+    def widen(self, lprobs: torch.Tensor) -> torch.Tensor:
+        """log_probs' rows over the whole vocabulary (-inf off the shortlist), for a search that ranks by ids."""
+        if self.candidates is None:
+            return lprobs
+        full = lprobs.new_full((lprobs.size(0), self.model.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.candidates, lprobs)
 
     def keep_rows(self, index: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         """Keep rows `index`; `sources`: the sentences that stay when some leave (DecoderCache.keep_rows)."""
@@ -238,6 +257,9 @@ class EnsembleDecoder:
     def __init__(self, ensemble: Ensemble, src: torch.Tensor, use_cache: bool, also: torch.Tensor | None = None):
         self.members = [Decoder(model, src, use_cache, also) for model in ensemble.models]
         self.steps, self.eos = 0, ensemble.specials.eos
+        # One vocabulary and one list: every member has the same candidates, so the first's columns are all's.
+        first = self.members[0]
+        self.eos_column, self.token, self.column, self.widen = first.eos_column, first.token, first.column, first.widen
 
     def log_probs(self, prefix: torch.Tensor) -> torch.Tensor:
         self.steps += 1
@@ -289,11 +311,13 @@ class ForcedPrefix:
         forced = self.table[:, t] >= 0
         return forced.repeat_interleave(group) if group > 1 else forced
 
-    def apply(self, lprobs: torch.Tensor, t: int, group: int = 1) -> torch.Tensor:
-        """lprobs (rows * group, V) of step t -> the same with each forced row's other tokens at -inf."""
+    def apply(self, lprobs: torch.Tensor, t: int, group: int = 1, column=lambda ids: ids) -> torch.Tensor:
+        """lprobs (rows * group, V) of step t -> the same with each forced row's other tokens at -inf. `column`:
+        where an id is among lprobs' columns (a shortlist's decoder.column)."""
         if t >= self.length:
             return lprobs
         forced = self.table[:, t]
+        forced = torch.where(forced >= 0, column(forced.clamp(min=0)), forced)
         if group > 1:
             forced = forced.repeat_interleave(group)
         token = forced.clamp(min=0)[:, None]
@@ -367,13 +391,14 @@ def next_log_probs(
 ) -> torch.Tensor:
     """log p(next token) (R, V) of the rows `prefix` (R, t+1) at step t, with what the settings and the rows allow:
     only EOS at a row's length limit (force_eos; free under the "hf" rule), no token that repeats an n-gram
-    (ban_repeats), only its prefix's token while a row is forced (`group`: rows per sentence)."""
-    lprobs = force_eos(decoder.log_probs(prefix), at_limit, decoder.eos, settings.stop == "hf")
+    (ban_repeats), only its prefix's token while a row is forced (`group`: rows per sentence). With a shortlist,
+    (R, K): a column per candidate, which decoder.token maps to ids."""
+    lprobs = force_eos(decoder.log_probs(prefix), at_limit, decoder.eos_column, settings.stop == "hf")
     if settings.no_repeat_ngram_size:
         spared = None if forced is None else forced.forcing(t, group)
-        lprobs = ban_repeats(lprobs, prefix, settings.no_repeat_ngram_size, spared)
+        lprobs = ban_repeats(lprobs, decoder.column(prefix), settings.no_repeat_ngram_size, spared)
     if forced is not None:
-        lprobs = forced.apply(lprobs, t, group)
+        lprobs = forced.apply(lprobs, t, group, decoder.column)
     return lprobs
 
 
@@ -389,11 +414,14 @@ def ban_repeats(lprobs: torch.Tensor, prefix: torch.Tensor, size: int, spared: t
     held = (grams[:, :, :-1] == last).all(dim=2)  # (R, W)
     if spared is not None:
         held &= ~spared[:, None]
+    ending = grams[:, :, -1]  # a shortlist's columns: -1 is BOS, which is no candidate and bans nothing
+    held &= ending >= 0
+    ending = ending.clamp(min=0)
     # Each window's last token gets -inf where its first size - 1 tokens are the row's last ones; the others +inf,
     # which the minimum leaves as they were.
     banned = torch.full(held.shape, float("inf"), dtype=lprobs.dtype, device=lprobs.device)
     banned.masked_fill_(held, float("-inf"))
-    return lprobs.scatter_reduce_(1, grams[:, :, -1], banned, reduce="amin")
+    return lprobs.scatter_reduce_(1, ending, banned, reduce="amin")
 
 
 def new_step(rows: int) -> TraceStep:
@@ -431,11 +459,12 @@ def greedy_search(
         at_limit = (t >= max_len) if t >= limits.min() else None
         lprobs = next_log_probs(decoder, prefix, t, settings, at_limit, forced)
         best, token = pick(lprobs, t, alive)  # (R,)
+        token = decoder.token(token)  # a shortlist's columns -> ids
         if at_limit is not None:
             # A row at its limit ends there whatever pick made of it (a sampled distribution gone NaN draws
             # anything): no output may run past model.max_positions.
             token = token.masked_fill(at_limit, eos)
-            best = torch.where(at_limit, lprobs[:, eos], best)
+            best = torch.where(at_limit, lprobs[:, decoder.eos_column], best)
         scores = scores + best
         prefix = torch.cat([prefix, token[:, None]], dim=1)
         tokens, totals, prefixes = to_host(token, scores, prefix)  # the step's one read
@@ -634,6 +663,7 @@ def _beam_search(
         step = new_step(src.size(0)) if trace is not None else None
         lprobs = next_log_probs(decoder, prefix, t, settings, sentences.at_limit(t, n), forced, n)  # (B*n, V)
         top_scores, origin, token = _top_candidates(lprobs, scores, b, n, k, model.specials.pad)
+        token = decoder.token(token)  # a shortlist's columns -> ids
 
         # The k best non-EOS candidates stay alive (there are at least k: each beam adds one EOS at most).
         order = ((token == eos).long() * (2 * k) + rank).argsort(dim=1)[:, :k]  # (B, k) positions among the 2k
