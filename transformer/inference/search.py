@@ -257,8 +257,7 @@ class EnsembleDecoder:
     def __init__(self, ensemble: Ensemble, src: torch.Tensor, use_cache: bool, also: torch.Tensor | None = None):
         self.members = [Decoder(model, src, use_cache, also) for model in ensemble.models]
         self.steps, self.eos = 0, ensemble.specials.eos
-        # One vocabulary and one list: every member has the same candidates, so the first's columns are all's.
-        first = self.members[0]
+        first = self.members[0]  # one vocabulary and one list: every member's columns are the first's
         self.eos_column, self.token, self.column, self.widen = first.eos_column, first.token, first.column, first.widen
 
     def log_probs(self, prefix: torch.Tensor) -> torch.Tensor:
