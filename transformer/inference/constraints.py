@@ -147,9 +147,11 @@ class _ConstrainedBeam:
         model, src, k, device = self.model, self.src, self.k, self.src.device
         # A shortlist keeps every constraint's and forced prefix's pieces among the candidates.
         needed = sorted(set().union(*(p.tokens for p in self.phrases)))
-        also = torch.tensor(needed, dtype=torch.long, device=device)
-        if forced is not None:
-            also = torch.cat([also, forced.ids()])
+
+        def also() -> torch.Tensor:
+            ids = torch.tensor(needed, dtype=torch.long, device=device)
+            return ids if forced is None else torch.cat([ids, forced.ids()])
+
         decoder = new_decoder(model, src, True, also)
         sentences = Sentences.start(model, src, self.settings, forced)
         alive, finished = sentences.alive, sentences.finished

@@ -84,7 +84,7 @@ waiting. On a CPU the reads are the tensors' own memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -172,10 +172,10 @@ def search(
 
 
 def new_decoder(
-    model, src: torch.Tensor, use_cache: bool, also: torch.Tensor | None = None
+    model, src: torch.Tensor, use_cache: bool, also: Callable[[], torch.Tensor] | None = None
 ) -> Decoder | EnsembleDecoder:
-    """The decoder side of a search over `model`: one model's, or an ensemble's. `also`: target ids a shortlist
-    must keep (a forced prefix's, constraints'), where the model has one."""
+    """The decoder side of a search over `model`: one model's, or an ensemble's. `also`: the target ids a shortlist
+    must keep (a forced prefix's, constraints'), made only where the model has one (they would cost a device sync)."""
     if isinstance(model, Ensemble):
         return EnsembleDecoder(model, src, use_cache, also)
     return Decoder(model, src, use_cache, also)
@@ -186,7 +186,7 @@ class Decoder:
     live row; with the cache (which owns the encoder K/V and the memory mask), or from scratch for tests. With a
     shortlist (model.shortlist), each step scores the batch's candidates only: the others get -inf."""
 
-    def __init__(self, model, src: torch.Tensor, use_cache: bool, also: torch.Tensor | None = None):
+    def __init__(self, model, src: torch.Tensor, use_cache: bool, also: Callable[[], torch.Tensor] | None = None):
         src_mask = padding_mask(src, model.specials.pad)
         memory = model.encode(src, src_mask)  # (B, S, C)
         self.model, self.steps, self.eos = model, 0, model.specials.eos
@@ -197,10 +197,8 @@ class Decoder:
         self.candidates = self.project = self.columns = None
         self.eos_column = self.eos
         if model.shortlist is not None:
-            self.candidates, self.project = model.shortlist.restrict(src, model.output, memory.dtype, also)
-            # Each id's column among the candidates; -1 for the others (BOS: a prefix's first token).
-            self.columns = torch.full((model.vocab_size,), -1, dtype=torch.long, device=src.device)
-            self.columns[self.candidates] = torch.arange(len(self.candidates), device=src.device)
+            restricted = model.shortlist.restrict(src, model.output, memory.dtype, also)
+            self.candidates, self.project, self.columns = restricted  # columns: each id's, -1 off the list (BOS)
             self.eos_column = int(self.columns[self.eos])
             self.never = [int(c) for c in self.columns[self.never].tolist() if c >= 0]
 
@@ -254,7 +252,9 @@ class EnsembleDecoder:
     mean of their log-probabilities (module docstring). Summed in member order and divided once: one member gives
     its own values exactly, and two copies of one model give them too (a + a and the halving are exact)."""
 
-    def __init__(self, ensemble: Ensemble, src: torch.Tensor, use_cache: bool, also: torch.Tensor | None = None):
+    def __init__(
+        self, ensemble: Ensemble, src: torch.Tensor, use_cache: bool, also: Callable[[], torch.Tensor] | None = None
+    ):
         self.members = [Decoder(model, src, use_cache, also) for model in ensemble.models]
         self.steps, self.eos = 0, ensemble.specials.eos
         first = self.members[0]  # one vocabulary and one list: every member's columns are the first's
@@ -445,7 +445,7 @@ def greedy_search(
     one); finished rows leave the batch. pick(lprobs (R, V), step, rows' indices in src) -> (the chosen
     tokens' log-probabilities (R,), the tokens (R,))."""
     bos, eos = model.specials.bos, model.specials.eos
-    decoder = new_decoder(model, src, use_cache, None if forced is None else forced.ids())
+    decoder = new_decoder(model, src, use_cache, None if forced is None else forced.ids)
     max_len = max_lengths(model, src, settings.max_len_offset, forced)  # (B,)
     limits = to_host(max_len)[0]  # the same on the host
     alive = list(range(src.size(0)))  # original index of each row
@@ -649,7 +649,7 @@ def _beam_search(
 ) -> SearchResult:
     device, k, eos = src.device, settings.beam, model.specials.eos
     # Encoded once per sentence; rows are copied per beam after the first step.
-    decoder = new_decoder(model, src, use_cache, None if forced is None else forced.ids())
+    decoder = new_decoder(model, src, use_cache, None if forced is None else forced.ids)
     sentences = Sentences.start(model, src, settings, forced)
     n = 1  # rows per live sentence: one (just BOS) before the first step, then `beam`
     prefix = torch.full((src.size(0), 1), model.specials.bos, dtype=torch.long, device=device)  # (B*n, t+1)

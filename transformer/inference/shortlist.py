@@ -167,21 +167,24 @@ class ShortlistOutput:
             )
         self.shortlist, self.weight, self.bias = shortlist, weight.detach(), None if bias is None else bias.detach()
 
-    def restrict(self, src: torch.Tensor, like: torch.nn.Module, dtype: torch.dtype, also: torch.Tensor | None = None):
-        """-> (the candidates' ids (K,), the projection of states (R, C) in `dtype` onto them, (R, K)), in the layout
-        of the model's own output projection `like` (weight_formats.py), so that a list of every piece gives the
-        same logits; an int8 one's rows are multiplied as floats."""
+    def restrict(self, src: torch.Tensor, like: torch.nn.Module, dtype: torch.dtype, also=None):
+        """-> (the candidates' ids (K,), the projection of states (R, C) in `dtype` onto them, (R, K), each id's
+        column among them (V,), -1 off the list). The projection takes the layout of the model's own output
+        projection `like` (weight_formats.py), so that a list of every piece gives the same logits; an int8 one's
+        rows are multiplied as floats. `also`: None, or a function giving ids the list must keep."""
         from transformer.inference.weight_formats import InputMajorLinear, PackedLinear
 
-        ids = self.shortlist.candidates(src, also)
+        ids = self.shortlist.candidates(src, None if also is None else also())
+        columns = torch.full((self.shortlist.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        columns[ids] = torch.arange(len(ids), device=ids.device)
         weight = self.weight.index_select(0, ids.to(self.weight.device)).to(dtype)
         bias = None if self.bias is None else self.bias.index_select(0, ids.to(self.bias.device)).to(dtype)
         rows = SimpleNamespace(in_features=weight.size(1), out_features=len(ids), weight=weight, bias=bias)
         if isinstance(like, PackedLinear):  # packed once per batch, as the full projection is once per model
-            return ids, PackedLinear(rows, dtype)
+            return ids, PackedLinear(rows, dtype), columns
         if isinstance(like, InputMajorLinear):
-            return ids, InputMajorLinear(rows)
-        return ids, lambda states: F.linear(states, weight, bias)
+            return ids, InputMajorLinear(rows), columns
+        return ids, lambda states: F.linear(states, weight, bias), columns
 
 
 def coverage(shortlist: Shortlist, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[float, float]:
