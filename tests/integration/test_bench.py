@@ -449,16 +449,14 @@ def test_bench_features_times_every_decoding_feature_beside_plain_beam(untrained
     assert result.stdout.splitlines()[-1] == f"wrote {out}"
 
 
-def test_bench_models_times_models_side_by_side(run, copy_model, tmp_path):
-    """A model against itself and another: the first's ratio is 1, every model's rate is its sentences over its
-    median time, BLEU where references are given."""
-    lines = sentences(3, 6)
+def bench_models(tmp_path, lines: list[str], *args) -> list[dict]:
+    """scripts/bench_models.py on `lines` as sources and references (fp32), with `args`: its JSON's rows."""
     (tmp_path / "src.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    (tmp_path / "ref.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "models.json"
     result = subprocess.run(
-        [sys.executable, "scripts/bench_models.py", str(tmp_path / "src.txt"), "--ref", str(tmp_path / "ref.txt")]
-        + ["--models", str(copy_model), str(run / "best.pt"), "--dtype", "fp32", "--rounds", "2", "--json", str(out)],
+        [sys.executable, "scripts/bench_models.py", str(tmp_path / "src.txt"), "--ref", str(tmp_path / "src.txt")]
+        + [str(a) for a in args]
+        + ["--dtype", "fp32", "--json", str(out)],
         capture_output=True,
         text=True,
         env=subprocess_env(),
@@ -466,7 +464,13 @@ def test_bench_models_times_models_side_by_side(run, copy_model, tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())["rows"]
+
+
+def test_bench_models_times_models_side_by_side(run, copy_model, tmp_path):
+    """A model against itself and another: the first's ratio is 1, every model's rate is its sentences over its
+    median time, BLEU where references are given."""
+    rows = bench_models(tmp_path, sentences(3, 6), "--models", copy_model, run / "best.pt", "--rounds", "2")
     assert [r["model"] for r in rows] == [str(copy_model), str(run / "best.pt")]
     assert rows[0]["speed_vs_first"] == 1.0 and all(r["sentences"] == 6 and r["sentences_per_s"] > 0 for r in rows)
     assert rows[0]["bleu"] == 100.0  # the copy model copies: its outputs are the references
@@ -479,19 +483,6 @@ def test_bench_models_times_each_model_without_and_with_its_shortlist(tmp_path):
 
     checkpoint = copy_run(tmp_path)
     write_shortlist(str(tmp_path), None, None, frequent=5)
-    lines = sentences(5, 6)
-    (tmp_path / "src.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    out = tmp_path / "models.json"
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_models.py", str(tmp_path / "src.txt"), "--ref", str(tmp_path / "src.txt")]
-        + ["--models", str(checkpoint), "--shortlist", "both", "--dtype", "fp32", "--rounds", "1", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(out.read_text())["rows"]
+    rows = bench_models(tmp_path, sentences(5, 6), "--models", checkpoint, "--shortlist", "both", "--rounds", "1")
     assert [(r["model"], r["shortlist"]) for r in rows] == [(str(checkpoint), False), (str(checkpoint), True)]
     assert [r["bleu"] for r in rows] == [100.0, 100.0]
