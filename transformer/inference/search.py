@@ -212,14 +212,14 @@ class Decoder:
         else:
             mask = causal_mask(prefix.size(1), prefix.device)
             out = step(prefix, self.memory, self.memory_mask, mask)
-        # (R, V) logits, or (R, K) over a shortlist's candidates: in fp32, a copy in other dtypes
+        # (R, V) logits, or (R, K) over a shortlist's candidates (as Marian's lists): fp32, a copy in other dtypes
         rows = (out[:, -1] if self.project is None else self.project(out[:, -1])).float()
         if rows.device.type == "cpu" and not rows.requires_grad:
             # Over the logits, which nothing else reads: no new (R, V) tensor a step (26 MB at 800 rows and
             # 8,000 tokens), and the same values (docs/benchmarks/log.md, "log_softmax in place").
             lprobs = torch.log_softmax(rows, dim=-1, out=rows)
         else:
-            lprobs = F.log_softmax(rows, dim=-1)  # over the candidates, as Marian's and CTranslate2's lists are
+            lprobs = F.log_softmax(rows, dim=-1)
         lprobs[:, self.never] = float("-inf")
         return lprobs
 
