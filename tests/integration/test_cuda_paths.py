@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import gc
 import inspect
 import json
 import os
@@ -574,15 +575,21 @@ def test_the_fp16_loss_scale_starts_at_2_to_the_7():
 
 
 def test_ddp_hands_the_gradients_over_as_views_of_its_buckets(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
-    try:
+    def backward_through_ddp() -> None:
         model = Transformer(ModelConfig(d_model=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=32), 50)
         ddp = wrap_ddp(TrainingLoss(model, 0.1), torch.device("cpu"))
         assert ddp.gradient_as_bucket_view and not ddp.broadcast_buffers
         batch = padded_batch()
         ddp(batch.src, batch.tgt_in, batch.tgt_out, batch.src_mask, batch.tgt_mask).backward()
         assert all(p.grad is not None for p in model.parameters())
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        backward_through_ddp()
     finally:
+        # DDP's reducer freed while its process group lives: freed after destroy_process_group (as the test's
+        # locals were, before), gloo's destructor at times hung joining its threads under load.
+        gc.collect()
         dist.destroy_process_group()
 
 
