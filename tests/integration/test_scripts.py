@@ -39,9 +39,18 @@ def test_fetch_multi30k_writes_plain_text_splits(tmp_path):
     assert read_parallel(out / "test.de", out / "test.en") == (["Eine Frau."], ["A woman."])
 
 
-def test_check_languages_counts_the_lines_in_the_language_asked(tmp_path):
-    """scripts/check_languages.py: a file of French sentences with one German line among them."""
-    pytest.importorskip("py3langid")
+@pytest.mark.parametrize(
+    ("identifier", "module", "among"),
+    [
+        ("py3langid", "py3langid", ["--among", "en", "de", "fr", "cs"]),
+        ("lingua", "lingua", ["--among", "en", "de", "fr", "cs"]),
+        ("cld2", "pycld2", []),  # CLD2 cannot be restricted
+    ],
+)
+def test_check_languages_counts_the_lines_in_the_language_asked(tmp_path, identifier, module, among):
+    """scripts/check_languages.py: a file of French sentences with one German line among them, by each identifier
+    (each skipped where its package is not installed: only py3langid is in the langid extra)."""
+    pytest.importorskip(module)
     french = [
         "Un chien court dans la neige.",
         "Deux hommes jouent au football dans le parc.",
@@ -50,12 +59,15 @@ def test_check_languages_counts_the_lines_in_the_language_asked(tmp_path):
     (tmp_path / "fr.txt").write_text("\n".join(french + ["Ein Mann fährt mit dem Fahrrad durch die Stadt.", ""]) + "\n")
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "check_languages.py"), f"{tmp_path / 'fr.txt'}:fr"]
-        + ["--among", "en", "de", "fr", "cs", "--json", str(tmp_path / "out.json")],
+        + among
+        + ["--identifier", identifier, "--json", str(tmp_path / "out.json")],
         capture_output=True,
         text=True,
         env=subprocess_env(),
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    [row] = json.loads((tmp_path / "out.json").read_text())["rows"]
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert written["identifier"] == identifier
+    [row] = written["rows"]
     assert (row["lines"], row["as_asked"], row["others"]) == (4, 3, {"de": 1})  # the blank line is not counted
