@@ -326,6 +326,7 @@ def test_a_resumed_run_lets_go_of_the_checkpoint_it_loaded(tmp_path, monkeypatch
 
 
 @pytest.mark.slow  # 40 s with Inductor's caches warm, over 2 minutes cold on 2 loaded cores: `pytest -m slow`
+@pytest.mark.timeout(900)  # more than the suite's 300 s per test, for a cold compilation
 def test_a_compiled_training_step_runs_on_a_cpu(tmp_path):
     # train.compile: the model and its loss compiled together (train.TrainingLoss), dynamic shapes, as one graph
     # (no token packing inside it); the tiniest model, since Inductor compiles C++ on a CPU. Lengths padded to 8, as
