@@ -52,22 +52,29 @@ def lists(found) -> list[list[tuple[list[int], float]]]:
 
 
 def test_build_ranks_the_pieces_seen_together_and_drops_a_pair_seen_once():
-    # Piece 10 is always translated with 20, half the time with 21 too; 11 with 22; 23 appears once beside 10.
+    # Piece 10 is always translated with 20, half the time with 21 too; 11 with 22; 23 appears once beside 10;
+    # 24 twice beside 10, as 21 is, but also without it (a lower Dice), so third: cut by per_piece.
     pairs = [([10, 5], [20, 21, 6]), ([10], [20]), ([10, 11], [20, 22, 21]), ([11], [22]), ([10], [20, 23])]
+    pairs += [([10], [20, 24]), ([10], [20, 24]), ([12], [24])]
     table = build(pairs, vocab_size=30, always=[EOS_ID], frequent=1, per_piece=2, min_pairs=2)
     of = {s: table.targets[table.starts[s] : table.starts[s + 1]].tolist() for s in range(30)}
-    assert of[10] == [20, 21]  # best first, cut at per_piece; 23 (once) and 22 (rank 3) are not kept
+    assert of[10] == [20, 21]  # best first; 22 and 23 (once each) are not kept, 24 (third) is cut
+    wider = build(pairs, vocab_size=30, always=[EOS_ID], frequent=1, per_piece=3, min_pairs=2)
+    assert wider.targets[wider.starts[10] : wider.starts[11]].tolist() == [20, 21, 24]
     assert of[11] == [22]
     assert of[5] == []  # seen once with each target piece
     assert table.always.tolist() == [EOS_ID, 20]  # the one most frequent target piece, and the specials
 
 
 def test_the_vmap_file_reads_back_as_written_in_ctranslate2s_format(tmp_path):
-    pieces = [f"p{i}" for i in range(12)]
-    table = build([([4, 5], [6, 7]), ([4], [6]), ([5], [7, 8]), ([5, 4], [7, 6])], 12, [EOS_ID], frequent=1)
+    # Lines end at "\n" and pieces at " " only, as CTranslate2 reads them: other spaces belong to a piece.
+    pieces = [f"p{i}" for i in range(10)] + ["p\u2028x", "p\x85y"]
+    pairs = [([4, 5], [6, 7]), ([4], [6]), ([5], [7, 8]), ([5, 4], [7, 6]), ([10, 11], [11, 10])] + [([10], [11])]
+    table = build(pairs, 12, [EOS_ID], frequent=1)
+    assert table.targets[table.starts[10] : table.starts[11]].tolist() == [11]  # both odd pieces in the file
     path = tmp_path / "shortlist.txt"
     save(table, pieces, path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = path.read_text(encoding="utf-8").split("\n")[:-1]
     assert lines[0].startswith("\t")  # the empty key: the pieces every batch scores
     assert all(line.count("\t") == 1 and " " not in line.split("\t")[0] for line in lines)
     again = load(path, {p: i for i, p in enumerate(pieces)}, [EOS_ID])
@@ -83,6 +90,10 @@ def test_a_list_for_another_vocabulary_or_a_torn_line_is_one_line_error(tmp_path
         load(path, piece_ids, [])
     path.write_text("a b\n", encoding="utf-8")
     with pytest.raises(UserError, match="line 1: expected"):
+        load(path, piece_ids, [])
+    # CTranslate2 keeps a repeated piece's last line, a union would keep both: refused, so both engines agree.
+    path.write_text("\ta\na\tb\nb\ta\na\ta\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"line 4: 'a' has a line already \(line 2\)"):
         load(path, piece_ids, [])
     with pytest.raises(UserError, match="transformer shortlist"):
         load(tmp_path / "none.txt", piece_ids, [])
@@ -138,6 +149,89 @@ def test_a_piece_left_out_is_never_emitted_and_the_candidates_share_all_probabil
     assert torch.isinf(decoder.widen(lprobs)[:, outside]).all()
 
 
+def per_source(vocab: int) -> Shortlist:
+    """A list under which each source piece s brings s + 1 and s + 2: sentences of other pieces, other candidates."""
+    targets = np.array([[(s + 1) % vocab, (s + 2) % vocab] for s in range(vocab)], np.int64).ravel()
+    return Shortlist(np.array([EOS_ID, UNK_ID]), np.arange(0, 2 * vocab + 1, 2, dtype=np.int64), targets)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_sentence_scores_its_own_candidates_whatever_its_batch_mates(beam, random_seed):
+    """The batch shares one projection onto the union of its sources' candidates, but each sentence's softmax is
+    over its own: it emits only those, and its first step's distribution is the one it gets alone."""
+    model = random_model(random_seed)
+    vocab = model.output.out_features
+    table = per_source(vocab)
+    src = as_batch(random_sources(random_seed + 3, vocab, n=6))
+    restricted(model, table)
+    found = search(model, src, SearchSettings(beam=beam, lenpen=0.6, max_len_offset=6, nbest=beam))
+    from transformer.inference.search import Decoder
+
+    together = Decoder(model, src, use_cache=True)
+    first = together.widen(together.log_probs(torch.full((src.size(0), 1), model.specials.bos)))
+    for i, hyps in enumerate(found.hypotheses):
+        own = set(table.candidates(src[i : i + 1])[0].tolist())
+        assert {t for h in hyps for t in h.tokens} <= own
+        alone = Decoder(model, src[i : i + 1], use_cache=True)
+        assert len(alone.candidates) < len(together.candidates)
+        mine = alone.widen(alone.log_probs(torch.full((1, 1), model.specials.bos)))[0]
+        assert torch.equal(torch.isinf(first[i]), torch.isinf(mine))
+        assert torch.allclose(first[i][~torch.isinf(mine)], mine[~torch.isinf(mine)], atol=1e-5)
+
+
+class OffTheList(torch.nn.Module):
+    """An output projection whose logits are -inf off `allowed`: a model without a list that means the list."""
+
+    def __init__(self, output: torch.nn.Linear, allowed: list[int]):
+        super().__init__()
+        self.inner, self.out_features = output, output.out_features
+        self.register_buffer("off", torch.ones(output.out_features, dtype=torch.bool))
+        self.off[allowed] = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).masked_fill(self.off, float("-inf"))
+
+
+@pytest.mark.parametrize("variant", ["plain", "no repeats", "prefix", "ensemble", "length limit", "hf", "sampling"])
+def test_a_list_that_leaves_pieces_out_searches_as_a_model_that_gives_them_no_probability(variant, random_seed):
+    """The oracle for the columns: with a list that leaves pieces out, every rule that maps ids to columns (n-gram
+    bans, EOS and the length limit, a forced prefix, an ensemble, sampling's draws) gives what the same models give
+    without a list when the pieces off it get -inf logits."""
+    model = random_model(random_seed)
+    vocab = model.output.out_features
+    allowed = [EOS_ID, UNK_ID, *range(4, vocab, 2)]
+    src = as_batch(random_sources(random_seed + 4, vocab, n=6))
+    settings = SearchSettings(
+        beam=1 if variant == "sampling" else 3,
+        lenpen=0.6,
+        max_len_offset=1 if variant == "length limit" else 6,
+        nbest=3,
+        no_repeat_ngram_size=2 if variant == "no repeats" else 0,
+        stop="hf" if variant == "hf" else "exact",
+        sample="topk:5" if variant == "sampling" else None,
+        seed=7 if variant == "sampling" else None,
+    )
+    prefixes = [[4, 6][: i % 3] for i in range(src.size(0))] if variant == "prefix" else None
+    members = [model, another(model, random_seed + 1)] if variant == "ensemble" else [model]
+
+    def run(models):
+        searched = models[0] if len(models) == 1 else Ensemble(models)
+        if variant == "sampling":
+            return lists(sample_search(searched, src, settings))
+        return lists(search(searched, src, settings, prefixes=prefixes))
+
+    import copy
+
+    oracles = [copy.deepcopy(m) for m in members]
+    for oracle in oracles:
+        oracle.output = OffTheList(oracle.output, allowed)
+    expected = run(oracles)
+    got = run([restricted(m, only(vocab, allowed)) for m in members])
+    assert [[tokens for tokens, _ in hyps] for hyps in got] == [[tokens for tokens, _ in hyps] for hyps in expected]
+    for hyps, wanted in zip(got, expected):
+        assert np.allclose([score for _, score in hyps], [score for _, score in wanted], atol=1e-4)
+
+
 def test_a_forced_prefix_and_a_constraint_outside_the_list_are_still_met(random_seed):
     model = random_model(random_seed)
     vocab = model.output.out_features
@@ -184,12 +278,14 @@ def test_ctranslate2_reads_the_list_as_its_vocabulary_map(tmp_path, ctranslate2)
     flags = SearchFlags(dtype="fp32", engine="ctranslate2", shortlist=True)
     with pytest.raises(UserError, match="transformer shortlist"):
         Translator(checkpoint, "cpu", flags)
+    assert not (tmp_path / RunDir.CT2).exists()  # said before converting
     from transformer.inference.shortlist import write_shortlist
 
     write_shortlist(str(tmp_path), None, None, frequent=5)
     lines = sentences(4, 8)
-    ct2 = Translator(checkpoint, "cpu", flags)  # converted again: the list is new since the last conversion
+    ct2 = Translator(checkpoint, "cpu", flags, keep_model=True)
     assert (tmp_path / RunDir.CT2 / "final" / "vmap.txt").is_file()
+    assert ct2.model.shortlist is not None  # the copy serve keeps for its traces searches as CTranslate2 does
     assert ct2.translate(lines) == Translator(checkpoint, "cpu", SearchFlags(dtype="fp32")).translate(lines)
 
 

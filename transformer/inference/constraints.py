@@ -145,12 +145,14 @@ class _ConstrainedBeam:
 
     def run(self, forced: ForcedPrefix | None) -> SearchResult:
         model, src, k, device = self.model, self.src, self.k, self.src.device
-        # A shortlist keeps every constraint's and forced prefix's pieces among the candidates.
-        needed = sorted(set().union(*(p.tokens for p in self.phrases)))
 
+        # A shortlist keeps each sentence's constraints' and forced prefix's pieces among its candidates.
         def also() -> torch.Tensor:
-            ids = torch.tensor(needed, dtype=torch.long, device=device)
-            return ids if forced is None else torch.cat([ids, forced.ids()])
+            needed = [sorted(p.tokens) for p in self.phrases]
+            ids = torch.full((len(needed), max(map(len, needed), default=0)), -1, dtype=torch.long)
+            for row, tokens in enumerate(needed):
+                ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            return ids if forced is None else torch.cat([ids, forced.ids().cpu()], dim=1)
 
         decoder = new_decoder(model, src, True, also)
         sentences = Sentences.start(model, src, self.settings, forced)

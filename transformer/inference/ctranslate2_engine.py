@@ -13,7 +13,7 @@ from transformer.data.batch import source_limit
 from transformer.data.loader import source_batches
 from transformer.data.vocab import AnyVocab
 from transformer.errors import UserError
-from transformer.inference.ctranslate2_export import VMAP, cached_conversion, require_ctranslate2
+from transformer.inference.ctranslate2_export import cached_conversion, require_ctranslate2
 from transformer.inference.search import Hypothesis, length_penalty, max_output_lengths
 from transformer.inference.settings import (
     SearchSettings,
@@ -22,6 +22,7 @@ from transformer.inference.settings import (
     parse_sample,
 )
 from transformer.model.checkpoint import resolve_checkpoint
+from transformer.run_dir import RunDir
 
 CT2_COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}  # our dtype -> its compute_type
 
@@ -31,11 +32,11 @@ def load(checkpoint: str | Path, device, settings: SearchSettings, workers: int,
     settings.dtype, with `workers` searches side by side (its inter_threads) of `threads` threads each; seeded with
     settings.seed, since its workers seed their random streams when they start."""
     ctranslate2 = require_ctranslate2()
-    model_dir = cached_conversion(checkpoint)
-    if settings.shortlist and not (model_dir / VMAP).is_file():
-        from transformer.inference.shortlist import no_shortlist
+    if settings.shortlist and not (resolve_checkpoint(checkpoint).parent / RunDir.SHORTLIST).is_file():
+        from transformer.inference.shortlist import no_shortlist  # said before minutes of converting
 
         raise UserError(no_shortlist(resolve_checkpoint(checkpoint).parent))
+    model_dir = cached_conversion(checkpoint)
     if settings.seed is not None:
         ctranslate2.set_random_seed(settings.seed)
     ours = torch.get_num_threads()

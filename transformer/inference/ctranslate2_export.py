@@ -357,8 +357,9 @@ def cached_conversion(checkpoint: str | Path) -> Path:
         _write_model(source, staging, None)
         return staging
     try:
+        source_stamp = _fingerprint(source, with_hash=True)  # before copying: a change meanwhile converts again
         _write_model(source, staging, None)
-        record = {**_fingerprint(source, with_hash=True), "spec": SPEC_VERSION, "files": _file_stamps(staging)}
+        record = {**source_stamp, "spec": SPEC_VERSION, "files": _file_stamps(staging)}
         (staging / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         # Readers load model.bin when they start, so swapping the directory under them is safe.
         try:

@@ -174,8 +174,8 @@ def search(
 def new_decoder(
     model, src: torch.Tensor, use_cache: bool, also: Callable[[], torch.Tensor] | None = None
 ) -> Decoder | EnsembleDecoder:
-    """The decoder side of a search over `model`: one model's, or an ensemble's. `also`: the target ids a shortlist
-    must keep (a forced prefix's, constraints'), made only where the model has one (they would cost a device sync)."""
+    """The decoder side of a search over `model`: one model's, or an ensemble's. `also`: per source, the target ids
+    a shortlist must keep (a forced prefix's, constraints'), made only where the model has one (a device sync)."""
     if isinstance(model, Ensemble):
         return EnsembleDecoder(model, src, use_cache, also)
     return Decoder(model, src, use_cache, also)
@@ -184,7 +184,7 @@ def new_decoder(
 class Decoder:
     """The decoder side of a search: the source encoded once, then one step for the newest token of every
     live row; with the cache (which owns the encoder K/V and the memory mask), or from scratch for tests. With a
-    shortlist (model.shortlist), each step scores the batch's candidates only: the others get -inf."""
+    shortlist (model.shortlist), each step scores the batch's candidates only, a row's softmax over its source's."""
 
     def __init__(self, model, src: torch.Tensor, use_cache: bool, also: Callable[[], torch.Tensor] | None = None):
         src_mask = padding_mask(src, model.specials.pad)
@@ -194,11 +194,11 @@ class Decoder:
         self.cache = model.new_cache(memory, src_mask) if use_cache else None
         # Uncached only: the memory and its mask, kept in row order here since no cache holds them.
         self.memory, self.memory_mask = (None, None) if use_cache else (memory, src_mask)
-        self.candidates = self.project = self.columns = None
+        self.candidates = self.project = self.columns = self.off = None
         self.eos_column = self.eos
-        if model.shortlist is not None:
+        if model.shortlist is not None:  # columns: each id's, -1 off the list (BOS); off: per row, others' columns
             restricted = model.shortlist.restrict(src, model.output, memory.dtype, also)
-            self.candidates, self.project, self.columns = restricted  # columns: each id's, -1 off the list (BOS)
+            self.candidates, self.project, self.columns, self.off = restricted
             self.eos_column = int(self.columns[self.eos])
             self.never = [int(c) for c in self.columns[self.never].tolist() if c >= 0]
 
@@ -214,6 +214,7 @@ class Decoder:
             out = step(prefix, self.memory, self.memory_mask, mask)
         # (R, V) logits, or (R, K) over a shortlist's candidates (as Marian's lists): fp32, a copy in other dtypes
         rows = (out[:, -1] if self.project is None else self.project(out[:, -1])).float()
+        rows = rows if self.off is None else rows.masked_fill_(self.off, float("-inf"))  # the projection's own
         if rows.device.type == "cpu" and not rows.requires_grad:
             # Over the logits, which nothing else reads: no new (R, V) tensor a step (26 MB at 800 rows and
             # 8,000 tokens), and the same values (docs/benchmarks/log.md, "log_softmax in place").
@@ -240,6 +241,7 @@ class Decoder:
 
     def keep_rows(self, index: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         """Keep rows `index`; `sources`: the sentences that stay when some leave (DecoderCache.keep_rows)."""
+        self.off = None if self.off is None else self.off.index_select(0, index)
         if self.cache is not None:
             self.cache.keep_rows(index, sources)
         else:
@@ -296,8 +298,8 @@ class ForcedPrefix:
         return ForcedPrefix(prefixes, src.device)
 
     def ids(self) -> torch.Tensor:
-        """Every id a prefix forces (a shortlist keeps them)."""
-        return self.table[self.table >= 0]
+        """Each row's forced ids, -1 padded (its shortlist keeps them)."""
+        return self.table
 
     def keep(self, index: torch.Tensor) -> None:
         """Keep the rows `index` of the sentences that stay, in order."""
@@ -620,9 +622,7 @@ class Sentences:
         return index
 
 
-def _top_candidates(
-    lprobs: torch.Tensor, scores: torch.Tensor, b: int, n: int, k: int, pad: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _top_candidates(lprobs: torch.Tensor, scores: torch.Tensor, b: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
     """Each of `b` sentences' 2k best (row, token) candidates, from its `n` rows' log-probabilities lprobs (b*n, V)
     and summed scores (b*n,): their summed scores (b, 2k) best first, the row among the sentence's n each extends,
     and the token. A sentence's 2k best are among each of its rows' 2k best tokens: those are ranked, rather than
@@ -633,7 +633,7 @@ def _top_candidates(
     row_tokens = row_tokens.view(b, n * per_row)
     if cand.size(1) < 2 * k:  # vocabulary smaller than 2*beam: pad with impossible candidates
         cand = F.pad(cand, (0, 2 * k - cand.size(1)), value=float("-inf"))
-        row_tokens = F.pad(row_tokens, (0, 2 * k - row_tokens.size(1)), value=pad)
+        row_tokens = F.pad(row_tokens, (0, 2 * k - row_tokens.size(1)), value=lprobs.size(1) - 1)  # any column
     top_scores, top_idx = cand.topk(2 * k, dim=1)  # (B, 2k), best first
     origin = (top_idx // per_row).clamp(max=n - 1)  # the beam each candidate extends
     return top_scores, origin, row_tokens.gather(1, top_idx)
@@ -661,7 +661,7 @@ def _beam_search(
         b = len(sentences.alive)
         step = new_step(src.size(0)) if trace is not None else None
         lprobs = next_log_probs(decoder, prefix, t, settings, sentences.at_limit(t, n), forced, n)  # (B*n, V)
-        top_scores, origin, token = _top_candidates(lprobs, scores, b, n, k, model.specials.pad)
+        top_scores, origin, token = _top_candidates(lprobs, scores, b, n, k)
         token = decoder.token(token)  # a shortlist's columns -> ids
 
         # The k best non-EOS candidates stay alive (there are at least k: each beam adds one EOS at most).

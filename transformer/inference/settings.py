@@ -383,9 +383,10 @@ _OPTIONS = (
         keyword("use_vmap"),  # the list is written into the conversion as its vmap.txt (ctranslate2_export)
         refused("--shortlist: transformers' generate has no lexical shortlist; export without it"),
         flag="--shortlist",
-        help="score only the pieces the run's shortlist.txt lists for the batch's source pieces, and the most "
+        help="score only the pieces the run's shortlist.txt lists for a sentence's source pieces, and the most "
         "frequent ones (`transformer shortlist RUN` writes it), instead of the whole vocabulary at each step: "
-        "faster, at a cost in BLEU that `evaluate` with and without it measures (CTranslate2: its use_vmap)",
+        "faster, at a cost in BLEU that `evaluate` with and without it measures (CTranslate2: its use_vmap, "
+        "over the batch's sources together)",
         cli={"action": "store_const", "const": True},
         tag=lambda s: ".shortlist" if s.shortlist else "",
     ),

@@ -1,8 +1,10 @@
-"""The lexical shortlist: per source piece, the target pieces its translations hold, so that a search scores only a
-batch's candidates at each step (its sources' pieces' lists, the most frequent target pieces, EOS) instead of the
-whole vocabulary: the output projection and the softmax over a few hundred rows instead of thousands. Marian's
-shortlist and CTranslate2's vocabulary map (`use_vmap`) do the same; the file is CTranslate2's vmap format, so
-that one file serves both engines.
+"""The lexical shortlist: per source piece, the target pieces its translations hold, so that a search scores only
+its candidates at each step (its source's pieces' lists, the most frequent target pieces, EOS) instead of the
+whole vocabulary: the output projection over a few hundred rows instead of thousands. Marian's shortlist and
+CTranslate2's vocabulary map (`use_vmap`) do the same; the file is CTranslate2's vmap format, so that one file
+serves both engines. A batch's sentences share one projection onto the union of their candidates, but each
+sentence's softmax is over its own (the others' get -inf), so that what it gets does not depend on its batch
+mates; CTranslate2 gives every sentence the batch's union.
 
 The lists come from co-occurrence in a parallel corpus, ranked by the Dice coefficient 2 c(s, t) / (c(s) + c(t))
 (c: the sentence pairs holding a piece, or both), which needs no word aligner; a pair seen once is noise. What
@@ -43,15 +45,24 @@ class Shortlist:
     def vocab_size(self) -> int:
         return len(self.starts) - 1
 
-    def candidates(self, src: torch.Tensor, also: torch.Tensor | None = None) -> torch.Tensor:
-        """The sorted target ids a batch of sources `src` (B, S) may produce: `always`, each source piece's
-        list, and `also` (ids a forced prefix or a constraint needs), on src's device."""
-        pieces = np.unique(src.detach().cpu().numpy())
-        pieces = pieces[(pieces >= 0) & (pieces < self.vocab_size)]
-        lists = [self.targets[self.starts[p] : self.starts[p + 1]] for p in pieces.tolist()]
-        extra = [] if also is None else [also.detach().cpu().numpy().astype(np.int64).ravel()]
-        ids = np.unique(np.concatenate([self.always, *lists, *extra]))
-        return torch.from_numpy(ids).to(src.device)
+    def candidates(self, src: torch.Tensor, also: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the sorted target ids a batch of sources `src` (B, S) may produce (K,), which of them each source's
+        own candidates are (B, K) bool), on src's device. A source's own: `always`, its pieces' lists, and its row
+        of `also` (B, L): ids a forced prefix or a constraint needs, -1 for none."""
+        rows = src.detach().cpu().numpy()
+        extra = None if also is None else also.detach().cpu().numpy().astype(np.int64)
+        own = []
+        for b, row in enumerate(rows):
+            pieces = np.unique(row)
+            pieces = pieces[(pieces >= 0) & (pieces < self.vocab_size)].tolist()
+            lists = [self.targets[self.starts[p] : self.starts[p + 1]] for p in pieces]
+            needed = [] if extra is None else [extra[b][extra[b] >= 0]]
+            own.append(np.unique(np.concatenate([self.always, *lists, *needed])))
+        ids = np.unique(np.concatenate(own))
+        on = np.zeros((len(rows), len(ids)), dtype=bool)
+        for b, mine in enumerate(own):
+            on[b, np.searchsorted(ids, mine)] = True
+        return torch.from_numpy(ids).to(src.device), torch.from_numpy(on).to(src.device)
 
 
 def build(
@@ -119,17 +130,22 @@ def load(path: str | Path, piece_ids: dict[str, int], always: Sequence[int]) -> 
             raise UserError(f"{path}, line {number}: {missing[0]!r} is not a piece of this model's vocabulary")
         return [piece_ids[w] for w in words]
 
-    for number, line in enumerate(text.splitlines(), 1):
+    # Split as CTranslate2 reads the file: lines at "\n", pieces at " " (a piece may hold any other space).
+    seen: dict[str, int] = {}
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         key, tab, values = line.partition("\t")
         if not tab or " " in key:
             raise UserError(f"{path}, line {number}: expected 'piece<TAB>piece piece ...' (one source piece a line)")
-        targets = ids(values.split(), number)
+        if key in seen:  # CTranslate2 would keep the last line and we the union: refused, so both read one list
+            raise UserError(f"{path}, line {number}: {key!r} has a line already (line {seen[key]}); merge the two")
+        seen[key] = number
+        targets = ids([v for v in values.split(" ") if v], number)
         if key == "":
             fixed += targets
         else:
-            by_source.setdefault(ids([key], number)[0], []).extend(targets)
+            by_source[ids([key], number)[0]] = targets
     vocab_size = max(piece_ids.values()) + 1
     starts, targets = [0], []
     for s in range(vocab_size):
@@ -168,23 +184,25 @@ class ShortlistOutput:
         self.shortlist, self.weight, self.bias = shortlist, weight.detach(), None if bias is None else bias.detach()
 
     def restrict(self, src: torch.Tensor, like: torch.nn.Module, dtype: torch.dtype, also=None):
-        """-> (the candidates' ids (K,), the projection of states (R, C) in `dtype` onto them, (R, K), each id's
-        column among them (V,), -1 off the list). The projection takes the layout of the model's own output
-        projection `like` (weight_formats.py), so that a list of every piece gives the same logits; an int8 one's
-        rows are multiplied as floats. `also`: None, or a function giving ids the list must keep."""
+        """-> (the batch's candidates' ids (K,), the projection of states (R, C) in `dtype` onto them, (R, K), each
+        id's column among them (V,), -1 off the list, and per source the columns off its own list (B, K) bool).
+        The projection takes the layout of the model's own output projection `like` (weight_formats.py), so that a
+        list of every piece gives the same logits; an int8 one's rows are multiplied as floats. `also`: None, or a
+        function giving each source's ids its list must keep (B, L), -1 padded."""
         from transformer.inference.weight_formats import InputMajorLinear, PackedLinear
 
-        ids = self.shortlist.candidates(src, None if also is None else also())
+        ids, on = self.shortlist.candidates(src, None if also is None else also())
+        off = ~on
         columns = torch.full((self.shortlist.vocab_size,), -1, dtype=torch.long, device=ids.device)
         columns[ids] = torch.arange(len(ids), device=ids.device)
         weight = self.weight.index_select(0, ids.to(self.weight.device)).to(dtype)
         bias = None if self.bias is None else self.bias.index_select(0, ids.to(self.bias.device)).to(dtype)
         rows = SimpleNamespace(in_features=weight.size(1), out_features=len(ids), weight=weight, bias=bias)
         if isinstance(like, PackedLinear):  # packed once per batch, as the full projection is once per model
-            return ids, PackedLinear(rows, dtype), columns
+            return ids, PackedLinear(rows, dtype), columns, off
         if isinstance(like, InputMajorLinear):
-            return ids, InputMajorLinear(rows), columns
-        return ids, lambda states: F.linear(states, weight, bias), columns
+            return ids, InputMajorLinear(rows), columns, off
+        return ids, lambda states: F.linear(states, weight, bias), columns, off
 
 
 def coverage(shortlist: Shortlist, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[float, float]:
@@ -192,7 +210,7 @@ def coverage(shortlist: Shortlist, pairs: Sequence[tuple[Sequence[int], Sequence
     sentence has): what a list leaves out, on pairs it was not built from."""
     held = total = candidates = 0
     for src, tgt in pairs:
-        allowed = shortlist.candidates(torch.as_tensor(np.asarray(src, np.int64)[None, :])).numpy()
+        allowed = shortlist.candidates(torch.as_tensor(np.asarray(src, np.int64)[None, :]))[0].numpy()
         held += int(np.isin(np.asarray(tgt, np.int64), allowed).sum())
         total += len(tgt)
         candidates += len(allowed)

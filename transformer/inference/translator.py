@@ -206,6 +206,15 @@ class Translator:
                 "drop --alignment-layer, or use --engine ours"
             )
         self.note = "\n".join(notes) if notes else None
+        # --shortlist: the output weights as trained, before a weight format packs or quantizes them; the members
+        # of an ensemble share the first one's list, as they share its vocabulary. Also on the PyTorch copy that
+        # serve keeps beside CTranslate2 for its traces.
+        outputs = []
+        if self.settings.shortlist:
+            from transformer.inference.shortlist import ShortlistOutput, of_run
+
+            table = of_run(checkpoints[0], self.vocab, models[0].specials)
+            outputs = [ShortlistOutput(table, m.output.weight, m.output.bias) for m in models]
         self.ct2 = None
         if engine == "ctranslate2":
             from transformer.inference.ctranslate2_engine import load
@@ -215,17 +224,9 @@ class Translator:
             self.ct2 = load(checkpoints[0], self.device, self.settings, workers, threads)
             models = models if keep_model else []  # converted: the PyTorch copy is not needed any more
         else:
-            # --shortlist: the output weights as trained, before a weight format packs or quantizes them; the
-            # members of an ensemble share the first one's list, as they share its vocabulary.
-            outputs = []
-            if self.settings.shortlist:
-                from transformer.inference.shortlist import ShortlistOutput, of_run
-
-                table = of_run(checkpoints[0], self.vocab, models[0].specials)
-                outputs = [ShortlistOutput(table, m.output.weight, m.output.bias) for m in models]
             models = [self._in_format(m, dtype) for m in models]
-            for model, output in zip(models, outputs):
-                model.shortlist = output
+        for model, output in zip(models, outputs):
+            model.shortlist = output
         self.model = (models[0] if len(models) == 1 else Ensemble(models)) if models else None
         self.lines_seen = 0  # numbers the lines in warnings across streamed chunks
         self.lines_truncated = 0
