@@ -66,6 +66,18 @@ def test_build_ranks_the_pieces_seen_together_and_drops_a_pair_seen_once():
     assert table.always.tolist() == [EOS_ID, 20]  # the one most frequent target piece, and the specials
 
 
+def test_build_counts_in_chunks_as_at_once(monkeypatch):
+    """Counted as it goes (memory follows the distinct piece pairs): chunks of one pair give the same list."""
+    rng = np.random.default_rng(0)
+    pairs = [(rng.integers(4, 40, rng.integers(1, 8)), rng.integers(4, 40, rng.integers(1, 8))) for _ in range(300)]
+    at_once = build(pairs, 40, [EOS_ID], frequent=3, per_piece=4)
+    monkeypatch.setattr("transformer.inference.shortlist.CHUNK", 1)
+    chunked = build(pairs, 40, [EOS_ID], frequent=3, per_piece=4)
+    assert len(at_once.targets) > 40
+    for name in ("always", "starts", "targets"):
+        assert np.array_equal(getattr(chunked, name), getattr(at_once, name)), name
+
+
 def test_the_vmap_file_reads_back_as_written_in_ctranslate2s_format(tmp_path):
     # Lines end at "\n" and pieces at " " only, as CTranslate2 reads them: other spaces belong to a piece.
     pieces = [f"p{i}" for i in range(10)] + ["p\u2028x", "p\x85y"]

@@ -30,6 +30,7 @@ from transformer.run_dir import RunDir
 FREQUENT = 100  # target pieces always scored: those in most sentences (function words, punctuation)
 PER_PIECE = 50  # candidates kept per source piece
 MIN_PAIRS = 2  # a (source, target) piece pair seen in fewer sentence pairs is not kept
+CHUNK = 2**24  # piece-pair keys (128 MB) gathered before they are counted
 
 
 @dataclass(frozen=True)
@@ -76,15 +77,20 @@ def build(
     """A shortlist from sentence pairs of ids: the `frequent` target pieces in most sentences and `always` (the
     specials a search needs) for every batch; per source piece the `per_piece` target pieces of highest Dice
     coefficient among those seen with it in at least `min_pairs` pairs."""
-    keys, src_count, tgt_count = [], np.zeros(vocab_size, np.int64), np.zeros(vocab_size, np.int64)
+    src_count, tgt_count = np.zeros(vocab_size, np.int64), np.zeros(vocab_size, np.int64)
+    counted = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # (piece-pair keys, sentence pairs), merged so far
+    keys, held, seen = [], 0, False
     for src, tgt in pairs:
         s, t = np.unique(np.asarray(src, np.int64)), np.unique(np.asarray(tgt, np.int64))
         src_count[s] += 1
         tgt_count[t] += 1
         keys.append((s[:, None] * vocab_size + t[None, :]).ravel())
-    if not keys:
+        held, seen = held + keys[-1].size, True
+        if held > CHUNK:  # counted as it goes: memory follows the distinct piece pairs, not the corpus
+            counted, keys, held = merge_counts(counted, keys), [], 0
+    if not seen:
         raise UserError("shortlist: the corpus holds no sentence pairs")
-    pair_keys, together = np.unique(np.concatenate(keys), return_counts=True)
+    pair_keys, together = merge_counts(counted, keys)
     kept = together >= min_pairs
     pair_keys, together = pair_keys[kept], together[kept]
     s, t = pair_keys // vocab_size, pair_keys % vocab_size
@@ -99,6 +105,14 @@ def build(
     most = np.argsort(-tgt_count, kind="stable")[:frequent]
     most = most[tgt_count[most] > 0]
     return Shortlist(np.unique(np.concatenate([most, np.asarray(always, np.int64)])), starts, t.astype(np.int64))
+
+
+def merge_counts(counted: tuple[np.ndarray, np.ndarray], keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct keys, their counts) of `counted`'s and `keys`' together."""
+    new, counts = np.unique(np.concatenate(keys) if keys else np.zeros(0, np.int64), return_counts=True)
+    merged, where = np.unique(np.concatenate([counted[0], new]), return_inverse=True)
+    total = np.bincount(where, weights=np.concatenate([counted[1], counts]), minlength=len(merged))
+    return merged, total.astype(np.int64)
 
 
 def save(shortlist: Shortlist, pieces: Sequence[str], path: str | Path) -> None:
