@@ -32,10 +32,11 @@ def load(checkpoint: str | Path, device, settings: SearchSettings, workers: int,
     settings.dtype, with `workers` searches side by side (its inter_threads) of `threads` threads each; seeded with
     settings.seed, since its workers seed their random streams when they start."""
     ctranslate2 = require_ctranslate2()
-    if settings.shortlist and not (resolve_checkpoint(checkpoint).parent / RunDir.SHORTLIST).is_file():
+    run_dir = resolve_checkpoint(checkpoint).parent
+    if settings.shortlist and not (run_dir / RunDir.SHORTLIST).is_file():
         from transformer.inference.shortlist import no_shortlist  # said before minutes of converting
 
-        raise UserError(no_shortlist(resolve_checkpoint(checkpoint).parent))
+        raise UserError(no_shortlist(run_dir))
     model_dir = cached_conversion(checkpoint)
     if settings.seed is not None:
         ctranslate2.set_random_seed(settings.seed)

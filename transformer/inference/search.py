@@ -171,9 +171,10 @@ def search(
         return _beam_search(model, src, settings, use_cache, trace, forced)
 
 
-def new_decoder(
-    model, src: torch.Tensor, use_cache: bool, also: Callable[[], torch.Tensor] | None = None
-) -> Decoder | EnsembleDecoder:
+Also = Callable[[], torch.Tensor] | None  # per source, the ids a shortlist must keep (B, L), -1 padded
+
+
+def new_decoder(model, src: torch.Tensor, use_cache: bool, also: Also = None) -> Decoder | EnsembleDecoder:
     """The decoder side of a search over `model`: one model's, or an ensemble's. `also`: per source, the target ids
     a shortlist must keep (a forced prefix's, constraints'), made only where the model has one (a device sync)."""
     if isinstance(model, Ensemble):
@@ -186,7 +187,7 @@ class Decoder:
     live row; with the cache (which owns the encoder K/V and the memory mask), or from scratch for tests. With a
     shortlist (model.shortlist), each step scores the batch's candidates only, a row's softmax over its source's."""
 
-    def __init__(self, model, src: torch.Tensor, use_cache: bool, also: Callable[[], torch.Tensor] | None = None):
+    def __init__(self, model, src: torch.Tensor, use_cache: bool, also: Also = None):
         src_mask = padding_mask(src, model.specials.pad)
         memory = model.encode(src, src_mask)  # (B, S, C)
         self.model, self.steps, self.eos = model, 0, model.specials.eos
@@ -196,7 +197,7 @@ class Decoder:
         self.memory, self.memory_mask = (None, None) if use_cache else (memory, src_mask)
         self.candidates = self.project = self.columns = self.off = None
         self.eos_column = self.eos
-        if model.shortlist is not None:  # columns: each id's, -1 off the list (BOS); off: per row, others' columns
+        if model.shortlist is not None:  # columns: each id's, -1 off the list (BOS); off: per source, others' columns
             restricted = model.shortlist.restrict(src, model.output, memory.dtype, also)
             self.candidates, self.project, self.columns, self.off = restricted
             self.eos_column = int(self.columns[self.eos])
@@ -212,9 +213,10 @@ class Decoder:
         else:
             mask = causal_mask(prefix.size(1), prefix.device)
             out = step(prefix, self.memory, self.memory_mask, mask)
-        # (R, V) logits, or (R, K) over a shortlist's candidates (as Marian's lists): fp32, a copy in other dtypes
+        # (R, V) logits, or (R, K) over a shortlist's candidates (the projection's own): fp32, else a copy
         rows = (out[:, -1] if self.project is None else self.project(out[:, -1])).float()
-        rows = rows if self.off is None else rows.masked_fill_(self.off, float("-inf"))  # the projection's own
+        if self.off is not None:  # rows come grouped by source (DecoderCache.keep_rows): each group gets its own
+            rows.view(len(self.off), -1, rows.size(1)).masked_fill_(self.off[:, None], float("-inf"))
         if rows.device.type == "cpu" and not rows.requires_grad:
             # Over the logits, which nothing else reads: no new (R, V) tensor a step (26 MB at 800 rows and
             # 8,000 tokens), and the same values (docs/benchmarks/log.md, "log_softmax in place").
@@ -241,7 +243,7 @@ class Decoder:
 
     def keep_rows(self, index: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         """Keep rows `index`; `sources`: the sentences that stay when some leave (DecoderCache.keep_rows)."""
-        self.off = None if self.off is None else self.off.index_select(0, index)
+        self.off = self.off if self.off is None or sources is None else self.off.index_select(0, sources)
         if self.cache is not None:
             self.cache.keep_rows(index, sources)
         else:
@@ -254,9 +256,7 @@ class EnsembleDecoder:
     mean of their log-probabilities (module docstring). Summed in member order and divided once: one member gives
     its own values exactly, and two copies of one model give them too (a + a and the halving are exact)."""
 
-    def __init__(
-        self, ensemble: Ensemble, src: torch.Tensor, use_cache: bool, also: Callable[[], torch.Tensor] | None = None
-    ):
+    def __init__(self, ensemble: Ensemble, src: torch.Tensor, use_cache: bool, also: Also = None):
         self.members = [Decoder(model, src, use_cache, also) for model in ensemble.models]
         self.steps, self.eos = 0, ensemble.specials.eos
         first = self.members[0]  # one vocabulary and one list: every member's columns are the first's
