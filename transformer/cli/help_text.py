@@ -139,9 +139,9 @@ SHORTLIST = (
     "--shortlist: for each source piece the target pieces seen with it most (the Dice coefficient over the "
     "run's training pairs, or --src/--tgt), and the most frequent target pieces. A search then scores only a "
     "sentence's candidates at each step instead of the whole vocabulary (its batch's projected together). The "
-    "file is CTranslate2's vocabulary map (vmap), which --engine ctranslate2 and `export ctranslate2` use too. It prints what share of the "
-    "validation references' pieces the candidates hold; `evaluate` with and without --shortlist measures "
-    "the BLEU it costs. Seconds for Multi30k's 29,000 pairs."
+    "file is CTranslate2's vocabulary map (vmap), which --engine ctranslate2 and `export ctranslate2` use too. "
+    "It prints what share of the validation references' pieces the candidates hold; `evaluate` with and "
+    "without --shortlist measures the BLEU it costs. Seconds for Multi30k's 29,000 pairs."
 )
 
 # transformer export
