@@ -57,13 +57,12 @@ train: install data
 # continues where it stopped (a training resumes, a synthesis goes on after its last part); a finished step returns
 # in seconds, so any of these is safe to run again.
 CAPTIONS    := data/captions/train.en
-CAPTIONS_DE := data/captions/train.de
 reverse: install data train
 	$(PY) -m transformer train configs/multi30k_en_de.yaml --resume $(ARGS)
 
-data/captions/train.%:
+$(CAPTIONS):
 	mkdir -p $(dir $@)
-	cat $(DATA_MIRROR)/multi30k_captions/train.[1-5].$* > $@.tmp && mv $@.tmp $@
+	cat $(DATA_MIRROR)/multi30k_captions/train.[1-5].en > $@.tmp && mv $@.tmp $@
 
 bt-data: reverse $(CAPTIONS)
 	$(PY) -m transformer synthesize runs/multi30k_en_de --input $(CAPTIONS) --out runs/synthetic/bt_captions \
@@ -76,11 +75,8 @@ bt: bt-data
 bt-tune: bt
 	$(PY) -m transformer train configs/multi30k_bt_tune.yaml --resume $(ARGS)
 
-# The teacher translates the 29,000 training sources and the 145,000 German captions: a student learns from both.
-distill-data: bt $(CAPTIONS_DE)
+distill-data: bt
 	$(PY) -m transformer synthesize runs/multi30k_bt --input data/multi30k/train.de --out runs/synthetic/distilled \
-		--beam 4
-	$(PY) -m transformer synthesize runs/multi30k_bt --input $(CAPTIONS_DE) --out runs/synthetic/distilled_captions \
 		--beam 4
 
 student: distill-data
