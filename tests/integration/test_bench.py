@@ -486,3 +486,61 @@ def test_bench_models_times_each_model_without_and_with_its_shortlist(tmp_path):
     rows = bench_models(tmp_path, sentences(5, 6), "--models", checkpoint, "--shortlist", "both", "--rounds", "1")
     assert [(r["model"], r["shortlist"]) for r in rows] == [(str(checkpoint), False), (str(checkpoint), True)]
     assert [r["bleu"] for r in rows] == [100.0, 100.0]
+
+
+def bench_shapes(tmp_path, run, *shapes: list[str]) -> subprocess.CompletedProcess:
+    """scripts/bench_shapes.py on the run fixture's 12 test pairs, one timed round, with these --shape groups."""
+    data = run.parent / "data"
+    argv = [sys.executable, "scripts/bench_shapes.py", str(data / "test.de"), "--ref", str(data / "test.en")]
+    for shape in shapes:
+        argv += ["--shape", *shape]
+    argv += ["--rounds", "1", "--threads", "1", "--json", str(tmp_path / "shapes.json")]
+    return subprocess.run(argv, capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=300)
+
+
+def test_bench_shapes_prices_a_shape_by_its_config_and_vocabulary_not_its_weights(run, tmp_path):
+    """Each shape is the run's model with the overrides applied (its parameter count says so) and its own
+    vocabulary; every output is as long as its reference in that vocabulary (+ EOS); the first is the baseline."""
+    from tests.helpers import train_vocab
+    from transformer.config import apply_overrides, from_dict
+    from transformer.data.corpus import read_lines
+    from transformer.data.vocab import vocab_from_stored
+    from transformer.model.checkpoint import load_checkpoint
+
+    small = train_vocab(sentences(5, 300), vocab_size=60)
+    (tmp_path / "small.model").write_bytes(small.proto)
+    result = bench_shapes(
+        tmp_path,
+        run,
+        ["teacher", str(run)],
+        [
+            "student",
+            str(run / "best.pt"),
+            "model.n_decoder_layers=1",
+            "model.d_ff=32",
+            f"vocab={tmp_path / 'small.model'}",
+        ],
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "shapes.json").read_text())["shapes"]
+    assert [r["shape"] for r in rows] == ["teacher", "student"] and rows[0]["speed_vs_first"] == 1.0
+    state = load_checkpoint(run / "best.pt")
+    refs = read_lines(run.parent / "data" / "test.en")
+    for row, overrides, vocab in [
+        (rows[0], [], vocab_from_stored(state["vocab"])),
+        (rows[1], ["model.n_decoder_layers=1", "model.d_ff=32"], small),
+    ]:
+        cfg = from_dict(apply_overrides(state["config"], overrides))
+        assert row["parameters"] == count_parameters(Transformer(cfg.model, len(vocab)))
+        assert row["vocab_size"] == len(vocab) and row["model"]["n_decoder_layers"] == cfg.model.n_decoder_layers
+        lengths = [len(ids) + 1 for ids in vocab.encode(refs)]
+        assert row["output_tokens"] == sum(lengths)
+        assert max(lengths) <= row["decoder_steps"] <= sum(lengths)  # a batch runs as long as its longest
+        assert len(row["seconds"]) == 1 and row["seconds"][0] > 0
+        assert row["shape"] in result.stdout
+
+
+def test_bench_shapes_names_a_bad_override_in_one_line(run, tmp_path):
+    result = bench_shapes(tmp_path, run, ["teacher", str(run)], ["odd", str(run), "model.d_model=30"])
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("bench_shapes: ")
