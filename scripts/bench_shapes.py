@@ -56,7 +56,7 @@ class Shape:
         self.name, self.beam, self.vocab_size = name, beam, len(vocab)
         self.model = Transformer(self.cfg.model, self.vocab_size, vocab.specials).eval()
         positions = self.cfg.model.max_positions
-        src_ids, ref_ids = vocab.encode(sources), vocab.encode(refs)
+        src_ids, ref_ids = vocab.encode(sources), vocab.encode_target(refs)
         self.batches = [
             (
                 prepare_sources([src_ids[i] for i in batch], positions, vocab.specials)[0],

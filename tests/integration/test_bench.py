@@ -533,7 +533,7 @@ def test_bench_shapes_prices_a_shape_by_its_config_and_vocabulary_not_its_weight
         cfg = from_dict(apply_overrides(state["config"], overrides))
         assert row["parameters"] == count_parameters(Transformer(cfg.model, len(vocab)))
         assert row["vocab_size"] == len(vocab) and row["model"]["n_decoder_layers"] == cfg.model.n_decoder_layers
-        lengths = [len(ids) + 1 for ids in vocab.encode(refs)]
+        lengths = [len(ids) + 1 for ids in vocab.encode_target(refs)]
         assert row["output_tokens"] == sum(lengths)
         assert max(lengths) <= row["decoder_steps"] <= sum(lengths)  # a batch runs as long as its longest
         assert len(row["seconds"]) == 1 and row["seconds"][0] > 0
@@ -544,3 +544,25 @@ def test_bench_shapes_names_a_bad_override_in_one_line(run, tmp_path):
     result = bench_shapes(tmp_path, run, ["teacher", str(run)], ["odd", str(run), "model.d_model=30"])
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("bench_shapes: ")
+
+
+def test_bench_shapes_replays_a_search_whose_sentences_leave_at_their_reference_length(run, monkeypatch):
+    """The replay decodes a batch's first step with a row per sentence, then `beam` rows for each sentence whose
+    reference (+ EOS) is longer than the steps so far: a sentence leaves the batch once it has its length."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from bench_shapes import Shape
+
+    from transformer.data.corpus import read_lines
+
+    data = run.parent / "data"
+    shape = Shape("s", str(run), [], read_lines(data / "test.de"), read_lines(data / "test.en"), beam=3)
+    rows: list[int] = []
+    decode = shape.model.decode_states
+    monkeypatch.setattr(
+        shape.model, "decode_states", lambda tokens, **kw: rows.append(len(tokens)) or decode(tokens, **kw)
+    )
+    shape.search()
+    expected = []
+    for src, lengths in shape.batches:
+        expected += [src.size(0)] + [3 * sum(n > t for n in lengths) for t in range(1, max(lengths))]
+    assert rows == expected and len(rows) == shape.steps and len(shape.batches) > 1
