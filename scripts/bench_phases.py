@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from common import write_json
+from common import interleaved, write_json
 
 from transformer.data.batch import padding_mask, prepare_sources
 from transformer.data.corpus import read_lines
@@ -34,19 +33,6 @@ from transformer.device import cpu_description
 from transformer.inference.settings import STOP_RULES, SearchFlags
 from transformer.inference.translator import Translator
 from transformer.model.transformer import evaluating
-
-
-def interleaved(passes: dict, rounds: int) -> dict[str, list[float]]:
-    """One untimed call of each pass, then `rounds` rounds timing each once; order reversed every other round."""
-    for run in passes.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in passes}
-    for r in range(rounds):
-        for name in list(passes) if r % 2 == 0 else list(reversed(passes)):
-            start = time.perf_counter()
-            passes[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def operator_profile(run, top: int) -> list[dict]:

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from common import write_json
+from common import interleaved, write_json
 
 from transformer.config import apply_overrides, from_dict
 from transformer.data.batch import padding_mask, prepare_sources
@@ -143,14 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     except UserError as e:
         raise SystemExit(f"bench_shapes: {e}") from None
     with torch.inference_mode():
-        for shape in shapes:  # untimed: allocator and kernels warm
-            shape.search()
-        times: dict[str, list[float]] = {s.name: [] for s in shapes}
-        for r in range(args.rounds):
-            for shape in shapes if r % 2 == 0 else list(reversed(shapes)):
-                start = time.perf_counter()
-                shape.search()
-                times[shape.name].append(time.perf_counter() - start)
+        times = interleaved({shape.name: shape.search for shape in shapes}, args.rounds)
     base = shapes[0].name
     rows = []
     cpu = cpu_description()

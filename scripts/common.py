@@ -1,5 +1,5 @@
 """What more than one script needs: waiting for the GPU before a clock is read, a process's resident memory,
-CTranslate2 called as its users call it, and the JSON a script writes.
+CTranslate2 called as its users call it, passes timed in interleaved rounds, and the JSON a script writes.
 
 The scripts run as `python scripts/NAME.py`, which puts this folder first on the import path, so they import it as
 `from common import sync`; they do not import one another. It imports no torch at module level: bench_memory's
@@ -9,6 +9,7 @@ parent process does not load it.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 
@@ -58,3 +59,16 @@ def ctranslate2_itself(
 def write_json(path, record: dict) -> None:
     """A script's results as indented JSON at `path`."""
     Path(path).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def interleaved(passes: dict, rounds: int) -> dict[str, list[float]]:
+    """One untimed call of each pass, then `rounds` rounds timing each once; order reversed every other round."""
+    for run in passes.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for r in range(rounds):
+        for name in list(passes) if r % 2 == 0 else list(reversed(passes)):
+            start = time.perf_counter()
+            passes[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
