@@ -8,8 +8,9 @@ is the median over rounds of the ratio within a round, so that the machine's dri
         [--shortlist off|on|both] [--limit 500] [--rounds 3] [--json out.json]
 
 --shortlist both times each model without and with its lexical shortlist (`transformer shortlist` writes it).
-Prints a table (model, engine, shortlist, sentences/s, ratio to the first row of the same engine, BLEU) and writes
-it as JSON. Tokenisation and detokenisation are included, as a user of `translate` pays them.
+Prints a table (model, engine, shortlist, sentences/s, ratio to the first row of the same engine, BLEU, and that
+ratio in each round) and writes it as JSON, with each round's seconds. Tokenisation and detokenisation are
+included, as a user of `translate` pays them.
 """
 
 from __future__ import annotations
@@ -72,16 +73,21 @@ def main(argv: list[str] | None = None) -> dict:
                     "sentences": len(lines),
                     "sentences_per_s": round(len(lines) / statistics.median(seconds[i]), 1),
                     "speed_vs_first": round(statistics.median(ratios), 3),
+                    # Per round, so that a reader sees how far one round's ratio is from another's.
+                    "seconds_per_round": seconds[i],
+                    "ratio_per_round": [round(x, 3) for x in ratios],
                     "bleu": round(corpus_scores(outputs[i], refs, ["bleu"])["bleu"], 2) if refs else None,
                 }
             )
-    print(f"{'model':40} {'engine':12} {'list':5} {'dtype':6} {'sent/s':>8} {'x first':>8} {'BLEU':>6}")
+    print(
+        f"{'model':40} {'engine':12} {'list':5} {'dtype':6} {'sent/s':>8} {'x first':>8} {'BLEU':>6}  x first by round"
+    )
     for r in rows:
         bleu = f"{r['bleu']:.2f}" if r["bleu"] is not None else "-"
         print(
             f"{r['model'][-40:]:40} {r['engine']:12} {'yes' if r['shortlist'] else 'no':5} {r['dtype']:6} "
             f"{r['sentences_per_s']:>8} "
-            f"{r['speed_vs_first']:>8} {bleu:>6}"
+            f"{r['speed_vs_first']:>8} {bleu:>6}  {' '.join(f'{x:.2f}' for x in r['ratio_per_round'])}"
         )
     record = {"test_set": args.test_set, "rounds": args.rounds, "rows": rows}
     if args.json:

@@ -470,9 +470,15 @@ def bench_models(tmp_path, lines: list[str], *args) -> list[dict]:
 def test_bench_models_times_models_side_by_side(run, copy_model, tmp_path):
     """A model against itself and another: the first's ratio is 1, every model's rate is its sentences over its
     median time, BLEU where references are given."""
-    rows = bench_models(tmp_path, sentences(3, 6), "--models", copy_model, run / "best.pt", "--rounds", "2")
+    rows = bench_models(tmp_path, sentences(3, 6), "--models", copy_model, run / "best.pt", "--rounds", "3")
     assert [r["model"] for r in rows] == [str(copy_model), str(run / "best.pt")]
     assert rows[0]["speed_vs_first"] == 1.0 and all(r["sentences"] == 6 and r["sentences_per_s"] > 0 for r in rows)
+    # Each round's seconds are kept; the rate is over their median, the ratio the median of the rounds' ratios.
+    first, second = (r["seconds_per_round"] for r in rows)
+    assert len(first) == len(second) == 3 and rows[0]["ratio_per_round"] == [1.0] * 3
+    assert rows[1]["sentences_per_s"] == round(6 / sorted(second)[1], 1)
+    assert rows[1]["ratio_per_round"] == [round(a / b, 3) for a, b in zip(first, second)]
+    assert rows[1]["speed_vs_first"] == round(sorted(a / b for a, b in zip(first, second))[1], 3)
     assert rows[0]["bleu"] == 100.0  # the copy model copies: its outputs are the references
 
 
