@@ -1,7 +1,8 @@
 """Several models' translation speed and quality on one test set, measured side by side in one run: a student
 beside its teacher (docs/more-data.md). Each model is a Translator as `translate` runs it (either engine, one
-dtype); the timed passes run in rounds, every model once per round, and each model's speed relative to the first
-is the median over rounds of the ratio within a round, so that the machine's drift falls on all of them alike.
+dtype); the timed passes run in rounds, every model once per round (in reverse order every other round), and each
+model's speed relative to the first is the median over rounds of the ratio within a round, so that the machine's
+drift falls on all of them alike.
 
     python scripts/bench_models.py data/multi30k/test.de --ref data/multi30k/test.en \\
         --models runs/multi30k_bt runs/multi30k_student --beam 4 --dtype bf16 --engine ours ctranslate2 \\
@@ -17,20 +18,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from common import write_json
+from common import interleaved, write_json
 
 from transformer.data.corpus import read_lines
 from transformer.inference.scoring import corpus_scores
 from transformer.inference.settings import SearchFlags
 from transformer.inference.translator import Translator
-
-
-def timed(translator: Translator, lines: list[str]) -> tuple[float, list[str]]:
-    start = time.perf_counter()
-    out = translator.translate(lines)
-    return time.perf_counter() - start, out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -56,11 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
             Translator(m, "cpu", SearchFlags(beam=args.beam, dtype=args.dtype, engine=engine, shortlist=short))
             for m, short in runs
         ]
-        outputs = [timed(t, lines)[1] for t in translators]  # untimed: caches, conversions, packing
-        seconds = [[] for _ in translators]
-        for _ in range(args.rounds):
-            for i, t in enumerate(translators):
-                seconds[i].append(timed(t, lines)[0])
+        outputs = [t.translate(lines) for t in translators]  # untimed: caches, conversions, packing
+        passes = {i: (lambda t=t: t.translate(lines)) for i, t in enumerate(translators)}
+        seconds = list(interleaved(passes, args.rounds, warm=False).values())
         for i, (model, short) in enumerate(runs):
             ratios = [first / mine for first, mine in zip(seconds[0], seconds[i])]
             rows.append(

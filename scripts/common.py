@@ -61,10 +61,12 @@ def write_json(path, record: dict) -> None:
     Path(path).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
-def interleaved(passes: dict, rounds: int) -> dict[str, list[float]]:
-    """One untimed call of each pass, then `rounds` rounds timing each once; order reversed every other round."""
-    for run in passes.values():
-        run()
+def interleaved(passes: dict, rounds: int, warm: bool = True) -> dict[str, list[float]]:
+    """One untimed call of each pass (warm=False: the caller made it), then `rounds` rounds timing each once; order
+    reversed every other round, so that neither the first nor the last place of a round favours one pass."""
+    if warm:
+        for run in passes.values():
+            run()
     times: dict[str, list[float]] = {name: [] for name in passes}
     for r in range(rounds):
         for name in list(passes) if r % 2 == 0 else list(reversed(passes)):

@@ -572,3 +572,23 @@ def test_bench_shapes_replays_a_search_whose_sentences_leave_at_their_reference_
     for src, lengths in shape.batches:
         expected += [src.size(0)] + [3 * sum(n > t for n in lengths) for t in range(1, max(lengths))]
     assert rows == expected and len(rows) == shape.steps and len(shape.batches) > 1
+
+
+def scripts_common():
+    """scripts/common.py as the scripts import it (they run with scripts/ first on the path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scripts_common", ROOT / "scripts" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_interleaved_times_each_pass_once_a_round_and_reverses_every_other_round(warm):
+    calls = []
+    passes = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = scripts_common().interleaved(passes, rounds=3, warm=warm)
+    untimed = list("abc") if warm else []
+    assert calls == untimed + list("abc") + list("cba") + list("abc")
+    assert list(times) == list("abc") and all(len(t) == 3 and min(t) >= 0 for t in times.values())
