@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
             for m, short in runs
         ]
         outputs = [t.translate(lines) for t in translators]  # untimed: caches, conversions, packing
-        passes = {i: (lambda t=t: t.translate(lines)) for i, t in enumerate(translators)}
+        passes = {str(i): (lambda t=t: t.translate(lines)) for i, t in enumerate(translators)}
         seconds = list(interleaved(passes, args.rounds, warm=False).values())
         for i, (model, short) in enumerate(runs):
             ratios = [first / mine for first, mine in zip(seconds[0], seconds[i])]
