@@ -17,7 +17,7 @@ from tests.data.test_store import config
 from tests.helpers import tiny_config, write_corpus
 from transformer.config import Config, from_dict
 from transformer.data.corpus import read_lines
-from transformer.data.prepare import STORES, open_prepared, prepare, prepare_corpora
+from transformer.data.prepare import STORES, open_prepared, pair_data, prepare, prepare_corpora
 from transformer.data.store import BUILDING, FORMAT
 from transformer.data.vocab import Vocab
 from transformer.errors import UserError
@@ -175,3 +175,40 @@ def test_a_folder_at_a_corpus_stores_place_that_is_not_ours_stays_and_a_killed_b
     directory.rmdir()
     prepare_corpora(cfg, run_dir, vocab, quiet=True)
     assert not leftover.exists() and (directory / "manifest.json").is_file()
+
+
+def test_pair_data_picks_a_pair_by_its_target_its_source_or_both():
+    one_to_many = from_dict(
+        {
+            "data": {
+                "dir": "m",
+                "src_lang": "en",
+                "tgt_lang": "de",
+                "corpora": [
+                    {"name": "en-fr", "dir": "m", "tgt_lang": "fr", "test_split": "test"},
+                ],
+            }
+        }
+    ).data
+    many_to_one = from_dict(
+        {
+            "data": {
+                "dir": "m",
+                "src_lang": "de",
+                "tgt_lang": "en",
+                "corpora": [
+                    {"name": "fr-en", "dir": "f", "src_lang": "fr", "test_split": "test2016"},
+                    {"name": "cs-en", "dir": "c", "src_lang": "cs"},  # no split to score: not a pair to evaluate
+                ],
+            }
+        }
+    ).data
+    assert pair_data(one_to_many, None) is one_to_many and pair_data(one_to_many, "de") is one_to_many
+    assert (pair_data(one_to_many, "fr").src_lang, pair_data(one_to_many, "fr").tgt_lang) == ("en", "fr")
+    assert pair_data(many_to_one, "en") is many_to_one and pair_data(many_to_one, None, "de") is many_to_one
+    french = pair_data(many_to_one, "en", "fr")
+    assert (french.dir, french.src_lang, french.tgt_lang, french.test_split) == ("f", "fr", "en", "test2016")
+    assert pair_data(many_to_one, None, "fr") == french
+    for target, source in (("fr", None), (None, "cs"), ("de", "fr")):
+        with pytest.raises(UserError, match=r"no pair of this run .* \(its pairs: de-en, fr-en\)"):
+            pair_data(many_to_one, target, source)

@@ -209,3 +209,34 @@ def test_the_page_inspections_ask_for_the_language_as_translate_does(trained):
             assert refused.status_code == 422 and "give --target-lang" in refused.json()["error"], path
             refused = client.post(path, json={"text": "der hund", "target_lang": "cs"})
             assert refused.status_code == 422 and "this model translates into en, fr" in refused.json()["error"]
+
+
+def test_evaluate_takes_a_many_to_one_pair_by_its_source_language(tmp_path, call):
+    corpus = write_three_way(tmp_path / "c")
+    fr = {"name": "fr-en", "dir": str(corpus), "src_lang": "fr", "valid_split": "valid", "test_split": "test"}
+    cfg = from_dict(tiny_config(tmp_path, data_dir=corpus, data={"corpora": [fr], "vocab_size": 96}))
+    run_dir = train(cfg, quiet=True)
+    assert cfg.data.target_tokens == {}  # one target language: no token, so the source picks the pair
+    status, _, err = call("evaluate", run_dir, "--split", "test", "--source-lang", "fr", "--dtype", "fp32")
+    assert status == 0, err
+    [picked] = (run_dir / "eval").glob("test.fr-en.*.hyp")
+    status, _, err = call(
+        "evaluate", run_dir, "--src", corpus / "test.fr", "--ref", corpus / "test.en", "--dtype", "fp32"
+    )
+    assert status == 0, err
+    [given] = (run_dir / "eval").glob("test.fr.*.hyp")
+    assert picked.read_text(encoding="utf-8") == given.read_text(encoding="utf-8")  # the French test set itself
+    for argv, message in [
+        (
+            ["--split", "test", "--source-lang", "cs"],
+            "no pair of this run with a validation or test split is cs-* (its pairs: de-en, fr-en)",
+        ),
+        (
+            ["--src", corpus / "test.fr", "--ref", corpus / "test.en", "--source-lang", "fr"],
+            "--source-lang picks a pair",
+        ),
+    ]:
+        status, _, err = call("evaluate", run_dir, "--dtype", "fp32", *argv)
+        assert status == 2 and message in err and len(err.splitlines()) == 1, err
+    status, _, err = call("evaluate", "--hyp", picked, "--ref", corpus / "test.en", "--source-lang", "fr")
+    assert status == 2 and "--source-lang picks nothing" in err, err

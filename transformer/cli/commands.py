@@ -204,6 +204,9 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         if searched:
             flag = "--" + searched[0].replace("_", "-")
             raise UserError(f"evaluate: --hyp scores translations already made; {flag} has nothing to search")
+        for flag, value in (("--target-lang", args.target_lang), ("--source-lang", args.source_lang)):
+            if value is not None:
+                raise UserError(f"evaluate: --hyp scores translations already made against --ref; {flag} picks nothing")
         run_evaluate(
             [*args.checkpoints, *args.run], args.split, args.src, args.ref, compared=args.compare, hyp=args.hyp
         )
@@ -213,7 +216,15 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         raise UserError(f"evaluate: {rest[0]} is not a run directory or checkpoint file")
     with out_of_memory_names("the search (lower --beam or --max-tokens)"):
         run_evaluate(
-            checkpoints, args.split, args.src, args.ref, args.device, flags, args.compare, target_lang=args.target_lang
+            checkpoints,
+            args.split,
+            args.src,
+            args.ref,
+            args.device,
+            flags,
+            args.compare,
+            target_lang=args.target_lang,
+            source_lang=args.source_lang,
         )
 
 

@@ -409,6 +409,12 @@ def _add_evaluate(sub) -> None:
     )
     add_search_options(p)
     _add_target_lang(p, "the test set")
+    p.add_argument(
+        "--source-lang",
+        metavar="LANG",
+        help="the pair of a run of several source languages to evaluate, by its source (many-to-one: --source-lang "
+        "fr reads the fr-en corpus's split; with --target-lang, the pair of both); default: data.src_lang's pair",
+    )
     p.set_defaults(func=commands.cmd_evaluate)
 
 

@@ -446,17 +446,28 @@ def valid_sets(cfg: Config, store: Store, corpora: list[tuple[CorpusConfig, Stor
     return sets
 
 
-def pair_data(d: DataConfig, target_lang: str | None) -> DataConfig:
-    """The data settings of one language pair of a run, the one into `target_lang`: data.dir's, or the corpus of
-    data.corpora that translates into it, with its own validation and test splits (evaluate on one pair of a
-    multilingual run). A language no corpus with a validation or test split translates into: a one-line error."""
-    if target_lang is None or target_lang == d.tgt_lang:
+def pair_data(d: DataConfig, target_lang: str | None, source_lang: str | None = None) -> DataConfig:
+    """The data settings of one language pair of a run, the one from `source_lang` into `target_lang` (either None:
+    any): data.dir's, or the corpus of data.corpora that translates so, with its own validation and test splits
+    (evaluate on one pair of a multilingual run: into French of one-to-many, from French of many-to-one). A pair no
+    corpus with a validation or test split translates: a one-line error that names the run's pairs."""
+
+    def asked(data: DataConfig) -> bool:
+        return target_lang in (None, data.tgt_lang) and source_lang in (None, data.src_lang)
+
+    if asked(d):
         return d
+    pairs = [pair_name(d.src_lang, d.tgt_lang)]
     for c in d.corpora:
-        if (c.tgt_lang or d.tgt_lang) == target_lang and (c.valid_split or c.test_split):
-            splits = {"valid_split": c.valid_split or d.valid_split, "test_split": c.test_split or d.test_split}
-            return dataclasses.replace(corpus_data(d, c), **splits)
+        if c.valid_split or c.test_split:
+            data = corpus_data(d, c)
+            if asked(data):
+                return dataclasses.replace(
+                    data, valid_split=c.valid_split or d.valid_split, test_split=c.test_split or d.test_split
+                )
+            pairs.append(pair_name(data.src_lang, data.tgt_lang))
+    wanted = pair_name(source_lang or "*", target_lang or "*")
     raise UserError(
-        f"evaluate: no corpus of this run translates into {target_lang} with a validation or test split; give the "
-        "files with --src and --ref"
+        f"evaluate: no pair of this run with a validation or test split is {wanted} (its pairs: {', '.join(pairs)}); "
+        "give the files with --src and --ref"
     )

@@ -284,6 +284,7 @@ def run_evaluate(
     compared: Sequence[str] = (),
     hyp: str | None = None,
     target_lang: str | None = None,
+    source_lang: str | None = None,
 ) -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files) with the search `flags` over the
     checkpoint's decode section, score, write .hyp and .json. Several run directories or checkpoints: an ensemble,
@@ -291,19 +292,27 @@ def run_evaluate(
     other systems (run directories, checkpoints, files of translations), compared with this one, the baseline, by
     paired bootstrap resampling (comparison.py): printed, and kept in the baseline's .json. `hyp`: a file of
     translations, scored (and compared) in place of a model's. `target_lang`: the language pair of a multilingual
-    run to evaluate (its corpus's split, its token before each source; data.dir's pair by default)."""
-    from transformer.data.prepare import pair_data
+    run to evaluate (its corpus's split, its token before each source; data.dir's pair by default); `source_lang`
+    picks it by its source language too (a many-to-one run's pairs share their target)."""
+    from transformer.data.prepare import pair_data, pair_name
     from transformer.inference.translator import Translator
 
     members = [] if run_dir is None else [run_dir] if isinstance(run_dir, str) else list(run_dir)
     _check_inputs(split, src, ref, hyp, members)
+    if source_lang is not None and src is not None:
+        raise UserError("evaluate: --source-lang picks a pair of the run's own data: give it a --split, not --src")
     if hyp is not None:
         return _evaluate_files(hyp, ref, compared)
     translator = Translator(members, device, flags, target_lang=target_lang)
     if translator.token_required:  # a multilingual run: one pair at a time, named after its target language
         translator.target_lang = translator.target_lang or translator.cfg.data.tgt_lang
-    test = _test_set(pair_data(translator.cfg.data, translator.target_lang if src is None else None), split, src, ref)
-    if translator.token_required:
+    data = (
+        translator.cfg.data if src is not None else pair_data(translator.cfg.data, translator.target_lang, source_lang)
+    )
+    test = _test_set(data, split, src, ref)
+    if source_lang is not None:  # named as the end of training names a pair's translations
+        test = replace(test, name=f"{test.name}.{pair_name(data.src_lang, data.tgt_lang)}")
+    elif translator.token_required:
         test = replace(test, name=f"{test.name}.{translator.target_lang}")
     others = [_comparand(path, len(test.references)) for path in compared]  # a typo fails before the searching
     record, hypotheses, json_path = _evaluate_system(translator, members, test)
