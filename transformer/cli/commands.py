@@ -204,11 +204,15 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         if searched:
             flag = "--" + searched[0].replace("_", "-")
             raise UserError(f"evaluate: --hyp scores translations already made; {flag} has nothing to search")
-        for flag, value in (("--target-lang", args.target_lang), ("--source-lang", args.source_lang)):
-            if value is not None:
-                raise UserError(f"evaluate: --hyp scores translations already made against --ref; {flag} picks nothing")
         run_evaluate(
-            [*args.checkpoints, *args.run], args.split, args.src, args.ref, compared=args.compare, hyp=args.hyp
+            [*args.checkpoints, *args.run],
+            args.split,
+            args.src,
+            args.ref,
+            compared=args.compare,
+            hyp=args.hyp,
+            target_lang=args.target_lang,
+            source_lang=args.source_lang,
         )
         return
     checkpoints, rest = _checkpoints("evaluate", args, list(args.run))

@@ -71,9 +71,17 @@ def _results_name(eval_dir: Path, name: str, settings: str, source: list | None,
     return f"{name}.{digest[:8]}.{settings}"
 
 
-def _check_inputs(split: str | None, src: str | None, ref: str | None, hyp: str | None, runs: list[str]) -> None:
+def _check_inputs(
+    split: str | None,
+    src: str | None,
+    ref: str | None,
+    hyp: str | None,
+    runs: list[str],
+    target_lang: str | None = None,
+    source_lang: str | None = None,
+) -> None:
     """A split or --src/--ref files, not both, and a split's name never a path out of the run; --hyp with --ref
-    and nothing to translate."""
+    and nothing to translate or pick; --source-lang only for a split of the run's own data."""
     from transformer.config import split_name_problem
 
     if hyp is not None:
@@ -83,7 +91,12 @@ def _check_inputs(split: str | None, src: str | None, ref: str | None, hyp: str 
             raise UserError(
                 "evaluate: --hyp scores translations already made: give no run, checkpoint, --split or --src with it"
             )
+        for flag, value in (("--target-lang", target_lang), ("--source-lang", source_lang)):
+            if value is not None:
+                raise UserError(f"evaluate: --hyp scores translations already made against --ref; {flag} picks nothing")
         return
+    if source_lang is not None and src is not None:
+        raise UserError("evaluate: --source-lang picks a pair of the run's own data: give it a --split, not --src")
     if (src is None) != (ref is None):
         raise UserError("evaluate: --src and --ref go together")
     if src is not None and split is not None:
@@ -298,9 +311,7 @@ def run_evaluate(
     from transformer.inference.translator import Translator
 
     members = [] if run_dir is None else [run_dir] if isinstance(run_dir, str) else list(run_dir)
-    _check_inputs(split, src, ref, hyp, members)
-    if source_lang is not None and src is not None:
-        raise UserError("evaluate: --source-lang picks a pair of the run's own data: give it a --split, not --src")
+    _check_inputs(split, src, ref, hyp, members, target_lang, source_lang)
     if hyp is not None:
         return _evaluate_files(hyp, ref, compared)
     translator = Translator(members, device, flags, target_lang=target_lang)
