@@ -17,7 +17,7 @@ from tests.data.test_store import config
 from tests.helpers import tiny_config, write_corpus
 from transformer.config import Config, from_dict
 from transformer.data.corpus import read_lines
-from transformer.data.prepare import STORES, open_prepared, pair_data, prepare, prepare_corpora
+from transformer.data.prepare import STORES, eval_pairs, open_prepared, pair_data, prepare, prepare_corpora
 from transformer.data.store import BUILDING, FORMAT
 from transformer.data.vocab import Vocab
 from transformer.errors import UserError
@@ -212,3 +212,30 @@ def test_pair_data_picks_a_pair_by_its_target_its_source_or_both():
     for target, source in (("fr", None), (None, "cs"), ("de", "fr")):
         with pytest.raises(UserError, match=r"no pair of this run .* \(its pairs: de-en, fr-en\)"):
             pair_data(many_to_one, target, source)
+
+
+def test_eval_pairs_names_each_pair_once_and_a_second_test_set_of_a_pair_by_its_corpus():
+    """Validation, the end of training and `evaluate` take a run's pairs from eval_pairs: a corpus of data.dir's
+    languages with its own test split (a second test set) is named by its corpus, not as data.dir's pair again,
+    and a corpus with no split to score is not a pair at all."""
+    d = from_dict(
+        {
+            "data": {
+                "dir": "m",
+                "corpora": [
+                    {"name": "flickr2017", "dir": "f", "test_split": "test_2017"},
+                    {"name": "fr-en", "dir": "m", "src_lang": "fr", "valid_split": "valid", "test_split": "test"},
+                    {"name": "bt", "dir": "b"},
+                ],
+            }
+        }
+    ).data
+    pairs = eval_pairs(d)
+    assert [p.name for p in pairs] == ["de-en", "flickr2017", "fr-en"]
+    assert [(p.data.dir, p.data.src_lang, p.valid_split, p.test_split) for p in pairs] == [
+        ("m", "de", "valid", "test"),
+        ("f", "de", "", "test_2017"),
+        ("m", "fr", "valid", "test"),
+    ]
+    assert pairs[0].corpus is None and [p.corpus.name for p in pairs[1:]] == ["flickr2017", "fr-en"]
+    assert pair_data(d, None, "de") is d  # data.dir's pair comes first among those of its languages

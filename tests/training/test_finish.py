@@ -272,3 +272,22 @@ def test_finish_refuses_half_a_test_split_before_searching_and_skips_a_missing_o
     summary = finish(run_dir, torch.device("cpu"))
     assert "test" not in summary and "test" not in json.loads((run_dir / "summary.json").read_text())
     assert "the corpus has no test split 'test'" in capsys.readouterr().err
+
+
+def test_the_end_of_training_scores_a_second_test_set_of_the_same_pair_on_its_own(tmp_path):
+    """A corpus of data.dir's languages with its own test split is a second test set: scored beside data.dir's under
+    its corpus's name, not merged into it under the same pair name (which kept one of the two)."""
+    from transformer.training.finish import test_sets
+
+    main = write_corpus(tmp_path / "main", n_train=4, n_valid=3, seed=1)
+    other = write_corpus(tmp_path / "other", n_train=4, n_valid=5, seed=2)
+    for corpus in (main, other):
+        for lang in ("de", "en"):
+            shutil.copy(corpus / f"valid.{lang}", corpus / f"test.{lang}")
+    raw = tiny_config(tmp_path, data_dir=main)
+    raw["data"]["corpora"] = [{"name": "flickr2017", "dir": str(other), "test_split": "test"}]
+    sets = test_sets(from_dict(raw))
+    assert [name for name, *_ in sets] == ["de-en", "flickr2017"]
+    for (_, sources, references, token), corpus in zip(sets, (main, other)):
+        assert sources == (corpus / "test.de").read_text().splitlines() and token == ""
+        assert references == (corpus / "test.en").read_text().splitlines()

@@ -432,42 +432,58 @@ def pair_name(src_lang: str, tgt_lang: str) -> str:
     return f"{src_lang}-{tgt_lang}"
 
 
-def valid_sets(cfg: Config, store: Store, corpora: list[tuple[CorpusConfig, Store]]) -> list[tuple]:
-    """The validation sets a run is scored on, (name, corpus, references): data.dir's, then each corpus's with a
-    validation split (a multilingual run's other language pairs), named by its languages (or the corpus's name
-    where two share them)."""
-    d = cfg.data
-    sets = [(pair_name(d.src_lang, d.tgt_lang), store.corpus("valid"), store.references("valid"))]
-    for c, s in corpora:
-        if c.valid_split:
+@dataclasses.dataclass(frozen=True)
+class EvalPair:
+    """One language pair a run is validated or tested on: data.dir's, or a corpus of data.corpora with its own
+    validation or test split (a multilingual run's other pairs, or another test set of the same pair)."""
+
+    name: str  # its languages ("fr-en"), or its corpus's name where an earlier pair has those languages
+    data: DataConfig  # the settings that read its files
+    corpus: CorpusConfig | None  # None: data.dir's
+    valid_split: str  # "" = none
+    test_split: str  # "" = none
+
+
+def eval_pairs(d: DataConfig) -> list[EvalPair]:
+    """The pairs of a run that have a validation or test split, data.dir's first, each named once: validation, the
+    end of training and `evaluate` all take a run's pairs from here, so a name means the same pair in each."""
+    pairs = [EvalPair(pair_name(d.src_lang, d.tgt_lang), d, None, d.valid_split, d.test_split)]
+    for c in d.corpora:
+        if c.valid_split or c.test_split:
             data = corpus_data(d, c)
             name = pair_name(data.src_lang, data.tgt_lang)
-            sets.append((c.name if name in [n for n, _, _ in sets] else name, s.corpus("valid"), s.references("valid")))
+            name = c.name if name in [p.name for p in pairs] else name
+            pairs.append(EvalPair(name, data, c, c.valid_split, c.test_split))
+    return pairs
+
+
+def valid_sets(cfg: Config, store: Store, corpora: list[tuple[CorpusConfig, Store]]) -> list[tuple]:
+    """The validation sets a run is scored on, (name, corpus, references): data.dir's, then each corpus's with a
+    validation split among `corpora` (eval_pairs names them)."""
+    stores = {c.name: s for c, s in corpora}
+    sets = []
+    for p in eval_pairs(cfg.data):
+        s = store if p.corpus is None else stores.get(p.corpus.name)
+        if s is not None and p.valid_split:
+            sets.append((p.name, s.corpus("valid"), s.references("valid")))
     return sets
 
 
 def pair_data(d: DataConfig, target_lang: str | None, source_lang: str | None = None) -> DataConfig:
     """The data settings of one language pair of a run, the one from `source_lang` into `target_lang` (either None:
-    any): data.dir's, or the corpus of data.corpora that translates so, with its own validation and test splits
+    any): data.dir's, or the first of eval_pairs that translates so, with its own validation and test splits
     (evaluate on one pair of a multilingual run: into French of one-to-many, from French of many-to-one). A pair no
     corpus with a validation or test split translates: a one-line error that names the run's pairs."""
-
-    def asked(data: DataConfig) -> bool:
-        return target_lang in (None, data.tgt_lang) and source_lang in (None, data.src_lang)
-
-    if asked(d):
-        return d
-    pairs = [pair_name(d.src_lang, d.tgt_lang)]
-    for c in d.corpora:
-        if c.valid_split or c.test_split:
-            data = corpus_data(d, c)
-            if asked(data):
-                return dataclasses.replace(
-                    data, valid_split=c.valid_split or d.valid_split, test_split=c.test_split or d.test_split
-                )
-            pairs.append(pair_name(data.src_lang, data.tgt_lang))
+    pairs = eval_pairs(d)
+    for p in pairs:
+        if target_lang in (None, p.data.tgt_lang) and source_lang in (None, p.data.src_lang):
+            if p.corpus is None:
+                return d
+            return dataclasses.replace(
+                p.data, valid_split=p.valid_split or d.valid_split, test_split=p.test_split or d.test_split
+            )
     wanted = pair_name(source_lang or "*", target_lang or "*")
     raise UserError(
-        f"evaluate: no pair of this run with a validation or test split is {wanted} (its pairs: {', '.join(pairs)}); "
-        "give the files with --src and --ref"
+        f"evaluate: no pair of this run with a validation or test split is {wanted} (its pairs: "
+        f"{', '.join(p.name for p in pairs)}); give the files with --src and --ref"
     )

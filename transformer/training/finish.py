@@ -14,7 +14,7 @@ import torch
 
 from transformer.config import Config, from_dict, save_config, to_dict
 from transformer.data.corpus import has_split, load_split
-from transformer.data.prepare import corpus_data, open_prepared_corpora, pair_name, valid_sets
+from transformer.data.prepare import eval_pairs, open_prepared_corpora, valid_sets
 from transformer.data.store import Store
 from transformer.data.vocab import vocab_from_stored
 from transformer.device import tf32_matmuls
@@ -249,18 +249,11 @@ def _finish(run_dir: str | Path, device: torch.device) -> dict:
 def test_sets(cfg: Config) -> list[tuple[str, list[str], list[str], str]]:
     """The test sets the end of training scores, (pair, sources, references, the target token or ""): data.dir's test
     split, and each corpus's test_split (a multilingual run's other pairs). Read now: half a split is an error."""
-    d, sets = cfg.data, []
-    for data, split, name in [
-        (d, d.test_split, pair_name(d.src_lang, d.tgt_lang)),
-        *(
-            (corpus_data(d, c), c.test_split, pair_name(*(corpus_data(d, c).src_lang, corpus_data(d, c).tgt_lang)))
-            for c in d.corpora
-            if c.test_split
-        ),
-    ]:
-        if has_split(data, split):
-            sources, references = load_split(data, split)
-            sets.append((name, sources, references, d.target_tokens.get(data.tgt_lang, "")))
+    sets = []
+    for p in eval_pairs(cfg.data):
+        if p.test_split and has_split(p.data, p.test_split):
+            sources, references = load_split(p.data, p.test_split)
+            sets.append((p.name, sources, references, cfg.data.target_tokens.get(p.data.tgt_lang, "")))
     return sets
 
 
