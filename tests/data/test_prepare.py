@@ -239,3 +239,8 @@ def test_eval_pairs_names_each_pair_once_and_a_second_test_set_of_a_pair_by_its_
     ]
     assert pairs[0].corpus is None and [p.corpus.name for p in pairs[1:]] == ["flickr2017", "fr-en"]
     assert pair_data(d, None, "de") is d  # data.dir's pair comes first among those of its languages
+    second = pair_data(d, None, None, "flickr2017")  # but its second test set is there by its name
+    assert (second.dir, second.src_lang, second.test_split) == ("f", "de", "test_2017")
+    assert pair_data(d, None, None, "de-en") is d and pair_data(d, None, None, "fr-en").src_lang == "fr"
+    with pytest.raises(UserError, match=r"no pair .* is bt \(its pairs: de-en, flickr2017, fr-en\)"):
+        pair_data(d, None, None, "bt")  # a corpus with no split to score

@@ -211,32 +211,49 @@ def test_the_page_inspections_ask_for_the_language_as_translate_does(trained):
             assert refused.status_code == 422 and "this model translates into en, fr" in refused.json()["error"]
 
 
-def test_evaluate_takes_a_many_to_one_pair_by_its_source_language(tmp_path, call):
-    corpus = write_three_way(tmp_path / "c")
+def test_evaluate_takes_a_many_to_one_pair_by_its_source_language_or_any_pair_by_its_name(tmp_path, call):
+    corpus, other = write_three_way(tmp_path / "c"), write_three_way(tmp_path / "o", seed=1)
     fr = {"name": "fr-en", "dir": str(corpus), "src_lang": "fr", "valid_split": "valid", "test_split": "test"}
-    cfg = from_dict(tiny_config(tmp_path, data_dir=corpus, data={"corpora": [fr], "vocab_size": 96}))
+    second = {"name": "second", "dir": str(other), "test_split": "test"}  # a second de-en test set
+    cfg = from_dict(tiny_config(tmp_path, data_dir=corpus, data={"corpora": [fr, second], "vocab_size": 96}))
     run_dir = train(cfg, quiet=True)
     assert cfg.data.target_tokens == {}  # one target language: no token, so the source picks the pair
-    status, _, err = call("evaluate", run_dir, "--split", "test", "--source-lang", "fr", "--dtype", "fp32")
-    assert status == 0, err
+
+    def inputs(glob: str) -> str:  # the digest of the sources and references a result was scored on
+        [record] = (run_dir / "eval").glob(f"{glob}.beam*.json")
+        return json.loads(record.read_text(encoding="utf-8"))["inputs_sha256"]
+
+    for argv in (
+        ["--split", "test", "--source-lang", "fr"],
+        ["--src", corpus / "test.fr", "--ref", corpus / "test.en"],
+        # The second German test set shares data.dir's languages: only its name picks it, as validation names it.
+        ["--split", "test", "--pair", "second"],
+        ["--src", other / "test.de", "--ref", other / "test.en"],
+        ["--split", "test"],
+    ):
+        status, _, err = call("evaluate", run_dir, *argv, "--dtype", "fp32")
+        assert status == 0, err
+    assert inputs("test.fr-en") == inputs("test.fr")  # the French test set itself
+    assert inputs("test.second") == inputs("test.de") != inputs("test") != inputs("test.fr")
     [picked] = (run_dir / "eval").glob("test.fr-en.*.hyp")
-    status, _, err = call(
-        "evaluate", run_dir, "--src", corpus / "test.fr", "--ref", corpus / "test.en", "--dtype", "fp32"
-    )
-    assert status == 0, err
-    [given] = (run_dir / "eval").glob("test.fr.*.hyp")
-    assert picked.read_text(encoding="utf-8") == given.read_text(encoding="utf-8")  # the French test set itself
     for argv, message in [
         (
             ["--split", "test", "--source-lang", "cs"],
-            "no pair of this run with a validation or test split is cs-* (its pairs: de-en, fr-en)",
+            "no pair of this run with a validation or test split is cs-* (its pairs: de-en, fr-en, second)",
+        ),
+        (
+            ["--pair", "cs-en"],
+            "no pair of this run with a validation or test split is cs-en (its pairs: de-en, fr-en, second)",
         ),
         (
             ["--src", corpus / "test.fr", "--ref", corpus / "test.en", "--source-lang", "fr"],
             "--source-lang picks a pair",
         ),
+        (["--src", corpus / "test.fr", "--ref", corpus / "test.en", "--pair", "fr-en"], "--pair picks a pair"),
+        (["--pair", "fr-en", "--source-lang", "fr"], "give it or --source-lang, not both"),
     ]:
         status, _, err = call("evaluate", run_dir, "--dtype", "fp32", *argv)
         assert status == 2 and message in err and len(err.splitlines()) == 1, err
-    status, _, err = call("evaluate", "--hyp", picked, "--ref", corpus / "test.en", "--source-lang", "fr")
-    assert status == 2 and "--source-lang picks nothing" in err, err
+    for flag, value in (("--source-lang", "fr"), ("--pair", "fr-en")):
+        status, _, err = call("evaluate", "--hyp", picked, "--ref", corpus / "test.en", flag, value)
+        assert status == 2 and f"{flag} picks nothing" in err, err

@@ -213,6 +213,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
             hyp=args.hyp,
             target_lang=args.target_lang,
             source_lang=args.source_lang,
+            pair=args.pair,
         )
         return
     checkpoints, rest = _checkpoints("evaluate", args, list(args.run))
@@ -229,6 +230,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
             args.compare,
             target_lang=args.target_lang,
             source_lang=args.source_lang,
+            pair=args.pair,
         )
 
 

@@ -415,6 +415,13 @@ def _add_evaluate(sub) -> None:
         help="the pair of a run of several source languages to evaluate, by its source (many-to-one: --source-lang "
         "fr reads the fr-en corpus's split; with --target-lang, the pair of both); default: data.src_lang's pair",
     )
+    p.add_argument(
+        "--pair",
+        metavar="NAME",
+        help="the pair to evaluate by the name validation and the end of training give it: de-en, fr-en, or a "
+        "corpus's name for a second test set of a pair (a corpus of data.dir's languages with its own test_split); "
+        "its results are named after it, as the end of training names them",
+    )
     p.set_defaults(func=commands.cmd_evaluate)
 
 

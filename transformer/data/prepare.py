@@ -469,20 +469,24 @@ def valid_sets(cfg: Config, store: Store, corpora: list[tuple[CorpusConfig, Stor
     return sets
 
 
-def pair_data(d: DataConfig, target_lang: str | None, source_lang: str | None = None) -> DataConfig:
+def pair_data(
+    d: DataConfig, target_lang: str | None, source_lang: str | None = None, name: str | None = None
+) -> DataConfig:
     """The data settings of one language pair of a run, the one from `source_lang` into `target_lang` (either None:
-    any): data.dir's, or the first of eval_pairs that translates so, with its own validation and test splits
-    (evaluate on one pair of a multilingual run: into French of one-to-many, from French of many-to-one). A pair no
-    corpus with a validation or test split translates: a one-line error that names the run's pairs."""
+    any) or the one eval_pairs calls `name`: data.dir's, or the first of eval_pairs that matches, with its own
+    validation and test splits (evaluate on one pair of a multilingual run: into French of one-to-many, from French
+    of many-to-one, or a second test set of a pair by its corpus's name). A pair no corpus with a validation or test
+    split matches: a one-line error that names the run's pairs."""
     pairs = eval_pairs(d)
     for p in pairs:
-        if target_lang in (None, p.data.tgt_lang) and source_lang in (None, p.data.src_lang):
+        langs = target_lang in (None, p.data.tgt_lang) and source_lang in (None, p.data.src_lang)
+        if langs and name in (None, p.name):
             if p.corpus is None:
                 return d
             return dataclasses.replace(
                 p.data, valid_split=p.valid_split or d.valid_split, test_split=p.test_split or d.test_split
             )
-    wanted = pair_name(source_lang or "*", target_lang or "*")
+    wanted = name if name is not None else pair_name(source_lang or "*", target_lang or "*")
     raise UserError(
         f"evaluate: no pair of this run with a validation or test split is {wanted} (its pairs: "
         f"{', '.join(p.name for p in pairs)}); give the files with --src and --ref"

@@ -79,9 +79,11 @@ def _check_inputs(
     runs: list[str],
     target_lang: str | None = None,
     source_lang: str | None = None,
+    pair: str | None = None,
 ) -> None:
     """A split or --src/--ref files, not both, and a split's name never a path out of the run; --hyp with --ref
-    and nothing to translate or pick; --source-lang only for a split of the run's own data."""
+    and nothing to translate or pick; --source-lang and --pair only for a split of the run's own data, and a pair
+    picked by its name or by its languages, not both."""
     from transformer.config import split_name_problem
 
     if hyp is not None:
@@ -91,12 +93,16 @@ def _check_inputs(
             raise UserError(
                 "evaluate: --hyp scores translations already made: give no run, checkpoint, --split or --src with it"
             )
-        for flag, value in (("--target-lang", target_lang), ("--source-lang", source_lang)):
+        for flag, value in (("--target-lang", target_lang), ("--source-lang", source_lang), ("--pair", pair)):
             if value is not None:
                 raise UserError(f"evaluate: --hyp scores translations already made against --ref; {flag} picks nothing")
         return
-    if source_lang is not None and src is not None:
-        raise UserError("evaluate: --source-lang picks a pair of the run's own data: give it a --split, not --src")
+    for flag, value in (("--source-lang", source_lang), ("--pair", pair)):
+        if value is not None and src is not None:
+            raise UserError(f"evaluate: {flag} picks a pair of the run's own data: give it a --split, not --src")
+    if pair is not None and (source_lang or target_lang) is not None:
+        flag = "--source-lang" if source_lang is not None else "--target-lang"
+        raise UserError(f"evaluate: --pair names the pair and its languages; give it or {flag}, not both")
     if (src is None) != (ref is None):
         raise UserError("evaluate: --src and --ref go together")
     if src is not None and split is not None:
@@ -298,6 +304,7 @@ def run_evaluate(
     hyp: str | None = None,
     target_lang: str | None = None,
     source_lang: str | None = None,
+    pair: str | None = None,
 ) -> dict:
     """The `evaluate` command: translate a split (or --src/--ref files) with the search `flags` over the
     checkpoint's decode section, score, write .hyp and .json. Several run directories or checkpoints: an ensemble,
@@ -306,23 +313,25 @@ def run_evaluate(
     paired bootstrap resampling (comparison.py): printed, and kept in the baseline's .json. `hyp`: a file of
     translations, scored (and compared) in place of a model's. `target_lang`: the language pair of a multilingual
     run to evaluate (its corpus's split, its token before each source; data.dir's pair by default); `source_lang`
-    picks it by its source language too (a many-to-one run's pairs share their target)."""
+    picks it by its source language too (a many-to-one run's pairs share their target); `pair` by the name
+    validation and the end of training give it (eval_pairs: de-en, or a second test set's corpus name)."""
     from transformer.data.prepare import pair_data, pair_name
     from transformer.inference.translator import Translator
 
     members = [] if run_dir is None else [run_dir] if isinstance(run_dir, str) else list(run_dir)
-    _check_inputs(split, src, ref, hyp, members, target_lang, source_lang)
+    _check_inputs(split, src, ref, hyp, members, target_lang, source_lang, pair)
     if hyp is not None:
         return _evaluate_files(hyp, ref, compared)
     translator = Translator(members, device, flags, target_lang=target_lang)
-    if translator.token_required:  # a multilingual run: one pair at a time, named after its target language
+    if translator.token_required and pair is None:  # a multilingual run: one pair at a time
         translator.target_lang = translator.target_lang or translator.cfg.data.tgt_lang
-    data = (
-        translator.cfg.data if src is not None else pair_data(translator.cfg.data, translator.target_lang, source_lang)
-    )
+    d = translator.cfg.data
+    data = d if src is not None else pair_data(d, translator.target_lang, source_lang, pair)
+    if pair is not None and translator.token_required:  # asked for the named pair's target language
+        translator.target_lang = data.tgt_lang
     test = _test_set(data, split, src, ref)
-    if source_lang is not None:  # named as the end of training names a pair's translations
-        test = replace(test, name=f"{test.name}.{pair_name(data.src_lang, data.tgt_lang)}")
+    if pair is not None or source_lang is not None:  # named as the end of training names a pair's translations
+        test = replace(test, name=f"{test.name}.{pair or pair_name(data.src_lang, data.tgt_lang)}")
     elif translator.token_required:
         test = replace(test, name=f"{test.name}.{translator.target_lang}")
     others = [_comparand(path, len(test.references)) for path in compared]  # a typo fails before the searching
