@@ -214,6 +214,19 @@ def test_pair_data_picks_a_pair_by_its_target_its_source_or_both():
             pair_data(many_to_one, target, source)
 
 
+def test_a_second_test_set_named_as_another_set_of_the_run_is_refused_before_one_overwrites_the_other():
+    """A second de-en test set is scored under its corpus's name: named "de-en", or "fr-en" beside a French pair,
+    it would share a name with another set, and one's scores and translations would overwrite the other's."""
+    french = {"name": "multi30k_fr", "dir": "m", "src_lang": "fr", "test_split": "test"}  # scored as fr-en
+    for name, corpora in (("de-en", []), ("fr-en", [french])):
+        second = {"name": name, "dir": "f", "test_split": "test_2017"}  # data.dir's languages: de-en
+        d = from_dict({"data": {"dir": "m", "corpora": [*corpora, second]}}).data
+        with pytest.raises(UserError, match=rf"'{name}' holds a second validation or test set of de-en.*rename"):
+            eval_pairs(d)
+    d = from_dict({"data": {"dir": "m", "corpora": [french, {"name": "flickr2017", "dir": "f", "test_split": "t"}]}})
+    assert [p.name for p in eval_pairs(d.data)] == ["de-en", "fr-en", "flickr2017"]
+
+
 def test_eval_pairs_names_each_pair_once_and_a_second_test_set_of_a_pair_by_its_corpus():
     """Validation, the end of training and `evaluate` take a run's pairs from eval_pairs: a corpus of data.dir's
     languages with its own test split (a second test set) is named by its corpus, not as data.dir's pair again,

@@ -451,9 +451,14 @@ def eval_pairs(d: DataConfig) -> list[EvalPair]:
     for c in d.corpora:
         if c.valid_split or c.test_split:
             data = corpus_data(d, c)
-            name = pair_name(data.src_lang, data.tgt_lang)
-            name = c.name if name in [p.name for p in pairs] else name
-            pairs.append(EvalPair(name, data, c, c.valid_split, c.test_split))
+            name, taken = pair_name(data.src_lang, data.tgt_lang), [p.name for p in pairs]
+            if name in taken and c.name in taken:  # one name for two sets: one's scores would overwrite the other's
+                raise UserError(
+                    f"data.corpora: {c.name!r} holds a second validation or test set of {name}, named by its "
+                    f"corpus, and another of the run's sets is already called {c.name!r}: rename the corpus "
+                    f"(e.g. {c.name}_2)"
+                )
+            pairs.append(EvalPair(c.name if name in taken else name, data, c, c.valid_split, c.test_split))
     return pairs
 
 
