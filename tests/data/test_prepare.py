@@ -216,11 +216,12 @@ def test_pair_data_picks_a_pair_by_its_target_its_source_or_both():
 
 def test_a_second_test_set_named_as_another_set_of_the_run_is_refused_before_one_overwrites_the_other():
     """A second de-en test set is scored under its corpus's name: named "de-en", or "fr-en" beside a French pair,
-    it would share a name with another set, and one's scores and translations would overwrite the other's."""
+    it would share a name with another set, and one's scores and translations would overwrite the other's; named
+    "fr-en" before the French pair, or "en-de", its de-en scores would go by the name of another pair."""
     french = {"name": "multi30k_fr", "dir": "m", "src_lang": "fr", "test_split": "test"}  # scored as fr-en
-    for name, corpora in (("de-en", []), ("fr-en", [french])):
+    for name, before, after in (("de-en", [], []), ("fr-en", [french], []), ("fr-en", [], [french]), ("en-de", [], [])):
         second = {"name": name, "dir": "f", "test_split": "test_2017"}  # data.dir's languages: de-en
-        d = from_dict({"data": {"dir": "m", "corpora": [*corpora, second]}}).data
+        d = from_dict({"data": {"dir": "m", "corpora": [*before, second, *after]}}).data
         with pytest.raises(UserError, match=rf"'{name}' holds a second validation or test set of de-en.*rename"):
             eval_pairs(d)
     d = from_dict({"data": {"dir": "m", "corpora": [french, {"name": "flickr2017", "dir": "f", "test_split": "t"}]}})

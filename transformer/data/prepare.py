@@ -448,15 +448,18 @@ def eval_pairs(d: DataConfig) -> list[EvalPair]:
     """The pairs of a run that have a validation or test split, data.dir's first, each named once: validation, the
     end of training and `evaluate` all take a run's pairs from here, so a name means the same pair in each."""
     pairs = [EvalPair(pair_name(d.src_lang, d.tgt_lang), d, None, d.valid_split, d.test_split)]
+    langs = {lang for c in d.corpora for lang in (c.src_lang, c.tgt_lang) if lang} | {d.src_lang, d.tgt_lang}
     for c in d.corpora:
         if c.valid_split or c.test_split:
             data = corpus_data(d, c)
             name, taken = pair_name(data.src_lang, data.tgt_lang), [p.name for p in pairs]
-            if name in taken and c.name in taken:  # one name for two sets: one's scores would overwrite the other's
+            if name in taken and (c.name in taken or c.name in {pair_name(a, b) for a in langs for b in langs}):
+                # a second set goes by its corpus's name: one already taken would overwrite the other set's scores
+                # and translations, and one that reads as another pair (fr-en holding de-en) would mislabel them
                 raise UserError(
                     f"data.corpora: {c.name!r} holds a second validation or test set of {name}, named by its "
-                    f"corpus, and another of the run's sets is already called {c.name!r}: rename the corpus "
-                    f"(e.g. {c.name}_2)"
+                    f"corpus, and {c.name!r} is already the name of another of the run's sets or of a pair of its "
+                    f"languages: rename the corpus (e.g. {name}_2)"
                 )
             pairs.append(EvalPair(c.name if name in taken else name, data, c, c.valid_split, c.test_split))
     return pairs
