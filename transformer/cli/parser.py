@@ -420,7 +420,7 @@ def _add_evaluate(sub) -> None:
         metavar="NAME",
         help="the pair to evaluate by the name validation and the end of training give it: de-en, fr-en, or a "
         "corpus's name for a second test set of a pair (a corpus of data.dir's languages with its own test_split); "
-        "its results are named after it, as the end of training names them",
+        "its results are named after it (test.NAME.*), as the end of training names each pair's where a run has several",
     )
     p.set_defaults(func=commands.cmd_evaluate)
 
