@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import traceback
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +44,8 @@ from transformer.training import update as update_module
 from transformer.training import validation as validation_module
 from transformer.training.loop import train
 from transformer.training.update import TrainingLoss
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MATH = 0  # torch._fused_sdp_choice's number for the math kernel (SDPBackend.MATH)
@@ -81,7 +85,13 @@ def test_cuda_training_learns_and_logs_gpu_memory_and_mfu(tmp_path, precision):
     run_dir = train(
         from_dict(
             cuda_config(
-                tmp_path, max_steps=30, valid_every=10, precision=precision, lr_schedule="inverse_sqrt", lr=3e-3
+                tmp_path,
+                max_steps=30,
+                valid_every=10,
+                precision=precision,
+                lr_schedule="inverse_sqrt",
+                lr=3e-3,
+                peak_tflops=0.0,  # tiny_config's given peak would be logged as given: this checks the datasheet's
             )
         ),
         quiet=True,
@@ -228,14 +238,26 @@ def _syncs(fn) -> list[str]:
     """Where fn makes synchronizing CUDA calls (torch.cuda.set_sync_debug_mode's warnings): file:line of the
     Python frame that triggered each, so that a failure names the sites (torch's own kernels among them)."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            # the innermost frame of this repository that led to it, then the library's frames down to the sync
+            stack = traceback.extract_stack()[:-1]
+            ours = [i for i, f in enumerate(stack) if str(ROOT) in f.filename and f.filename != __file__]
+            frames = stack[ours[-1] :] if ours else stack[-3:]
+            sites.append(" > ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames) + f" ({filename}:{lineno})")
+
+    # Set outside the recording: torch 2.11 warns about syncs once when the mode is first set, from the setter.
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
             fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sites
 
 
 def test_an_update_synchronizes_once(tmp_path):

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -317,7 +318,8 @@ def test_causal_alone_gives_real_target_positions_what_causal_and_padding_give()
 
 class HostReads:
     """Counts what makes the host wait for a GPU: reading a tensor's values on the host, and building a device
-    tensor from host data (torch.tensor(..., device=...): a copy from pageable memory)."""
+    tensor from host data (torch.tensor(..., device=...), or indexing with a list or array, which torch copies to
+    the device as an index tensor: a copy from pageable memory)."""
 
     METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "nonzero", "cpu")
 
@@ -336,6 +338,17 @@ class HostReads:
             return real_tensor(*args, **kwargs)
 
         monkeypatch.setattr(torch, "tensor", tensor)
+        for name in ("__getitem__", "__setitem__"):
+            monkeypatch.setattr(torch.Tensor, name, self._indexing(getattr(torch.Tensor, name)))
+
+    def _indexing(self, real):
+        def method(tensor, key, *args):
+            parts = key if isinstance(key, tuple) else (key,)
+            if not self.paused and any(isinstance(k, (list, np.ndarray)) for k in parts):
+                self.copies += 1
+            return real(tensor, key, *args)
+
+        return method
 
     def _counting(self, name, real):
         def method(tensor, *args, **kwargs):

@@ -223,7 +223,8 @@ class Decoder:
             lprobs = torch.log_softmax(rows, dim=-1, out=rows)
         else:
             lprobs = F.log_softmax(rows, dim=-1)
-        lprobs[:, self.never] = float("-inf")
+        for column in self.never:  # one int each: a list index would be copied to the GPU, a sync every step
+            lprobs[:, column] = float("-inf")
         return lprobs
 
     def token(self, columns: torch.Tensor) -> torch.Tensor:
