@@ -660,7 +660,7 @@ def merge(reports: list[dict]) -> dict:
     """Several partial reports (one per device call) as one: for each step, the last report that ran it."""
     merged = {
         **reports[-1],
-        "parts": [{k: r.get(k) for k in ("started", "finished", "toy", "machine")} for r in reports],
+        "parts": [{k: r.get(k) for k in ("started", "finished", "toy", "budget_s", "machine")} for r in reports],
     }
     steps = []
     for step in STEPS:
@@ -755,7 +755,7 @@ def render(report: dict) -> str:
 
 def md_cuda_tests(steps: dict) -> list[str]:
     f = steps["cuda_tests"]["figures"]
-    files = sorted({f"tests/{c['file'].split('.')[-1]}.py" for c in f["cases"] if c.get("file")})
+    files = sorted({c["file"].replace(".", "/") + ".py" for c in f["cases"] if c.get("file")})  # JUnit's classname
     lines = [
         f"**CUDA tests** (`{'`, `'.join(files) or 'tests/integration/test_cuda.py'}`): {f['tests']} tests, {f['passed']} "
         f"passed, {f['failed']} failed, {f['errors']} errors, {f['skipped']} skipped."

@@ -224,6 +224,7 @@ def test_a_step_past_its_limit_is_stopped_the_recipe_finished_and_decoded_and_re
     assert steps["check_sdpa"]["status"] == "timeout"  # the later report wins for a step both ran
     assert steps["cuda_tests"] == next(s for s in first["steps"] if s["name"] == "cuda_tests")  # only the first ran it
     assert "stopped at its time limit" in md.read_text() and "| check_sdpa | timeout" in md.read_text()
+    assert "(--budget —, 300 s)" in md.read_text()  # each call's budget in order (the first ran without one)
 
 
 def test_a_spent_budget_skips_the_steps_left_and_says_so(tmp_path):
