@@ -218,8 +218,7 @@ class Decoder:
         if self.off is not None:  # rows come grouped by source (DecoderCache.keep_rows): each group gets its own
             rows.view(len(self.off), -1, rows.size(1)).masked_fill_(self.off[:, None], float("-inf"))
         if rows.device.type == "cpu" and not rows.requires_grad:
-            # Over the logits, which nothing else reads: no new (R, V) tensor a step (26 MB at 800 rows and
-            # 8,000 tokens), and the same values (docs/benchmarks/log.md, "log_softmax in place").
+            # Over the logits, which nothing else reads: no new (R, V) tensor a step, the same values (log.md)
             lprobs = torch.log_softmax(rows, dim=-1, out=rows)
         else:
             lprobs = F.log_softmax(rows, dim=-1)
