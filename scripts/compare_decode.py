@@ -7,7 +7,8 @@ setting measured 1.3 s in one process and 1.9 s in the next).
         [--beam 4] [--stop early] [--dtype fp32] [--limit 500] [--max-tokens N] [--workers 1] [--rounds 5] \
         [--threads 2] [--json out.json]
 
-Each --rev is a git revision, or "." for the working tree. Its `transformer/` is copied to a temporary folder
+Each --rev is a git revision, "." for the working tree, or a folder holding a `transformer/` package (for a
+machine without the repository's history: `git archive REV transformer | tar -x -C DIR` made it). Its `transformer/` is copied to a temporary folder
 as a package of another name (t_0, t_1, ...; the package imports only itself by absolute imports), so every
 revision loads side by side; then round after round, each revision translates the same sentences once.
 Reported per revision: the fastest and the median pass, the median of its per-round time ratio to the first
@@ -39,10 +40,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def package_copy(rev: str, name: str, into: Path) -> None:
-    """`transformer/` at `rev` ("." = working tree) as package `name` under `into`."""
+    """`transformer/` at `rev` ("." = working tree, or a folder that holds one) as package `name` under `into`."""
     target = into / name
-    if rev == ".":
-        shutil.copytree(ROOT / "transformer", target, ignore=shutil.ignore_patterns("__pycache__"))
+    folder = ROOT if rev == "." else Path(rev)
+    if (folder / "transformer" / "__init__.py").is_file():
+        shutil.copytree(folder / "transformer", target, ignore=shutil.ignore_patterns("__pycache__"))
     else:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "transformer"], capture_output=True)
         if archive.returncode != 0:
@@ -70,7 +72,12 @@ def argument_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("test_set", help="source sentences, one per line")
     ap.add_argument("--checkpoint", required=True, help="run directory or .pt file")
-    ap.add_argument("--rev", action="append", required=True, help="git revision, or . for the working tree")
+    ap.add_argument(
+        "--rev",
+        action="append",
+        required=True,
+        help="git revision, . for the working tree, or a folder holding transformer/",
+    )
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--stop", default="exact", choices=STOP_RULES)
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "int8"))
@@ -90,6 +97,7 @@ def argument_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--rounds", type=int, default=5, help="timed passes per revision, interleaved")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: every revision searches there")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     return ap
 
@@ -108,9 +116,9 @@ def revision_search(i: int, rev: str, tmp: Path, args, lines: list[str]):
     except ModuleNotFoundError:
         settings = None
     if settings is not None:
-        tr = translate.Translator(args.checkpoint, "cpu", settings.SearchFlags(dtype=args.dtype))
+        tr = translate.Translator(args.checkpoint, args.device, settings.SearchFlags(dtype=args.dtype))
     else:
-        tr = translate.Translator(args.checkpoint, device="cpu", dtype=args.dtype)
+        tr = translate.Translator(args.checkpoint, device=args.device, dtype=args.dtype)
     src = tr.vocab.encode(lines)
     dec = tr.cfg.decode
     lenpen = dec.lenpen if args.lenpen is None else args.lenpen
@@ -131,7 +139,7 @@ def revision_search(i: int, rev: str, tmp: Path, args, lines: list[str]):
         batches = batches or importlib.import_module(f"t_{i}.inference.batched")
 
         def run(batches=batches, tr=tr, src=src, chosen=chosen):
-            return batches.search_ids(tr.model, src, chosen, torch.device("cpu"))
+            return batches.search_ids(tr.model, src, chosen, torch.device(args.device))
     else:
 
         def run(translate=translate, tr=tr, src=src, lenpen=lenpen, dec=dec, max_tokens=max_tokens):
@@ -144,7 +152,7 @@ def revision_search(i: int, rev: str, tmp: Path, args, lines: list[str]):
                 lenpen,
                 dec.max_len_offset,
                 max_tokens,
-                torch.device("cpu"),
+                torch.device(args.device),
                 1,
                 args.stop,
                 **side_by_side,
@@ -188,6 +196,7 @@ def report(args, lines: list[str], times: list[list[float]], outputs: list) -> N
                 "max_tokens": args.max_tokens or None,
                 "workers": args.workers,
                 "threads": args.threads,
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 "torch": torch.__version__,
                 "cpu": cpu_description(),
                 "results": rows,
@@ -213,7 +222,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for i, run in enumerate(runs):
                 start = time.perf_counter()
-                run()
+                run()  # its hypotheses come back to the host: the time includes the GPU's work
                 times[i].append(time.perf_counter() - start)
 
     report(args, lines, times, outputs)

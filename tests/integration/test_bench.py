@@ -4,6 +4,7 @@ report and the rates derived from them agree."""
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -257,8 +258,11 @@ def test_bench_decode_times_ctranslate2_itself_and_our_engine(ctranslate2, untra
 
 
 def test_compare_decode_runs_revisions_side_by_side(untrained_checkpoint, tmp_path):
-    """Two copies of the working tree and the last commit load as separate packages in one process; a revision
-    compared with itself has identical outputs, and the first revision's paired ratio is 1."""
+    """Two copies of the working tree, the last commit and a folder holding a copy of the package (as on a machine
+    without the history) load as separate packages in one process; a revision compared with itself has identical
+    outputs, and the first revision's paired ratio is 1."""
+    folder = tmp_path / "copy"
+    shutil.copytree(ROOT / "transformer", folder / "transformer", ignore=shutil.ignore_patterns("__pycache__"))
     test_set = tmp_path / "test.txt"
     test_set.write_text("\n".join(sentences(5, 6)) + "\n")
     out = tmp_path / "compare.json"
@@ -275,6 +279,8 @@ def test_compare_decode_runs_revisions_side_by_side(untrained_checkpoint, tmp_pa
             ".",
             "--rev",
             "HEAD",
+            "--rev",
+            str(folder),
             "--beam",
             "2",
             "--rounds",
@@ -297,8 +303,11 @@ def test_compare_decode_runs_revisions_side_by_side(untrained_checkpoint, tmp_pa
     report = json.loads(out.read_text())
     rows = report["results"]
     assert report["cpu"] == cpu_description()  # which machine: ratios differ between CPUs of one model name
-    assert [r["rev"] for r in rows] == [".", ".", "HEAD"] and report["max_tokens"] == 1 and report["workers"] == 2
-    assert rows[0]["time_vs_first"] == 1.0 and rows[1]["same_outputs_as_first"] == 1.0
+    assert [r["rev"] for r in rows] == [".", ".", "HEAD", str(folder)]
+    assert report["max_tokens"] == 1 and report["workers"] == 2 and report["device"] == "cpu"
+    assert (
+        rows[0]["time_vs_first"] == 1.0 and rows[1]["same_outputs_as_first"] == rows[3]["same_outputs_as_first"] == 1.0
+    )
     for r in rows:
         assert len(r["times_s"]) == 2 and r["min_s"] <= r["median_s"] and 0 <= r["same_outputs_as_first"] <= 1
 
