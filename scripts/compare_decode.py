@@ -8,8 +8,8 @@ setting measured 1.3 s in one process and 1.9 s in the next).
         [--threads 2] [--json out.json]
 
 Each --rev is a git revision, "." for the working tree, or a folder holding a `transformer/` package (for a
-machine without the repository's history: `git archive REV transformer | tar -x -C DIR` made it). Its `transformer/` is copied to a temporary folder
-as a package of another name (t_0, t_1, ...; the package imports only itself by absolute imports), so every
+machine without the repository's history: `git archive REV transformer | tar -x -C DIR` makes one). Its
+`transformer/` is copied to a temporary folder as a package of another name (t_0, t_1, ...; the package imports only itself by absolute imports), so every
 revision loads side by side; then round after round, each revision translates the same sentences once.
 Reported per revision: the fastest and the median pass, the median of its per-round time ratio to the first
 revision (paired rounds: drift cancels), and whether its outputs equal the first revision's.

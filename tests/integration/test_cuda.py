@@ -17,6 +17,7 @@ import torch
 
 from tests.helpers import (
     LINES,
+    ROOT,
     built_run,
     change_training_loss,
     random_pairs,
@@ -44,8 +45,6 @@ from transformer.training import update as update_module
 from transformer.training import validation as validation_module
 from transformer.training.loop import train
 from transformer.training.update import TrainingLoss
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MATH = 0  # torch._fused_sdp_choice's number for the math kernel (SDPBackend.MATH)
