@@ -3,7 +3,7 @@
 
     python scripts/bench_phases.py data/multi30k/test.de --checkpoint runs/multi30k [--beam 1] [--threads 1]
         [--dtype fp32] [--stop early] [--limit 500] [--rounds 6] [--no-ctranslate2] [--profile 12]
-        [--json phases.json]
+        [--device cpu|cuda] [--json phases.json]
 
 Per engine, two passes over the same batches of subword ids (tokenisation excluded), timed in interleaved rounds
 (every pass once per round, the order reversed every other round, against this machine's drift):
@@ -13,7 +13,9 @@ Per engine, two passes over the same batches of subword ids (tokenisation exclud
   encoder-only call for a translator), and the whole search (`ctranslate2_search`, as `translate --engine
   ctranslate2` runs it).
 The decoder's share is the whole pass less the first one. One search at a time (1 worker) on --threads threads.
---profile N: one more pass of our whole search under torch.profiler, and its N operators with the most time.
+--profile N: one more pass of our whole search under torch.profiler, and its N operators with the most time (on
+CUDA also its N kernels with the most GPU time, and the share of the pass the GPU was busy).
+--device cuda times our search on the GPU (with --no-ctranslate2: CTranslate2 runs on the CPU here).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import interleaved, write_json
+from common import interleaved, operator_profile, print_profile, sync, write_json
 
 from transformer.data.batch import padding_mask, prepare_sources
 from transformer.data.corpus import read_lines
@@ -33,20 +35,6 @@ from transformer.device import cpu_description
 from transformer.inference.settings import STOP_RULES, SearchFlags
 from transformer.inference.translator import Translator
 from transformer.model.transformer import evaluating
-
-
-def operator_profile(run, top: int) -> list[dict]:
-    """The `top` operators of one call of `run` by self CPU time: name, seconds, share of all operators' time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
-    return [
-        {"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total, "calls": e.count}
-        for e in events[:top]
-    ]
 
 
 def argument_parser() -> argparse.ArgumentParser:
@@ -63,6 +51,7 @@ def argument_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--stop", choices=STOP_RULES, default="early", help="our stop rule (default early)")
     ap.add_argument("--threads", type=int, default=1, help="torch / CTranslate2 threads (default 1)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where our search runs (default cpu)")
     ap.add_argument("--limit", type=int, default=500, help="first N sentences (default 500)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--no-ctranslate2", action="store_true", help="time our engine only")
@@ -80,20 +69,26 @@ def argument_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = argument_parser()
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not args.no_ctranslate2:
+        ap.error("--device cuda times our search alone: add --no-ctranslate2 (CTranslate2 is timed on a CPU)")
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
 
-    ours = Translator(args.checkpoint, "cpu", SearchFlags(dtype=args.dtype, beam=args.beam, workers=1, stop=args.stop))
+    ours = Translator(
+        args.checkpoint, args.device, SearchFlags(dtype=args.dtype, beam=args.beam, workers=1, stop=args.stop)
+    )
     lines = read_lines(args.source)[: args.limit]
     ids = ours.encode(lines)
     model, positions = ours.model, ours.cfg.model.max_positions
     batches = source_batches(ids, positions, ours.settings.max_tokens, 1)
-    sources = [prepare_sources([ids[i] for i in batch], positions)[0] for batch in batches]
+    sources = [prepare_sources([ids[i] for i in batch], positions)[0].to(device) for batch in batches]
 
     def ours_encoder():
         with evaluating(model):
             for src in sources:
                 mask = padding_mask(src)
                 model.new_cache(model.encode(src, mask), mask)
+        sync(device)  # the search reads its results on the host; the encoder alone must wait for its own
 
     passes = {"ours: encoder": ours_encoder, "ours: whole search": lambda: ours.search(ids)}
     if not args.no_ctranslate2:
@@ -102,19 +97,16 @@ def main(argv=None) -> int:
     median = {name: statistics.median(t) for name, t in times.items()}
 
     print(
-        f"cpu, {len(ids)} sentences in {len(batches)} batches, beam {args.beam}, ours {args.dtype} "
+        f"{args.device}, {len(ids)} sentences in {len(batches)} batches, beam {args.beam}, ours {args.dtype} "
         f"{args.stop}, {args.threads} thread(s), {args.rounds} rounds"
     )
     print(f"{'pass':32} {'median s':>9}  rounds")
     for name, t in times.items():
         print(f"{name:32} {median[name]:9.3f}  {' '.join(f'{x:.2f}' for x in t)}")
     split = print_split(median, args.no_ctranslate2)
-    profile = operator_profile(lambda: ours.search(ids), args.profile) if args.profile else []
+    profile = operator_profile(lambda: ours.search(ids), args.profile, device) if args.profile else {}
     if profile:
-        print(f"ours, one pass under torch.profiler: the {len(profile)} operators with the most self time")
-        print(f"{'operator':52} {'self s':>8} {'share':>6} {'calls':>7}")
-        for op in profile:
-            print(f"{op['op'][:52]:52} {op['self_s']:8.3f} {op['share']:6.1%} {op['calls']:7d}")
+        print_profile(profile, "ours, the whole search")
     if args.json:
         write_json(
             args.json,
@@ -127,6 +119,7 @@ def main(argv=None) -> int:
                 "dtype": args.dtype,
                 "stop": args.stop,
                 "threads": args.threads,
+                "device": args.device,
                 "rounds": args.rounds,
                 "torch": torch.__version__,
                 "cpu": cpu_description(),

@@ -12,6 +12,8 @@ MFU = FLOPs / step time / peak rate; the peak is --peak-tflops, else the datashe
 in this precision (TF32 for fp32), else measured with large matmuls (peak.mfu_peak, as training does).
 Ours runs as the trainer runs it: update.TrainingLoss (model and loss in one module, compiled together with
 --compile), the decoder's self-attention mask as CAUSAL, fused Adam on CUDA, fp32 products in TF32 on CUDA.
+--profile N: one more update of each implementation under torch.profiler, and its N costliest operators (on CUDA
+also its N kernels with the most GPU time, and the share of the update the GPU was busy).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import sync, write_json
+from common import operator_profile, print_profile, sync, write_json
 
 from transformer.config import load_config
 from transformer.data.batch import CAUSAL, padding_mask
@@ -162,6 +164,7 @@ def run_one(args) -> dict:
             step()
             sync(device)
             times.append(time.perf_counter() - start)
+        profile = operator_profile(step, args.profile, device) if args.profile else None
     median = statistics.median(times)
     tokens = n_seq * args.length
     flops = flops_per_update(m, n_seq, args.length, args.length, args.vocab)
@@ -182,6 +185,7 @@ def run_one(args) -> dict:
         "peak_mem_gib": peak_mem,
         "params": sum(p.numel() for p in model.parameters()),
         "sentences": n_seq,
+        **({"profile": profile} if profile else {}),
     }
 
 
@@ -206,6 +210,13 @@ def argument_parser() -> argparse.ArgumentParser:
         default="none",
         help="run the forward pass of ours, or of every implementation, through torch.compile "
         "(compilation happens in the warm-up updates)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile one more update of each implementation and show its N costliest operators",
     )
     parser.add_argument("--json", default="bench_train.json")
     parser.add_argument("--impl", help=argparse.SUPPRESS)  # internal: run one implementation and print JSON
@@ -259,6 +270,9 @@ def main() -> None:
             f"{name:14} {r['step_s_median']:8.3f} {r['tgt_tokens_per_s']:10.0f} {r['tokens_per_s']:10.0f} "
             f"{r['tflops_per_s']:8.2f} {r['mfu']:6.1%} {r['peak_mem_gib']:8.2f} {ratio:7.2f}"
         )
+    for r in results:
+        if "profile" in r:
+            print_profile(r["profile"], r["impl"] + ("+compile" if r["compiled"] else "") + ", one update")
     write_json(
         args.json,
         {

@@ -1,5 +1,6 @@
 """What more than one script needs: waiting for the GPU before a clock is read, a process's resident memory,
-CTranslate2 called as its users call it, passes timed in interleaved rounds, and the JSON a script writes.
+CTranslate2 called as its users call it, passes timed in interleaved rounds, an operator profile, and the JSON a
+script writes.
 
 The scripts run as `python scripts/NAME.py`, which puts this folder first on the import path, so they import it as
 `from common import sync`; they do not import one another. It imports no torch at module level: bench_memory's
@@ -74,3 +75,57 @@ def interleaved(passes: dict, rounds: int, warm: bool = True) -> dict[str, list[
             passes[name]()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def operator_profile(run, top: int, device) -> dict:
+    """One call of `run` under torch.profiler: its wall time and its `top` operators by self time, on the host (CPU
+    time) and, on a CUDA device, on the GPU (kernel time) with the share of the wall the GPU was busy: a GPU idle for
+    much of the wall waits on the host (Python, the launch of small kernels, syncs), which a faster kernel will not
+    fix."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run()
+        sync(device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+
+    def table(kind, time_of) -> tuple[list[dict], float]:
+        rows = sorted((e for e in events if e.device_type == kind and time_of(e) > 0), key=time_of, reverse=True)
+        total = sum(time_of(e) for e in rows) / 1e6
+        return [
+            {"op": e.key, "self_s": time_of(e) / 1e6, "share": time_of(e) / 1e6 / (total or 1.0), "calls": e.count}
+            for e in rows[:top]
+        ], total
+
+    host, host_s = table(DeviceType.CPU, lambda e: e.self_cpu_time_total)
+    record = {"device": str(device), "torch": torch.__version__, "wall_s": wall, "host_s": host_s, "host": host}
+    if cuda:
+        # The kernels themselves, not the operators that launched them (those carry the same time again); one
+        # stream, so their sum is the time the GPU was busy.
+        gpu, busy_s = table(DeviceType.CUDA, lambda e: e.self_device_time_total)
+        record.update(gpu=gpu, gpu_busy_s=busy_s, gpu_busy_share=busy_s / wall if wall else 0.0)
+    return record
+
+
+def print_profile(record: dict, what: str) -> None:
+    """An operator_profile as tables: the GPU's kernels first where there are any, then the host's operators."""
+    print(f"{what}, one call under torch.profiler on {record['device']}: {record['wall_s']:.3f} s wall")
+    if "gpu" in record:
+        print(
+            f"GPU busy {record['gpu_busy_s']:.3f} s = {record['gpu_busy_share']:.1%} of the wall; "
+            f"its {len(record['gpu'])} kernels with the most time:"
+        )
+        print(f"{'kernel':60} {'s':>8} {'share':>6} {'calls':>7}")
+        for op in record["gpu"]:
+            print(f"{op['op'][:60]:60} {op['self_s']:8.4f} {op['share']:6.1%} {op['calls']:7d}")
+    print(f"host: {len(record['host'])} operators with the most self CPU time (of {record['host_s']:.3f} s):")
+    print(f"{'operator':60} {'self s':>8} {'share':>6} {'calls':>7}")
+    for op in record["host"]:
+        print(f"{op['op'][:60]:60} {op['self_s']:8.4f} {op['share']:6.1%} {op['calls']:7d}")

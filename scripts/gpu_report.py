@@ -2,7 +2,9 @@
 """The GPU check in one command of at most 7 minutes: the CUDA tests, which attention kernel serves each call
 (check_sdpa.py), a training step at base dims in bf16 beside MarianMTModel with MFU (bench_train.py), the Multi30k
 recipe on the GPU to its test BLEU, decoding that model greedy and beam 4 beside MarianMTModel.generate
-(bench_decode.py), and a compiled training step if time is left. Each step is a subprocess with its own time
+(bench_decode.py), its beam-4 search split into encoder and decoder (bench_phases.py), and a compiled training step
+if time is left. The training steps and the split each profile one more call (torch.profiler: how busy the GPU was,
+the kernels and host operators with the most time). Each step is a subprocess with its own time
 limit, in this order (the order of value); --budget bounds the whole command, and a step that would not get
 MIN_STEP_S seconds is skipped and said so. A failing step is recorded and the next one runs. Writes one JSON
 (every step's command, exit status, wall time and the figures read from the step's own output) and the generated
@@ -63,6 +65,7 @@ RECIPE = "configs/multi30k.yaml"
 GRACE_S = 30  # after SIGTERM at a limit: time to save a checkpoint before SIGKILL
 FINISH_RESERVE_S = 90  # of the recipe's limit, kept for `transformer finish` when training hits the limit
 MIN_STEP_S = 20  # a step with less time than this left in --budget is skipped
+PROFILE_TOP = 12  # operators and kernels per profile
 
 
 def fail(message: str) -> None:
@@ -205,7 +208,10 @@ def bench_train(ctx: Context, compile_: bool = False):
         ]
     peak = ["--peak-tflops", str(ctx.args.peak_tflops)] if ctx.args.peak_tflops else []  # else the datasheet's
     what = ["--impls", "ours", "--compile", "ours"] if compile_ else ["--impls", "ours,marian"]
-    return ctx.py("scripts/bench_train.py", "--device", ctx.device, *size, *what, *peak, "--json", str(json_path))
+    profile = ["--profile", "3" if ctx.toy else str(PROFILE_TOP)]  # where an update's time goes, beside its speed
+    return ctx.py(
+        "scripts/bench_train.py", "--device", ctx.device, *size, *what, *peak, *profile, "--json", str(json_path)
+    )
 
 
 def parse_bench_train(ctx: Context, record: dict, compile_: bool = False) -> dict:
@@ -223,6 +229,7 @@ def parse_bench_train(ctx: Context, record: dict, compile_: bool = False) -> dic
         "params",
         "sentences",
         "ours_speedup",
+        "profile",
     )
     return {
         "config": report["config"],
@@ -371,6 +378,37 @@ def parse_bench_decode(ctx: Context, record: dict) -> dict:
     }
 
 
+def phases_decode(ctx: Context):
+    run_dir = Path(ctx.args.checkpoint) if ctx.args.checkpoint else recipe_dir(ctx)
+    if not any((run_dir / name).is_file() for name in ("final.pt", "best.pt")) and not run_dir.is_file():
+        return f"no model to decode: {run_dir} holds no final.pt or best.pt (the recipe step made none)"
+    size = ["--limit", "8", "--rounds", "1", "--profile", "3"] if ctx.toy else ["--limit", "500", "--rounds", "3"]
+    return ctx.py(
+        "scripts/bench_phases.py",
+        str(ctx.data / "test.de"),
+        "--checkpoint",
+        str(run_dir),
+        "--device",
+        ctx.device,
+        "--beam",
+        "4",
+        "--stop",
+        "exact",
+        "--dtype",
+        "fp32",
+        "--no-ctranslate2",
+        *size,
+        *([] if ctx.toy else ["--profile", str(PROFILE_TOP)]),
+        "--json",
+        str(ctx.dir("phases_decode") / "bench_phases.json"),
+    )
+
+
+def parse_phases_decode(ctx: Context, record: dict) -> dict:
+    report = json.loads((ctx.dir("phases_decode") / "bench_phases.json").read_text())
+    return {k: report[k] for k in ("checkpoint", "sentences", "batches", "beam", "dtype", "stop", "split", "profile")}
+
+
 # In the order of value. Limits (seconds, at full size and at toy size): --budget 420 gives the first five their
 # time, and the compiled step what is left, if anything.
 STEPS = [
@@ -379,6 +417,7 @@ STEPS = [
     Step("bench_train", "training step, base dims, ours and Marian", (90, 150), bench_train, parse_bench_train),
     Step("recipe", "Multi30k recipe", (300, 150), recipe, parse_recipe, rescue=recipe_rescue, keep_after=45),
     Step("bench_decode", "decoding, ours and Marian", (60, 60), bench_decode, parse_bench_decode),
+    Step("phases_decode", "beam 4: encoder, decoder, profile", (60, 60), phases_decode, parse_phases_decode),
     Step(
         "bench_train_compile",
         "training step, torch.compile",
@@ -746,9 +785,12 @@ def render(report: dict) -> str:
         ("bench_train", md_train),
         ("recipe", md_recipe),
         ("bench_decode", md_decode),
+        ("phases_decode", md_phases),
     ):
         if any(s["name"].startswith(name) and s.get("figures") for s in report["steps"]):
             out += section(steps) + [""]
+    profiles = md_profiles(steps)
+    out += profiles + ([""] if profiles else [])
     out += md_targets(steps, bool(report.get("toy"))) + ["", END]
     return "\n".join(out)
 
@@ -833,6 +875,50 @@ def md_decode(steps: dict) -> list[str]:
         f"{fmt(r.get('vs_marian'), '.2f') if r['impl'] == 'ours' else ''} |"
         for r in rows
     ]
+
+
+def md_phases(steps: dict) -> list[str]:
+    f = steps["phases_decode"]["figures"]
+    split = f["split"]["ours"]
+    return [
+        f"**Beam {f['beam']}, where the time goes** (`scripts/bench_phases.py`, {f['dtype']}, {f['sentences']} "
+        f"sentences in {f['batches']} batches, median of the rounds): the encoder (and the cross-attention keys "
+        f"and values) {fmt(split['first_s'], '.3f')} s, the decoder's steps {fmt(split['rest_s'], '.3f')} s, "
+        f"the whole search {fmt(split['whole_s'], '.3f')} s."
+    ]
+
+
+def md_profiles(steps: dict) -> list[str]:
+    """Each profile the steps took (a training update per implementation, one whole beam search): how busy the GPU
+    was, and the kernels and host operators with the most time."""
+    found = []
+    for name in ("bench_train", "bench_train_compile"):
+        for r in (steps.get(name, {}).get("figures") or {}).get("results", []):
+            if r.get("profile"):
+                found.append((f"one update, {r['impl']}{' compiled' if r['compiled'] else ''}", r["profile"]))
+    decode = (steps.get("phases_decode", {}).get("figures") or {}).get("profile")
+    if decode:
+        found.append(("the whole beam-4 search", decode))
+    if not found:
+        return []
+    lines = [
+        f"**Profiles** (`torch.profiler`, one more call after the timed ones; the {PROFILE_TOP // 2} kernels and "
+        "host operators with the most self time of each; GPU busy = the kernels' time over the call's wall "
+        "clock: the rest of the wall the GPU waited for the host)",
+        "",
+        "| call | wall s | GPU busy | kernels: share of GPU time | host operators: share of host time |",
+        "| --- | ---: | ---: | --- | --- |",
+    ]
+    for what, prof in found:
+
+        def top(rows) -> str:
+            return "; ".join(f"`{r['op'][:48]}` {r['share']:.0%}" for r in rows[: PROFILE_TOP // 2]) or "—"
+
+        lines.append(
+            f"| {what} | {fmt(prof['wall_s'], '.3f')} | {fmt(prof.get('gpu_busy_share'), '.0%')} | "
+            f"{top(prof.get('gpu', []))} | {top(prof['host'])} |"
+        )
+    return lines
 
 
 def md_recipe(steps: dict) -> list[str]:

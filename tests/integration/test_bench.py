@@ -42,6 +42,8 @@ def test_bench_train_runs_and_writes_json(tmp_path):
             "ours,torch",
             "--peak-tflops",
             "0.1",
+            "--profile",
+            "3",
             "--json",
             str(out),
         ],
@@ -58,6 +60,7 @@ def test_bench_train_runs_and_writes_json(tmp_path):
     assert list(rows) == ["ours", "torch"]
     for r in rows.values():
         assert r["sentences"] == 64 // 8 and len(r["step_s_all"]) == 2
+        assert_a_host_profile(r["profile"], 3, result.stdout)  # --profile: one more update, its 3 costliest ops
         assert r["step_s_median"] == statistics.median(r["step_s_all"])
         assert r["tgt_tokens_per_s"] == pytest.approx(64 / r["step_s_median"])
         assert r["tokens_per_s"] == pytest.approx(2 * r["tgt_tokens_per_s"])  # source tokens as many as target
@@ -353,11 +356,35 @@ def test_bench_phases_splits_encoder_from_decoder(untrained_checkpoint, tmp_path
         assert f"{engine:12} first pass {first:.3f}s" in result.stdout
     profile = report["profile"]
     if engines == "ours":  # the costliest operators first, each a share of all operators' time
-        assert len(profile) == 4 and all(op["calls"] > 0 and 0 < op["share"] <= 1 for op in profile)
-        assert [op["self_s"] for op in profile] == sorted((op["self_s"] for op in profile), reverse=True)
-        assert sum(op["share"] for op in profile) <= 1 + 1e-9 and profile[0]["op"] in result.stdout
+        assert_a_host_profile(profile, 4, result.stdout)
+        assert "gpu" not in profile  # a CPU run has no kernels to show
     else:
-        assert profile == []
+        assert profile == {}
+
+
+def assert_a_host_profile(profile: dict, top: int, stdout: str) -> None:
+    """common.operator_profile's host table: the costliest operators first, each a share of all operators' time,
+    within the call's wall time, and printed."""
+    ops = profile["host"]
+    assert len(ops) == top and all(op["calls"] > 0 and 0 < op["share"] <= 1 for op in ops)
+    assert [op["self_s"] for op in ops] == sorted((op["self_s"] for op in ops), reverse=True)
+    assert sum(op["share"] for op in ops) <= 1 + 1e-9 and ops[0]["op"][:60] in stdout
+    assert 0 < sum(op["self_s"] for op in ops) <= profile["host_s"] and profile["wall_s"] > 0
+
+
+def test_bench_phases_on_cuda_asks_for_our_engine_alone(untrained_checkpoint, tmp_path):
+    """CTranslate2 is timed on a CPU: --device cuda without --no-ctranslate2 is refused before anything loads."""
+    (tmp_path / "test.de").write_text("ein Satz\n", encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_phases.py", str(tmp_path / "test.de")]
+        + ["--checkpoint", str(untrained_checkpoint), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert result.returncode == 2 and "add --no-ctranslate2" in result.stderr
 
 
 def test_bench_decode_on_an_imported_model_beside_generate_and_ctranslate2_from_the_hf_directory(

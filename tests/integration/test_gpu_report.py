@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["cuda_tests", "check_sdpa", "bench_train", "recipe", "bench_decode", "bench_train_compile"]
+STEPS = ["cuda_tests", "check_sdpa", "bench_train", "recipe", "bench_decode", "phases_decode", "bench_train_compile"]
 WORDS = (
     "der die das ein eine mann frau kind hund katze haus auf dem im spielt läuft sitzt "
     "the a man woman child dog cat house on in plays runs sits red blue green big small"
@@ -142,6 +142,27 @@ def test_dry_run_records_every_step_with_status_command_and_figures(dry_run):
     assert all(r["sentences"] == 8 and r["sentences_per_s"] > 0 and 0 <= r["bleu"] <= 100 for r in ours)
     if importlib.util.find_spec("transformers") is not None:
         assert {r["beam"] for r in decode["results"] if r["impl"] == "hf_marian"} == {1, 4}
+
+    phases = steps["phases_decode"]["figures"]  # the same model's beam-4 search, encoder apart, and its profile
+    assert phases["checkpoint"] == decode["checkpoint"] and phases["beam"] == 4 and phases["sentences"] == 8
+    split = phases["split"]["ours"]
+    assert split["rest_s"] == split["whole_s"] - split["first_s"]
+    # Every profile the steps took: each update's and the search's costliest host operators; a CPU has no kernels.
+    profiles = [r["profile"] for r in train["results"]] + [phases["profile"]]
+    for prof in profiles:
+        assert len(prof["host"]) == 3 and prof["wall_s"] > 0 and "gpu" not in prof
+
+
+def test_the_block_shows_each_profile_and_the_decoder_split(dry_run):
+    _, result, report, md = dry_run
+    assert result.returncode == 0
+    steps = {s["name"]: s for s in report["steps"]}
+    assert "**Profiles**" in md and "| the whole beam-4 search |" in md
+    for r in steps["bench_train"]["figures"]["results"]:
+        assert f"| one update, {r['impl']} |" in md
+        assert f"`{r['profile']['host'][0]['op'][:48]}`" in md  # its costliest operator
+    split = steps["phases_decode"]["figures"]["split"]["ours"]
+    assert f"the decoder's steps {split['rest_s']:.3f} s" in md
 
 
 def test_nothing_the_dry_run_runs_imports_datasets(dry_run):
