@@ -11,7 +11,7 @@ MIN_STEP_S seconds is skipped and said so. A failing step is recorded and the ne
 block of docs/benchmarks/log.md between its marker comments.
 
     PYTHONPATH=. python3 scripts/gpu_report.py --prepare-data ../shared/data/multi30k   # here, once: data/gpu/
-    PYTHONPATH=. python3 scripts/gpu_report.py --budget 420 --json $OUT/gpu_report.json --out-md $OUT/gpu_report.md
+    PYTHONPATH=. python3 scripts/gpu_report.py --budget 430 --json $OUT/gpu_report.json --out-md $OUT/gpu_report.md
     PYTHONPATH=. python3 scripts/gpu_report.py --device cpu                              # dry run at toy sizes
     PYTHONPATH=. python3 scripts/gpu_report.py --steps recipe,bench_decode --budget 400 --json B.json   # a second call
     python3 scripts/gpu_report.py --render A.json B.json --json docs/benchmarks/gpu_report.json  # merge; write the block
@@ -409,8 +409,8 @@ def parse_phases_decode(ctx: Context, record: dict) -> dict:
     return {k: report[k] for k in ("checkpoint", "sentences", "batches", "beam", "dtype", "stop", "split", "profile")}
 
 
-# In the order of value. Limits (seconds, at full size and at toy size): --budget 420 gives the first five their
-# time, and the compiled step what is left, if anything.
+# In the order of value. Limits (seconds, at full size and at toy size): --budget 430 gives the first six their
+# time, and the compiled step what is left (on an H200 it took 64 s of the 126 left).
 STEPS = [
     Step("cuda_tests", "CUDA tests", (150, 240), cuda_tests, parse_cuda_tests),
     Step("check_sdpa", "SDPA kernels", (40, 60), check_sdpa, parse_check_sdpa),
@@ -1072,7 +1072,7 @@ def argument_parser() -> argparse.ArgumentParser:
         "--budget",
         type=float,
         help="seconds for the whole command: each step gets at most what is "
-        f"left, and is skipped with less than {MIN_STEP_S} s (420 fits the device tool's one call)",
+        f"left, and is skipped with less than {MIN_STEP_S} s (430 fits the device tool's one call)",
     )
     ap.add_argument("--checkpoint", help="the model bench_decode decodes (default: the recipe step's run)")
     ap.add_argument(
