@@ -15,7 +15,8 @@ ARGS        ?=
 # tests/conftest.py gives them (heaviest first, so the processes end together). TEST_JOBS=0 runs them in this process.
 TEST_JOBS   ?= auto
 
-.PHONY: install data train test lint format browser clean reverse bt-data bt bt-tune distill-data student student-small
+.PHONY: install data train test lint format browser clean reverse bt-data bt bt-tune distill-data student student-small \
+	distill-captions student-captions
 
 install: $(VENV)/.installed
 
@@ -84,6 +85,19 @@ student: distill-data
 
 student-small: distill-data
 	$(PY) -m transformer train configs/multi30k_student_small.yaml --resume $(ARGS)
+
+# The German captions translated by the back-translation model too: five times the sources for a student.
+CAPTIONS_DE := data/captions_de/train.de
+$(CAPTIONS_DE):
+	mkdir -p $(dir $@)
+	cat $(DATA_MIRROR)/multi30k_captions/train.[1-5].de > $@.tmp && mv $@.tmp $@
+
+distill-captions: bt $(CAPTIONS_DE)
+	$(PY) -m transformer synthesize runs/multi30k_bt --input $(CAPTIONS_DE) --out runs/synthetic/distilled_captions \
+		--beam 4
+
+student-captions: distill-data distill-captions
+	$(PY) -m transformer train configs/multi30k_student_captions.yaml --resume $(ARGS)
 
 # The code's format and lint rules (ruff, configured in pyproject.toml); `make format` applies them.
 lint: install
