@@ -116,16 +116,19 @@ def operator_profile(run, top: int, device) -> dict:
 
 def print_profile(record: dict, what: str) -> None:
     """An operator_profile as tables: the GPU's kernels first where there are any, then the host's operators."""
+
+    def table(title: str, heading: str, rows: list[dict]) -> None:
+        print(title)
+        print(f"{heading:60} {'self s':>8} {'share':>6} {'calls':>7}")
+        for op in rows:
+            print(f"{op['op'][:60]:60} {op['self_s']:8.4f} {op['share']:6.1%} {op['calls']:7d}")
+
     print(f"{what}, one call under torch.profiler on {record['device']}: {record['wall_s']:.3f} s wall")
     if "gpu" in record:
-        print(
-            f"GPU busy {record['gpu_busy_s']:.3f} s = {record['gpu_busy_share']:.1%} of the wall; "
-            f"its {len(record['gpu'])} kernels with the most time:"
-        )
-        print(f"{'kernel':60} {'s':>8} {'share':>6} {'calls':>7}")
-        for op in record["gpu"]:
-            print(f"{op['op'][:60]:60} {op['self_s']:8.4f} {op['share']:6.1%} {op['calls']:7d}")
-    print(f"host: {len(record['host'])} operators with the most self CPU time (of {record['host_s']:.3f} s):")
-    print(f"{'operator':60} {'self s':>8} {'share':>6} {'calls':>7}")
-    for op in record["host"]:
-        print(f"{op['op'][:60]:60} {op['self_s']:8.4f} {op['share']:6.1%} {op['calls']:7d}")
+        busy = f"GPU busy {record['gpu_busy_s']:.3f} s = {record['gpu_busy_share']:.1%} of the wall"
+        table(f"{busy}; its {len(record['gpu'])} kernels with the most time:", "kernel", record["gpu"])
+    table(
+        f"host: {len(record['host'])} operators with the most self CPU time (of {record['host_s']:.3f} s):",
+        "operator",
+        record["host"],
+    )

@@ -318,10 +318,18 @@ def parse_recipe(ctx: Context, record: dict) -> dict:
     }
 
 
-def bench_decode(ctx: Context):
+def decoded_model(ctx: Context) -> Path | str:
+    """The model the decoding steps search with (--checkpoint, else the recipe step's run), or why there is none."""
     run_dir = Path(ctx.args.checkpoint) if ctx.args.checkpoint else recipe_dir(ctx)
-    if not any((run_dir / name).is_file() for name in ("final.pt", "best.pt")) and not run_dir.is_file():
-        return f"no model to decode: {run_dir} holds no final.pt or best.pt (the recipe step made none)"
+    if run_dir.is_file() or any((run_dir / name).is_file() for name in ("final.pt", "best.pt")):
+        return run_dir
+    return f"no model to decode: {run_dir} holds no final.pt or best.pt (the recipe step made none)"
+
+
+def bench_decode(ctx: Context):
+    run_dir = decoded_model(ctx)
+    if isinstance(run_dir, str):
+        return run_dir  # the step is skipped, and says why
     dtypes = ["fp32"] if ctx.device == "cpu" else ["fp32", "bf16"]
     return ctx.py(
         "scripts/bench_decode.py",
@@ -379,10 +387,10 @@ def parse_bench_decode(ctx: Context, record: dict) -> dict:
 
 
 def phases_decode(ctx: Context):
-    run_dir = Path(ctx.args.checkpoint) if ctx.args.checkpoint else recipe_dir(ctx)
-    if not any((run_dir / name).is_file() for name in ("final.pt", "best.pt")) and not run_dir.is_file():
-        return f"no model to decode: {run_dir} holds no final.pt or best.pt (the recipe step made none)"
-    size = ["--limit", "8", "--rounds", "1", "--profile", "3"] if ctx.toy else ["--limit", "500", "--rounds", "3"]
+    run_dir = decoded_model(ctx)
+    if isinstance(run_dir, str):
+        return run_dir  # the step is skipped, and says why
+    size = ["--limit", "8", "--rounds", "1"] if ctx.toy else ["--limit", "500", "--rounds", "3"]
     return ctx.py(
         "scripts/bench_phases.py",
         str(ctx.data / "test.de"),
@@ -398,7 +406,8 @@ def phases_decode(ctx: Context):
         "fp32",
         "--no-ctranslate2",
         *size,
-        *([] if ctx.toy else ["--profile", str(PROFILE_TOP)]),
+        "--profile",
+        "3" if ctx.toy else str(PROFILE_TOP),
         "--json",
         str(ctx.dir("phases_decode") / "bench_phases.json"),
     )
@@ -909,11 +918,11 @@ def md_profiles(steps: dict) -> list[str]:
         "| call | wall s | GPU busy | kernels: share of GPU time | host operators: share of host time |",
         "| --- | ---: | ---: | --- | --- |",
     ]
+
+    def top(rows) -> str:
+        return "; ".join(f"`{r['op'][:48]}` {r['share']:.0%}" for r in rows[: PROFILE_TOP // 2]) or "—"
+
     for what, prof in found:
-
-        def top(rows) -> str:
-            return "; ".join(f"`{r['op'][:48]}` {r['share']:.0%}" for r in rows[: PROFILE_TOP // 2]) or "—"
-
         lines.append(
             f"| {what} | {fmt(prof['wall_s'], '.3f')} | {fmt(prof.get('gpu_busy_share'), '.0%')} | "
             f"{top(prof.get('gpu', []))} | {top(prof['host'])} |"
