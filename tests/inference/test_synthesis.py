@@ -136,3 +136,36 @@ def test_killed_half_way_and_run_again_it_writes_what_an_uninterrupted_run_write
         json.loads((tmp_path / "stopped" / RECORD).read_text())["counts"]
         == json.loads((tmp_path / "straight" / RECORD).read_text())["counts"]
     )
+
+
+def test_the_input_counts_by_its_content_not_its_path_or_time(run, tmp_path, call):
+    """A corpus copied or mounted afresh (a new path, a new modification time) is the same input: the finished
+    synthesis is not redone, and one made before records held content hashes is matched on size and lines; the
+    same path with other text of the same size is another input, refused."""
+    source = tmp_path / "mono.de"
+    source.write_text("\n".join(LINES[:6]) + "\n", encoding="utf-8")
+    options = ["--dtype", "fp32", "--no-filter", "--beam", "1"]
+    out = tmp_path / "syn"
+    status, _, err = call("synthesize", run, "--input", source, "--out", out, *options)
+    assert status == 0, err
+    elsewhere = tmp_path / "mounted" / "mono.de"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(source.read_bytes())
+    os.utime(elsewhere, ns=(1, 1))
+    status, _, err = call("synthesize", run, "--input", elsewhere, "--out", out, *options)
+    assert status == 0 and "is complete" in err, err
+
+    record_path = out / RECORD
+    record = json.loads(record_path.read_text(encoding="utf-8"))
+    legacy = {k: v for k, v in record["input"].items() if k != "sha256"} | {"mtime_ns": 123}
+    record_path.write_text(json.dumps({**record, "input": legacy}), encoding="utf-8")
+    status, _, err = call("synthesize", run, "--input", source, "--out", out, *options)
+    assert status == 0 and "is complete" in err, err
+
+    record_path.write_text(json.dumps(record), encoding="utf-8")
+    text = source.read_text(encoding="utf-8")
+    changed = text.replace(text[0], "X" if text[0] != "X" else "Y", 1)  # one letter: the same size and lines
+    assert len(changed.encode()) == len(text.encode()) and changed != text
+    source.write_text(changed, encoding="utf-8")
+    status, _, err = call("synthesize", run, "--input", source, "--out", out, *options)
+    assert status == 2 and "holds a synthesis of other input" in err, err

@@ -89,14 +89,13 @@ class Counts:
 
 def _what(checkpoints: Sequence[str], input_path: Path, lines: int, translator: Translator, flags: dict) -> dict:
     """What a synthesis is of: two runs of the same command agree on it, and a resume must find it unchanged."""
-    stat = input_path.stat()
     settings = asdict(translator.settings)
     return {
         "models": [{"path": str(Path(c).resolve()), "sha256": file_sha256(c)} for c in checkpoints],
         "input": {
             "path": str(input_path.resolve()),
-            "size": stat.st_size,
-            "mtime_ns": stat.st_mtime_ns,
+            "size": input_path.stat().st_size,
+            "sha256": file_sha256(input_path),
             "lines": lines,
         },
         "languages": {
@@ -106,6 +105,27 @@ def _what(checkpoints: Sequence[str], input_path: Path, lines: int, translator: 
         "settings": {k: v for k, v in settings.items() if k not in ("workers", "max_tokens")},  # speed only
         "filter": flags,
     }
+
+
+def _differences(earlier: dict, what: dict) -> list[str]:
+    """The keys of `what` an earlier record disagrees on. Files count by content, not by where they lie: a corpus
+    copied or mounted afresh (a new path, a new modification time) is the same input, and a run directory moved
+    holds the same models."""
+    differ = []
+    for key, value in what.items():
+        old = earlier.get(key)
+        if key == "models":
+            same = [m.get("sha256") for m in old or []] == [m["sha256"] for m in value]
+        elif key == "input":
+            # A record from before content hashes holds the input's size and modification time; the time changes
+            # with every copy, so such a record is matched on size and lines.
+            fields = ("sha256", "lines") if "sha256" in (old or {}) else ("size", "lines")
+            same = isinstance(old, dict) and all(old.get(f) == value[f] for f in fields)
+        else:
+            same = old == value
+        if not same:
+            differ.append(key)
+    return differ
 
 
 class Synthesis:
@@ -214,8 +234,7 @@ def synthesize(
     for language in languages.values():  # never the input, a checkpoint or a training run's file
         check_output_path(out / f"train.{language}", [str(source), *map(str, paths)], command="synthesize")
     if earlier is not None:
-        if {k: earlier.get(k) for k in what} != what:
-            differ = [k for k in what if earlier.get(k) != what[k]]
+        if differ := _differences(earlier, what):
             raise UserError(
                 f"synthesize: {out} holds a synthesis of other {', '.join(differ)} ({out / RECORD}); "
                 "give another --out, or delete it to start over"
