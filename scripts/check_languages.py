@@ -1,6 +1,7 @@
 """Which language each line of a file of translations is in, by a language identifier whose model ships inside its
-wheel (py3langid by default; lingua, CLD2 or fastText's lid.176 to check one against another): the share of lines identified as the
-language asked for, per file. A multilingual model asked for French must answer in French (docs/multilingual.md).
+wheel (py3langid by default; lingua, CLD2 or fastText's lid.176 to check one against another): the share of lines
+identified as the language asked for, per file. A multilingual model asked for French must answer in French
+(docs/multilingual.md).
 
     python scripts/check_languages.py runs/ml/en-many/eval/test.en-fr.final.hyp:fr ... [--identifier lingua]
 
