@@ -58,12 +58,13 @@ train: install data
 # continues where it stopped (a training resumes, a synthesis goes on after its last part); a finished step returns
 # in seconds, so any of these is safe to run again.
 CAPTIONS    := data/captions/train.en
+# The five caption files of multi30k_captions in one language ($(1)), written whole to the target.
+join_captions = mkdir -p $(dir $@) && cat $(DATA_MIRROR)/multi30k_captions/train.[1-5].$(1) > $@.tmp && mv $@.tmp $@
 reverse: install data train
 	$(PY) -m transformer train configs/multi30k_en_de.yaml --resume $(ARGS)
 
 $(CAPTIONS):
-	mkdir -p $(dir $@)
-	cat $(DATA_MIRROR)/multi30k_captions/train.[1-5].en > $@.tmp && mv $@.tmp $@
+	$(call join_captions,en)
 
 bt-data: reverse $(CAPTIONS)
 	$(PY) -m transformer synthesize runs/multi30k_en_de --input $(CAPTIONS) --out runs/synthetic/bt_captions \
@@ -89,8 +90,7 @@ student-small: distill-data
 # The German captions translated by the back-translation model too: five times the sources for a student.
 CAPTIONS_DE := data/captions_de/train.de
 $(CAPTIONS_DE):
-	mkdir -p $(dir $@)
-	cat $(DATA_MIRROR)/multi30k_captions/train.[1-5].de > $@.tmp && mv $@.tmp $@
+	$(call join_captions,de)
 
 distill-captions: bt $(CAPTIONS_DE)
 	$(PY) -m transformer synthesize runs/multi30k_bt --input $(CAPTIONS_DE) --out runs/synthetic/distilled_captions \
